@@ -1,0 +1,98 @@
+// Weight formats: the GGML tensor type ids that GGUF files carry, the byte layout of each
+// quantized block, and the size rules every reader must check before touching data.
+//
+// Block layouts are plain structs so that backends and plugins can share them (DESIGN.md:
+// plugins see only plugin_api.h and these layouts).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace ringlm {
+
+// GGML type ids as stored in GGUF tensor infos. Only the ones ringlm reads are named;
+// other ids are recognised as "known but unsupported" by type_traits().
+enum class TensorType : uint32_t {
+  F32 = 0,
+  F16 = 1,
+  Q4_0 = 2,
+  Q4_1 = 3,
+  Q8_0 = 8,
+  Q8_1 = 9,
+  Q4_K = 12,
+  Q6_K = 14,
+  BF16 = 30,
+};
+
+// fp16 / bf16 storage: raw bits, converted explicitly.
+using f16_bits = uint16_t;
+using bf16_bits = uint16_t;
+
+inline constexpr int kQK4_0 = 32;
+inline constexpr int kQK4_1 = 32;
+inline constexpr int kQK8_0 = 32;
+inline constexpr int kQK_K = 256;      // super-block of the K-quants
+inline constexpr int kKScaleBytes = 12;  // packed 6-bit scales/mins of Q4_K
+
+// 32 weights: w = d * (q - 8), q in [0, 15]. Low nibbles hold elements 0..15, high 16..31.
+struct BlockQ4_0 {
+  f16_bits d;
+  uint8_t qs[kQK4_0 / 2];
+};
+// 32 weights: w = d * q + m, q in [0, 15]. Same nibble order as Q4_0.
+struct BlockQ4_1 {
+  f16_bits d;
+  f16_bits m;
+  uint8_t qs[kQK4_1 / 2];
+};
+// 32 weights: w = d * q, q in [-128, 127].
+struct BlockQ8_0 {
+  f16_bits d;
+  int8_t qs[kQK8_0];
+};
+// 256 weights in 8 sub-blocks of 32: w = d * scale_j * q - dmin * min_j, 6-bit scale/min per sub-block.
+struct BlockQ4_K {
+  f16_bits d;
+  f16_bits dmin;
+  uint8_t scales[kKScaleBytes];
+  uint8_t qs[kQK_K / 2];
+};
+// 256 weights in 16 sub-blocks of 16: w = d * scale_j * (q - 32), q 6 bits split into ql (4) + qh (2).
+struct BlockQ6_K {
+  uint8_t ql[kQK_K / 2];
+  uint8_t qh[kQK_K / 4];
+  int8_t scales[kQK_K / 16];
+  f16_bits d;
+};
+
+static_assert(sizeof(BlockQ4_0) == 18);
+static_assert(sizeof(BlockQ4_1) == 20);
+static_assert(sizeof(BlockQ8_0) == 34);
+static_assert(sizeof(BlockQ4_K) == 144);
+static_assert(sizeof(BlockQ6_K) == 210);
+
+struct TypeTraits {
+  std::string_view name;
+  int64_t block_elems;  // weights per block (1 for plain float types)
+  size_t block_bytes;   // bytes per block
+  bool readable;        // ringlm can dequantize it
+};
+
+// Traits of a GGML type id; nullopt for ids that GGML does not define at all.
+std::optional<TypeTraits> type_traits(uint32_t type_id);
+
+// Bytes of one row of n elements; n must be a multiple of the block size (checked by callers).
+size_t row_bytes(TensorType type, int64_t n);
+
+// Dequantizes one row of n elements (n a multiple of the block size) to fp32.
+// The reference path: every readable type goes through here.
+void dequantize_row(TensorType type, const void* src, float* dst, int64_t n);
+
+float fp16_to_fp32(f16_bits h);
+f16_bits fp32_to_fp16(float f);
+float bf16_to_fp32(bf16_bits h);
+bf16_bits fp32_to_bf16(float f);
+
+}  // namespace ringlm
