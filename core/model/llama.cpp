@@ -1,0 +1,335 @@
+#include "core/model/llama.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace ringlm {
+
+namespace {
+
+// Architectures that run on this decoder, with the RoPE layout their GGUF conversion uses.
+struct ArchInfo {
+  std::string_view name;
+  RopeStyle rope_style;
+};
+constexpr ArchInfo kSupportedArchs[] = {{"llama", RopeStyle::kAdjacentPairs}};
+
+int checked_dim(const GgufFile& gguf, const std::string& key, uint64_t value, uint64_t max) {
+  if (value == 0 || value > max) {
+    gguf.fail("metadata '" + key + "': " + std::to_string(value) + " is out of range (1 to " + std::to_string(max) + ")");
+  }
+  return static_cast<int>(value);
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// The tensor `name` with exactly `shape` (GGML order), or a GgufError naming what is wrong.
+const GgufTensorInfo& expect_tensor(const GgufFile& gguf, const std::string& name, std::vector<int64_t> shape) {
+  const GgufTensorInfo* t = gguf.find_tensor(name);
+  if (t == nullptr) gguf.fail("missing tensor '" + name + "'");
+  // Trailing dimensions of 1 are equivalent (some writers keep them).
+  std::vector<int64_t> got = t->shape;
+  while (got.size() > shape.size() && got.back() == 1) got.pop_back();
+  if (got != shape) {
+    gguf.fail("tensor '" + name + "': shape " + shape_string(t->shape) + ", expected " + shape_string(shape));
+  }
+  const auto traits = type_traits(static_cast<uint32_t>(t->type));
+  if (!traits->readable) {
+    gguf.fail("tensor '" + name + "': type " + std::string(traits->name) + " is not supported");
+  }
+  return *t;
+}
+
+std::vector<float> load_vector(const GgufFile& gguf, const std::string& name, int64_t n) {
+  const GgufTensorInfo& t = expect_tensor(gguf, name, {n});
+  std::vector<float> v(static_cast<size_t>(n));
+  dequantize_row(t.type, t.data, v.data(), n);
+  return v;
+}
+
+void rms_norm(const float* x, const float* weight, float* out, int n, float eps) {
+  double sum_sq = 0;
+  for (int i = 0; i < n; ++i) sum_sq += static_cast<double>(x[i]) * x[i];
+  const float scale = static_cast<float>(1.0 / std::sqrt(sum_sq / n + eps));
+  for (int i = 0; i < n; ++i) out[i] = x[i] * scale * weight[i];
+}
+
+float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+}  // namespace
+
+LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
+  LlamaHparams hp;
+  hp.arch = std::string(gguf.require_string("general.architecture"));
+  const ArchInfo* arch = nullptr;
+  for (const ArchInfo& a : kSupportedArchs) {
+    if (a.name == hp.arch) arch = &a;
+  }
+  if (arch == nullptr) gguf.fail("unsupported architecture '" + hp.arch + "' (supported: llama)");
+  hp.rope_style = arch->rope_style;
+
+  const std::string p = hp.arch + ".";
+  auto dim = [&](const std::string& key, uint64_t max) { return checked_dim(gguf, key, gguf.require_uint(key), max); };
+  hp.n_ctx_train = dim(p + "context_length", uint64_t{1} << 24);
+  hp.n_embd = dim(p + "embedding_length", 1 << 16);
+  hp.n_layer = dim(p + "block_count", 1024);
+  hp.n_ff = dim(p + "feed_forward_length", 1 << 20);
+  hp.n_head = dim(p + "attention.head_count", 1024);
+  hp.n_head_kv = hp.n_head;
+  if (auto v = gguf.get_uint(p + "attention.head_count_kv")) hp.n_head_kv = checked_dim(gguf, p + "attention.head_count_kv", *v, 1024);
+  if (hp.n_head % hp.n_head_kv != 0) {
+    gguf.fail("metadata '" + p + "attention.head_count_kv': " + std::to_string(hp.n_head_kv) +
+              " does not divide the head count " + std::to_string(hp.n_head));
+  }
+  hp.head_dim = hp.n_embd / hp.n_head;
+  if (auto v = gguf.get_uint(p + "attention.key_length")) hp.head_dim = checked_dim(gguf, p + "attention.key_length", *v, 4096);
+  if (auto v = gguf.get_uint(p + "attention.value_length"); v && *v != static_cast<uint64_t>(hp.head_dim)) {
+    gguf.fail("metadata '" + p + "attention.value_length': differs from the key length, which is not supported");
+  }
+  if (hp.head_dim <= 0 || hp.head_dim % 2 != 0) gguf.fail("head dimension " + std::to_string(hp.head_dim) + " must be even");
+  hp.n_rot = hp.head_dim;
+  if (auto v = gguf.get_uint(p + "rope.dimension_count")) hp.n_rot = checked_dim(gguf, p + "rope.dimension_count", *v, 4096);
+  if (hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0) {
+    gguf.fail("metadata '" + p + "rope.dimension_count': " + std::to_string(hp.n_rot) +
+              " must be even and at most the head dimension " + std::to_string(hp.head_dim));
+  }
+  hp.rope_base = static_cast<float>(gguf.get_float(p + "rope.freq_base").value_or(10000.0));
+  if (!(hp.rope_base > 1.0f) || !std::isfinite(hp.rope_base)) gguf.fail("metadata '" + p + "rope.freq_base': must be > 1");
+  const std::string scaling = std::string(gguf.get_string(p + "rope.scaling.type").value_or("none"));
+  if (scaling == "linear") {
+    hp.rope_scale = static_cast<float>(gguf.get_float(p + "rope.scaling.factor").value_or(1.0));
+  } else if (scaling != "none") {
+    gguf.fail("metadata '" + p + "rope.scaling.type': '" + scaling + "' is not supported (none, linear)");
+  }
+  if (auto v = gguf.get_float(p + "rope.scale_linear")) hp.rope_scale = static_cast<float>(*v);
+  if (!(hp.rope_scale > 0.0f) || !std::isfinite(hp.rope_scale)) gguf.fail("rope scaling factor must be positive");
+  hp.rms_eps = static_cast<float>(gguf.require_float(p + "attention.layer_norm_rms_epsilon"));
+  if (!(hp.rms_eps > 0.0f) || hp.rms_eps > 1.0f) gguf.fail("metadata '" + p + "attention.layer_norm_rms_epsilon': out of range");
+
+  const GgufTensorInfo* embd = gguf.find_tensor("token_embd.weight");
+  if (embd == nullptr) gguf.fail("missing tensor 'token_embd.weight'");
+  if (embd->shape.size() < 2) gguf.fail("tensor 'token_embd.weight': expected 2 dimensions");
+  hp.n_vocab = checked_dim(gguf, "token_embd.weight rows", static_cast<uint64_t>(embd->shape[1]), 1 << 22);
+  return hp;
+}
+
+struct LlamaModel::Layer {
+  std::vector<float> attn_norm;
+  std::vector<float> ffn_norm;
+  std::unique_ptr<PreparedWeight> wq, wk, wv, wo, gate, up, down;
+};
+
+// Activations for one chunk of up to max_batch tokens, allocated once.
+struct LlamaModel::Scratch {
+  std::vector<float> x, xn, q, k, v, attn, gate, up;
+  std::vector<float> scores;  // per thread: one row of attention scores over the cache
+};
+
+LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend) : hp_(LlamaHparams::from_gguf(gguf)), backend_(backend) {
+  const int64_t d = hp_.n_embd;
+  const int64_t q_dim = static_cast<int64_t>(hp_.n_head) * hp_.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(hp_.n_head_kv) * hp_.head_dim;
+
+  auto prepare = [&](const std::string& name, int64_t cols, int64_t rows) {
+    const GgufTensorInfo& t = expect_tensor(gguf, name, {cols, rows});
+    weight_bytes_ += t.n_bytes;
+    n_params_ += t.n_elements();
+    return backend_.prepare(WeightView{name, t.type, rows, cols, t.data});
+  };
+
+  token_embd_ = &expect_tensor(gguf, "token_embd.weight", {d, hp_.n_vocab});
+  weight_bytes_ += token_embd_->n_bytes;
+  n_params_ += token_embd_->n_elements();
+
+  layers_.resize(static_cast<size_t>(hp_.n_layer));
+  for (int il = 0; il < hp_.n_layer; ++il) {
+    Layer& L = layers_[static_cast<size_t>(il)];
+    const std::string b = "blk." + std::to_string(il) + ".";
+    L.attn_norm = load_vector(gguf, b + "attn_norm.weight", d);
+    L.ffn_norm = load_vector(gguf, b + "ffn_norm.weight", d);
+    L.wq = prepare(b + "attn_q.weight", d, q_dim);
+    L.wk = prepare(b + "attn_k.weight", d, kv_dim);
+    L.wv = prepare(b + "attn_v.weight", d, kv_dim);
+    L.wo = prepare(b + "attn_output.weight", q_dim, d);
+    L.gate = prepare(b + "ffn_gate.weight", d, hp_.n_ff);
+    L.up = prepare(b + "ffn_up.weight", d, hp_.n_ff);
+    L.down = prepare(b + "ffn_down.weight", hp_.n_ff, d);
+  }
+  output_norm_ = load_vector(gguf, "output_norm.weight", d);
+  if (gguf.find_tensor("output.weight") != nullptr) {
+    output_ = prepare("output.weight", d, hp_.n_vocab);
+  } else {  // tied embeddings: the output projection reuses token_embd
+    output_ = backend_.prepare(WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data});
+  }
+
+  // RoPE frequencies: theta_i = pos * base^(-2i / n_rot), optionally divided by per-pair factors.
+  rope_inv_freq_.resize(static_cast<size_t>(hp_.n_rot / 2));
+  for (int i = 0; i < hp_.n_rot / 2; ++i) {
+    rope_inv_freq_[static_cast<size_t>(i)] =
+        static_cast<float>(std::pow(static_cast<double>(hp_.rope_base), -2.0 * i / hp_.n_rot));
+  }
+  if (gguf.find_tensor("rope_freqs.weight") != nullptr) {
+    const std::vector<float> factors = load_vector(gguf, "rope_freqs.weight", hp_.n_rot / 2);
+    for (size_t i = 0; i < factors.size(); ++i) rope_inv_freq_[i] /= factors[i];
+  }
+
+  scratch_ = std::make_unique<Scratch>();
+  const auto M = static_cast<size_t>(max_batch_);
+  scratch_->x.resize(M * d);
+  scratch_->xn.resize(M * d);
+  scratch_->q.resize(M * q_dim);
+  scratch_->k.resize(M * kv_dim);
+  scratch_->v.resize(M * kv_dim);
+  scratch_->attn.resize(M * q_dim);
+  scratch_->gate.resize(M * hp_.n_ff);
+  scratch_->up.resize(M * hp_.n_ff);
+}
+
+LlamaModel::~LlamaModel() = default;
+
+KvCache LlamaModel::make_cache(int n_ctx) const { return KvCache(hp_.n_layer, n_ctx, hp_.n_head_kv, hp_.head_dim); }
+
+void LlamaModel::forward(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits) {
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= hp_.n_vocab) {
+      throw std::out_of_range("token id " + std::to_string(t) + " is outside the vocabulary (0.." +
+                              std::to_string(hp_.n_vocab - 1) + ")");
+    }
+  }
+  if (cache.size() + static_cast<int64_t>(tokens.size()) > cache.capacity()) {
+    throw std::length_error("context full: " + std::to_string(cache.size()) + " cached + " +
+                            std::to_string(tokens.size()) + " new tokens exceed the context size " +
+                            std::to_string(cache.capacity()));
+  }
+  for (size_t start = 0; start < tokens.size(); start += static_cast<size_t>(max_batch_)) {
+    const size_t n = std::min(tokens.size() - start, static_cast<size_t>(max_batch_));
+    const bool last_chunk = start + n == tokens.size();
+    float* out = all_logits ? logits + start * static_cast<size_t>(hp_.n_vocab) : (last_chunk ? logits : nullptr);
+    forward_chunk(tokens.subspan(start, n), cache, out, all_logits);
+  }
+}
+
+void LlamaModel::embed(std::span<const int32_t> tokens, float* out) const {
+  const size_t stride = row_bytes(token_embd_->type, hp_.n_embd);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    dequantize_row(token_embd_->type, token_embd_->data + static_cast<size_t>(tokens[i]) * stride,
+                   out + i * static_cast<size_t>(hp_.n_embd), hp_.n_embd);
+  }
+}
+
+void LlamaModel::apply_rope(float* vec, int n_heads, int64_t pos) const {
+  const double p = static_cast<double>(pos) / hp_.rope_scale;
+  const int half = hp_.n_rot / 2;
+  for (int i = 0; i < half; ++i) {
+    const double theta = p * rope_inv_freq_[static_cast<size_t>(i)];
+    const auto c = static_cast<float>(std::cos(theta));
+    const auto s = static_cast<float>(std::sin(theta));
+    for (int h = 0; h < n_heads; ++h) {
+      float* x = vec + static_cast<size_t>(h) * hp_.head_dim;
+      // The two rotated coordinates of pair i, in the layout this architecture uses.
+      const int a = hp_.rope_style == RopeStyle::kAdjacentPairs ? 2 * i : i;
+      const int b = hp_.rope_style == RopeStyle::kAdjacentPairs ? 2 * i + 1 : i + half;
+      const float x0 = x[a], x1 = x[b];
+      x[a] = x0 * c - x1 * s;
+      x[b] = x0 * s + x1 * c;
+    }
+  }
+}
+
+// Causal attention of the chunk's n_tokens queries over the cache: query i sees the cached
+// tokens up to and including itself. Query heads share KV heads in groups (GQA) by index,
+// without copying K/V.
+void LlamaModel::attention(int layer, int n_tokens, int first_slot, KvCache& cache) {
+  Scratch& s = *scratch_;
+  const int hd = hp_.head_dim;
+  const int group = hp_.n_head / hp_.n_head_kv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int n_threads = omp_get_max_threads();
+  if (s.scores.size() < static_cast<size_t>(n_threads) * cache.capacity()) {
+    s.scores.resize(static_cast<size_t>(n_threads) * cache.capacity());
+  }
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int i = 0; i < n_tokens; ++i) {
+    for (int h = 0; h < hp_.n_head; ++h) {
+      float* scores = s.scores.data() + static_cast<size_t>(omp_get_thread_num()) * cache.capacity();
+      const float* q = s.q.data() + (static_cast<size_t>(i) * hp_.n_head + h) * hd;
+      const int kv_head = h / group;
+      const int n_visible = first_slot + i + 1;
+      float max_score = -INFINITY;
+      for (int j = 0; j < n_visible; ++j) {
+        const float* k = cache.key(layer, cache.slot(j)) + kv_head * hd;
+        float dot = 0;
+        for (int c = 0; c < hd; ++c) dot += q[c] * k[c];
+        scores[j] = dot * scale;
+        max_score = std::max(max_score, scores[j]);
+      }
+      float sum = 0;
+      for (int j = 0; j < n_visible; ++j) {
+        scores[j] = std::exp(scores[j] - max_score);
+        sum += scores[j];
+      }
+      float* out = s.attn.data() + (static_cast<size_t>(i) * hp_.n_head + h) * hd;
+      std::fill(out, out + hd, 0.0f);
+      for (int j = 0; j < n_visible; ++j) {
+        const float* v = cache.value(layer, cache.slot(j)) + kv_head * hd;
+        const float w = scores[j] / sum;
+        for (int c = 0; c < hd; ++c) out[c] += w * v[c];
+      }
+    }
+  }
+}
+
+void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits) {
+  Scratch& s = *scratch_;
+  const int n = static_cast<int>(tokens.size());
+  const int d = hp_.n_embd;
+  const int q_dim = hp_.n_head * hp_.head_dim;
+  const int kv_dim = hp_.n_head_kv * hp_.head_dim;
+  const int64_t pos0 = cache.size() == 0 ? 0 : cache.position(cache.size() - 1) + 1;
+  const int first_slot = cache.append(n, pos0);
+
+  embed(tokens, s.x.data());
+  for (int il = 0; il < hp_.n_layer; ++il) {
+    const Layer& L = layers_[static_cast<size_t>(il)];
+    // Attention block.
+    for (int i = 0; i < n; ++i) rms_norm(&s.x[i * d], L.attn_norm.data(), &s.xn[i * d], d, hp_.rms_eps);
+    backend_.matmul(*L.wq, s.xn.data(), n, s.q.data());
+    backend_.matmul(*L.wk, s.xn.data(), n, s.k.data());
+    backend_.matmul(*L.wv, s.xn.data(), n, s.v.data());
+    for (int i = 0; i < n; ++i) {
+      apply_rope(&s.q[static_cast<size_t>(i) * q_dim], hp_.n_head, pos0 + i);
+      apply_rope(&s.k[static_cast<size_t>(i) * kv_dim], hp_.n_head_kv, pos0 + i);
+      std::copy_n(&s.k[static_cast<size_t>(i) * kv_dim], kv_dim, cache.key(il, cache.slot(first_slot + i)));
+      std::copy_n(&s.v[static_cast<size_t>(i) * kv_dim], kv_dim, cache.value(il, cache.slot(first_slot + i)));
+    }
+    attention(il, n, first_slot, cache);
+    backend_.matmul(*L.wo, s.attn.data(), n, s.xn.data());
+    for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) s.x[i] += s.xn[i];
+
+    // Feed-forward block: down(silu(gate(x)) * up(x)).
+    for (int i = 0; i < n; ++i) rms_norm(&s.x[i * d], L.ffn_norm.data(), &s.xn[i * d], d, hp_.rms_eps);
+    backend_.matmul(*L.gate, s.xn.data(), n, s.gate.data());
+    backend_.matmul(*L.up, s.xn.data(), n, s.up.data());
+    for (size_t i = 0; i < static_cast<size_t>(n) * hp_.n_ff; ++i) s.gate[i] = silu(s.gate[i]) * s.up[i];
+    backend_.matmul(*L.down, s.gate.data(), n, s.xn.data());
+    for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) s.x[i] += s.xn[i];
+  }
+  if (logits == nullptr) return;
+  // Only the rows whose logits are wanted go through the final norm and the vocabulary projection.
+  const int first_row = all_logits ? 0 : n - 1;
+  const int n_rows = n - first_row;
+  for (int i = 0; i < n_rows; ++i) {
+    rms_norm(&s.x[static_cast<size_t>(first_row + i) * d], output_norm_.data(), &s.xn[static_cast<size_t>(i) * d], d,
+             hp_.rms_eps);
+  }
+  backend_.matmul(*output_, s.xn.data(), n_rows, logits);
+}
+
+}  // namespace ringlm

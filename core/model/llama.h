@@ -1,0 +1,83 @@
+// The Llama-family decoder (GGUF architecture "llama"): embedding, then per layer
+// RMSNorm -> grouped-query attention with RoPE -> residual -> RMSNorm -> SwiGLU FFN -> residual,
+// then a final RMSNorm and the output projection (tied to the embedding when the file has no
+// output.weight). Every hyperparameter comes from the GGUF metadata.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backends/backend.h"
+#include "core/gguf/gguf.h"
+#include "core/kv/kv_cache.h"
+
+namespace ringlm {
+
+enum class RopeStyle {
+  kAdjacentPairs,  // GGML "normal": rotates (x[2i], x[2i+1]); llama GGUFs are converted for this
+  kHalfSplit,      // GGML "neox": rotates (x[i], x[i + n_rot/2])
+};
+
+struct LlamaHparams {
+  std::string arch;
+  int n_vocab = 0;
+  int n_ctx_train = 0;
+  int n_embd = 0;
+  int n_layer = 0;
+  int n_ff = 0;
+  int n_head = 0;
+  int n_head_kv = 0;
+  int head_dim = 0;   // key/value length per head
+  int n_rot = 0;      // rotary dimensions (<= head_dim)
+  float rope_base = 10000.0f;
+  float rope_scale = 1.0f;  // linear position scaling: positions are divided by this
+  RopeStyle rope_style = RopeStyle::kAdjacentPairs;
+  float rms_eps = 1e-5f;
+
+  // Reads and checks every field; GgufError naming the key on a missing or absurd value.
+  static LlamaHparams from_gguf(const GgufFile& gguf);
+};
+
+class LlamaModel {
+ public:
+  // Checks every tensor's presence, type and shape, and prepares the matrices on `backend`.
+  LlamaModel(const GgufFile& gguf, Backend& backend);
+  ~LlamaModel();
+
+  const LlamaHparams& hparams() const { return hp_; }
+  size_t weight_bytes() const { return weight_bytes_; }
+  int64_t n_params() const { return n_params_; }
+
+  // Runs `tokens` at positions cache.size().. (appending them to the cache) and writes the
+  // logits of the last token to `logits` ([n_vocab]); with all_logits, `logits` gets
+  // [tokens.size()][n_vocab]. Long inputs are processed in chunks of at most max_batch().
+  void forward(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits = false);
+
+  int max_batch() const { return max_batch_; }
+  KvCache make_cache(int n_ctx) const;
+
+ private:
+  struct Layer;
+  struct Scratch;
+  void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits);
+  void embed(std::span<const int32_t> tokens, float* out) const;
+  void attention(int layer, int n_tokens, int first_slot, KvCache& cache);
+  void apply_rope(float* vec, int n_heads, int64_t pos) const;
+
+  LlamaHparams hp_;
+  Backend& backend_;
+  const GgufTensorInfo* token_embd_ = nullptr;
+  std::vector<Layer> layers_;
+  std::vector<float> output_norm_;
+  std::unique_ptr<PreparedWeight> output_;
+  std::vector<float> rope_inv_freq_;
+  int max_batch_ = 512;
+  std::unique_ptr<Scratch> scratch_;
+  size_t weight_bytes_ = 0;
+  int64_t n_params_ = 0;
+};
+
+}  // namespace ringlm

@@ -1,0 +1,26 @@
+// Everything needed to run one GGUF model: the mapped file, its tokenizer, the backend and the
+// decoder, loaded and cross-checked together.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "backends/backend.h"
+#include "core/gguf/gguf.h"
+#include "core/model/llama.h"
+#include "core/tokenizer/tokenizer.h"
+
+namespace ringlm {
+
+struct LoadedModel {
+  std::unique_ptr<GgufFile> gguf;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::unique_ptr<LlamaModel> model;
+  double load_ms = 0;
+};
+
+// Throws GgufError / std::runtime_error with a message that names the file and what is wrong.
+LoadedModel load_model(const std::string& path, int n_threads);
+
+}  // namespace ringlm

@@ -1,0 +1,102 @@
+#include "core/sampling/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <unordered_set>
+
+namespace ringlm {
+
+int32_t argmax(std::span<const float> logits) {
+  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+Sampler::Sampler(const SamplingParams& params, int n_vocab) : params_(params) {
+  if (n_vocab <= 0) throw std::invalid_argument("Sampler: empty vocabulary");
+  seed_ = params.seed == 0xFFFFFFFF ? std::random_device{}() : params.seed;
+  rng_.seed(seed_);
+  candidates_.reserve(static_cast<size_t>(n_vocab));
+}
+
+void Sampler::apply_repeat_penalty(std::span<float> logits, std::span<const int32_t> history) const {
+  if (params_.repeat_penalty == 1.0f || params_.repeat_last_n == 0 || history.empty()) return;
+  const size_t n = params_.repeat_last_n < 0 ? history.size()
+                                              : std::min(history.size(), static_cast<size_t>(params_.repeat_last_n));
+  // Each distinct recent token is penalised once, however often it appeared.
+  std::unordered_set<int32_t> seen(history.end() - static_cast<std::ptrdiff_t>(n), history.end());
+  for (int32_t id : seen) {
+    if (id < 0 || static_cast<size_t>(id) >= logits.size()) continue;
+    float& l = logits[static_cast<size_t>(id)];
+    l = l > 0 ? l / params_.repeat_penalty : l * params_.repeat_penalty;
+  }
+}
+
+void Sampler::keep_top_k(size_t k) {
+  if (k == 0 || k >= candidates_.size()) return;
+  std::partial_sort(candidates_.begin(), candidates_.begin() + static_cast<std::ptrdiff_t>(k), candidates_.end(),
+                    [](const Candidate& a, const Candidate& b) { return a.logit > b.logit; });
+  candidates_.resize(k);
+}
+
+// Softmax over the candidates, which must be sorted by logit, largest first.
+static void softmax_sorted(std::vector<Sampler::Candidate>& c, float temperature);
+
+void Sampler::keep_top_p() {
+  if (params_.top_p >= 1.0f) return;
+  double cumulative = 0;
+  size_t keep = candidates_.size();
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    cumulative += candidates_[i].p;
+    if (cumulative >= params_.top_p) {
+      keep = i + 1;
+      break;
+    }
+  }
+  candidates_.resize(std::max<size_t>(keep, 1));
+}
+
+void Sampler::keep_min_p() {
+  if (params_.min_p <= 0.0f) return;
+  const float threshold = candidates_.front().p * params_.min_p;
+  size_t keep = 1;
+  while (keep < candidates_.size() && candidates_[keep].p >= threshold) ++keep;
+  candidates_.resize(keep);
+}
+
+static void softmax_sorted(std::vector<Sampler::Candidate>& c, float temperature) {
+  const float max_logit = c.front().logit;
+  double sum = 0;
+  for (auto& x : c) {
+    x.p = std::exp((x.logit - max_logit) / temperature);
+    sum += x.p;
+  }
+  for (auto& x : c) x.p = static_cast<float>(x.p / sum);
+}
+
+int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> history) {
+  apply_repeat_penalty(logits, history);
+  if (params_.temperature <= 0.0f) return argmax(logits);
+
+  candidates_.clear();
+  for (size_t i = 0; i < logits.size(); ++i) candidates_.push_back({static_cast<int32_t>(i), logits[i], 0.0f});
+  const size_t k = params_.top_k > 0 ? static_cast<size_t>(params_.top_k) : candidates_.size();
+  keep_top_k(k);
+  std::sort(candidates_.begin(), candidates_.end(), [](const Candidate& a, const Candidate& b) {
+    return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
+  });
+  // top-p and min-p judge the distribution before temperature, as llama.cpp's default chain does.
+  softmax_sorted(candidates_, 1.0f);
+  keep_top_p();
+  keep_min_p();
+  softmax_sorted(candidates_, params_.temperature);
+
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  double r = uniform(rng_);
+  for (const Candidate& c : candidates_) {
+    r -= c.p;
+    if (r <= 0) return c.id;
+  }
+  return candidates_.back().id;
+}
+
+}  // namespace ringlm
