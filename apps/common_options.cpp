@@ -1,0 +1,64 @@
+#include "apps/common_options.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+#include <thread>
+
+namespace ringlm {
+
+namespace {
+constexpr const char* kDefaultModelFile = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+std::filesystem::path cache_dir() {
+  if (const char* dir = std::getenv("RINGLM_CACHE_DIR"); dir != nullptr && *dir != '\0') return dir;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
+    return std::filesystem::path(xdg) / "ringlm";
+  }
+  const char* home = std::getenv("HOME");
+  return std::filesystem::path(home != nullptr ? home : ".") / ".cache" / "ringlm";
+}
+}  // namespace
+
+void add_model_options(CLI::App& cmd, ModelOptions& opts) {
+  cmd.add_option("-m,--model", opts.model_path, "GGUF model file (default: $RINGLM_MODEL, else the model setup installed)");
+  cmd.add_option("-t,--threads", opts.n_threads, "CPU threads (0: all cores)")->check(CLI::Range(0, 1024));
+  cmd.add_option("-c,--ctx-size", opts.n_ctx, "context size in tokens (0: the model's training context)")
+      ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
+}
+
+void add_sampling_options(CLI::App& cmd, SamplingParams& p) {
+  cmd.add_option("--temp", p.temperature, "temperature (0: greedy)")->check(CLI::Range(0.0f, 100.0f))->capture_default_str();
+  cmd.add_option("--top-k", p.top_k, "keep the k most likely tokens (0: off)")->check(CLI::Range(0, 1 << 24))->capture_default_str();
+  cmd.add_option("--top-p", p.top_p, "nucleus sampling mass (1: off)")->check(CLI::Range(0.0f, 1.0f))->capture_default_str();
+  cmd.add_option("--min-p", p.min_p, "drop tokens below this fraction of the best (0: off)")
+      ->check(CLI::Range(0.0f, 1.0f))
+      ->capture_default_str();
+  cmd.add_option("--repeat-penalty", p.repeat_penalty, "penalty for recent tokens (1: off)")
+      ->check(CLI::Range(0.0f, 100.0f))
+      ->capture_default_str();
+  cmd.add_option("--repeat-last-n", p.repeat_last_n, "how many recent tokens the penalty sees (0: none, -1: all)")
+      ->check(CLI::Range(-1, 1 << 24))
+      ->capture_default_str();
+  cmd.add_option("-s,--seed", p.seed, "random seed (default: random)");
+}
+
+std::string resolve_model_path(const std::string& flag_value) {
+  if (!flag_value.empty()) return flag_value;
+  if (const char* env = std::getenv("RINGLM_MODEL"); env != nullptr && *env != '\0') return env;
+  const std::filesystem::path p = cache_dir() / "models" / kDefaultModelFile;
+  if (!std::filesystem::exists(p)) {
+    throw std::runtime_error("no model given (-m) and the default model is not installed at " + p.string() +
+                             "; run scripts/setup.sh first");
+  }
+  return p.string();
+}
+
+int resolve_threads(int flag_value) {
+  if (flag_value > 0) return flag_value;
+  const unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+}  // namespace ringlm

@@ -1,0 +1,25 @@
+// Flags shared by several subcommands, named as llama.cpp names them.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "core/sampling/sampler.h"
+
+namespace ringlm {
+
+struct ModelOptions {
+  std::string model_path;  // empty: the default model
+  int n_threads = 0;       // 0: all cores
+  int n_ctx = 4096;        // 0: the model's training context
+};
+
+void add_model_options(CLI::App& cmd, ModelOptions& opts);
+void add_sampling_options(CLI::App& cmd, SamplingParams& params);
+
+// -m if given, else $RINGLM_MODEL, else the model that setup installs into the cache directory.
+std::string resolve_model_path(const std::string& flag_value);
+// Threads to use for a -t value of 0 (auto).
+int resolve_threads(int flag_value);
+
+}  // namespace ringlm

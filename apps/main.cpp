@@ -1,0 +1,23 @@
+// ringlm: one executable, one subcommand per job.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <exception>
+
+#include "apps/run_command.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"ringlm: LLM inference on GGUF models, CPU first"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "ringlm 0.1.0");
+  ringlm::add_run_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "ringlm: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

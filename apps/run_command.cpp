@@ -1,0 +1,148 @@
+#include "apps/run_command.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "apps/common_options.h"
+#include "core/model/loader.h"
+
+namespace ringlm {
+
+namespace {
+
+struct RunOptions {
+  ModelOptions model;
+  SamplingParams sampling;
+  std::string prompt;
+  std::string prompt_file;
+  int n_predict = -1;  // -1: until end of generation or a full context
+  bool ignore_eos = false;
+  std::string stats_format;  // "" (one human line) or "json"
+};
+
+struct RunStats {
+  size_t prompt_tokens = 0;
+  double prompt_ms = 0;
+  size_t gen_tokens = 0;
+  size_t decode_evals = 0;  // forward passes of single generated tokens
+  double decode_ms = 0;
+  double load_ms = 0;
+  int n_threads = 0;
+  std::string stop_reason;
+};
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double per_second(size_t n, double ms) { return ms > 0 ? 1000.0 * static_cast<double>(n) / ms : 0.0; }
+
+std::string read_prompt(const RunOptions& o) {
+  if (o.prompt_file.empty()) return o.prompt;
+  std::ifstream in(o.prompt_file, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read prompt file '" + o.prompt_file + "'");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void print_stats(const RunStats& s, const std::string& format) {
+  if (format == "json") {
+    nlohmann::json j = {
+        {"prompt_tokens", s.prompt_tokens}, {"prompt_ms", s.prompt_ms}, {"prompt_tps", per_second(s.prompt_tokens, s.prompt_ms)},
+        {"gen_tokens", s.gen_tokens},       {"gen_ms", s.decode_ms},    {"gen_tps", per_second(s.decode_evals, s.decode_ms)},
+        {"load_ms", s.load_ms},             {"n_threads", s.n_threads}, {"stop_reason", s.stop_reason},
+    };
+    std::fprintf(stderr, "%s\n", j.dump().c_str());
+    return;
+  }
+  std::fprintf(stderr, "\nringlm: prompt %zu tokens, %.1f t/s | generated %zu tokens, %.1f t/s | load %.0f ms | stop: %s\n",
+               s.prompt_tokens, per_second(s.prompt_tokens, s.prompt_ms), s.gen_tokens,
+               per_second(s.decode_evals, s.decode_ms), s.load_ms, s.stop_reason.c_str());
+}
+
+void run(const RunOptions& o) {
+  const int n_threads = resolve_threads(o.model.n_threads);
+  omp_set_num_threads(n_threads);
+  LoadedModel m = load_model(resolve_model_path(o.model.model_path), n_threads);
+  const LlamaHparams& hp = m.model->hparams();
+  const int n_ctx = o.model.n_ctx > 0 ? o.model.n_ctx : hp.n_ctx_train;
+
+  const std::vector<int32_t> prompt =
+      m.tokenizer->encode(read_prompt(o), m.tokenizer->add_bos_by_default(), /*parse_special=*/true);
+  if (prompt.empty()) throw std::runtime_error("the prompt is empty");
+  if (prompt.size() >= static_cast<size_t>(n_ctx)) {
+    throw std::runtime_error("the prompt is " + std::to_string(prompt.size()) + " tokens, which does not fit the context of " +
+                             std::to_string(n_ctx) + " tokens (raise -c)");
+  }
+
+  RunStats stats;
+  stats.load_ms = m.load_ms;
+  stats.n_threads = n_threads;
+  stats.prompt_tokens = prompt.size();
+  KvCache cache = m.model->make_cache(n_ctx);
+  Sampler sampler(o.sampling, hp.n_vocab);
+  std::vector<float> logits(static_cast<size_t>(hp.n_vocab));
+  std::vector<int32_t> history = prompt;
+  Utf8StreamDecoder text;
+
+  auto t0 = std::chrono::steady_clock::now();
+  m.model->forward(prompt, cache, logits.data());
+  stats.prompt_ms = ms_since(t0);
+
+  t0 = std::chrono::steady_clock::now();
+  stats.stop_reason = "limit";
+  while (o.n_predict < 0 || stats.gen_tokens < static_cast<size_t>(o.n_predict)) {
+    const int32_t token = sampler.sample(logits, history);
+    if (!o.ignore_eos && m.tokenizer->is_end_of_generation(token)) {
+      stats.stop_reason = "eos";
+      break;
+    }
+    history.push_back(token);
+    ++stats.gen_tokens;
+    const std::string piece = text.push(m.tokenizer->token_to_piece(token));
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+    if (o.n_predict >= 0 && stats.gen_tokens >= static_cast<size_t>(o.n_predict)) break;
+    if (cache.size() >= cache.capacity()) {
+      stats.stop_reason = "context";
+      std::fprintf(stderr, "\nringlm: context of %d tokens is full; stopping (raise -c)\n", n_ctx);
+      break;
+    }
+    m.model->forward(std::span<const int32_t>(&token, 1), cache, logits.data());
+    ++stats.decode_evals;
+  }
+  stats.decode_ms = ms_since(t0);
+  const std::string rest = text.flush();
+  std::fwrite(rest.data(), 1, rest.size(), stdout);
+  std::fflush(stdout);
+  print_stats(stats, o.stats_format);
+}
+
+}  // namespace
+
+void add_run_command(CLI::App& app) {
+  auto opts = std::make_shared<RunOptions>();
+  CLI::App* cmd = app.add_subcommand("run", "generate text from one prompt");
+  add_model_options(*cmd, opts->model);
+  add_sampling_options(*cmd, opts->sampling);
+  auto* p = cmd->add_option("-p,--prompt", opts->prompt, "prompt text");
+  auto* f = cmd->add_option("-f,--file", opts->prompt_file, "read the prompt from a file");
+  p->excludes(f);
+  cmd->add_option("-n,--n-predict", opts->n_predict, "tokens to generate (-1: until end of generation)")
+      ->check(CLI::Range(-1, 1 << 30))
+      ->capture_default_str();
+  cmd->add_flag("--ignore-eos", opts->ignore_eos, "keep generating past end-of-generation tokens");
+  cmd->add_option("--stats", opts->stats_format, "print the final speed summary as: json")->check(CLI::IsMember({"json"}));
+  cmd->callback([opts, p, f] {
+    if (p->count() == 0 && f->count() == 0) throw CLI::RequiredError("-p,--prompt or -f,--file");
+    run(*opts);
+  });
+}
+
+}  // namespace ringlm
