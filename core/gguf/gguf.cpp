@@ -239,7 +239,6 @@ void GgufFile::parse_all() {
     alignment_ = static_cast<size_t>(a->u);
   }
 
-  tensors_.reserve(static_cast<size_t>(n_tensors));
   for (uint64_t t = 0; t < n_tensors; ++t) read_tensor_info(c, t);
 
   // The data section starts at the next multiple of the alignment after the tensor infos.
@@ -264,20 +263,17 @@ void GgufFile::read_array_elements(GgufCursor& c, GgufValue& value, const std::s
   const uint64_t n = value.array_length;
   const GgufValueType t = value.array_type;
   if (t == GgufValueType::STRING) {
-    value.strings.reserve(static_cast<size_t>(n));
     for (uint64_t i = 0; i < n; ++i) value.strings.push_back(c.read_string(field + "[" + std::to_string(i) + "]"));
   } else if (t == GgufValueType::ARRAY) {
     // Nested arrays are legal GGUF but no model metadata ringlm reads uses them: validate and skip.
     for (uint64_t i = 0; i < n; ++i) skip_value(c, GgufValueType::ARRAY, field + "[" + std::to_string(i) + "]", 1);
   } else if (is_float_type(t)) {
-    value.floats.reserve(static_cast<size_t>(n));
     GgufValue tmp;
     for (uint64_t i = 0; i < n; ++i) {
       read_scalar(c, t, tmp, field.c_str());
       value.floats.push_back(tmp.f);
     }
   } else {
-    value.ints.reserve(static_cast<size_t>(n));
     GgufValue tmp;
     for (uint64_t i = 0; i < n; ++i) {
       read_scalar(c, t, tmp, field.c_str());
@@ -379,6 +375,7 @@ std::optional<double> GgufFile::get_float(std::string_view key) const {
   const GgufValue* v = find(key);
   if (v == nullptr) return std::nullopt;
   if (v->is_float()) return v->f;
+  if (v->type == GgufValueType::UINT64) return static_cast<double>(v->u);
   if (v->is_integer() && v->type != GgufValueType::BOOL) return static_cast<double>(v->i);
   fail(type_mismatch(key, *v, "a number"));
 }

@@ -88,8 +88,14 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
     gguf.fail("metadata '" + p + "attention.head_count_kv': " + std::to_string(hp.n_head_kv) +
               " does not divide the head count " + std::to_string(hp.n_head));
   }
-  hp.head_dim = hp.n_embd / hp.n_head;
-  if (auto v = gguf.get_uint(p + "attention.key_length")) hp.head_dim = checked_dim(gguf, p + "attention.key_length", *v, 4096);
+  if (auto v = gguf.get_uint(p + "attention.key_length")) {
+    hp.head_dim = checked_dim(gguf, p + "attention.key_length", *v, 4096);
+  } else if (hp.n_embd % hp.n_head != 0) {
+    gguf.fail("metadata '" + p + "attention.head_count': " + std::to_string(hp.n_head) + " does not divide '" + p +
+              "embedding_length' " + std::to_string(hp.n_embd) + " (and no attention.key_length is given)");
+  } else {
+    hp.head_dim = hp.n_embd / hp.n_head;
+  }
   if (auto v = gguf.get_uint(p + "attention.value_length"); v && *v != static_cast<uint64_t>(hp.head_dim)) {
     gguf.fail("metadata '" + p + "attention.value_length': differs from the key length, which is not supported");
   }
@@ -109,14 +115,19 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
     gguf.fail("metadata '" + p + "rope.scaling.type': '" + scaling + "' is not supported (none, linear)");
   }
   if (auto v = gguf.get_float(p + "rope.scale_linear")) hp.rope_scale = static_cast<float>(*v);
-  if (!(hp.rope_scale > 0.0f) || !std::isfinite(hp.rope_scale)) gguf.fail("rope scaling factor must be positive");
+  if (!(hp.rope_scale > 0.0f) || !std::isfinite(hp.rope_scale)) {
+    gguf.fail("metadata '" + p + "rope.scaling.factor': the RoPE scaling factor must be a positive number");
+  }
   hp.rms_eps = static_cast<float>(gguf.require_float(p + "attention.layer_norm_rms_epsilon"));
   if (!(hp.rms_eps > 0.0f) || hp.rms_eps > 1.0f) gguf.fail("metadata '" + p + "attention.layer_norm_rms_epsilon': out of range");
 
   const GgufTensorInfo* embd = gguf.find_tensor("token_embd.weight");
   if (embd == nullptr) gguf.fail("missing tensor 'token_embd.weight'");
   if (embd->shape.size() < 2) gguf.fail("tensor 'token_embd.weight': expected 2 dimensions");
-  hp.n_vocab = checked_dim(gguf, "token_embd.weight rows", static_cast<uint64_t>(embd->shape[1]), 1 << 22);
+  if (embd->shape[1] > (1 << 22)) {
+    gguf.fail("tensor 'token_embd.weight': " + std::to_string(embd->shape[1]) + " rows is not a plausible vocabulary size");
+  }
+  hp.n_vocab = static_cast<int>(embd->shape[1]);
   return hp;
 }
 
