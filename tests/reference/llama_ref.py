@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""Independent numpy reference of the GGUF `llama` architecture forward pass.
+
+This is the oracle that ringlm's C++ forward pass is checked against, so it is
+written to be obviously correct rather than fast:
+
+  * the model is read only through the `gguf` PyPI package (GGUFReader for the
+    container, gguf.quants.dequantize for the weight formats), never through
+    ringlm code, so a bug in ringlm's GGUF reader or dequantizers cannot hide
+    itself by being shared with the oracle;
+  * every weight is dequantized once at load time and all arithmetic is done in
+    float64 by default (--dtype float32 is available to see how much of a
+    difference fp32 accumulation makes);
+  * the whole decoder is the ~60 lines of `forward()` below, top to bottom.
+
+RoPE layout (the one detail that is easy to get silently wrong): llama.cpp maps
+LLM_ARCH_LLAMA to LLAMA_ROPE_TYPE_NORM ("a normal RoPE, operating on pairs of
+consecutive head values"). Its HF->GGUF converter permutes the rows of
+attn_q/attn_k so that the HF "rotate_half" (NEOX, x[i] with x[i + d/2])
+convention becomes rotation of ADJACENT pairs (x[2i], x[2i+1]) with
+theta_i = pos * base^(-2i / n_rot). Applying the NEOX half-split to a llama GGUF
+still gives plausible-looking numbers but wrong text; `--rope-style neox` exists
+only to demonstrate that.
+
+CLI:
+  python3 llama_ref.py MODEL --tokens 1,2,3 -n 32 --json OUT.json
+writes {"prompt_tokens": [...], "last_logits": [n_vocab floats at the last
+prompt position], "generated": [n greedy ids, not stopping at EOS]} plus
+"generated_margins" (top-1 minus top-2 logit at each greedy step, a diagnostic
+that tells a near-tie from a real divergence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# One BLAS thread unless the caller says otherwise: the work is small GEMVs, and
+# on a loaded 2-core machine (CTest runs tests in parallel) OpenBLAS's spinning
+# threads made decoding 5-7x slower than single-threaded. Must precede numpy's import.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import gguf  # noqa: E402
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+# Formats the reference promises to read. gguf.quants can dequantize more, but
+# these are the ones ringlm supports, and limiting the set keeps a model in an
+# unexpected format from being "verified" by accident.
+SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K}
+
+
+class GGUFModelError(RuntimeError):
+    pass
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None, required=True):
+    f = reader.fields.get(key)
+    if f is None:
+        if required and default is None:
+            raise GGUFModelError(f"missing required metadata key '{key}'")
+        return default
+    return f.contents()
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    """ReaderTensor -> float32 array in numpy order (ggml ne reversed)."""
+    if t.tensor_type not in SUPPORTED_TYPES:
+        raise GGUFModelError(f"tensor '{t.name}' has unsupported type {t.tensor_type.name}")
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    # t.shape is ggml order (ne0 = contiguous row length first); numpy wants
+    # the reverse. Reshape rather than trust the reader's array shape so that a
+    # 1-D norm and a 2-D matrix are handled the same way.
+    return np.asarray(w, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+class LlamaModel:
+    def __init__(self, path: str, dtype=np.float64, rope_style: str = "norm"):
+        self.dtype = np.dtype(dtype)
+        self.rope_style = rope_style
+        r = gguf.GGUFReader(path)
+        arch = _field(r, "general.architecture")
+        if arch != "llama":
+            raise GGUFModelError(f"unsupported architecture '{arch}' (this reference implements only 'llama')")
+        self.arch = arch
+        a = arch + "."
+        self.n_embd = int(_field(r, a + "embedding_length"))
+        self.n_layer = int(_field(r, a + "block_count"))
+        self.n_ff = int(_field(r, a + "feed_forward_length"))
+        self.n_head = int(_field(r, a + "attention.head_count"))
+        self.n_head_kv = int(_field(r, a + "attention.head_count_kv", default=self.n_head))
+        self.eps = float(_field(r, a + "attention.layer_norm_rms_epsilon"))
+        self.rope_base = float(_field(r, a + "rope.freq_base", default=10000.0))
+        if self.n_embd % self.n_head:
+            raise GGUFModelError(f"embedding_length {self.n_embd} not divisible by head_count {self.n_head}")
+        default_hd = self.n_embd // self.n_head
+        self.hd_k = int(_field(r, a + "attention.key_length", default=default_hd))
+        self.hd_v = int(_field(r, a + "attention.value_length", default=default_hd))
+        self.n_rot = int(_field(r, a + "rope.dimension_count", default=self.hd_k))
+        if self.n_head % self.n_head_kv:
+            raise GGUFModelError(f"head_count {self.n_head} not a multiple of head_count_kv {self.n_head_kv}")
+        # llama.cpp rejects partial RoPE for the llama arch ("invalid n_rot"); so do we,
+        # rather than define semantics the runtime we compare against does not have.
+        if self.n_rot != self.hd_k or self.n_rot % 2:
+            raise GGUFModelError(f"rope.dimension_count {self.n_rot} != key_length {self.hd_k} "
+                                 "(llama.cpp requires them equal for llama)")
+
+        # Linear RoPE scaling divides positions by the factor (freq_scale = 1/factor).
+        # Other scaling types change the math in ways this reference does not model.
+        self.freq_scale = 1.0
+        scaling = _field(r, a + "rope.scaling.type", required=False)
+        factor = _field(r, a + "rope.scaling.factor", required=False)
+        if scaling not in (None, "none", "linear"):
+            raise GGUFModelError(f"rope.scaling.type '{scaling}' not supported by the reference")
+        if scaling == "linear" and factor:
+            self.freq_scale = 1.0 / float(factor)
+        self.context_length = int(_field(r, a + "context_length", default=0, required=False))
+        self.eos_id = _field(r, "tokenizer.ggml.eos_token_id", required=False)
+        self._tok_field = r.fields.get("tokenizer.ggml.tokens")
+        self.tok_model = _field(r, "tokenizer.ggml.model", required=False)
+
+        tensors = {t.name: t for t in r.tensors}
+
+        def get(name, shape):
+            t = tensors.get(name)
+            if t is None:
+                raise GGUFModelError(f"missing tensor '{name}'")
+            w = dequantize_tensor(t)
+            if w.shape != shape:
+                raise GGUFModelError(f"tensor '{name}' has shape {w.shape} (numpy order), expected {shape}")
+            return w.astype(self.dtype)
+
+        emb = tensors.get("token_embd.weight")
+        if emb is None:
+            raise GGUFModelError("missing tensor 'token_embd.weight'")
+        self.n_vocab = int(emb.shape[1])  # ggml [n_embd, n_vocab]
+        d, hk, hv = self.n_embd, self.hd_k, self.hd_v
+        self.tok_embd = get("token_embd.weight", (self.n_vocab, d))
+        self.output_norm = get("output_norm.weight", (d,))
+        # Tied embeddings: llama.cpp falls back to token_embd when output.weight is absent.
+        self.tied = "output.weight" not in tensors
+        self.output = self.tok_embd if self.tied else get("output.weight", (self.n_vocab, d))
+
+        # Llama-3 style per-dimension frequency factors, if the file has them.
+        self.rope_freqs = None
+        if "rope_freqs.weight" in tensors:
+            self.rope_freqs = get("rope_freqs.weight", (self.n_rot // 2,)).astype(np.float64)
+
+        self.layers = []
+        for i in range(self.n_layer):
+            p = f"blk.{i}."
+            self.layers.append(dict(
+                attn_norm=get(p + "attn_norm.weight", (d,)),
+                wq=get(p + "attn_q.weight", (self.n_head * hk, d)),
+                wk=get(p + "attn_k.weight", (self.n_head_kv * hk, d)),
+                wv=get(p + "attn_v.weight", (self.n_head_kv * hv, d)),
+                wo=get(p + "attn_output.weight", (d, self.n_head * hv)),
+                ffn_norm=get(p + "ffn_norm.weight", (d,)),
+                w_gate=get(p + "ffn_gate.weight", (self.n_ff, d)),
+                w_up=get(p + "ffn_up.weight", (self.n_ff, d)),
+                w_down=get(p + "ffn_down.weight", (d, self.n_ff)),
+            ))
+        self.reset(0)
+
+    # ---- KV cache -----------------------------------------------------------
+    def reset(self, n_ctx: int):
+        """Allocate an empty KV cache for n_ctx positions (prompt + generated)."""
+        self.n_ctx = n_ctx
+        self.n_past = 0
+        self.k_cache = [np.zeros((n_ctx, self.n_head_kv, self.hd_k), self.dtype) for _ in range(self.n_layer)]
+        self.v_cache = [np.zeros((n_ctx, self.n_head_kv, self.hd_v), self.dtype) for _ in range(self.n_layer)]
+
+    # ---- RoPE ---------------------------------------------------------------
+    def rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """x: [T, heads, head_dim]; rotates the first n_rot dims of each head."""
+        half = self.n_rot // 2
+        # Angles in float64 regardless of dtype: ggml builds them in fp32 by
+        # repeated multiplication, which is the less accurate of the two.
+        inv_freq = self.rope_base ** (-2.0 * np.arange(half, dtype=np.float64) / self.n_rot)
+        if self.rope_freqs is not None:
+            inv_freq = inv_freq / self.rope_freqs
+        theta = (pos.astype(np.float64) * self.freq_scale)[:, None] * inv_freq[None, :]  # [T, half]
+        cos = np.cos(theta)[:, None, :].astype(self.dtype)
+        sin = np.sin(theta)[:, None, :].astype(self.dtype)
+        out = x.copy()
+        if self.rope_style == "norm":
+            x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]   # adjacent pairs
+            out[..., 0:self.n_rot:2] = x0 * cos - x1 * sin
+            out[..., 1:self.n_rot:2] = x0 * sin + x1 * cos
+        else:  # "neox": pairs (i, i + n_rot/2) -- NOT what llama GGUFs use
+            x0, x1 = x[..., :half], x[..., half:self.n_rot]
+            out[..., :half] = x0 * cos - x1 * sin
+            out[..., half:self.n_rot] = x0 * sin + x1 * cos
+        return out
+
+    # ---- forward ------------------------------------------------------------
+    def forward(self, tokens, all_logits: bool = False) -> np.ndarray:
+        """Run `tokens` at positions n_past..n_past+T-1, appending to the KV
+        cache. Returns logits of the last position ([n_vocab]) or of all ([T, n_vocab])."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        T = len(tokens)
+        start = self.n_past
+        if start + T > self.n_ctx:
+            raise ValueError(f"KV cache too small: {start + T} > {self.n_ctx}")
+        if tokens.min() < 0 or tokens.max() >= self.n_vocab:
+            raise ValueError(f"token id out of range [0, {self.n_vocab})")
+        pos = np.arange(start, start + T)
+        S = start + T                                   # keys visible to the last query
+        group = self.n_head // self.n_head_kv
+        # A Python float, not np.float64: under NumPy 2 promotion rules a float64
+        # scalar would silently turn a float32 run into mixed-precision (and off BLAS).
+        scale = 1.0 / float(np.sqrt(self.hd_k))
+        # Causal mask: query t (absolute position start+t) sees keys s <= start+t.
+        mask = np.arange(S)[None, :] > pos[:, None]      # [T, S], True = hidden
+
+        x = self.tok_embd[tokens]                        # [T, d]
+        for il, L in enumerate(self.layers):
+            h = rms_norm(x, L["attn_norm"], self.eps)
+            q = (h @ L["wq"].T).reshape(T, self.n_head, self.hd_k)
+            k = (h @ L["wk"].T).reshape(T, self.n_head_kv, self.hd_k)
+            v = (h @ L["wv"].T).reshape(T, self.n_head_kv, self.hd_v)
+            q, k = self.rope(q, pos), self.rope(k, pos)
+            self.k_cache[il][start:S] = k
+            self.v_cache[il][start:S] = v
+            K, V = self.k_cache[il][:S], self.v_cache[il][:S]   # [S, n_kv, hd]
+
+            # GQA without copying K/V: query head h = g*group + r uses kv head g = h // group.
+            qg = q.reshape(T, self.n_head_kv, group, self.hd_k)
+            scores = np.einsum("tgrd,sgd->grts", qg, K) * scale          # [n_kv, group, T, S]
+            scores = np.where(mask, -np.inf, scores)
+            scores = scores - scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            attn = np.einsum("grts,sgd->tgrd", p, V).reshape(T, self.n_head * self.hd_v)
+            x = x + attn @ L["wo"].T
+
+            h = rms_norm(x, L["ffn_norm"], self.eps)
+            x = x + (silu(h @ L["w_gate"].T) * (h @ L["w_up"].T)) @ L["w_down"].T
+
+        assert x.dtype == self.dtype, x.dtype
+        self.n_past = S
+        if not all_logits:
+            x = x[-1:]
+        logits = rms_norm(x, self.output_norm, self.eps) @ self.output.T
+        return logits if all_logits else logits[0]
+
+    # ---- greedy generation ----------------------------------------------------
+    def generate(self, prompt, n: int):
+        """Prefill `prompt`, then n greedy steps (no EOS stop).
+        Returns (last prompt logits, generated ids, top1-top2 margin per step)."""
+        if len(prompt) == 0:
+            raise ValueError("empty prompt")
+        self.reset(len(prompt) + n)
+        logits = self.forward(prompt)
+        last_logits = logits
+        generated, margins = [], []
+        for i in range(n):
+            # np.argmax returns the lowest index on an exact tie; ringlm's greedy
+            # sampler must break ties the same way for ids to match.
+            tok = int(np.argmax(logits))
+            top2 = np.partition(logits, -2)[-2:]
+            generated.append(tok)
+            margins.append(float(top2[1] - top2[0]))
+            if i + 1 < n:
+                logits = self.forward([tok])
+        return last_logits, generated, margins
+
+    # ---- display only ---------------------------------------------------------
+    def detokenize(self, ids) -> str:
+        """Crude detokenizer for human inspection (not used in any comparison)."""
+        if self._tok_field is None:
+            return ""
+        pieces = [self._tok_field.contents(int(i)) for i in ids]
+        if self.tok_model == "gpt2":
+            # GPT-2 byte-level BPE: each byte was mapped to a printable code point.
+            bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+            cs = bs[:]
+            n = 0
+            for b in range(256):
+                if b not in bs:
+                    bs.append(b)
+                    cs.append(256 + n)
+                    n += 1
+            dec = {chr(c): b for b, c in zip(bs, cs)}
+            data = bytes(dec.get(ch, ord("?")) for piece in pieces for ch in piece)
+            return data.decode("utf-8", errors="replace")
+        out = bytearray()
+        for piece in pieces:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out.append(int(piece[3:5], 16))
+            else:
+                out += piece.replace("\u2581", " ").encode("utf-8")
+        return out.decode("utf-8", errors="replace")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--tokens", required=True, help="comma-separated prompt token ids")
+    ap.add_argument("-n", type=int, default=32, help="greedy tokens to generate (default 32)")
+    ap.add_argument("--json", help="write the result JSON here (default: stdout)")
+    ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
+    ap.add_argument("--rope-style", choices=["norm", "neox"], default="norm",
+                    help="experiments only: llama GGUFs use 'norm' (adjacent pairs)")
+    ap.add_argument("--show-text", action="store_true", help="print the decoded continuation to stderr")
+    args = ap.parse_args(argv)
+
+    prompt = [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
+    t0 = time.perf_counter()
+    try:
+        model = LlamaModel(args.model, dtype=np.dtype(args.dtype), rope_style=args.rope_style)
+    except GGUFModelError as e:
+        print(f"llama_ref: {args.model}: {e}", file=sys.stderr)
+        return 2
+    t1 = time.perf_counter()
+    last_logits, generated, margins = model.generate(prompt, args.n)
+    t2 = time.perf_counter()
+
+    result = {"prompt_tokens": prompt,
+              "last_logits": [float(v) for v in last_logits],
+              "generated": generated,
+              "generated_margins": margins}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+    else:
+        json.dump(result, sys.stdout)
+        sys.stdout.write("\n")
+    print(f"llama_ref: load {t1 - t0:.2f}s, prompt {len(prompt)} + generate {args.n} tokens {t2 - t1:.2f}s "
+          f"({args.dtype}, {model.n_layer} layers, vocab {model.n_vocab})", file=sys.stderr)
+    if args.show_text:
+        print(f"llama_ref: generated ids {generated}", file=sys.stderr)
+        print(f"llama_ref: text {model.detokenize(prompt)!r} + {model.detokenize(generated)!r}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Write a small Llama-architecture GGUF with random weights, for fast unit tests.
+
+    make_tiny_gguf.py OUT.gguf --vocab ../shared/data/vocab/ggml-vocab-starcoder.gguf \
+        [--type Q4_0] [--untied] [--n-layer 2] [--n-head 4 --n-head-kv 2] [--seed 0] ...
+
+The tokenizer is copied from --vocab (every tokenizer.ggml.* key, plus
+tokenizer.chat_template if present), so the file loads with a real tokenizer and
+n_vocab equals that vocabulary's token count. Weights are random but scaled so
+that activations stay O(1) through the layers and logits have a healthy spread
+(greedy picks are then far from ties, and fp32 and fp64 agree on them).
+
+Error-path tests: --arch NAME writes NAME to general.architecture (and uses it
+as the prefix of the hyperparameter keys, as a real file of that arch would);
+--drop-key KEY and --drop-tensor NAME omit one metadata key / tensor (repeatable).
+Deterministic for a given --seed and argument list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kquants  # noqa: E402
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+K_TYPES = {"Q4_K", "Q6_K"}
+# general.file_type values (llama.cpp's LLAMA_FTYPE_*); informational only.
+FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "BF16": 32}
+
+
+def encode(name: str, w: np.ndarray, type_name: str):
+    """Float matrix [rows, cols] (numpy order) -> (array, raw_dtype) for GGUFWriter.add_tensor."""
+    qt = QT[type_name]
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    if w.shape[-1] % block:
+        raise SystemExit(f"tensor {name}: row length {w.shape[-1]} is not a multiple of the "
+                         f"{type_name} block size {block} (use --n-embd/--n-ff multiples of {block})")
+    if type_name == "F32":
+        return w.astype(np.float32), None
+    if type_name == "F16":
+        return w.astype(np.float16), None
+    if type_name == "Q4_K":
+        return kquants.quantize_q4_k(w), qt
+    if type_name == "Q6_K":
+        return kquants.quantize_q6_k(w), qt
+    return gguf.quants.quantize(w.astype(np.float32), qt), qt   # BF16, Q8_0, Q4_0, Q4_1
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, vocab_path: str) -> int:
+    r = gguf.GGUFReader(vocab_path)
+    n_vocab = None
+    for key, f in r.fields.items():
+        if not (key.startswith("tokenizer.ggml.") or key == "tokenizer.chat_template"):
+            continue
+        val = f.contents()
+        if f.types[0] == VT.ARRAY:
+            writer.add_key_value(key, val, VT.ARRAY, sub_type=f.types[-1])
+        else:
+            writer.add_key_value(key, val, f.types[0])
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = len(val)
+    if not n_vocab:
+        raise SystemExit(f"{vocab_path}: no tokenizer.ggml.tokens")
+    return n_vocab
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("out")
+    ap.add_argument("--vocab", required=True, help="GGUF to copy the tokenizer.ggml.* keys from")
+    ap.add_argument("--type", default="F32", choices=TYPES, help="type of the layer matrices (default F32)")
+    ap.add_argument("--embd-type", choices=TYPES, help="type of token_embd (default: --type)")
+    ap.add_argument("--output-type", choices=TYPES, help="type of output.weight when --untied (default: --type)")
+    ap.add_argument("--untied", action="store_true", help="write a separate output.weight (default: tied)")
+    ap.add_argument("--arch", default="llama", help="general.architecture value and key prefix")
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, help="default 64, or 256 when a K-quant type is used")
+    ap.add_argument("--n-ff", type=int, help="default 128, or 512 when a K-quant type is used")
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--n-head-kv", type=int, default=2)
+    ap.add_argument("--head-dim", type=int,
+                    help="write attention.key_length/value_length = this (default: n_embd/n_head, keys omitted)")
+    ap.add_argument("--rope-dims", type=int, help="rope.dimension_count (default: head dim)")
+    ap.add_argument("--rope-base", type=float, default=10000.0)
+    ap.add_argument("--eps", type=float, default=1e-5, help="attention.layer_norm_rms_epsilon")
+    ap.add_argument("--ctx", type=int, default=512, help="context_length")
+    ap.add_argument("--init-scale", type=float, default=1.0, help="multiplier on all random weight scales")
+    ap.add_argument("--drop-key", action="append", default=[], help="omit this metadata key (repeatable)")
+    ap.add_argument("--drop-tensor", action="append", default=[], help="omit this tensor (repeatable)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    embd_type = args.embd_type or args.type
+    out_type = args.output_type or args.type
+    uses_k = bool({args.type, embd_type, out_type if args.untied else None} & K_TYPES)
+    d = args.n_embd or (256 if uses_k else 64)
+    ff = args.n_ff or (512 if uses_k else 128)
+    if d % args.n_head or args.n_head % args.n_head_kv:
+        raise SystemExit("need n_embd % n_head == 0 and n_head % n_head_kv == 0")
+    hd = args.head_dim or d // args.n_head
+    rot = args.rope_dims or hd
+
+    rng = np.random.default_rng(args.seed)
+    s = args.init_scale
+
+    def normal(shape, std):
+        return rng.normal(0.0, std * s, shape).astype(np.float32)
+
+    def norm_weight():
+        # Near 1 but not exactly, so a kernel that ignores the norm weight fails.
+        return (1.0 + rng.normal(0.0, 0.1, d)).astype(np.float32)
+
+    w = gguf.GGUFWriter(args.out, args.arch)
+    a = args.arch + "."
+    w.add_string("general.name", "ringlm tiny random llama")
+    w.add_uint32("general.file_type", FILE_TYPE[args.type])
+    w.add_uint32("general.quantization_version", 2)
+    n_vocab = copy_tokenizer(w, args.vocab)
+    w.add_uint32(a + "vocab_size", n_vocab)
+    w.add_uint32(a + "context_length", args.ctx)
+    w.add_uint32(a + "embedding_length", d)
+    w.add_uint32(a + "block_count", args.n_layer)
+    w.add_uint32(a + "feed_forward_length", ff)
+    w.add_uint32(a + "attention.head_count", args.n_head)
+    w.add_uint32(a + "attention.head_count_kv", args.n_head_kv)
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", args.eps)
+    w.add_float32(a + "rope.freq_base", args.rope_base)
+    w.add_uint32(a + "rope.dimension_count", rot)
+    if args.head_dim:
+        w.add_uint32(a + "attention.key_length", hd)
+        w.add_uint32(a + "attention.value_length", hd)
+
+    for key in args.drop_key:
+        if key not in w.kv_data[0]:
+            raise SystemExit(f"--drop-key {key}: no such key (have: {', '.join(w.kv_data[0])})")
+        del w.kv_data[0][key]
+
+    # Small embeddings (0.1 per element) against O(1) per-element layer outputs:
+    # with large ones the residual stream stays dominated by the input token's
+    # own embedding, a tied output then predicts that same token forever, and a
+    # broken attention or FFN would go unnoticed. The logit std is still
+    # ~0.1*sqrt(n_embd) (tied) or 2 (untied): greedy choices far from ties.
+    tensors = [("token_embd.weight", normal((n_vocab, d), 0.1), embd_type),
+               ("output_norm.weight", norm_weight(), "F32")]
+    if args.untied:
+        tensors.append(("output.weight", normal((n_vocab, d), 2.0 * d ** -0.5), out_type))
+    for i in range(args.n_layer):
+        p = f"blk.{i}."
+        # 1/sqrt(fan_in) keeps each projection's output O(1) per element.
+        tensors += [
+            (p + "attn_norm.weight", norm_weight(), "F32"),
+            (p + "attn_q.weight", normal((args.n_head * hd, d), d ** -0.5), args.type),
+            (p + "attn_k.weight", normal((args.n_head_kv * hd, d), d ** -0.5), args.type),
+            (p + "attn_v.weight", normal((args.n_head_kv * hd, d), d ** -0.5), args.type),
+            (p + "attn_output.weight", normal((d, args.n_head * hd), (args.n_head * hd) ** -0.5), args.type),
+            (p + "ffn_norm.weight", norm_weight(), "F32"),
+            (p + "ffn_gate.weight", normal((ff, d), d ** -0.5), args.type),
+            (p + "ffn_up.weight", normal((ff, d), d ** -0.5), args.type),
+            (p + "ffn_down.weight", normal((d, ff), ff ** -0.5), args.type),
+        ]
+    names = {t[0] for t in tensors}
+    for name in args.drop_tensor:
+        if name not in names:
+            raise SystemExit(f"--drop-tensor {name}: no such tensor")
+    for name, value, type_name in tensors:
+        if name in args.drop_tensor:
+            continue
+        arr, raw = encode(name, value, type_name)
+        w.add_tensor(name, arr, raw_dtype=raw)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"wrote {args.out}: arch {args.arch}, {args.n_layer} layers, d {d}, ff {ff}, heads {args.n_head}/"
+          f"{args.n_head_kv}, head dim {hd}, vocab {n_vocab}, matrices {args.type}, token_embd {embd_type}, "
+          + (f"output {out_type}" if args.untied else "tied output"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

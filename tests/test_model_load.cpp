@@ -1,0 +1,374 @@
+// Model-level load errors: a GGUF that the reader accepts but that is not a runnable llama model.
+//
+// Every case starts from one tiny valid llama file built in memory and changes one thing
+// (a key, a tensor's presence, shape or type), then checks that LlamaModel rejects it with a
+// GgufError naming what was wrong. The valid file itself must load and run, so that a rejection
+// cannot come from a broken baseline.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backends/backend.h"
+#include "core/gguf/gguf.h"
+#include "core/model/llama.h"
+#include "tests/gguf_test_builder.h"
+
+namespace ringlm {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+using test::GgufBuilder;
+namespace tt = test::ggml_type;
+
+constexpr char kLabel[] = "tiny-llama.gguf";
+
+// The tiny model, and the one change a test makes to it.
+struct LlamaSpec {
+  std::string arch = "llama";
+  uint32_t n_embd = 64, n_layer = 2, n_head = 4, n_head_kv = 2, n_ff = 128, n_vocab = 32, n_ctx = 128;
+  std::set<std::string> omit_keys;                        // metadata keys not written
+  std::map<std::string, uint64_t> key_values;             // integer keys written with this value instead
+  std::map<std::string, std::string> string_values;       // integer keys written as this string instead
+  std::set<std::string> omit_tensors;                     // tensors not written
+  std::map<std::string, std::vector<uint64_t>> shapes;    // tensors written with this shape instead
+  std::map<std::string, uint32_t> types;                  // tensors written with this GGML type instead
+};
+
+// Bytes for a tensor of `type` holding n elements: random F32 values, or random bytes for any
+// other type (the tests that use other types never get as far as reading the values).
+std::vector<uint8_t> tensor_data(uint32_t type, uint64_t n, bool is_norm, std::mt19937& rng) {
+  if (type != tt::kF32) {
+    const auto traits = type_traits(type);
+    std::vector<uint8_t> bytes(traits ? n / static_cast<uint64_t>(traits->block_elems) * traits->block_bytes : n);
+    for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+    return bytes;
+  }
+  // Norm weights near 1 and small matrix weights keep activations and logits in a sane range.
+  std::uniform_real_distribution<float> dist(-0.1f, 0.1f);
+  std::vector<float> values(n);
+  for (float& v : values) v = (is_norm ? 1.0f : 0.0f) + dist(rng);
+  std::vector<uint8_t> bytes(n * sizeof(float));
+  std::memcpy(bytes.data(), values.data(), bytes.size());
+  return bytes;
+}
+
+std::vector<uint8_t> build_llama(const LlamaSpec& s) {
+  GgufBuilder b;
+  auto put_string = [&](const std::string& key, const std::string& value) {
+    if (s.omit_keys.count(key) == 0) b.kv_string(key, value);
+  };
+  auto put_uint = [&](const std::string& key, uint32_t value) {
+    if (s.omit_keys.count(key) != 0) return;
+    const auto it = s.key_values.find(key);
+    if (it != s.key_values.end()) {
+      b.kv<uint64_t>(key, it->second);
+    } else if (s.string_values.count(key) != 0) {
+      b.kv_string(key, s.string_values.at(key));
+    } else {
+      b.kv<uint32_t>(key, value);
+    }
+  };
+  auto put_float = [&](const std::string& key, float value) {
+    if (s.omit_keys.count(key) == 0) b.kv<float>(key, value);
+  };
+  const std::string p = s.arch + ".";
+  put_string("general.architecture", s.arch);
+  put_string("general.name", "tiny test llama");
+  put_uint(p + "context_length", s.n_ctx);
+  put_uint(p + "embedding_length", s.n_embd);
+  put_uint(p + "block_count", s.n_layer);
+  put_uint(p + "feed_forward_length", s.n_ff);
+  put_uint(p + "attention.head_count", s.n_head);
+  put_uint(p + "attention.head_count_kv", s.n_head_kv);
+  put_float(p + "attention.layer_norm_rms_epsilon", 1e-5f);
+  put_float(p + "rope.freq_base", 10000.0f);
+
+  std::mt19937 rng(1234);
+  auto put_tensor = [&](const std::string& name, std::vector<uint64_t> shape) {
+    if (s.omit_tensors.count(name) != 0) return;
+    if (auto it = s.shapes.find(name); it != s.shapes.end()) shape = it->second;
+    const uint32_t type = s.types.count(name) != 0 ? s.types.at(name) : tt::kF32;
+    uint64_t n = 1;
+    for (uint64_t d : shape) n *= d;
+    b.tensor(name, shape, type, tensor_data(type, n, shape.size() == 1, rng));
+  };
+  const uint64_t d = s.n_embd, kv_dim = uint64_t{s.n_embd} / s.n_head * s.n_head_kv;
+  put_tensor("token_embd.weight", {d, s.n_vocab});
+  for (uint32_t il = 0; il < s.n_layer; ++il) {
+    const std::string blk = "blk." + std::to_string(il) + ".";
+    put_tensor(blk + "attn_norm.weight", {d});
+    put_tensor(blk + "attn_q.weight", {d, d});
+    put_tensor(blk + "attn_k.weight", {d, kv_dim});
+    put_tensor(blk + "attn_v.weight", {d, kv_dim});
+    put_tensor(blk + "attn_output.weight", {d, d});
+    put_tensor(blk + "ffn_norm.weight", {d});
+    put_tensor(blk + "ffn_gate.weight", {d, s.n_ff});
+    put_tensor(blk + "ffn_up.weight", {d, s.n_ff});
+    put_tensor(blk + "ffn_down.weight", {s.n_ff, d});
+  }
+  put_tensor("output_norm.weight", {d});
+  put_tensor("output.weight", {d, s.n_vocab});
+  return b.build();
+}
+
+// A spec's image, parsed, with the model built over it. The image must outlive the model
+// (tensor data points into it), so they live together.
+class TinyLlama {
+ public:
+  explicit TinyLlama(const LlamaSpec& spec) : image_(build_llama(spec)) {
+    gguf_ = GgufFile::parse(image_.data(), image_.size(), kLabel);  // the reader must accept it
+  }
+  const GgufFile& gguf() const { return *gguf_; }
+
+ private:
+  std::vector<uint8_t> image_;
+  std::unique_ptr<GgufFile> gguf_;
+};
+
+// The GgufError message of loading the model of `spec`, or "(loaded)". The reader must accept
+// the file, and the model must reject it with a GgufError: any other exception fails the test.
+std::string load_error(const LlamaSpec& spec) {
+  std::unique_ptr<TinyLlama> file;
+  try {
+    file = std::make_unique<TinyLlama>(spec);
+  } catch (const GgufError& e) {
+    ADD_FAILURE() << "the reader rejected the file, the model never saw it: " << e.what();
+    return "(not parsed)";
+  }
+  auto backend = make_cpu_backend(1);
+  try {
+    LlamaModel model(file->gguf(), *backend);
+  } catch (const GgufError& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+
+template <typename... Parts>
+auto ErrorNaming(Parts... parts) {
+  return AllOf(StartsWith(std::string(kLabel) + ": "), HasSubstr(parts)...);
+}
+
+bool all_finite(const std::vector<float>& v) {
+  for (float x : v) {
+    if (!std::isfinite(x)) return false;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The valid baseline
+
+TEST(ModelLoad, TinyLlamaLoadsAndRuns) {
+  const TinyLlama file{LlamaSpec{}};
+  auto backend = make_cpu_backend(1);
+  LlamaModel model(file.gguf(), *backend);
+  const LlamaHparams& hp = model.hparams();
+  EXPECT_EQ(hp.arch, "llama");
+  EXPECT_EQ(hp.n_vocab, 32);
+  EXPECT_EQ(hp.n_embd, 64);
+  EXPECT_EQ(hp.n_layer, 2);
+  EXPECT_EQ(hp.n_head, 4);
+  EXPECT_EQ(hp.n_head_kv, 2);
+  EXPECT_EQ(hp.head_dim, 16);
+  EXPECT_EQ(hp.n_ff, 128);
+  EXPECT_EQ(hp.n_ctx_train, 128);
+  EXPECT_FLOAT_EQ(hp.rms_eps, 1e-5f);
+
+  KvCache cache = model.make_cache(16);
+  std::vector<float> logits(32);
+  const std::vector<int32_t> tokens = {1, 5, 31};
+  model.forward(tokens, cache, logits.data());
+  EXPECT_EQ(cache.size(), 3);
+  EXPECT_TRUE(all_finite(logits));
+  // Real computation happened: the logits are not all the same value.
+  EXPECT_NE(*std::min_element(logits.begin(), logits.end()), *std::max_element(logits.begin(), logits.end()));
+}
+
+TEST(ModelLoad, PrefillAndTokenByTokenAgree) {
+  // The same three tokens run at once and one at a time must give the same last logits; a
+  // loader that wired a tensor to the wrong slot tends to break one path and not the other.
+  const TinyLlama file{LlamaSpec{}};
+  auto backend = make_cpu_backend(1);
+  LlamaModel model(file.gguf(), *backend);
+  const std::vector<int32_t> tokens = {3, 0, 17};
+  KvCache batch_cache = model.make_cache(8);
+  std::vector<float> batch(32);
+  model.forward(tokens, batch_cache, batch.data());
+  KvCache step_cache = model.make_cache(8);
+  std::vector<float> step(32);
+  for (int32_t t : tokens) model.forward(std::span<const int32_t>(&t, 1), step_cache, step.data());
+  for (size_t i = 0; i < batch.size(); ++i) EXPECT_NEAR(batch[i], step[i], 1e-4f) << "logit " << i;
+}
+
+TEST(ModelLoad, TokenIdOutOfRangeInForward) {
+  const TinyLlama file{LlamaSpec{}};
+  auto backend = make_cpu_backend(1);
+  LlamaModel model(file.gguf(), *backend);
+  KvCache cache = model.make_cache(8);
+  std::vector<float> logits(32);
+  for (int32_t bad : {32, -1, 1 << 30}) {
+    const std::vector<int32_t> tokens = {1, bad};
+    EXPECT_THROW(model.forward(tokens, cache, logits.data()), std::out_of_range) << "token " << bad;
+    EXPECT_EQ(cache.size(), 0) << "a rejected call must not leave tokens in the cache";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metadata
+
+TEST(ModelLoad, UnknownArchitecture) {
+  LlamaSpec s;
+  s.arch = "gpt-j";
+  EXPECT_THAT(load_error(s), ErrorNaming("'gpt-j'", "supported: llama"));
+}
+
+class MissingKey : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(MissingKey, MessageNamesTheKey) {
+  LlamaSpec s;
+  s.omit_keys.insert(GetParam());
+  EXPECT_THAT(load_error(s), ErrorNaming("missing", "'" + std::string(GetParam()) + "'"));
+}
+
+INSTANTIATE_TEST_SUITE_P(ModelLoad, MissingKey,
+                         ::testing::Values("general.architecture", "llama.context_length", "llama.embedding_length",
+                                           "llama.block_count", "llama.feed_forward_length",
+                                           "llama.attention.head_count", "llama.attention.layer_norm_rms_epsilon"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (char& c : name) {
+                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           }
+                           return name;
+                         });
+
+TEST(ModelLoad, HeadCountKvDoesNotDivideHeadCount) {
+  LlamaSpec s;
+  s.key_values["llama.attention.head_count_kv"] = 3;
+  EXPECT_THAT(load_error(s), ErrorNaming("'llama.attention.head_count_kv'", "3", "does not divide"));
+}
+
+TEST(ModelLoad, HeadCountKvZero) {
+  LlamaSpec s;
+  s.key_values["llama.attention.head_count_kv"] = 0;
+  EXPECT_THAT(load_error(s), ErrorNaming("'llama.attention.head_count_kv'", "out of range"));
+}
+
+TEST(ModelLoad, HeadCountNotDividingTheEmbeddingLength) {
+  // Without attention.key_length the head size is embedding_length / head_count; when that
+  // does not divide, the file must be rejected, not run with a truncated head size.
+  for (uint64_t heads : {3u, 5u, 128u}) {
+    LlamaSpec s;
+    s.key_values["llama.attention.head_count"] = heads;
+    s.key_values["llama.attention.head_count_kv"] = heads;
+    EXPECT_THAT(load_error(s), ErrorNaming("'llama.attention.head_count'", "does not divide", "'llama.embedding_length'"))
+        << heads << " heads";
+  }
+}
+
+TEST(ModelLoad, AbsurdBlockCount) {
+  LlamaSpec s;
+  s.key_values["llama.block_count"] = 1000000000;
+  EXPECT_THAT(load_error(s), ErrorNaming("'llama.block_count'", "1000000000", "out of range"));
+}
+
+TEST(ModelLoad, HugeDimensionsAreRejectedBeforeAllocating) {
+  for (const char* key : {"llama.embedding_length", "llama.feed_forward_length", "llama.context_length",
+                          "llama.attention.head_count"}) {
+    LlamaSpec s;
+    s.key_values[key] = uint64_t{1} << 40;
+    EXPECT_THAT(load_error(s), ErrorNaming(std::string("'") + key + "'", "out of range"));
+  }
+}
+
+TEST(ModelLoad, BlockCountLargerThanTheLayersPresent) {
+  LlamaSpec s;
+  s.key_values["llama.block_count"] = 3;
+  EXPECT_THAT(load_error(s), ErrorNaming("missing tensor 'blk.2."));
+}
+
+TEST(ModelLoad, IntegerKeyWithTheWrongType) {
+  LlamaSpec s;
+  s.string_values["llama.context_length"] = "lots";
+  EXPECT_THAT(load_error(s), ErrorNaming("'llama.context_length'", "expected an integer", "found string"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensors
+
+TEST(ModelLoad, MissingTensor) {
+  for (const char* name : {"blk.1.ffn_up.weight", "token_embd.weight", "output_norm.weight", "blk.0.attn_norm.weight"}) {
+    LlamaSpec s;
+    s.omit_tensors.insert(name);
+    EXPECT_THAT(load_error(s), ErrorNaming("missing tensor '" + std::string(name) + "'"));
+  }
+}
+
+TEST(ModelLoad, MissingOutputFallsBackToTiedEmbeddings) {
+  // output.weight is optional: without it the embedding is reused. Not an error.
+  LlamaSpec s;
+  s.omit_tensors.insert("output.weight");
+  EXPECT_EQ(load_error(s), "(loaded)");
+}
+
+TEST(ModelLoad, TensorWithTheWrongShape) {
+  LlamaSpec s;
+  s.shapes["blk.0.attn_k.weight"] = {64, 16};
+  EXPECT_THAT(load_error(s), ErrorNaming("tensor 'blk.0.attn_k.weight'", "[64, 16]", "expected [64, 32]"));
+
+  LlamaSpec transposed;
+  transposed.shapes["blk.1.ffn_down.weight"] = {64, 128};
+  EXPECT_THAT(load_error(transposed), ErrorNaming("tensor 'blk.1.ffn_down.weight'", "[64, 128]", "expected [128, 64]"));
+
+  LlamaSpec norm;
+  norm.shapes["blk.1.ffn_norm.weight"] = {64, 2};
+  EXPECT_THAT(load_error(norm), ErrorNaming("tensor 'blk.1.ffn_norm.weight'", "[64, 2]", "expected [64]"));
+}
+
+TEST(ModelLoad, TensorOfAnUnsupportedType) {
+  // Q5_K needs rows that are a multiple of 256, so this model is wider.
+  LlamaSpec s;
+  s.n_embd = 256;
+  s.types["blk.0.ffn_gate.weight"] = tt::kQ5_K;
+  EXPECT_THAT(load_error(s), ErrorNaming("tensor 'blk.0.ffn_gate.weight'", "Q5_K", "not supported"));
+  // The same spec with a supported quantized type loads, so it is the type that was rejected.
+  s.types["blk.0.ffn_gate.weight"] = tt::kQ8_0;
+  EXPECT_EQ(load_error(s), "(loaded)");
+}
+
+TEST(ModelLoad, UnsupportedTypeOnANormVector) {
+  LlamaSpec s;
+  s.types["output_norm.weight"] = 28;  // F64: a known GGML type, block size 1, not read by ringlm
+  EXPECT_THAT(load_error(s), ErrorNaming("tensor 'output_norm.weight'", "F64", "not supported"));
+}
+
+TEST(ModelLoad, CpuBackendAlsoRejectsAnUnsupportedWeight) {
+  // The model checks types before it calls the backend; the backend checks again on its own,
+  // for callers that hand it weights directly.
+  auto backend = make_cpu_backend(1);
+  const std::vector<uint8_t> data(2 * 176);
+  try {
+    backend->prepare(WeightView{"w.q5k", TensorType(tt::kQ5_K), 2, 256, data.data()});
+    ADD_FAILURE() << "the CPU backend prepared a Q5_K weight";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("'w.q5k'"), HasSubstr("Q5_K")));
+  }
+}
+
+}  // namespace
+}  // namespace ringlm

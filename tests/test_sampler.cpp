@@ -1,0 +1,144 @@
+// Sampler behaviour checked against the definitions of each method, computed independently here.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "core/sampling/sampler.h"
+
+namespace ringlm {
+namespace {
+
+// Logits whose softmax (temperature 1) is exactly `probs`.
+std::vector<float> logits_for(const std::vector<double>& probs) {
+  std::vector<float> l;
+  for (double p : probs) l.push_back(static_cast<float>(std::log(p)));
+  return l;
+}
+
+SamplingParams no_filters(float temperature, uint64_t seed) {
+  SamplingParams p;
+  p.temperature = temperature;
+  p.top_k = 0;
+  p.top_p = 1.0f;
+  p.min_p = 0.0f;
+  p.repeat_penalty = 1.0f;
+  p.seed = seed;
+  return p;
+}
+
+std::map<int32_t, int> draw_counts(const SamplingParams& params, const std::vector<float>& logits, int n) {
+  Sampler s(params, static_cast<int>(logits.size()));
+  std::map<int32_t, int> counts;
+  for (int i = 0; i < n; ++i) {
+    std::vector<float> l = logits;
+    ++counts[s.sample(l, {})];
+  }
+  return counts;
+}
+
+TEST(Sampler, ZeroTemperatureIsArgmax) {
+  SamplingParams p = no_filters(0.0f, 1);
+  Sampler s(p, 5);
+  std::vector<float> logits = {0.1f, 2.0f, -1.0f, 1.9f, 0.0f};
+  EXPECT_EQ(s.sample(logits, {}), 1);
+}
+
+TEST(Sampler, ArgmaxPicksLowestIndexAmongTies) {
+  const std::vector<float> logits = {1.0f, 3.0f, 3.0f};
+  EXPECT_EQ(argmax(logits), 1);
+}
+
+TEST(Sampler, SameSeedSameTokensDifferentSeedDifferentTokens) {
+  const std::vector<float> logits(64, 0.0f);  // uniform: every draw is pure randomness
+  auto run = [&](uint64_t seed) {
+    Sampler s(no_filters(1.0f, seed), 64);
+    std::vector<int32_t> out;
+    for (int i = 0; i < 50; ++i) {
+      std::vector<float> l = logits;
+      out.push_back(s.sample(l, {}));
+    }
+    return out;
+  };
+  EXPECT_EQ(run(42), run(42));
+  EXPECT_NE(run(42), run(43));
+}
+
+TEST(Sampler, FrequenciesFollowTemperatureSoftmax) {
+  const std::vector<double> probs = {0.5, 0.25, 0.15, 0.1};
+  const float temperature = 0.7f;
+  const int n = 40000;
+  const auto counts = draw_counts(no_filters(temperature, 7), logits_for(probs), n);
+  // Expected: softmax(log p / T) = p^(1/T) normalised.
+  double z = 0;
+  for (double p : probs) z += std::pow(p, 1.0 / temperature);
+  for (size_t i = 0; i < probs.size(); ++i) {
+    const double expected = std::pow(probs[i], 1.0 / temperature) / z;
+    const double got = counts.count(static_cast<int32_t>(i)) ? counts.at(static_cast<int32_t>(i)) / double(n) : 0.0;
+    // 5 standard deviations of a binomial proportion.
+    EXPECT_NEAR(got, expected, 5 * std::sqrt(expected * (1 - expected) / n)) << "token " << i;
+  }
+}
+
+TEST(Sampler, TopKOneIsGreedyAtAnyTemperature) {
+  SamplingParams p = no_filters(5.0f, 3);
+  p.top_k = 1;
+  const auto counts = draw_counts(p, {0.0f, 0.5f, 0.4f, -2.0f}, 500);
+  ASSERT_EQ(counts.size(), 1u);
+  EXPECT_EQ(counts.begin()->first, 1);
+}
+
+TEST(Sampler, TopKKeepsOnlyTheKMostLikely) {
+  SamplingParams p = no_filters(1.0f, 4);
+  p.top_k = 2;
+  const auto counts = draw_counts(p, logits_for({0.1, 0.4, 0.3, 0.2}), 2000);
+  for (const auto& [id, c] : counts) EXPECT_TRUE(id == 1 || id == 2) << "token " << id << " drawn " << c << " times";
+  EXPECT_EQ(counts.size(), 2u);
+}
+
+TEST(Sampler, TopPKeepsTheSmallestSetReachingP) {
+  SamplingParams p = no_filters(1.0f, 5);
+  p.top_p = 0.7f;  // 0.5 + 0.3 reaches 0.7: tokens 0 and 1 only
+  const auto counts = draw_counts(p, logits_for({0.5, 0.3, 0.15, 0.05}), 2000);
+  EXPECT_EQ(counts.size(), 2u);
+  EXPECT_GT(counts.count(0), 0u);
+  EXPECT_GT(counts.count(1), 0u);
+}
+
+TEST(Sampler, MinPDropsTokensBelowAFractionOfTheBest) {
+  SamplingParams p = no_filters(1.0f, 6);
+  p.min_p = 0.5f;  // threshold 0.25: tokens 0 (0.5) and 1 (0.3) survive
+  const auto counts = draw_counts(p, logits_for({0.5, 0.3, 0.15, 0.05}), 2000);
+  EXPECT_EQ(counts.size(), 2u);
+  EXPECT_EQ(counts.count(2), 0u);
+  EXPECT_EQ(counts.count(3), 0u);
+}
+
+TEST(Sampler, RepeatPenaltyDividesPositiveAndMultipliesNegativeLogits) {
+  SamplingParams p = no_filters(0.0f, 1);
+  p.repeat_penalty = 2.0f;
+  p.repeat_last_n = 2;
+  Sampler s(p, 4);
+  std::vector<float> logits = {3.0f, 2.0f, -1.0f, 1.8f};
+  const std::vector<int32_t> history = {0, 0, 2, 0};  // last 2: {2, 0}
+  // Token 0: 3 -> 1.5; token 2: -1 -> -2; token 1 untouched (2.0) wins.
+  EXPECT_EQ(s.sample(logits, history), 1);
+  EXPECT_FLOAT_EQ(logits[0], 1.5f);
+  EXPECT_FLOAT_EQ(logits[2], -2.0f);
+  EXPECT_FLOAT_EQ(logits[1], 2.0f);
+}
+
+TEST(Sampler, RepeatPenaltyLooksOnlyAtTheLastNTokens) {
+  SamplingParams p = no_filters(0.0f, 1);
+  p.repeat_penalty = 10.0f;
+  p.repeat_last_n = 1;
+  Sampler s(p, 3);
+  std::vector<float> logits = {5.0f, 4.0f, 0.0f};
+  const std::vector<int32_t> history = {0, 1};  // only token 1 is recent
+  EXPECT_EQ(s.sample(logits, history), 0);
+  EXPECT_FLOAT_EQ(logits[1], 0.4f);
+}
+
+}  // namespace
+}  // namespace ringlm
