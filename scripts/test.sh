@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Runs every test: the Release build's suites, then the same suites built with
+# AddressSanitizer + UndefinedBehaviorSanitizer. Expects scripts/setup.sh to have run.
+#
+# Environment: BUILD_DIR (default build), ASAN_BUILD_DIR (default build-asan),
+# RINGLM_SKIP_SANITIZERS=1 to run only the Release suites (local iteration).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR="${BUILD_DIR:-build}"
+ASAN_BUILD_DIR="${ASAN_BUILD_DIR:-build-asan}"
+jobs="$(nproc)"
+
+echo "== Release build: tests" >&2
+cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$BUILD_DIR" -j"$jobs"
+ctest --test-dir "$BUILD_DIR" --output-on-failure -j"$jobs"
+
+if [ "${RINGLM_SKIP_SANITIZERS:-0}" != "1" ]; then
+  echo "== AddressSanitizer + UndefinedBehaviorSanitizer build: tests" >&2
+  cmake -S . -B "$ASAN_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRINGLM_SANITIZE=ON >/dev/null
+  cmake --build "$ASAN_BUILD_DIR" -j"$jobs"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir "$ASAN_BUILD_DIR" --output-on-failure -j"$jobs"
+fi
