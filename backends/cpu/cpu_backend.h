@@ -1,0 +1,23 @@
+// The CPU backend with an explicit compute type.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "backends/backend.h"
+
+namespace ringlm {
+
+// How the CPU backend multiplies Q4_0, Q4_1 and Q8_0 weights:
+//  - kInt8: activations quantized to int8 per block of 32, integer dot products, one float
+//    multiply-add per block (fast; activations carry a rounding error of at most max|x|/254).
+//  - kFp32: weights dequantized to fp32 and multiplied with the fp32 activations (reference).
+// F32, F16, BF16, Q4_K and Q6_K weights take the fp32 dequantize path under both.
+enum class ComputeType { kInt8, kFp32 };
+
+// `n_threads` OpenMP threads per matmul (0: OpenMP's default). Under kInt8, calls with at
+// least `int8_sgemm_min_tokens` tokens (0: the measured default) take the fp32 sgemm path,
+// the faster prefill GEMM on this kind of machine; tests pass a large value to keep int8.
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute, int64_t int8_sgemm_min_tokens = 0);
+
+}  // namespace ringlm
