@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <exception>
 
+#include "apps/bench_command.h"
+#include "apps/perplexity_command.h"
 #include "apps/run_command.h"
 
 int main(int argc, char** argv) {
@@ -10,6 +12,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "ringlm 0.1.0");
   ringlm::add_run_command(app);
+  ringlm::add_bench_command(app);
+  ringlm::add_perplexity_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

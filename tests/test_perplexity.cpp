@@ -1,0 +1,133 @@
+// `ringlm perplexity` end to end on the real model: the figure is sane, it matches the numpy
+// reference's perplexity of the same chunk, and bad input gives a one-line error.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <regex>
+#include <string>
+
+#include "core/gguf/gguf.h"
+#include "core/tokenizer/tokenizer.h"
+
+namespace ringlm {
+namespace {
+
+const std::string kText = std::string(RINGLM_SHARED_DATA) + "/text/kjv-pentateuch.txt";
+
+struct Result {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string work_dir() {
+  const std::string dir = std::string(RINGLM_TEST_WORK_DIR) + "/test_perplexity";
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Runs a shell command under a time limit, capturing stdout and stderr apart.
+Result run(const std::string& command, int timeout_s = 600) {
+  const std::string out = work_dir() + "/stdout.txt", err = work_dir() + "/stderr.txt";
+  const std::string line = "timeout " + std::to_string(timeout_s) + " " + command + " >" + out + " 2>" + err + " </dev/null";
+  const int status = std::system(line.c_str());
+  Result r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+std::string ringlm(const std::string& args) { return std::string(RINGLM_BINARY) + " perplexity " + args; }
+
+double final_ppl(const std::string& out) {
+  std::smatch m;
+  if (!std::regex_search(out, m, std::regex(R"(Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+))"))) return NAN;
+  return std::stod(m[1]);
+}
+
+TEST(Perplexity, MissingTextFileIsAClearError) {
+  const Result r = run(ringlm("-m " + std::string(RINGLM_TEST_MODEL) + " -f " + work_dir() + "/no-such-file.txt"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("cannot read text file"), std::string::npos) << r.err;
+}
+
+TEST(Perplexity, TextShorterThanTwoChunksIsAClearError) {
+  const std::string path = work_dir() + "/short.txt";
+  std::ofstream(path) << "In the beginning God created the heaven and the earth.";
+  const Result r = run(ringlm("-m " + std::string(RINGLM_TEST_MODEL) + " -f " + path + " -c 128"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("needs at least 256 tokens, has "), std::string::npos) << r.err;
+}
+
+TEST(Perplexity, MissingFileFlagIsAUsageError) {
+  const Result r = run(ringlm("-c 128"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--file"), std::string::npos) << r.err;
+}
+
+// The first 128-token chunk of the KJV text, tokenized as the command does (a prefix of the text
+// is enough: the pre-tokenizer splits at word boundaries, so the first 128 tokens do not depend
+// on what comes several kilobytes later).
+std::vector<int32_t> first_chunk(int n_ctx) {
+  auto gguf = GgufFile::open(RINGLM_TEST_MODEL);
+  auto tok = Tokenizer::from_gguf(*gguf);
+  std::vector<int32_t> ids = tok->encode(slurp(kText).substr(0, 8192), tok->add_bos_by_default(), false);
+  ids.resize(static_cast<size_t>(n_ctx));
+  if (tok->add_bos_by_default()) ids[0] = tok->bos_id();
+  return ids;
+}
+
+// The same chunk's perplexity from the independent float64 numpy reference.
+double reference_ppl(const std::vector<int32_t>& chunk) {
+  std::string ids;
+  for (const int32_t id : chunk) {
+    if (!ids.empty()) ids += ',';
+    ids += std::to_string(id);
+  }
+  const std::string script = work_dir() + "/ref_ppl.py";
+  std::ofstream(script) << "import sys, numpy as np\n"
+                           "sys.path.insert(0, '" RINGLM_SOURCE_DIR "/tests/reference')\n"
+                           "from llama_ref import LlamaModel\n"
+                           "toks = [int(t) for t in sys.argv[2].split(',')]\n"
+                           "m = LlamaModel(sys.argv[1])\n"
+                           "m.reset(len(toks))\n"
+                           "lg = m.forward(toks, all_logits=True)\n"
+                           "n = len(toks); nll = []\n"
+                           "for p in range(n // 2, n - 1):\n"
+                           "    x = lg[p] - lg[p].max()\n"
+                           "    nll.append(np.log(np.exp(x).sum()) - x[toks[p + 1]])\n"
+                           "print('%.8f' % np.exp(np.mean(nll)))\n";
+  const Result r = run("python3 " + script + " " + RINGLM_TEST_MODEL + " " + ids, 300);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return r.exit_code == 0 ? std::stod(r.out) : NAN;
+}
+
+TEST(Perplexity, FirstKjvChunkIsSaneAndMatchesTheNumpyReference) {
+  const Result r = run(ringlm("-m " + std::string(RINGLM_TEST_MODEL) + " -f " + kText + " -c 128 --chunks 1 -t 2"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("[1]"), std::string::npos) << r.err;
+  const double ppl = final_ppl(r.out);
+  ASSERT_TRUE(std::isfinite(ppl)) << r.out;
+  EXPECT_GT(ppl, 1.5);
+  EXPECT_LT(ppl, 100.0);
+
+  const double ref = reference_ppl(first_chunk(128));
+  std::printf("first KJV chunk (c=128): ringlm PPL %.4f, numpy reference %.6f\n", ppl, ref);
+  // fp32 against float64: differences in the logits of ~1e-4 move the PPL by far less than
+  // this; a wrong position, target or softmax moves it by percent.
+  EXPECT_NEAR(ppl, ref, 1e-3 * ref) << "ringlm " << ppl << ", numpy reference " << ref;
+}
+
+}  // namespace
+}  // namespace ringlm
