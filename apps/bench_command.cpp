@@ -42,6 +42,7 @@ struct BenchOptions {
   int reps = 5;
   std::string output = "md";
   bool no_warmup = false;
+  ComputeType compute = ComputeType::kInt8;
 };
 
 // One row of the result: a (p, n, threads) combination and its timed samples.
@@ -327,7 +328,7 @@ void bench(const BenchOptions& o) {
   for (const int t_flag : thread_counts) {
     const int threads = resolve_threads(t_flag);
     omp_set_num_threads(threads);
-    LoadedModel m = load_model(path, threads);  // the backend's thread count is fixed at load
+    LoadedModel m = load_model(path, threads, o.compute);  // the backend's thread count is fixed at load
     const ModelInfo info = describe(m, path);
     for (BenchTest& t : plan(o, threads)) {
       t.test_time = utc_now();
@@ -353,6 +354,7 @@ void add_bench_command(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   cmd->add_option("-r,--repetitions", o->reps, "timed repetitions of each test")->check(CLI::Range(1, 1000))->capture_default_str();
+  add_compute_option(*cmd, o->compute);
   cmd->add_option("-o,--output", o->output, "output format: md or json")->check(CLI::IsMember({"md", "json"}))->capture_default_str();
   cmd->add_flag("--no-warmup", o->no_warmup, "skip the untimed warm-up run");
   cmd->callback([o] { bench(*o); });

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <stdexcept>
 #include <thread>
 
@@ -26,6 +27,14 @@ void add_model_options(CLI::App& cmd, ModelOptions& opts) {
   cmd.add_option("-c,--ctx-size", opts.n_ctx, "context size in tokens (0: the model's training context)")
       ->check(CLI::Range(0, 1 << 24))
       ->capture_default_str();
+  add_compute_option(cmd, opts.compute);
+}
+
+void add_compute_option(CLI::App& cmd, ComputeType& compute) {
+  const std::map<std::string, ComputeType> names{{"int8", ComputeType::kInt8}, {"fp32", ComputeType::kFp32}};
+  cmd.add_option("--compute", compute, "compute type for quantized weights: int8 (fast) or fp32 (reference)")
+      ->transform(CLI::CheckedTransformer(names, CLI::ignore_case))
+      ->default_str("int8");
 }
 
 void add_sampling_options(CLI::App& cmd, SamplingParams& p) {

@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
+#include "backends/cpu/cpu_backend.h"
 #include "core/sampling/sampler.h"
 
 namespace ringlm {
@@ -12,10 +13,14 @@ struct ModelOptions {
   std::string model_path;  // empty: the default model
   int n_threads = 0;       // 0: all cores
   int n_ctx = 4096;        // 0: the model's training context
+  ComputeType compute = ComputeType::kInt8;
 };
 
 void add_model_options(CLI::App& cmd, ModelOptions& opts);
 void add_sampling_options(CLI::App& cmd, SamplingParams& params);
+// --compute int8|fp32: how quantized weights are multiplied (int8: activations quantized per
+// block on the fly, the fast default; fp32: weights dequantized, the reference path).
+void add_compute_option(CLI::App& cmd, ComputeType& compute);
 
 // -m if given, else $RINGLM_MODEL, else the model that setup installs into the cache directory.
 std::string resolve_model_path(const std::string& flag_value);

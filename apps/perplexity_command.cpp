@@ -35,6 +35,7 @@ struct PerplexityOptions {
   int n_batch = 2048;
   int n_threads = 0;
   int n_chunks = -1;  // -1: all
+  ComputeType compute = ComputeType::kInt8;
 };
 
 // Running sums of the negative log-likelihood and its square over every scored token.
@@ -99,7 +100,7 @@ void perplexity(const PerplexityOptions& o) {
   const std::string text = read_text(o.text_file);  // before the model load: fail fast
   const int n_threads = resolve_threads(o.n_threads);
   omp_set_num_threads(n_threads);
-  LoadedModel m = load_model(resolve_model_path(o.model_path), n_threads);
+  LoadedModel m = load_model(resolve_model_path(o.model_path), n_threads, o.compute);
   const int n_vocab = m.model->hparams().n_vocab;
 
   std::fprintf(stderr, "perplexity: tokenizing the input ..\n");
@@ -148,6 +149,7 @@ void add_perplexity_command(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   cmd->add_option("-t,--threads", o->n_threads, "CPU threads (0: all cores)")->check(CLI::Range(0, 1024));
+  add_compute_option(*cmd, o->compute);
   cmd->add_option("--chunks", o->n_chunks, "score at most this many chunks (-1: all)")
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();

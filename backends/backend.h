@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -37,6 +38,17 @@ class PreparedWeight {
   int64_t cols_;
 };
 
+// An input to a product: `n_tokens` rows of `cols` fp32 values. With `rms_weight` set, each row
+// is RMS-normalised and scaled by it on the way in, x / sqrt(mean(x^2) + rms_eps) * rms_weight,
+// so the normalisation is fused with whatever the backend does to its inputs (the CPU backend's
+// int8 quantization) and never written out as a separate activation array.
+struct MatmulInput {
+  const float* x = nullptr;
+  int64_t n_tokens = 0;
+  const float* rms_weight = nullptr;  // [cols], or nullptr for no normalisation
+  float rms_eps = 0.0f;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -48,9 +60,21 @@ class Backend {
 
   // y[m][n] = sum_k x[m][k] * W[n][k] for m < n_tokens: x is [n_tokens][cols], y is [n_tokens][rows].
   virtual void matmul(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) = 0;
+
+  // ys[i] = input x weights[i]^T for every i, with the input prepared (normalised, quantized)
+  // once and one pass over all the weights' rows: a fused QKV projection without copying the
+  // three matrices into one. Every weight has the input's number of columns.
+  virtual void matmul_many(std::span<const PreparedWeight* const> weights, const MatmulInput& input,
+                           std::span<float* const> ys) = 0;
+
+  // out = silu(input x gate^T) * (input x up^T), the SwiGLU feed-forward input, with the
+  // activation applied as each output tile is produced. out is [n_tokens][gate.rows()].
+  virtual void matmul_swiglu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input,
+                             float* out) = 0;
 };
 
-// The CPU backend; `n_threads` OpenMP threads for every kernel.
+// The CPU backend with int8 compute (backends/cpu/cpu_backend.h has the other choices);
+// `n_threads` OpenMP threads for every kernel.
 std::unique_ptr<Backend> make_cpu_backend(int n_threads);
 
 }  // namespace ringlm

@@ -8,6 +8,10 @@
 //    multiplied by OpenBLAS sgemm.
 // F32, F16, BF16, Q4_K and Q6_K weights always take an fp32 path.
 //
+// Fusion: matmul_many prepares its input once (RMSNorm applied row by row as it is quantized)
+// and covers all its weights in one parallel region (the QKV projection); matmul_swiglu has
+// each thread apply silu(gate) * up to the outputs it has just computed.
+//
 // Threads: one OpenMP parallel region per call splits the weight rows N. Each output element
 // is computed by one thread, in an order fixed by the shape alone, so results do not depend on
 // the thread count. OpenBLAS is set to one thread: it runs inside our split, never beside it.
@@ -21,6 +25,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <vector>
 
@@ -72,6 +77,25 @@ Range share(int64_t units, int t, int n) { return {units * t / n, units * (t + 1
 // small matrices still split evenly over a few threads, capped to keep the tile in L2.
 int64_t sgemm_tile_rows(int64_t rows) { return std::min(kMaxTileRows, std::max<int64_t>(8, (rows + 63) / 64 * 8)); }
 
+// 1 / RMS of a row: the factor RMSNorm applies before its weight.
+float inverse_rms(const float* x, int64_t n, float eps) {
+  double sum_sq = 0;
+  for (int64_t i = 0; i < n; ++i) sum_sq += static_cast<double>(x[i]) * x[i];
+  return static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(n) + eps));
+}
+
+// One input row as the kernels should see it: normalised into `scratch` when the input asks for
+// RMSNorm, else the row itself.
+const float* input_row(const MatmulInput& in, int64_t m, int64_t cols, float* scratch) {
+  const float* x = in.x + m * cols;
+  if (in.rms_weight == nullptr) return x;
+  const float scale = inverse_rms(x, cols, in.rms_eps);
+  for (int64_t i = 0; i < cols; ++i) scratch[i] = x[i] * scale * in.rms_weight[i];
+  return scratch;
+}
+
+float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
 class CpuBackend final : public Backend {
  public:
   CpuBackend(int n_threads, ComputeType compute, int64_t int8_sgemm_min_tokens)
@@ -99,29 +123,100 @@ class CpuBackend final : public Backend {
     return std::make_unique<CpuWeight>(w);
   }
 
-  void matmul(const PreparedWeight& prepared, const float* x, int64_t n_tokens, float* y) override {
-    const auto& w = static_cast<const CpuWeight&>(prepared);
-    if (n_tokens <= 0 || w.rows() == 0) return;
-    if (compute_ == ComputeType::kInt8 && cpu::int8_supported(w.type) && n_tokens < int8_sgemm_min_tokens_) {
-      return matmul_int8(w, x, n_tokens, y);
+  void matmul(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) override {
+    const PreparedWeight* weights[] = {&weight};
+    float* const ys[] = {y};
+    matmul_many(weights, MatmulInput{x, n_tokens, nullptr, 0.0f}, ys);
+  }
+
+  void matmul_many(std::span<const PreparedWeight* const> weights, const MatmulInput& in,
+                   std::span<float* const> ys) override {
+    if (in.n_tokens <= 0 || weights.empty()) return;
+    const int64_t cols = common_cols(weights);
+    std::vector<const CpuWeight*>& int8_weights = int8_batch_;
+    std::vector<float*>& int8_ys = int8_batch_ys_;
+    int8_weights.clear();
+    int8_ys.clear();
+    const float* x32 = nullptr;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const auto& w = static_cast<const CpuWeight&>(*weights[i]);
+      if (takes_int8(w, in.n_tokens)) {
+        int8_weights.push_back(&w);
+        int8_ys.push_back(ys[i]);
+        continue;
+      }
+      if (x32 == nullptr) x32 = fp32_input(in, cols);
+      matmul_fp32(w, x32, in.n_tokens, ys[i]);
     }
-    if (n_tokens >= kSgemmMinTokens) return matmul_sgemm(w, x, n_tokens, y);
-    matmul_rows(w, x, n_tokens, y);
+    if (int8_weights.empty()) return;
+    quantize_input(in, cols);
+    matmul_int8(int8_weights, int8_ys, in.n_tokens);
+  }
+
+  void matmul_swiglu(const PreparedWeight& gate_w, const PreparedWeight& up_w, const MatmulInput& in,
+                     float* out) override {
+    const auto& gate = static_cast<const CpuWeight&>(gate_w);
+    const auto& up = static_cast<const CpuWeight&>(up_w);
+    if (gate.rows() != up.rows() || gate.cols() != up.cols()) {
+      throw std::invalid_argument("matmul_swiglu: gate and up differ in shape");
+    }
+    const int64_t n = in.n_tokens, ff = gate.rows();
+    if (n <= 0) return;
+    grow(up_out_, n * ff);
+    float* up_y = up_out_.data();
+    if (takes_int8(gate, n) && takes_int8(up, n)) {
+      // Each thread computes the same rows of gate and up, then applies silu(g) * u to the
+      // outputs it just wrote, while they are still in its cache.
+      quantize_input(in, gate.cols());
+      const int64_t tiles = (ff + 3) / 4;
+#pragma omp parallel num_threads(n_threads_)
+      {
+        const Range r = share(tiles, omp_get_thread_num(), omp_get_num_threads());
+        const int64_t n0 = r.begin * 4, n1 = std::min(ff, r.end * 4);
+        if (n0 < n1) {
+          const cpu::QuantizedActs xq = acts();
+          cpu::gemm_int8(gate.type, gate.data, gate.row_stride, n0, n1, xq, n, out, ff);
+          cpu::gemm_int8(up.type, up.data, up.row_stride, n0, n1, xq, n, up_y, ff);
+          for (int64_t m = 0; m < n; ++m) {
+            for (int64_t j = n0; j < n1; ++j) out[m * ff + j] = silu(out[m * ff + j]) * up_y[m * ff + j];
+          }
+        }
+      }
+      return;
+    }
+    const PreparedWeight* weights[] = {&gate, &up};
+    float* const ys[] = {out, up_y};
+    matmul_many(weights, in, ys);
+#pragma omp parallel for num_threads(n_threads_) schedule(static)
+    for (int64_t i = 0; i < n * ff; ++i) out[i] = silu(out[i]) * up_y[i];
   }
 
  private:
   struct ThreadBuffers {
-    std::vector<float> row;   // one dequantized row (K)
+    std::vector<float> row;   // one dequantized weight row, or one normalised input row (K)
     std::vector<float> tile;  // one dequantized sgemm tile (tile rows x K)
   };
 
+  template <class V>
+  static void grow(V& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  }
+
+  static int64_t common_cols(std::span<const PreparedWeight* const> weights) {
+    const int64_t cols = weights[0]->cols();
+    for (const PreparedWeight* w : weights) {
+      if (w->cols() != cols) throw std::invalid_argument("matmul_many: the weights differ in their number of columns");
+    }
+    return cols;
+  }
+
+  bool takes_int8(const CpuWeight& w, int64_t n_tokens) const {
+    return compute_ == ComputeType::kInt8 && cpu::int8_supported(w.type) && n_tokens < int8_sgemm_min_tokens_;
+  }
+
   // Grows the buffers to hold `tokens` quantized activation rows of `cols` and, per thread, a
-  // dequantized row and a tile of `tile_rows` rows. Never shrinks, so steady-state calls
-  // allocate nothing.
+  // row and a tile of `tile_rows` rows. Never shrinks, so steady-state calls allocate nothing.
   void reserve(int64_t tokens, int64_t cols, int64_t tile_rows) {
-    const auto grow = [](auto& v, int64_t n) {
-      if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-    };
     grow(act_q_, tokens * cols);
     grow(act_d_, tokens * cols / cpu::kActBlock);
     grow(act_s_, tokens * cols / cpu::kActBlock);
@@ -131,26 +226,70 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void matmul_int8(const CpuWeight& w, const float* x, int64_t n_tokens, float* y) {
-    const int64_t rows = w.rows(), cols = w.cols();
-    grow_acts(n_tokens, cols);
-    const cpu::QuantizedActs xq{act_q_.data(), act_d_.data(), act_s_.data(), cols};
-    // Quantizing a few rows is cheaper than the barrier it would need inside the region.
-    const bool quantize_inside = n_tokens > kPreparedTokens;
-    if (!quantize_inside) cpu::quantize_acts(x, 0, n_tokens, xq);
-    const int64_t tiles = (rows + 3) / 4;  // threads split N in whole 4-row kernel tiles
+  cpu::QuantizedActs acts() { return {act_q_.data(), act_d_.data(), act_s_.data(), act_k_}; }
+  // The quantized activation row m as a one-row QuantizedActs.
+  cpu::QuantizedActs acts_row(int64_t m) {
+    const int64_t blocks = act_k_ / cpu::kActBlock;
+    return {act_q_.data() + m * act_k_, act_d_.data() + m * blocks, act_s_.data() + m * blocks, act_k_};
+  }
+
+  // The input as fp32 rows: itself, or normalised into a backend buffer.
+  const float* fp32_input(const MatmulInput& in, int64_t cols) {
+    if (in.rms_weight == nullptr) return in.x;
+    grow(normed_, in.n_tokens * cols);
+#pragma omp parallel for num_threads(n_threads_) schedule(static) if (in.n_tokens > 1)
+    for (int64_t m = 0; m < in.n_tokens; ++m) {
+      float* dst = normed_.data() + m * cols;
+      const float* src = input_row(in, m, cols, dst);
+      if (src != dst) std::copy_n(src, cols, dst);
+    }
+    return normed_.data();
+  }
+
+  // Normalises (when asked) and quantizes the input rows into the activation buffers, a row at
+  // a time through a per-thread row buffer: the normalised row never leaves the L1 cache.
+  void quantize_input(const MatmulInput& in, int64_t cols) {
+    reserve(in.n_tokens, cols, 0);
+    act_k_ = cols;
+    const auto quantize_rows = [&](int64_t m_begin, int64_t m_end, float* scratch) {
+      for (int64_t m = m_begin; m < m_end; ++m) cpu::quantize_acts(input_row(in, m, cols, scratch), 0, 1, acts_row(m));
+    };
+    // Quantizing a few rows is cheaper than waking the threads for it.
+    if (in.n_tokens <= kPreparedTokens) return quantize_rows(0, in.n_tokens, per_thread_[0].row.data());
 #pragma omp parallel num_threads(n_threads_)
     {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      if (quantize_inside) {
-        const Range m = share(n_tokens, t, nt);
-        cpu::quantize_acts(x, m.begin, m.end, xq);
-#pragma omp barrier
-      }
-      const Range r = share(tiles, t, nt);
-      const int64_t n0 = r.begin * 4, n1 = std::min(rows, r.end * 4);
-      if (n0 < n1) cpu::gemm_int8(w.type, w.data, w.row_stride, n0, n1, xq, n_tokens, y, rows);
+      const int t = omp_get_thread_num();
+      const Range r = share(in.n_tokens, t, omp_get_num_threads());
+      quantize_rows(r.begin, r.end, per_thread_[static_cast<size_t>(t)].row.data());
     }
+  }
+
+  // Products of the quantized input with several weights in one parallel region: the 4-row
+  // kernel tiles of all the weights are numbered in sequence and split evenly over the threads.
+  void matmul_int8(std::span<const CpuWeight* const> weights, std::span<float* const> ys, int64_t n_tokens) {
+    int64_t total_tiles = 0;
+    for (const CpuWeight* w : weights) total_tiles += (w->rows() + 3) / 4;
+#pragma omp parallel num_threads(n_threads_)
+    {
+      const Range r = share(total_tiles, omp_get_thread_num(), omp_get_num_threads());
+      const cpu::QuantizedActs xq = acts();
+      int64_t first_tile = 0;  // of the current weight, in the joint numbering
+      for (size_t i = 0; i < weights.size(); ++i) {
+        const CpuWeight& w = *weights[i];
+        const int64_t tiles = (w.rows() + 3) / 4;
+        const int64_t t0 = std::max(r.begin, first_tile) - first_tile;
+        const int64_t t1 = std::min(r.end, first_tile + tiles) - first_tile;
+        if (t0 < t1) {
+          cpu::gemm_int8(w.type, w.data, w.row_stride, t0 * 4, std::min(w.rows(), t1 * 4), xq, n_tokens, ys[i], w.rows());
+        }
+        first_tile += tiles;
+      }
+    }
+  }
+
+  void matmul_fp32(const CpuWeight& w, const float* x, int64_t n_tokens, float* y) {
+    if (n_tokens >= kSgemmMinTokens) return matmul_sgemm(w, x, n_tokens, y);
+    matmul_rows(w, x, n_tokens, y);
   }
 
   void matmul_sgemm(const CpuWeight& w, const float* x, int64_t n_tokens, float* y) {
@@ -178,6 +317,7 @@ class CpuBackend final : public Backend {
 
   void matmul_rows(const CpuWeight& w, const float* x, int64_t n_tokens, float* y) {
     const int64_t rows = w.rows(), cols = w.cols();
+    reserve(0, cols, 0);
 #pragma omp parallel num_threads(n_threads_)
     {
       const int t = omp_get_thread_num();
@@ -190,15 +330,16 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void grow_acts(int64_t tokens, int64_t cols) {
-    if (static_cast<int64_t>(act_q_.size()) < tokens * cols) reserve(tokens, cols, 0);
-  }
-
   int n_threads_;
   ComputeType compute_;
   int64_t int8_sgemm_min_tokens_;
+  int64_t act_k_ = 0;  // row length of the quantized activations now in the buffers
   std::vector<int8_t> act_q_;
   std::vector<float> act_d_, act_s_;
+  std::vector<float> normed_;  // normalised fp32 input rows (fp32 paths with RMSNorm)
+  std::vector<float> up_out_;  // the up projection's outputs inside matmul_swiglu
+  std::vector<const CpuWeight*> int8_batch_;  // reused lists: no allocation per call
+  std::vector<float*> int8_batch_ys_;
   std::vector<ThreadBuffers> per_thread_;
 };
 
@@ -208,7 +349,6 @@ std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute, in
   return std::make_unique<CpuBackend>(n_threads, compute, int8_sgemm_min_tokens);
 }
 
-// Until the integration switches defaults, the plain factory keeps the fp32 reference path.
-std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return make_cpu_backend(n_threads, ComputeType::kFp32); }
+std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return make_cpu_backend(n_threads, ComputeType::kInt8); }
 
 }  // namespace ringlm

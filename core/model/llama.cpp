@@ -54,14 +54,6 @@ std::vector<float> load_vector(const GgufFile& gguf, const std::string& name, in
   return v;
 }
 
-void rms_norm(const float* x, const float* weight, float* out, int n, float eps) {
-  double sum_sq = 0;
-  for (int i = 0; i < n; ++i) sum_sq += static_cast<double>(x[i]) * x[i];
-  const float scale = static_cast<float>(1.0 / std::sqrt(sum_sq / n + eps));
-  for (int i = 0; i < n; ++i) out[i] = x[i] * scale * weight[i];
-}
-
-float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 }  // namespace
 
@@ -139,7 +131,7 @@ struct LlamaModel::Layer {
 
 // Activations for one chunk of up to max_batch tokens, allocated once.
 struct LlamaModel::Scratch {
-  std::vector<float> x, xn, q, k, v, attn, gate, up;
+  std::vector<float> x, xn, q, k, v, attn, gate;
   std::vector<float> scores;  // per thread: one row of attention scores over the cache
 };
 
@@ -200,7 +192,6 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend) : hp_(LlamaHparam
   scratch_->v.resize(M * kv_dim);
   scratch_->attn.resize(M * q_dim);
   scratch_->gate.resize(M * hp_.n_ff);
-  scratch_->up.resize(M * hp_.n_ff);
 }
 
 LlamaModel::~LlamaModel() = default;
@@ -309,11 +300,11 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
   embed(tokens, s.x.data());
   for (int il = 0; il < hp_.n_layer; ++il) {
     const Layer& L = layers_[static_cast<size_t>(il)];
-    // Attention block.
-    for (int i = 0; i < n; ++i) rms_norm(&s.x[i * d], L.attn_norm.data(), &s.xn[i * d], d, hp_.rms_eps);
-    backend_.matmul(*L.wq, s.xn.data(), n, s.q.data());
-    backend_.matmul(*L.wk, s.xn.data(), n, s.k.data());
-    backend_.matmul(*L.wv, s.xn.data(), n, s.v.data());
+    // Attention block: one QKV projection of the normalised input (the norm is fused into the
+    // backend's input preparation), RoPE on the way into the cache.
+    const PreparedWeight* qkv[] = {L.wq.get(), L.wk.get(), L.wv.get()};
+    float* const qkv_out[] = {s.q.data(), s.k.data(), s.v.data()};
+    backend_.matmul_many(qkv, MatmulInput{s.x.data(), n, L.attn_norm.data(), hp_.rms_eps}, qkv_out);
     for (int i = 0; i < n; ++i) {
       apply_rope(&s.q[static_cast<size_t>(i) * q_dim], hp_.n_head, pos0 + i);
       apply_rope(&s.k[static_cast<size_t>(i) * kv_dim], hp_.n_head_kv, pos0 + i);
@@ -324,11 +315,8 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
     backend_.matmul(*L.wo, s.attn.data(), n, s.xn.data());
     for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) s.x[i] += s.xn[i];
 
-    // Feed-forward block: down(silu(gate(x)) * up(x)).
-    for (int i = 0; i < n; ++i) rms_norm(&s.x[i * d], L.ffn_norm.data(), &s.xn[i * d], d, hp_.rms_eps);
-    backend_.matmul(*L.gate, s.xn.data(), n, s.gate.data());
-    backend_.matmul(*L.up, s.xn.data(), n, s.up.data());
-    for (size_t i = 0; i < static_cast<size_t>(n) * hp_.n_ff; ++i) s.gate[i] = silu(s.gate[i]) * s.up[i];
+    // Feed-forward block: down(silu(gate(x)) * up(x)), gate and up in one fused pass.
+    backend_.matmul_swiglu(*L.gate, *L.up, MatmulInput{s.x.data(), n, L.ffn_norm.data(), hp_.rms_eps}, s.gate.data());
     backend_.matmul(*L.down, s.gate.data(), n, s.xn.data());
     for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) s.x[i] += s.xn[i];
   }
@@ -336,11 +324,11 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
   // Only the rows whose logits are wanted go through the final norm and the vocabulary projection.
   const int first_row = all_logits ? 0 : n - 1;
   const int n_rows = n - first_row;
-  for (int i = 0; i < n_rows; ++i) {
-    rms_norm(&s.x[static_cast<size_t>(first_row + i) * d], output_norm_.data(), &s.xn[static_cast<size_t>(i) * d], d,
-             hp_.rms_eps);
-  }
-  backend_.matmul(*output_, s.xn.data(), n_rows, logits);
+  const PreparedWeight* output[] = {output_.get()};
+  float* const output_logits[] = {logits};
+  backend_.matmul_many(output,
+                       MatmulInput{&s.x[static_cast<size_t>(first_row) * d], n_rows, output_norm_.data(), hp_.rms_eps},
+                       output_logits);
 }
 
 }  // namespace ringlm

@@ -4,11 +4,11 @@
 
 namespace ringlm {
 
-LoadedModel load_model(const std::string& path, int n_threads) {
+LoadedModel load_model(const std::string& path, int n_threads, ComputeType compute) {
   const auto t0 = std::chrono::steady_clock::now();
   LoadedModel m;
   m.gguf = GgufFile::open(path);
-  m.backend = make_cpu_backend(n_threads);
+  m.backend = make_cpu_backend(n_threads, compute);
   m.model = std::make_unique<LlamaModel>(*m.gguf, *m.backend);
   m.tokenizer = Tokenizer::from_gguf(*m.gguf);
   // Some models pad the embedding past the vocabulary; fewer embedding rows than tokens is an error.

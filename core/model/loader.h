@@ -6,6 +6,7 @@
 #include <string>
 
 #include "backends/backend.h"
+#include "backends/cpu/cpu_backend.h"
 #include "core/gguf/gguf.h"
 #include "core/model/llama.h"
 #include "core/tokenizer/tokenizer.h"
@@ -20,7 +21,9 @@ struct LoadedModel {
   double load_ms = 0;
 };
 
-// Throws GgufError / std::runtime_error with a message that names the file and what is wrong.
-LoadedModel load_model(const std::string& path, int n_threads);
+// Loads `path` onto the CPU backend with `n_threads` threads and the given compute type (int8:
+// activations quantized on the fly, the fast path; fp32: the reference path). Throws GgufError /
+// std::runtime_error with a message that names the file and what is wrong.
+LoadedModel load_model(const std::string& path, int n_threads, ComputeType compute = ComputeType::kInt8);
 
 }  // namespace ringlm

@@ -1,5 +1,5 @@
 // Test tool for the numpy-reference comparison: tokenizes a prompt with ringlm's tokenizer, runs
-// the fp32 forward pass, and prints {"prompt_tokens", "last_logits", "generated"} as JSON, where
+// the forward pass on the fp32 reference compute path, and prints {"prompt_tokens", "last_logits", "generated"} as JSON, where
 // last_logits are the logits at the last prompt position and generated are N greedy tokens
 // (end-of-generation tokens do not stop it).
 #include <omp.h>
@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     omp_set_num_threads(n_threads);
-    ringlm::LoadedModel m = ringlm::load_model(model_path, n_threads);
+    ringlm::LoadedModel m = ringlm::load_model(model_path, n_threads, ringlm::ComputeType::kFp32);
     const int n_vocab = m.model->hparams().n_vocab;
     const std::vector<int32_t> tokens = m.tokenizer->encode(prompt, m.tokenizer->add_bos_by_default(), true);
     ringlm::KvCache cache = m.model->make_cache(static_cast<int>(tokens.size()) + n_generate + 1);
