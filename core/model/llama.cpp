@@ -2,6 +2,8 @@
 
 #include <omp.h>
 
+#include "backends/cpu/attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -132,7 +134,8 @@ struct LlamaModel::Layer {
 // Activations for one chunk of up to max_batch tokens, allocated once.
 struct LlamaModel::Scratch {
   std::vector<float> x, xn, q, k, v, attn, gate;
-  std::vector<float> scores;  // per thread: one row of attention scores over the cache
+  std::vector<float> rope_cos, rope_sin;  // [tokens][n_rot / 2]
+  cpu::AttentionScratch attention;
 };
 
 LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend) : hp_(LlamaHparams::from_gguf(gguf)), backend_(backend) {
@@ -192,6 +195,8 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend) : hp_(LlamaHparam
   scratch_->v.resize(M * kv_dim);
   scratch_->attn.resize(M * q_dim);
   scratch_->gate.resize(M * hp_.n_ff);
+  scratch_->rope_cos.resize(M * static_cast<size_t>(hp_.n_rot / 2));
+  scratch_->rope_sin.resize(M * static_cast<size_t>(hp_.n_rot / 2));
 }
 
 LlamaModel::~LlamaModel() = default;
@@ -226,21 +231,35 @@ void LlamaModel::embed(std::span<const int32_t> tokens, float* out) const {
   }
 }
 
-void LlamaModel::apply_rope(float* vec, int n_heads, int64_t pos) const {
-  const double p = static_cast<double>(pos) / hp_.rope_scale;
+// cos and sin of every rotation angle of the chunk's positions, computed once per chunk for
+// all layers (in double: positions reach millions, where float angles lose digits).
+void LlamaModel::rope_angles(int64_t pos0, int n_tokens) {
   const int half = hp_.n_rot / 2;
-  for (int i = 0; i < half; ++i) {
-    const double theta = p * rope_inv_freq_[static_cast<size_t>(i)];
-    const auto c = static_cast<float>(std::cos(theta));
-    const auto s = static_cast<float>(std::sin(theta));
-    for (int h = 0; h < n_heads; ++h) {
-      float* x = vec + static_cast<size_t>(h) * hp_.head_dim;
+  for (int t = 0; t < n_tokens; ++t) {
+    const double p = static_cast<double>(pos0 + t) / hp_.rope_scale;
+    for (int i = 0; i < half; ++i) {
+      const double theta = p * rope_inv_freq_[static_cast<size_t>(i)];
+      scratch_->rope_cos[static_cast<size_t>(t * half + i)] = static_cast<float>(std::cos(theta));
+      scratch_->rope_sin[static_cast<size_t>(t * half + i)] = static_cast<float>(std::sin(theta));
+    }
+  }
+}
+
+// Rotates the n_heads vectors of token t of the chunk by its angles (rope_angles).
+void LlamaModel::apply_rope(float* vec, int n_heads, int t) const {
+  const int half = hp_.n_rot / 2;
+  const float* cos = &scratch_->rope_cos[static_cast<size_t>(t * half)];
+  const float* sin = &scratch_->rope_sin[static_cast<size_t>(t * half)];
+  const bool adjacent = hp_.rope_style == RopeStyle::kAdjacentPairs;
+  for (int h = 0; h < n_heads; ++h) {
+    float* x = vec + static_cast<size_t>(h) * hp_.head_dim;
+    for (int i = 0; i < half; ++i) {
       // The two rotated coordinates of pair i, in the layout this architecture uses.
-      const int a = hp_.rope_style == RopeStyle::kAdjacentPairs ? 2 * i : i;
-      const int b = hp_.rope_style == RopeStyle::kAdjacentPairs ? 2 * i + 1 : i + half;
+      const int a = adjacent ? 2 * i : i;
+      const int b = adjacent ? 2 * i + 1 : i + half;
       const float x0 = x[a], x1 = x[b];
-      x[a] = x0 * c - x1 * s;
-      x[b] = x0 * s + x1 * c;
+      x[a] = x0 * cos[i] - x1 * sin[i];
+      x[b] = x0 * sin[i] + x1 * cos[i];
     }
   }
 }
@@ -249,43 +268,10 @@ void LlamaModel::apply_rope(float* vec, int n_heads, int64_t pos) const {
 // tokens up to and including itself. Query heads share KV heads in groups (GQA) by index,
 // without copying K/V.
 void LlamaModel::attention(int layer, int n_tokens, int first_slot, KvCache& cache) {
-  Scratch& s = *scratch_;
-  const int hd = hp_.head_dim;
-  const int group = hp_.n_head / hp_.n_head_kv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int n_threads = omp_get_max_threads();
-  if (s.scores.size() < static_cast<size_t>(n_threads) * cache.capacity()) {
-    s.scores.resize(static_cast<size_t>(n_threads) * cache.capacity());
-  }
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int i = 0; i < n_tokens; ++i) {
-    for (int h = 0; h < hp_.n_head; ++h) {
-      float* scores = s.scores.data() + static_cast<size_t>(omp_get_thread_num()) * cache.capacity();
-      const float* q = s.q.data() + (static_cast<size_t>(i) * hp_.n_head + h) * hd;
-      const int kv_head = h / group;
-      const int n_visible = first_slot + i + 1;
-      float max_score = -INFINITY;
-      for (int j = 0; j < n_visible; ++j) {
-        const float* k = cache.key(layer, cache.slot(j)) + kv_head * hd;
-        float dot = 0;
-        for (int c = 0; c < hd; ++c) dot += q[c] * k[c];
-        scores[j] = dot * scale;
-        max_score = std::max(max_score, scores[j]);
-      }
-      float sum = 0;
-      for (int j = 0; j < n_visible; ++j) {
-        scores[j] = std::exp(scores[j] - max_score);
-        sum += scores[j];
-      }
-      float* out = s.attn.data() + (static_cast<size_t>(i) * hp_.n_head + h) * hd;
-      std::fill(out, out + hd, 0.0f);
-      for (int j = 0; j < n_visible; ++j) {
-        const float* v = cache.value(layer, cache.slot(j)) + kv_head * hd;
-        const float w = scores[j] / sum;
-        for (int c = 0; c < hd; ++c) out[c] += w * v[c];
-      }
-    }
-  }
+  const cpu::AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim};
+  const cpu::KvLayer kv{cache.key(layer, 0), cache.value(layer, 0), cache.row_width()};
+  cpu::attention_causal(shape, scratch_->q.data(), kv, first_slot, n_tokens, scratch_->attn.data(), scratch_->attention,
+                        omp_get_max_threads());
 }
 
 void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits) {
@@ -298,6 +284,7 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
   const int first_slot = cache.append(n, pos0);
 
   embed(tokens, s.x.data());
+  rope_angles(pos0, n);
   for (int il = 0; il < hp_.n_layer; ++il) {
     const Layer& L = layers_[static_cast<size_t>(il)];
     // Attention block: one QKV projection of the normalised input (the norm is fused into the
@@ -306,8 +293,8 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
     float* const qkv_out[] = {s.q.data(), s.k.data(), s.v.data()};
     backend_.matmul_many(qkv, MatmulInput{s.x.data(), n, L.attn_norm.data(), hp_.rms_eps}, qkv_out);
     for (int i = 0; i < n; ++i) {
-      apply_rope(&s.q[static_cast<size_t>(i) * q_dim], hp_.n_head, pos0 + i);
-      apply_rope(&s.k[static_cast<size_t>(i) * kv_dim], hp_.n_head_kv, pos0 + i);
+      apply_rope(&s.q[static_cast<size_t>(i) * q_dim], hp_.n_head, i);
+      apply_rope(&s.k[static_cast<size_t>(i) * kv_dim], hp_.n_head_kv, i);
       std::copy_n(&s.k[static_cast<size_t>(i) * kv_dim], kv_dim, cache.key(il, cache.slot(first_slot + i)));
       std::copy_n(&s.v[static_cast<size_t>(i) * kv_dim], kv_dim, cache.value(il, cache.slot(first_slot + i)));
     }

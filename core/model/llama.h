@@ -65,7 +65,8 @@ class LlamaModel {
   void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits);
   void embed(std::span<const int32_t> tokens, float* out) const;
   void attention(int layer, int n_tokens, int first_slot, KvCache& cache);
-  void apply_rope(float* vec, int n_heads, int64_t pos) const;
+  void rope_angles(int64_t pos0, int n_tokens);
+  void apply_rope(float* vec, int n_heads, int token) const;
 
   LlamaHparams hp_;
   Backend& backend_;

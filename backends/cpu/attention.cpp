@@ -1,0 +1,231 @@
+// Tiled causal attention (see attention.h). The softmax block step is compiled per Highway
+// target; the tiling and the sgemm calls are plain code below HWY_ONCE.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "backends/cpu/attention.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <algorithm>
+#include <cmath>
+
+#include "backends/cpu/attention.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace ringlm::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// One row of a score block: the first n_valid scores are visible (the rest are masked out by
+// causality). Raises the running max *m to cover them, replaces the visible scores by
+// exp(s - max) and the masked ones by 0, and returns the sum of the exponentials.
+float SoftmaxBlockRow(float* s, int64_t n_valid, int64_t n_cols, float* m) {
+  const hn::ScalableTag<float> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  float row_max = *m;
+  for (int64_t j = 0; j < n_valid; ++j) row_max = std::max(row_max, s[j]);
+  *m = row_max;
+  const auto vmax = hn::Set(d, row_max);
+  auto vsum = hn::Zero(d);
+  int64_t j = 0;
+  for (; j + lanes <= n_valid; j += lanes) {
+    const auto e = hn::Exp(d, hn::Sub(hn::LoadU(d, s + j), vmax));
+    hn::StoreU(e, d, s + j);
+    vsum = hn::Add(vsum, e);
+  }
+  float sum = hn::GetLane(hn::SumOfLanes(d, vsum));
+  for (; j < n_valid; ++j) {
+    s[j] = std::exp(s[j] - row_max);
+    sum += s[j];
+  }
+  std::fill(s + n_valid, s + n_cols, 0.0f);
+  return sum;
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace ringlm::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include <cblas.h>
+#include <omp.h>
+
+namespace ringlm::cpu {
+
+HWY_EXPORT(SoftmaxBlockRow);
+
+namespace {
+
+constexpr int kQueryRows = 64;  // rows of a query tile (query heads of a group x tokens)
+constexpr int kKeyBlock = 128;  // keys per block: a block's scores stay in L1 / L2
+constexpr int kMinKeysPerSplit = 256;  // decode: fewer keys per thread cost more to merge than they save
+constexpr int kMaxSplits = 64;
+
+// A tile's running state: per row the max and the sum of exponentials, and the weighted values.
+struct TileState {
+  float* m;    // [rows]
+  float* l;    // [rows]
+  float* acc;  // [rows][head_dim]
+};
+
+// Which rows, tokens and keys one unit of work covers.
+struct Unit {
+  int kv_head;
+  int token_begin, token_end;  // queries of the chunk
+  int key_begin, key_end;      // cache indices (keys beyond a row's causal limit are masked)
+};
+
+// Runs one unit: gathers its query rows (pre-scaled by 1/sqrt(d)), then meets the keys a block
+// at a time. Row r is token token_begin + r / group, query head kv_head * group + r % group.
+void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int n_past, const Unit& u, float* qt,
+              float* scores, const TileState& st) {
+  const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
+  const int rows = (u.token_end - u.token_begin) * group;
+  const int64_t q_stride = static_cast<int64_t>(sh.n_head) * hd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (int r = 0; r < rows; ++r) {
+    const float* src = q + (u.token_begin + r / group) * q_stride + (u.kv_head * group + r % group) * hd;
+    for (int c = 0; c < hd; ++c) qt[r * hd + c] = src[c] * scale;
+    st.m[r] = -INFINITY;
+    st.l[r] = 0.0f;
+    std::fill(st.acc + r * hd, st.acc + (r + 1) * hd, 0.0f);
+  }
+  const int64_t ld = kv.row_stride;
+  const int key_end = std::min(u.key_end, n_past + u.token_end);  // the last row's causal limit
+  for (int j0 = u.key_begin; j0 < key_end; j0 += kKeyBlock) {
+    const int nb = std::min(kKeyBlock, key_end - j0);
+    const float* k = kv.keys + j0 * ld + u.kv_head * hd;
+    const float* v = kv.values + j0 * ld + u.kv_head * hd;
+    // scores[rows][nb] = qt · Kᵀ
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nb, hd, 1.0f, qt, hd, k, static_cast<int>(ld), 0.0f,
+                scores, kKeyBlock);
+    for (int r = 0; r < rows; ++r) {
+      const int visible = std::clamp(n_past + u.token_begin + r / group + 1 - j0, 0, nb);
+      float* s = scores + r * kKeyBlock;
+      const float m_old = st.m[r];
+      float m_new = m_old;
+      const float sum = visible > 0 ? HWY_DYNAMIC_DISPATCH(SoftmaxBlockRow)(s, visible, nb, &m_new) : 0.0f;
+      if (visible == 0) std::fill(s, s + nb, 0.0f);
+      // Rescale what the row has gathered so far to the new max (exp(-inf) = 0 on the first block).
+      const float alpha = m_old == m_new ? 1.0f : std::exp(m_old - m_new);
+      st.m[r] = m_new;
+      st.l[r] = st.l[r] * alpha + sum;
+      if (alpha != 1.0f) {
+        for (int c = 0; c < hd; ++c) st.acc[r * hd + c] *= alpha;
+      }
+    }
+    // acc[rows][hd] += P · V
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, nb, 1.0f, scores, kKeyBlock, v,
+                static_cast<int>(ld), 1.0f, st.acc, hd);
+  }
+}
+
+// Writes a finished tile to the output: acc / l per row.
+void store_unit(const AttentionShape& sh, const Unit& u, const TileState& st, float* out) {
+  const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
+  const int rows = (u.token_end - u.token_begin) * group;
+  for (int r = 0; r < rows; ++r) {
+    float* dst = out + (u.token_begin + r / group) * static_cast<int64_t>(sh.n_head) * hd + (u.kv_head * group + r % group) * hd;
+    const float inv = st.l[r] > 0 ? 1.0f / st.l[r] : 0.0f;
+    for (int c = 0; c < hd; ++c) dst[c] = st.acc[r * hd + c] * inv;
+  }
+}
+
+// Merges the split partial states of one KV head's decode row r into `first` (the standard
+// rescaling merge: every part is brought to the common max before summing).
+void merge_splits(const TileState* parts, int n_parts, int rows, int hd) {
+  const TileState& first = parts[0];
+  for (int r = 0; r < rows; ++r) {
+    float m = -INFINITY;
+    for (int p = 0; p < n_parts; ++p) m = std::max(m, parts[p].m[r]);
+    if (m == -INFINITY) continue;
+    float l = 0.0f;
+    for (int p = 0; p < n_parts; ++p) {
+      const float w = parts[p].m[r] == -INFINITY ? 0.0f : std::exp(parts[p].m[r] - m);
+      l += parts[p].l[r] * w;
+      for (int c = 0; c < hd; ++c) {
+        const float scaled = parts[p].acc[r * hd + c] * w;
+        first.acc[r * hd + c] = p == 0 ? scaled : first.acc[r * hd + c] + scaled;
+      }
+    }
+    first.m[r] = m;
+    first.l[r] = l;
+  }
+}
+
+}  // namespace
+
+float* AttentionScratch::thread_buffer(int thread, size_t floats) {
+  if (per_thread_.size() <= static_cast<size_t>(thread)) per_thread_.resize(static_cast<size_t>(thread) + 1);
+  std::vector<float>& b = per_thread_[static_cast<size_t>(thread)];
+  if (b.size() < floats) b.resize(floats);
+  return b.data();
+}
+
+float* AttentionScratch::partials(size_t floats) {
+  if (partials_.size() < floats) partials_.resize(floats);
+  return partials_.data();
+}
+
+void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& kv, int n_past, int n_tokens,
+                      float* out, AttentionScratch& scratch, int n_threads) {
+  // sgemm runs inside our threads, never with threads of its own.
+  static const bool blas_single_threaded = (openblas_set_num_threads(1), true);
+  (void)blas_single_threaded;
+  const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
+  const int tokens_per_tile = std::max(1, kQueryRows / group);
+  const int token_tiles = (n_tokens + tokens_per_tile - 1) / tokens_per_tile;
+  const int n_keys = n_past + n_tokens;
+  // Decode: split the keys so that every thread has work even with few KV heads.
+  int splits = 1;
+  if (n_tokens == 1 && sh.n_head_kv < 2 * n_threads) {
+    splits = std::clamp((2 * n_threads + sh.n_head_kv - 1) / sh.n_head_kv, 1,
+                        std::clamp(n_keys / kMinKeysPerSplit, 1, kMaxSplits));
+  }
+  const int rows_max = tokens_per_tile * group;
+  const size_t state_floats = static_cast<size_t>(rows_max) * (2 + hd);
+  const int n_units = sh.n_head_kv * token_tiles * splits;
+  // Buffers are sized before the parallel region: growing them inside would race.
+  float* partials = splits > 1 ? scratch.partials(static_cast<size_t>(n_units) * state_floats) : nullptr;
+  const size_t thread_floats = static_cast<size_t>(rows_max) * (hd + kKeyBlock) + state_floats;
+  for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats);
+
+  const auto state_at = [&](float* base) { return TileState{base, base + rows_max, base + 2 * rows_max}; };
+  const auto unit_at = [&](int index) {
+    const int split = index % splits, tile = (index / splits) % token_tiles, g = index / splits / token_tiles;
+    Unit u{g, tile * tokens_per_tile, std::min(n_tokens, (tile + 1) * tokens_per_tile), 0, n_keys};
+    if (splits > 1) {
+      const int per = (n_keys + splits - 1) / splits;
+      u.key_begin = std::min(n_keys, split * per);
+      u.key_end = std::min(n_keys, (split + 1) * per);
+    }
+    return u;
+  };
+#pragma omp parallel num_threads(n_threads)
+  {
+    const int t = omp_get_thread_num();
+    float* buf = scratch.thread_buffer(t, thread_floats);
+    float* qt = buf;
+    float* scores = qt + rows_max * hd;
+    float* own_state = scores + rows_max * kKeyBlock;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n_units; ++i) {
+      const Unit u = unit_at(i);
+      const TileState st = state_at(splits > 1 ? partials + static_cast<size_t>(i) * state_floats : own_state);
+      run_unit(sh, q, kv, n_past, u, qt, scores, st);
+      if (splits == 1) store_unit(sh, u, st, out);
+    }
+    if (splits > 1) {
+#pragma omp for schedule(static)
+      for (int g = 0; g < sh.n_head_kv; ++g) {
+        TileState parts[kMaxSplits];
+        for (int p = 0; p < splits; ++p) parts[p] = state_at(partials + static_cast<size_t>(g * splits + p) * state_floats);
+        merge_splits(parts, splits, group, hd);
+        store_unit(sh, unit_at(g * splits), parts[0], out);
+      }
+    }
+  }
+}
+
+}  // namespace ringlm::cpu
+#endif  // HWY_ONCE
