@@ -5,6 +5,7 @@
 
 #include "apps/bench_command.h"
 #include "apps/perplexity_command.h"
+#include "apps/quantize_command.h"
 #include "apps/run_command.h"
 
 int main(int argc, char** argv) {
@@ -14,6 +15,7 @@ int main(int argc, char** argv) {
   ringlm::add_run_command(app);
   ringlm::add_bench_command(app);
   ringlm::add_perplexity_command(app);
+  ringlm::add_quantize_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,13 +1,21 @@
 #include "quant/formats.h"
 
+#include <algorithm>
+
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <stdexcept>
+
+#include "quant/int4.h"
 
 namespace ringlm {
 
 std::optional<TypeTraits> type_traits(uint32_t type_id) {
+  if (const std::optional<Int4Format> f = int4_format(type_id)) {
+    return TypeTraits{int4_type_name(*f), f->group, int4_block_bytes(*f), true};
+  }
   switch (static_cast<TensorType>(type_id)) {
     case TensorType::F32: return TypeTraits{"F32", 1, 4, true};
     case TensorType::F16: return TypeTraits{"F16", 1, 2, true};
@@ -165,9 +173,52 @@ void dequantize_q6_k(const BlockQ6_K* blocks, float* dst, int64_t n_blocks) {
   }
 }
 
+// ringlm's INT4 blocks: a block of G weights is G/32 sub-blocks laid out as Q4_0's nibbles.
+template <int G, bool Asym, ScaleType S>
+void dequantize_int4(const BlockI4<G, Asym, S>* blocks, float* dst, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const float d = scale_to_fp32(blocks[b].d, S);
+    float m = 0;
+    if constexpr (Asym) m = scale_to_fp32(blocks[b].m, S);
+    for (int s = 0; s < G / kInt4SubBlock; ++s, dst += kInt4SubBlock) {
+      const uint8_t* qs = blocks[b].qs + s * kInt4SubBlock / 2;
+      for (int j = 0; j < kInt4SubBlock / 2; ++j) {
+        const int lo = qs[j] & 0x0F, hi = qs[j] >> 4;
+        if constexpr (Asym) {
+          dst[j] = d * lo + m;
+          dst[j + kInt4SubBlock / 2] = d * hi + m;
+        } else {
+          dst[j] = d * (lo - 8);
+          dst[j + kInt4SubBlock / 2] = d * (hi - 8);
+        }
+      }
+    }
+  }
+}
+
+template <int G, bool Asym>
+void dequantize_int4_scaled(ScaleType s, const void* src, float* dst, int64_t n_blocks) {
+  switch (s) {
+    case ScaleType::kF16: return dequantize_int4(static_cast<const BlockI4<G, Asym, ScaleType::kF16>*>(src), dst, n_blocks);
+    case ScaleType::kBF16: return dequantize_int4(static_cast<const BlockI4<G, Asym, ScaleType::kBF16>*>(src), dst, n_blocks);
+    case ScaleType::kF32: return dequantize_int4(static_cast<const BlockI4<G, Asym, ScaleType::kF32>*>(src), dst, n_blocks);
+  }
+}
+
+void dequantize_int4_row(Int4Format f, const void* src, float* dst, int64_t n) {
+  const int64_t n_blocks = n / f.group;
+  if (f.group == 128) {
+    return f.asymmetric ? dequantize_int4_scaled<128, true>(f.scale, src, dst, n_blocks)
+                        : dequantize_int4_scaled<128, false>(f.scale, src, dst, n_blocks);
+  }
+  return f.asymmetric ? dequantize_int4_scaled<32, true>(f.scale, src, dst, n_blocks)
+                      : dequantize_int4_scaled<32, false>(f.scale, src, dst, n_blocks);
+}
+
 }  // namespace
 
 void dequantize_row(TensorType type, const void* src, float* dst, int64_t n) {
+  if (const std::optional<Int4Format> f = int4_format(static_cast<uint32_t>(type))) return dequantize_int4_row(*f, src, dst, n);
   switch (type) {
     case TensorType::F32:
       std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
@@ -190,6 +241,51 @@ void dequantize_row(TensorType type, const void* src, float* dst, int64_t n) {
     case TensorType::Q8_1: break;
   }
   throw std::invalid_argument("dequantize_row: unsupported tensor type");
+}
+
+namespace {
+
+// Canonical spellings first: quantize_type_names() lists them in this order.
+struct NamedType {
+  std::string_view name;
+  TensorType type;
+};
+std::vector<NamedType> quantize_types() {
+  std::vector<NamedType> types = {{"F32", TensorType::F32}, {"F16", TensorType::F16}, {"BF16", TensorType::BF16},
+                                  {"Q8_0", TensorType::Q8_0}, {"Q4_0", TensorType::Q4_0}, {"Q4_1", TensorType::Q4_1}};
+  for (uint32_t id = kInt4TypeBase; id < kInt4TypeBase + std::size(kInt4TypeNames); ++id) {
+    types.push_back({kInt4TypeNames[id - kInt4TypeBase], static_cast<TensorType>(id)});
+  }
+  return types;
+}
+
+bool equal_ignoring_case(std::string_view a, std::string_view b) {
+  auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; };
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [&](char x, char y) { return lower(x) == lower(y); });
+}
+
+}  // namespace
+
+std::optional<TensorType> parse_quantize_type(std::string_view name) {
+  // "i4s-g128-f16" is the spelled-out default of "i4s-g128".
+  constexpr std::string_view kF16Suffix = "-f16";
+  if (name.size() > kF16Suffix.size() && equal_ignoring_case(name.substr(name.size() - kF16Suffix.size()), kF16Suffix) &&
+      equal_ignoring_case(name.substr(0, 2), "i4")) {
+    name.remove_suffix(kF16Suffix.size());
+  }
+  for (const NamedType& t : quantize_types()) {
+    if (equal_ignoring_case(name, t.name)) return t.type;
+  }
+  return std::nullopt;
+}
+
+const std::vector<std::string_view>& quantize_type_names() {
+  static const std::vector<std::string_view> names = [] {
+    std::vector<std::string_view> v;
+    for (const NamedType& t : quantize_types()) v.push_back(t.name);
+    return v;
+  }();
+  return names;
 }
 
 }  // namespace ringlm

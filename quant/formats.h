@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 namespace ringlm {
 
@@ -89,6 +90,13 @@ size_t row_bytes(TensorType type, int64_t n);
 // Dequantizes one row of n elements (n a multiple of the block size) to fp32.
 // The reference path: every readable type goes through here.
 void dequantize_row(TensorType type, const void* src, float* dst, int64_t n);
+
+// The type a name stands for, as `ringlm quantize --type` takes it (case-insensitive): F32, F16,
+// BF16, Q8_0, Q4_0, Q4_1 and ringlm's twelve INT4 types (quant/int4.h; the default fp16 scale may
+// also be spelled out, as in "i4s-g128-f16"). nullopt for any other name.
+std::optional<TensorType> parse_quantize_type(std::string_view name);
+// The names parse_quantize_type() accepts, in their canonical spelling (for error messages).
+const std::vector<std::string_view>& quantize_type_names();
 
 float fp16_to_fp32(f16_bits h);
 f16_bits fp32_to_fp16(float f);

@@ -85,4 +85,14 @@ constexpr size_t int4_block_bytes(Int4Format f) {
 inline float scale_to_fp32(uint16_t bits, ScaleType s) { return s == ScaleType::kBF16 ? bf16_to_fp32(bits) : fp16_to_fp32(bits); }
 inline float scale_to_fp32(float value, ScaleType) { return value; }
 
+// Names of the twelve types, indexed by type id - kInt4TypeBase.
+inline constexpr std::string_view kInt4TypeNames[12] = {
+    "i4s-g32",  "i4s-g32-bf16",  "i4s-g32-f32",  "i4a-g32",  "i4a-g32-bf16",  "i4a-g32-f32",
+    "i4s-g128", "i4s-g128-bf16", "i4s-g128-f32", "i4a-g128", "i4a-g128-bf16", "i4a-g128-f32",
+};
+constexpr std::string_view int4_type_name(Int4Format f) { return kInt4TypeNames[int4_type_id(f) - kInt4TypeBase]; }
+
+// Bytes of one stored scale (or min).
+constexpr size_t int4_scale_bytes(ScaleType s) { return s == ScaleType::kF32 ? 4 : 2; }
+
 }  // namespace ringlm

@@ -23,6 +23,7 @@
 #include "backends/backend.h"
 #include "core/gguf/gguf.h"
 #include "core/model/llama.h"
+#include "quant/int4.h"
 #include "tests/gguf_test_builder.h"
 
 namespace ringlm {
@@ -348,6 +349,23 @@ TEST(ModelLoad, TensorOfAnUnsupportedType) {
   EXPECT_THAT(load_error(s), ErrorNaming("tensor 'blk.0.ffn_gate.weight'", "Q5_K", "not supported"));
   // The same spec with a supported quantized type loads, so it is the type that was rejected.
   s.types["blk.0.ffn_gate.weight"] = tt::kQ8_0;
+  EXPECT_EQ(load_error(s), "(loaded)");
+}
+
+// ringlm's INT4 formats quantize each row in groups of 32 or 128 weights: a row length that
+// is not a multiple of the group is refused when the file is read, naming the tensor.
+TEST(ModelLoad, Int4RowLengthNotAMultipleOfTheGroup) {
+  LlamaSpec s;
+  s.n_embd = 96;  // the row length (K) of attn_q: a multiple of 32 but not of 128
+  s.types["blk.0.attn_q.weight"] = int4_type_id({128, false, ScaleType::kF16});
+  try {
+    TinyLlama file(s);
+    ADD_FAILURE() << "a 96-wide i4s-g128 tensor was accepted";
+  } catch (const GgufError& e) {
+    EXPECT_THAT(e.what(), ErrorNaming("blk.0.attn_q.weight", "row length 96", "i4s-g128", "128"));
+  }
+  // Group 32 divides 96: the same model loads, so it was the group size that was refused.
+  s.types["blk.0.attn_q.weight"] = int4_type_id({32, true, ScaleType::kBF16});
   EXPECT_EQ(load_error(s), "(loaded)");
 }
 
