@@ -7,6 +7,7 @@
 #include "apps/perplexity_command.h"
 #include "apps/quantize_command.h"
 #include "apps/run_command.h"
+#include "apps/tune_command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"ringlm: LLM inference on GGUF models, CPU first"};
@@ -16,6 +17,7 @@ int main(int argc, char** argv) {
   ringlm::add_bench_command(app);
   ringlm::add_perplexity_command(app);
   ringlm::add_quantize_command(app);
+  ringlm::add_tune_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

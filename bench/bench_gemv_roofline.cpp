@@ -1,7 +1,7 @@
 // Decode's weight products against the memory-bandwidth roofline.
 //
 //   bench_gemv_roofline [--layers 4] [--threads 1,2] [--tokens 1,2,4,8,16] [--runs 7]
-//                       [--formats q4_0,i4s-g128,...] [--hot]
+//                       [--formats q4_0,i4s-g128,...] [--kernels inplace,packed] [--hot | --l2]
 //
 // One "step" is what a decode step asks of the int8 kernels on Llama-2-7B: per layer the q/k/v
 // projections (3 x 4096x4096, one parallel region as matmul_many runs them), o (4096x4096),
@@ -15,6 +15,14 @@
 // bandwidth of the same buffer by the bench_bandwidth loop (AVX2 loads), measured in alternation
 // with the steps so that both see the same machine load; "roofline" = GB/s / that figure.
 // --hot cycles over the first q matrix only (L3-resident): the kernels' compute speed.
+//
+// Kernels: "inplace" (gemm_int8 on the stored blocks, rows split in 4-row tiles) and "packed"
+// (gemm_int8_packed on the row-interleaved copy made by pack_int8, rows split in 8-row groups),
+// timed in alternation within each run so that both see the same machine load; the packed rows
+// also print their speed-up over in-place. Packing the model is timed once (source MB/s).
+// --l2 runs instead a matrix of 4096 columns small enough for the L2 (about 256 KiB), 64 calls
+// per step, and prints ns per weight block (32 weights, all M tokens) per core: compute speed
+// with little dependence on the memory load of a shared machine.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -31,6 +39,7 @@
 #include <vector>
 
 #include "backends/cpu/int8_kernels.h"
+#include "backends/cpu/kernel_packed.h"
 #include "quant/int4.h"
 
 namespace {
@@ -43,6 +52,8 @@ struct Options {
   int layers = 4;
   int runs = 7;
   bool hot = false;
+  bool l2 = false;
+  std::vector<std::string> kernels{"inplace", "packed"};
   std::vector<int> threads{1, 2};
   std::vector<int> tokens{1, 2, 4, 8, 16};
   std::vector<std::string> formats{"q4_0", "q4_1", "q8_0", "i4s-g32", "i4s-g128", "i4a-g128", "i4s-g128-bf16",
@@ -99,6 +110,7 @@ struct Matrix {
   int64_t rows, cols;
   const uint8_t* data;
   size_t row_stride;
+  std::shared_ptr<const ringlm::cpu::PackedWeight> packed;  // the same weights, packed (shared by --hot's copies)
 };
 
 // The calls of one decode step: each a list of matrices sharing one input (one parallel region).
@@ -109,19 +121,38 @@ struct Model {
   size_t buffer = 0;  // bytes of distinct weights (the probe reads them all)
   size_t bytes = 0;   // weight bytes a step reads
   std::vector<Region> step;
+  double pack_s = 0;  // seconds pack_int8 took over all distinct matrices
 };
 
 constexpr int64_t kDim = 4096, kFf = 11008;
+constexpr int kL2Calls = 64;             // --l2: calls per step
+constexpr size_t kL2Bytes = 256 << 10;  // --l2: the matrix's size at most
 
-Model make_model(const Format& f, int layers, bool hot) {
+enum class Mode { kDecode, kHot, kL2 };
+
+template <class F>
+double seconds(F&& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+Model make_model(const Format& f, int layers, Mode mode, bool packed) {
   struct Shape {
     int64_t rows, cols;
   };
-  // Hot: a layer's seven products as seven calls on one 4096x4096 matrix.
+  const bool hot = mode != Mode::kDecode;  // every call on one matrix
+  const int64_t l2_rows = static_cast<int64_t>(kL2Bytes / (static_cast<size_t>(kDim / f.group) * f.block_bytes)) / 8 * 8;
+  // Hot: a layer's seven products as seven calls on one 4096x4096 matrix. L2: kL2Calls calls
+  // on one L2-sized matrix (one "layer").
   const std::vector<std::vector<Shape>> layer =
-      hot ? std::vector<std::vector<Shape>>(7, {{kDim, kDim}})
-          : std::vector<std::vector<Shape>>{
-                {{kDim, kDim}, {kDim, kDim}, {kDim, kDim}}, {{kDim, kDim}}, {{kFf, kDim}, {kFf, kDim}}, {{kDim, kFf}}};
+      mode == Mode::kL2 ? std::vector<std::vector<Shape>>(kL2Calls, {{l2_rows, kDim}})
+      : hot             ? std::vector<std::vector<Shape>>(7, {{kDim, kDim}})
+                        : std::vector<std::vector<Shape>>{{{kDim, kDim}, {kDim, kDim}, {kDim, kDim}},
+                                                          {{kDim, kDim}},
+                                                          {{kFf, kDim}, {kFf, kDim}},
+                                                          {{kDim, kFf}}};
+  if (mode == Mode::kL2) layers = 1;
   const auto matrix_bytes = [&](Shape s) { return static_cast<size_t>(s.rows) * static_cast<size_t>(s.cols / f.group) * f.block_bytes; };
   size_t layer_bytes = 0;
   for (const auto& region : layer) {
@@ -137,11 +168,20 @@ Model make_model(const Format& f, int layers, bool hot) {
   }
   fill_random(f, m.mem.get(), alloc, 1);
   size_t off = 0;
+  std::shared_ptr<const ringlm::cpu::PackedWeight> shared;  // hot: one packed copy for all calls
   for (int l = 0; l < layers; ++l) {
     for (const auto& shapes : layer) {
       Region region;
       for (Shape s : shapes) {
-        region.push_back({s.rows, s.cols, m.mem.get() + (hot ? 0 : off), matrix_bytes(s) / static_cast<size_t>(s.rows)});
+        Matrix w{s.rows, s.cols, m.mem.get() + (hot ? 0 : off), matrix_bytes(s) / static_cast<size_t>(s.rows), shared};
+        if (packed && !w.packed) {
+          m.pack_s += seconds([&] {
+            w.packed = std::make_shared<const ringlm::cpu::PackedWeight>(
+                ringlm::cpu::pack_int8(f.type, w.data, w.row_stride, w.rows, w.cols));
+          });
+          if (hot) shared = w.packed;
+        }
+        region.push_back(w);
         if (!hot) off += matrix_bytes(s);
         m.bytes += matrix_bytes(s);
       }
@@ -168,25 +208,29 @@ struct Acts {
 int64_t share(int64_t units, int t, int n) { return units * t / n; }
 
 // One decode step: per region, quantize the input (one thread: it is tiny), then split the
-// region's 4-row tiles over the threads.
-void run_step(TensorType type, const Model& model, Acts& acts, int64_t tokens, int threads, std::vector<float>& y) {
+// region's tiles over the threads: 4-row tiles in place, 8-row groups packed.
+void run_step(TensorType type, bool packed, const Model& model, Acts& acts, int64_t tokens, int threads,
+              std::vector<float>& y) {
+  const int64_t unit = packed ? 8 : 4;
   for (const Region& region : model.step) {
     const int64_t k = region[0].cols;
     const ringlm::cpu::QuantizedActs xq{acts.q.data(), acts.d.data(), acts.s.data(), k};
     ringlm::cpu::quantize_acts(acts.x.data(), 0, tokens, xq);
     int64_t tiles = 0;
-    for (const Matrix& w : region) tiles += (w.rows + 3) / 4;
+    for (const Matrix& w : region) tiles += (w.rows + unit - 1) / unit;
 #pragma omp parallel num_threads(threads)
     {
       const int t = omp_get_thread_num(), n = omp_get_num_threads();
       const int64_t begin = share(tiles, t, n), end = share(tiles, t + 1, n);
       int64_t first = 0;  // of the current matrix, in the region's tile numbering
       for (const Matrix& w : region) {
-        const int64_t count = (w.rows + 3) / 4;
+        const int64_t count = (w.rows + unit - 1) / unit;
         const int64_t t0 = std::max(begin, first) - first, t1 = std::min(end, first + count) - first;
-        if (t0 < t1) {
-          ringlm::cpu::gemm_int8(type, w.data, w.row_stride, t0 * 4, std::min(w.rows, t1 * 4), xq, tokens, y.data(),
-                                 w.rows);
+        if (t0 < t1 && packed) {
+          ringlm::cpu::gemm_int8_packed(*w.packed, t0 * unit, std::min(w.rows, t1 * unit), xq, tokens, y.data(), w.rows);
+        } else if (t0 < t1) {
+          ringlm::cpu::gemm_int8(type, w.data, w.row_stride, t0 * unit, std::min(w.rows, t1 * unit), xq, tokens,
+                                 y.data(), w.rows);
         }
         first += count;
       }
@@ -221,13 +265,6 @@ uint64_t read_pass(const Model& model, size_t bytes, int threads) {
     total += read_avx2(buf + per * static_cast<size_t>(omp_get_thread_num()), per);
   }
   return total;
-}
-
-template <class F>
-double seconds(F&& f) {
-  const auto t0 = std::chrono::steady_clock::now();
-  f();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 double median(std::vector<double> v) {
@@ -277,15 +314,26 @@ Options parse(int argc, char** argv) {
       o.tokens = int_list(argv[++i], 1, 16);
     } else if (i + 1 < argc && a == "--formats") {
       o.formats = split(argv[++i]);
+    } else if (i + 1 < argc && a == "--kernels") {
+      o.kernels = split(argv[++i]);
+      for (const std::string& k : o.kernels) {
+        if (k != "inplace" && k != "packed") {
+          std::fprintf(stderr, "bench_gemv_roofline: unknown kernel %s (inplace, packed)\n", k.c_str());
+          std::exit(2);
+        }
+      }
     } else if (a == "--hot") {
       o.hot = true;
+    } else if (a == "--l2") {
+      o.l2 = true;
     } else {
       std::fprintf(stderr,
                    "usage: bench_gemv_roofline [--layers N] [--runs R] [--threads 1,2] [--tokens 1,2,4,8,16]\n"
-                   "                           [--formats q4_0,i4s-g128,...] [--hot]\n");
+                   "                           [--formats q4_0,i4s-g128,...] [--kernels inplace,packed] [--hot | --l2]\n");
       std::exit(2);
     }
   }
+  if (o.kernels.empty()) o.kernels = {"inplace"};
   return o;
 }
 
@@ -297,9 +345,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_gemv_roofline: the bandwidth probe needs AVX2\n");
     return 1;
   }
-  std::printf("Llama-2-7B decode step: %d layer(s)%s, median of %d runs\n", o.layers, o.hot ? ", hot (one matrix)" : "",
-              o.runs);
-  std::printf("%-14s %7s %6s %9s %8s %11s %9s\n", "format", "threads", "M", "ms/step", "GB/s", "probe GB/s", "roofline");
+  const Mode mode = o.l2 ? Mode::kL2 : o.hot ? Mode::kHot : Mode::kDecode;
+  const bool any_packed = std::find(o.kernels.begin(), o.kernels.end(), "packed") != o.kernels.end();
+  if (mode == Mode::kL2) {
+    std::printf("L2-resident matrix (<= %zu KiB, K = %lld), %d calls per step, median of %d runs\n", kL2Bytes >> 10,
+                static_cast<long long>(kDim), kL2Calls, o.runs);
+    std::printf("%-14s %-8s %7s %6s %9s %13s %8s\n", "format", "kernel", "threads", "M", "ms/step", "ns/block/core",
+                "speedup");
+  } else {
+    std::printf("Llama-2-7B decode step: %d layer(s)%s, median of %d runs\n", o.layers,
+                o.hot ? ", hot (one matrix)" : "", o.runs);
+    std::printf("%-14s %-8s %7s %6s %9s %8s %11s %9s %8s\n", "format", "kernel", "threads", "M", "ms/step", "GB/s",
+                "probe GB/s", "roofline", "speedup");
+  }
   uint64_t sink = 0;
   for (const std::string& name : o.formats) {
     const std::optional<Format> f = parse_format(name);
@@ -311,22 +369,44 @@ int main(int argc, char** argv) {
       std::printf("%-14s (no int8 kernel)\n", name.c_str());
       continue;
     }
-    const Model model = make_model(*f, o.layers, o.hot);
+    const Model model = make_model(*f, o.layers, mode, any_packed);
+    if (any_packed && mode != Mode::kL2) {  // (an L2-sized matrix packs too fast to time)
+      std::printf("%-14s packing: %.0f MB in %.3f s = %.0f MB/s (%d threads)\n", name.c_str(),
+                  static_cast<double>(model.buffer) / 1e6, model.pack_s,
+                  static_cast<double>(model.buffer) / 1e6 / model.pack_s, omp_get_max_threads());
+    }
     Acts acts(16, kFf);
     std::vector<float> y(static_cast<size_t>(16 * kFf));
+    int64_t blocks = 0;  // weight blocks of 32 a step reads
+    for (const Region& region : model.step) {
+      for (const Matrix& w : region) blocks += w.rows * (w.cols / 32);
+    }
     for (const int threads : o.threads) {
       for (const int tokens : o.tokens) {
-        run_step(f->type, model, acts, tokens, threads, y);  // warm-up: threads, TLB, page faults
-        sink += read_pass(model, model.buffer, threads);
-        std::vector<double> step_s, probe_s;
+        const size_t nk = o.kernels.size();
+        for (const std::string& k : o.kernels) run_step(f->type, k == "packed", model, acts, tokens, threads, y);  // warm-up
+        if (mode != Mode::kL2) sink += read_pass(model, model.buffer, threads);
+        std::vector<std::vector<double>> step_s(nk);
+        std::vector<double> probe_s;
         for (int r = 0; r < o.runs; ++r) {
-          step_s.push_back(seconds([&] { run_step(f->type, model, acts, tokens, threads, y); }));
-          probe_s.push_back(seconds([&] { sink += read_pass(model, model.buffer, threads); }));
+          for (size_t i = 0; i < nk; ++i) {
+            const bool packed = o.kernels[i] == "packed";
+            step_s[i].push_back(seconds([&] { run_step(f->type, packed, model, acts, tokens, threads, y); }));
+          }
+          if (mode != Mode::kL2) probe_s.push_back(seconds([&] { sink += read_pass(model, model.buffer, threads); }));
         }
-        const double t = median(step_s), gbs = static_cast<double>(model.bytes) / t / 1e9;
-        const double probe = static_cast<double>(model.buffer) / median(probe_s) / 1e9;
-        std::printf("%-14s %7d %6d %9.2f %8.2f %11.2f %9.2f\n", name.c_str(), threads, tokens, t * 1e3, gbs, probe,
-                    gbs / probe);
+        const double base = median(step_s[0]);
+        const double probe = mode != Mode::kL2 ? static_cast<double>(model.buffer) / median(probe_s) / 1e9 : 0;
+        for (size_t i = 0; i < nk; ++i) {
+          const double t = median(step_s[i]), gbs = static_cast<double>(model.bytes) / t / 1e9;
+          if (mode == Mode::kL2) {
+            std::printf("%-14s %-8s %7d %6d %9.3f %13.3f %8.2f\n", name.c_str(), o.kernels[i].c_str(), threads, tokens,
+                        t * 1e3, t * 1e9 * threads / static_cast<double>(blocks), base / t);
+          } else {
+            std::printf("%-14s %-8s %7d %6d %9.2f %8.2f %11.2f %9.2f %8.2f\n", name.c_str(), o.kernels[i].c_str(),
+                        threads, tokens, t * 1e3, gbs, probe, gbs / probe, base / t);
+          }
+        }
         std::fflush(stdout);
       }
     }

@@ -1,11 +1,14 @@
 // CPU backend. Three ways to a product, chosen per call:
-//  - int8 (ComputeType::kInt8, Q4_0/Q4_1/Q8_0 weights, M < kInt8SgemmMinTokens): activations
-//    quantized once per call, integer kernels of int8_kernels.h straight from the mmap.
+//  - int8 (ComputeType::kInt8, Q4_0/Q4_1/Q8_0 and INT4 weights, M below the weight's
+//    crossover): activations quantized once per call, integer kernels on the weights repacked
+//    8 rows at a time at prepare (kernel_packed.h).
 //  - fp32 rows (small M): each weight row is dequantized to fp32 once per call and multiplied
 //    with every token's activations: the reference path.
-//  - fp32 sgemm (M >= kSgemmMinTokens, or kInt8SgemmMinTokens on int8 compute, where it is the
-//    faster prefill GEMM here): fixed tiles of weight rows are dequantized to fp32 and
+//  - fp32 sgemm (M >= kSgemmMinTokens, or the weight's crossover on int8 compute, where it is
+//    the faster prefill GEMM): fixed tiles of weight rows are dequantized to fp32 and
 //    multiplied by OpenBLAS sgemm.
+// The crossover is per weight shape, from the tuning table `ringlm tune` measured on this
+// machine (tuning.h), looked up once at prepare.
 // F32, F16, BF16, Q4_K and Q6_K weights always take an fp32 path.
 //
 // Fusion: matmul_many prepares its input once (RMSNorm applied row by row as it is quantized)
@@ -27,20 +30,18 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "backends/cpu/int8_kernels.h"
+#include "backends/cpu/kernel_packed.h"
 
 namespace ringlm {
 namespace {
 
-// Calls with at least this many tokens take the sgemm path on fp32 compute.
+// Calls with at least this many tokens take the sgemm path on fp32 compute. On int8 compute the
+// crossover is per weight shape (KernelTable; without a table, KernelTable::kDefaultCrossover).
 constexpr int64_t kSgemmMinTokens = 16;
-// ... and on int8 compute: measured on the Zen 3 CI machine (1 thread, SmolLM2 shapes 576x576,
-// 1536x576, 576x1536, Q4_0/Q4_1), the int8 kernels win up to M = 32, tie or lose at M = 64
-// and take about twice sgemm's time at M = 512. A per-shape table from a tuning run is to
-// replace this single crossover.
-constexpr int64_t kInt8SgemmMinTokens = 48;
 // Token rows the activation buffer holds from prepare on (decode batches: flat GEMM sizes).
 constexpr int64_t kPreparedTokens = 16;
 // Largest tile of weight rows dequantized for one sgemm call.
@@ -48,12 +49,32 @@ constexpr int64_t kMaxTileRows = 128;
 
 class CpuWeight final : public PreparedWeight {
  public:
-  explicit CpuWeight(const WeightView& w)
-      : PreparedWeight(w.rows, w.cols), type(w.type), data(w.data), row_stride(row_bytes(w.type, w.cols)) {}
+  CpuWeight(const WeightView& w, int64_t int8_max_tokens)
+      : PreparedWeight(w.rows, w.cols),
+        type(w.type),
+        data(w.data),
+        row_stride(row_bytes(w.type, w.cols)),
+        int8_below(int8_max_tokens) {}
   TensorType type;
   const uint8_t* data;
   size_t row_stride;
+  // Calls with fewer tokens take the int8 kernels: the crossover of this weight's shape, or 0
+  // when the int8 kernels never run it (fp32 compute, other formats). One comparison per call.
+  int64_t int8_below;
+  // The weights interleaved 8 rows at a time for the int8 kernels (kernel_packed.h), made once
+  // here; the mmap'd original stays for the sgemm prefill path.
+  cpu::PackedWeight packed;
 };
+
+// Rows the int8 kernels take as one unit of work (threads split N on these boundaries).
+constexpr int64_t kUnitRows = cpu::kPackRows;
+int64_t row_units(int64_t rows) { return (rows + kUnitRows - 1) / kUnitRows; }
+
+// The int8 product of rows [n0, n1) of w: the packed kernel (n0 a multiple of kUnitRows).
+void gemm_int8_rows(const CpuWeight& w, int64_t n0, int64_t n1, const cpu::QuantizedActs& xq, int64_t n_tokens,
+                    float* y) {
+  cpu::gemm_int8_packed(w.packed, n0, n1, xq, n_tokens, y, w.rows());
+}
 
 // Eight independent partial sums let the compiler keep a vector register per lane.
 float dot_f32(const float* a, const float* b, int64_t n) {
@@ -98,10 +119,14 @@ float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(int n_threads, ComputeType compute, int64_t int8_sgemm_min_tokens)
+  // A fixed crossover > 0 holds for every weight; 0 leaves each to `table`. A table measured
+  // with another thread count is still used: it is the best guess there is (`ringlm tune -t N`
+  // measures for N).
+  CpuBackend(int n_threads, ComputeType compute, int64_t fixed_crossover, KernelTable table)
       : n_threads_(n_threads > 0 ? n_threads : omp_get_max_threads()),
         compute_(compute),
-        int8_sgemm_min_tokens_(int8_sgemm_min_tokens > 0 ? int8_sgemm_min_tokens : kInt8SgemmMinTokens) {
+        fixed_crossover_(fixed_crossover),
+        table_(std::move(table)) {
     openblas_set_num_threads(1);
     per_thread_.resize(static_cast<size_t>(n_threads_));
   }
@@ -120,7 +145,12 @@ class CpuBackend final : public Backend {
     }
     const bool int8 = compute_ == ComputeType::kInt8 && cpu::int8_supported(w.type);
     reserve(int8 ? kPreparedTokens : 0, w.cols, sgemm_tile_rows(w.rows));
-    return std::make_unique<CpuWeight>(w);
+    auto prepared = std::make_unique<CpuWeight>(w, int8 ? crossover(w) : 0);
+    if (int8) prepared->packed = cpu::pack_int8(w.type, w.data, prepared->row_stride, w.rows, w.cols);
+    if (int8 && prepared->packed.data == nullptr) {
+      throw std::runtime_error("weight '" + w.name + "': could not be packed for the int8 kernels");
+    }
+    return prepared;
   }
 
   void matmul(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) override {
@@ -168,15 +198,15 @@ class CpuBackend final : public Backend {
       // Each thread computes the same rows of gate and up, then applies silu(g) * u to the
       // outputs it just wrote, while they are still in its cache.
       quantize_input(in, gate.cols());
-      const int64_t tiles = (ff + 3) / 4;
+      const int64_t units = row_units(ff);
 #pragma omp parallel num_threads(n_threads_)
       {
-        const Range r = share(tiles, omp_get_thread_num(), omp_get_num_threads());
-        const int64_t n0 = r.begin * 4, n1 = std::min(ff, r.end * 4);
+        const Range r = share(units, omp_get_thread_num(), omp_get_num_threads());
+        const int64_t n0 = r.begin * kUnitRows, n1 = std::min(ff, r.end * kUnitRows);
         if (n0 < n1) {
           const cpu::QuantizedActs xq = acts();
-          cpu::gemm_int8(gate.type, gate.data, gate.row_stride, n0, n1, xq, n, out, ff);
-          cpu::gemm_int8(up.type, up.data, up.row_stride, n0, n1, xq, n, up_y, ff);
+          gemm_int8_rows(gate, n0, n1, xq, n, out);
+          gemm_int8_rows(up, n0, n1, xq, n, up_y);
           for (int64_t m = 0; m < n; ++m) {
             for (int64_t j = n0; j < n1; ++j) out[m * ff + j] = silu(out[m * ff + j]) * up_y[m * ff + j];
           }
@@ -210,8 +240,11 @@ class CpuBackend final : public Backend {
     return cols;
   }
 
-  bool takes_int8(const CpuWeight& w, int64_t n_tokens) const {
-    return compute_ == ComputeType::kInt8 && cpu::int8_supported(w.type) && n_tokens < int8_sgemm_min_tokens_;
+  static bool takes_int8(const CpuWeight& w, int64_t n_tokens) { return n_tokens < w.int8_below; }
+
+  // Tokens from which sgemm beats the int8 kernels on this weight.
+  int64_t crossover(const WeightView& w) const {
+    return fixed_crossover_ > 0 ? fixed_crossover_ : table_.crossover(w.type, w.rows, w.cols);
   }
 
   // Grows the buffers to hold `tokens` quantized activation rows of `cols` and, per thread, a
@@ -264,25 +297,23 @@ class CpuBackend final : public Backend {
     }
   }
 
-  // Products of the quantized input with several weights in one parallel region: the 4-row
-  // kernel tiles of all the weights are numbered in sequence and split evenly over the threads.
+  // Products of the quantized input with several weights in one parallel region: the 8-row
+  // kernel units of all the weights are numbered in sequence and split evenly over the threads.
   void matmul_int8(std::span<const CpuWeight* const> weights, std::span<float* const> ys, int64_t n_tokens) {
-    int64_t total_tiles = 0;
-    for (const CpuWeight* w : weights) total_tiles += (w->rows() + 3) / 4;
+    int64_t total_units = 0;
+    for (const CpuWeight* w : weights) total_units += row_units(w->rows());
 #pragma omp parallel num_threads(n_threads_)
     {
-      const Range r = share(total_tiles, omp_get_thread_num(), omp_get_num_threads());
+      const Range r = share(total_units, omp_get_thread_num(), omp_get_num_threads());
       const cpu::QuantizedActs xq = acts();
-      int64_t first_tile = 0;  // of the current weight, in the joint numbering
+      int64_t first_unit = 0;  // of the current weight, in the joint numbering
       for (size_t i = 0; i < weights.size(); ++i) {
         const CpuWeight& w = *weights[i];
-        const int64_t tiles = (w.rows() + 3) / 4;
-        const int64_t t0 = std::max(r.begin, first_tile) - first_tile;
-        const int64_t t1 = std::min(r.end, first_tile + tiles) - first_tile;
-        if (t0 < t1) {
-          cpu::gemm_int8(w.type, w.data, w.row_stride, t0 * 4, std::min(w.rows(), t1 * 4), xq, n_tokens, ys[i], w.rows());
-        }
-        first_tile += tiles;
+        const int64_t units = row_units(w.rows());
+        const int64_t u0 = std::max(r.begin, first_unit) - first_unit;
+        const int64_t u1 = std::min(r.end, first_unit + units) - first_unit;
+        if (u0 < u1) gemm_int8_rows(w, u0 * kUnitRows, std::min(w.rows(), u1 * kUnitRows), xq, n_tokens, ys[i]);
+        first_unit += units;
       }
     }
   }
@@ -332,7 +363,8 @@ class CpuBackend final : public Backend {
 
   int n_threads_;
   ComputeType compute_;
-  int64_t int8_sgemm_min_tokens_;
+  int64_t fixed_crossover_;  // > 0: every weight's crossover, else table_'s
+  KernelTable table_;
   int64_t act_k_ = 0;  // row length of the quantized activations now in the buffers
   std::vector<int8_t> act_q_;
   std::vector<float> act_d_, act_s_;
@@ -346,7 +378,14 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute, int64_t int8_sgemm_min_tokens) {
-  return std::make_unique<CpuBackend>(n_threads, compute, int8_sgemm_min_tokens);
+  // Only int8 compute has a crossover to look up: fp32 compute reads no file.
+  const bool needs_table = int8_sgemm_min_tokens <= 0 && compute == ComputeType::kInt8;
+  return std::make_unique<CpuBackend>(n_threads, compute, int8_sgemm_min_tokens,
+                                      needs_table ? load_configured_kernel_table() : KernelTable{});
+}
+
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute, const KernelTable& table) {
+  return std::make_unique<CpuBackend>(n_threads, compute, 0, table);
 }
 
 std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return make_cpu_backend(n_threads, ComputeType::kInt8); }

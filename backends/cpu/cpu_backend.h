@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "backends/backend.h"
+#include "backends/cpu/tuning.h"
 
 namespace ringlm {
 
@@ -15,9 +16,13 @@ namespace ringlm {
 // F32, F16, BF16, Q4_K and Q6_K weights take the fp32 dequantize path under both.
 enum class ComputeType { kInt8, kFp32 };
 
-// `n_threads` OpenMP threads per matmul (0: OpenMP's default). Under kInt8, calls with at
-// least `int8_sgemm_min_tokens` tokens (0: the measured default) take the fp32 sgemm path,
-// the faster prefill GEMM on this kind of machine; tests pass a large value to keep int8.
+// `n_threads` OpenMP threads per matmul (0: OpenMP's default). Under kInt8, a call on a weight
+// takes the fp32 sgemm path, the faster prefill GEMM, from a number of tokens on: with
+// `int8_sgemm_min_tokens` > 0, that many for every weight (tests pass a large value to keep
+// int8, `ringlm tune` 1 to force sgemm); with 0, the crossover of the weight's shape in the
+// tuning table (load_configured_kernel_table(): $RINGLM_TUNING or the cache), read once here.
 std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute, int64_t int8_sgemm_min_tokens = 0);
+// The same with the crossovers of a given table (shapes it lacks: the nearest entry, or the default).
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute, const KernelTable& table);
 
 }  // namespace ringlm

@@ -1,0 +1,225 @@
+// `ringlm tune`: finds, on this machine, the number of tokens from which dequantize + sgemm beats
+// the int8 kernels, for each weight shape of a model, and writes it as the CPU backend's tuning
+// table (backends/cpu/tuning.h), which `run`, `bench` and `perplexity` then read at load.
+//
+// Method: every distinct (type, N, K) among the model's weights that the int8 kernels run is
+// prepared on two backends, one forced to the int8 kernels (a crossover no call reaches) and one
+// forced to the fp32 path (crossover 1), and both multiply the same random activations at
+// M = 8, 16, ... up to --max-m. Each time is the median of several calls after an untimed
+// warm-up; the two paths' calls alternate, so that load from other processes slows both alike.
+// A busy machine still defeats this (with several threads, one preempted thread holds the others
+// at every barrier): the run warns when it got much less CPU time than its threads asked for.
+// The crossover is the smallest M from which sgemm wins at every larger M as well. (Below 16
+// tokens the fp32 path multiplies row by row instead of through sgemm: what such a low
+// crossover would run, so that is what is timed.)
+#include "apps/tune_command.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "apps/common_options.h"
+#include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/int8_kernels.h"
+#include "backends/cpu/tuning.h"
+#include "core/gguf/gguf.h"
+
+namespace ringlm {
+
+namespace {
+
+struct TuneOptions {
+  std::string model_path;
+  int n_threads = 0;
+  std::string output;  // empty: $RINGLM_TUNING, else the default path
+  int max_m = 512;
+};
+
+// Decode batches to long prompt chunks; denser where crossovers fall on today's machines.
+constexpr int64_t kTokenCounts[] = {8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512};
+// Timed calls per path and M: at least kMinReps and kMinMs in all, at most kMaxReps.
+constexpr size_t kMinReps = 5;
+constexpr size_t kMaxReps = 200;
+constexpr double kMinMs = 100;
+// Below this share of CPU time per thread the timings measure the other processes.
+constexpr double kMinCpuShare = 0.6;
+
+// One weight of a distinct shape, multiplied in place from the mapped file.
+struct Shape {
+  WeightView weight;
+  std::string label;  // "Q4_1 576x1536" (N x K)
+};
+
+std::string type_name(TensorType type) {
+  const auto traits = type_traits(static_cast<uint32_t>(type));
+  return traits ? std::string(traits->name) : "type " + std::to_string(static_cast<uint32_t>(type));
+}
+
+// The weights the model multiplies with the int8 kernels, one per (type, N, K). A tied model uses
+// token_embd as its output projection; beside an output.weight it is only read row by row.
+std::vector<Shape> tunable_shapes(const GgufFile& gguf) {
+  const bool embd_multiplied = gguf.find_tensor("output.weight") == nullptr;
+  std::vector<Shape> shapes;
+  for (const GgufTensorInfo& t : gguf.tensors()) {
+    if (t.shape.size() != 2 || !cpu::int8_supported(t.type)) continue;
+    if (t.name == "token_embd.weight" && !embd_multiplied) continue;
+    const WeightView w{t.name, t.type, t.rows(), t.cols(), t.data};
+    const bool seen = std::any_of(shapes.begin(), shapes.end(), [&](const Shape& s) {
+      return s.weight.type == w.type && s.weight.rows == w.rows && s.weight.cols == w.cols;
+    });
+    if (!seen) shapes.push_back({w, type_name(w.type) + " " + std::to_string(w.rows) + "x" + std::to_string(w.cols)});
+  }
+  return shapes;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  return v.size() % 2 == 1 ? v[h] : (v[h - 1] + v[h]) / 2;
+}
+
+// CPU seconds this process has run (all threads).
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  const auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
+  return seconds(u.ru_utime) + seconds(u.ru_stime);
+}
+
+// The two paths on one weight: each backend holds its own prepared copy.
+struct Contenders {
+  Backend& int8;
+  Backend& sgemm;
+  const PreparedWeight& int8_w;
+  const PreparedWeight& sgemm_w;
+};
+
+double time_call(Backend& b, const PreparedWeight& w, const float* x, int64_t m, float* y) {
+  const auto t0 = std::chrono::steady_clock::now();
+  b.matmul(w, x, m, y);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+TuningPoint measure(const Contenders& c, const float* x, int64_t m, float* y) {
+  // Warm-up: buffers grow to this M, the weight comes into cache, the threads wake.
+  time_call(c.int8, c.int8_w, x, m, y);
+  time_call(c.sgemm, c.sgemm_w, x, m, y);
+  std::vector<double> int8_ms, sgemm_ms;
+  double total = 0;
+  while (int8_ms.size() < kMaxReps && (int8_ms.size() < kMinReps || total < 2 * kMinMs)) {
+    int8_ms.push_back(time_call(c.int8, c.int8_w, x, m, y));
+    sgemm_ms.push_back(time_call(c.sgemm, c.sgemm_w, x, m, y));
+    total += int8_ms.back() + sgemm_ms.back();
+  }
+  return {m, median(int8_ms), median(sgemm_ms)};
+}
+
+std::string crossover_text(int64_t crossover) {
+  return crossover >= KernelTable::kNever ? "never (int8 wins)" : "M >= " + std::to_string(crossover);
+}
+
+KernelEntry tune_shape(const Shape& s, Backend& int8, Backend& sgemm, const std::vector<int64_t>& ms,
+                       const std::vector<float>& x, std::vector<float>& y) {
+  const auto int8_w = int8.prepare(s.weight);
+  const auto sgemm_w = sgemm.prepare(s.weight);
+  const Contenders c{int8, sgemm, *int8_w, *sgemm_w};
+  KernelEntry e{s.weight.type, s.weight.rows, s.weight.cols, 0, {}, {}, {}};
+  std::vector<TuningPoint> points;
+  for (const int64_t m : ms) {
+    const TuningPoint p = measure(c, x.data(), m, y.data());
+    std::printf("| %-16s | %4lld | %10.3f | %10.3f | %-6s |\n", s.label.c_str(), static_cast<long long>(m), p.int8_ms,
+                p.sgemm_ms, p.sgemm_ms < p.int8_ms ? "sgemm" : "int8");
+    std::fflush(stdout);
+    points.push_back(p);
+    e.m.push_back(m);
+    e.int8_ms.push_back(p.int8_ms);
+    e.sgemm_ms.push_back(p.sgemm_ms);
+  }
+  e.crossover = crossover_from_timings(points);
+  return e;
+}
+
+std::string output_path(const TuneOptions& o) {
+  if (!o.output.empty()) return o.output;
+  // Where the backend will look: $RINGLM_TUNING when it names a file.
+  if (const char* env = std::getenv("RINGLM_TUNING"); env != nullptr && *env != '\0' && std::string(env) != "off") {
+    return env;
+  }
+  return default_kernel_table_path();
+}
+
+void tune(const TuneOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::unique_ptr<GgufFile> gguf = GgufFile::open(resolve_model_path(o.model_path));
+  const std::vector<Shape> shapes = tunable_shapes(*gguf);
+  if (shapes.empty()) {
+    throw std::runtime_error(gguf->path() + ": no weights the int8 kernels run (Q4_0, Q4_1, Q8_0, INT4): nothing to tune");
+  }
+  std::vector<int64_t> ms;
+  for (const int64_t m : kTokenCounts) {
+    if (m <= o.max_m) ms.push_back(m);
+  }
+  const int threads = resolve_threads(o.n_threads);
+  auto int8 = make_cpu_backend(threads, ComputeType::kInt8, KernelTable::kNever);
+  auto sgemm = make_cpu_backend(threads, ComputeType::kInt8, 1);
+
+  int64_t max_n = 0, max_k = 0;
+  for (const Shape& s : shapes) {
+    max_n = std::max(max_n, s.weight.rows);
+    max_k = std::max(max_k, s.weight.cols);
+  }
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(ms.back() * max_k));
+  for (float& v : x) v = normal(rng);
+  std::vector<float> y(static_cast<size_t>(ms.back() * max_n));
+
+  KernelTable table;
+  table.machine = this_machine(threads);
+  std::printf("ringlm tune: %zu shapes, %d threads, %s, target %s\n\n", shapes.size(), threads, table.machine.cpu.c_str(),
+              table.machine.target.c_str());
+  std::printf("| %-16s | %4s | %10s | %10s | %-6s |\n", "shape (N x K)", "M", "int8 ms", "sgemm ms", "faster");
+  std::printf("| %s | ---: | ---------: | ---------: | ------ |\n", std::string(16, '-').c_str());
+  const double cpu0 = cpu_seconds();
+  const auto timed0 = std::chrono::steady_clock::now();
+  for (const Shape& s : shapes) table.set(tune_shape(s, *int8, *sgemm, ms, x, y));
+  const double timed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed0).count();
+  // The threads spin between calls, so an idle machine gives them all their wall time.
+  const double cpu_share = (cpu_seconds() - cpu0) / (timed_s * threads);
+
+  std::printf("\n| %-16s | %-17s |\n| %s | %s |\n", "shape (N x K)", "sgemm from", std::string(16, '-').c_str(),
+              std::string(17, '-').c_str());
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    std::printf("| %-16s | %-17s |\n", shapes[i].label.c_str(), crossover_text(table.entries()[i].crossover).c_str());
+  }
+  const std::string path = output_path(o);
+  save_kernel_table(table, path);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::fflush(stdout);
+  if (cpu_share < kMinCpuShare) {
+    std::fprintf(stderr, "ringlm tune: warning: got %.0f%% of the CPU time of %d threads (a busy machine?): the "
+                 "crossovers may be off; run again when it is idle\n", 100 * cpu_share, threads);
+  }
+  std::fprintf(stderr, "ringlm tune: wrote %s (%zu entries) in %.1f s\n", path.c_str(), table.entries().size(), s);
+}
+
+}  // namespace
+
+void add_tune_command(CLI::App& app) {
+  auto o = std::make_shared<TuneOptions>();
+  CLI::App* cmd = app.add_subcommand("tune", "measure where sgemm overtakes the int8 kernels on this machine");
+  cmd->add_option("-m,--model", o->model_path, "GGUF model file (default: $RINGLM_MODEL, else the model setup installed)");
+  cmd->add_option("-t,--threads", o->n_threads, "CPU threads (0: all cores)")->check(CLI::Range(0, 1024));
+  cmd->add_option("-o,--output", o->output, "tuning table to write (default: $RINGLM_TUNING, else the cache directory)");
+  cmd->add_option("--max-m", o->max_m, "largest token count measured")->check(CLI::Range(8, 1 << 16))->capture_default_str();
+  cmd->callback([o] { tune(*o); });
+}
+
+}  // namespace ringlm

@@ -1,0 +1,102 @@
+// Per-machine kernel selection: for each quantized weight shape, the number of tokens M from
+// which the CPU backend's dequantize + sgemm path beats its int8 kernels.
+//
+// Which path wins depends on the shape (a 576-wide matrix keeps its tiles in L2, a 49152-row
+// vocabulary projection does not), the format, the instruction set and the thread count, so one
+// constant cannot be right everywhere: `ringlm tune` measures both paths on the model's own
+// shapes and writes the crossovers here, as a small JSON file the backend reads at construction.
+//
+// File format (version 1):
+//   {"ringlm_tuning": 1,
+//    "machine": {"cpu": "AMD EPYC", "target": "AVX2", "threads": 2, "date": "...", "ringlm": "0.1.0"},
+//    "entries": [{"type_id": 3, "type": "Q4_1", "n": 576, "k": 576, "crossover": 64}, ...]}
+// `type_id` is the GGML / ringlm type id (`type` is its name, for people; not read back). A
+// `crossover` of null means the int8 kernels won at every measured M. Entries may carry the
+// measured times too ("m", "int8_ms", "sgemm_ms"); they are kept for reading, not loaded.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "quant/formats.h"
+
+namespace ringlm {
+
+// The machine a table was measured on. Only `threads` could matter to the backend; the rest
+// says whether a table found in a shared cache belongs to this machine.
+struct TuningMachine {
+  std::string cpu;     // /proc/cpuinfo "model name"
+  std::string target;  // the best Highway target this CPU runs (the int8 kernels' dispatch)
+  int threads = 0;
+  std::string date;     // UTC, ISO 8601
+  std::string version;  // ringlm version that measured it
+};
+
+// One measured weight shape: rows N, columns K, in a weight type.
+struct KernelEntry {
+  TensorType type = TensorType::Q4_0;
+  int64_t n = 0;
+  int64_t k = 0;
+  int64_t crossover = 0;  // smallest M taking sgemm; KernelTable::kNever if int8 always wins
+  // What tune measured (optional; saved for people reading the file, never loaded).
+  std::vector<int64_t> m;
+  std::vector<double> int8_ms, sgemm_ms;
+};
+
+class KernelTable {
+ public:
+  // The crossover for shapes a table does not cover: measured on the Zen 3 CI machine (1
+  // thread, SmolLM2 shapes), int8 wins up to M = 32 and ties or loses at M = 64.
+  static constexpr int64_t kDefaultCrossover = 48;
+  // "int8 always wins": a crossover no call reaches.
+  static constexpr int64_t kNever = int64_t{1} << 40;
+
+  TuningMachine machine;
+
+  // Adds the entry, or replaces the one with the same (type, n, k).
+  void set(KernelEntry entry);
+  const std::vector<KernelEntry>& entries() const { return entries_; }
+  bool empty() const { return entries_.empty(); }
+
+  // The crossover for a weight: its own entry if measured, else the entry of the same type
+  // nearest in K and then in N (crossovers move with K more than with N: K is the length of
+  // every dot product and the size of every dequantized row), else kDefaultCrossover.
+  int64_t crossover(TensorType type, int64_t n, int64_t k) const;
+
+  std::string to_json() const;
+  // Parses a table; throws std::runtime_error saying what is wrong (with the JSON path).
+  static KernelTable from_json(const std::string& text);
+
+ private:
+  std::vector<KernelEntry> entries_;
+};
+
+// Reads a table. A missing file gives an empty table, silently when `missing_ok`; a file that
+// cannot be read or parsed gives an empty table (the defaults) and one warning line on stderr
+// naming the file and the problem. Never throws.
+KernelTable load_kernel_table(const std::string& path, bool missing_ok = false);
+// Writes the table (parent directories created, replaced atomically). Throws std::runtime_error.
+void save_kernel_table(const KernelTable& table, const std::string& path);
+
+// ${RINGLM_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ringlm}/tuning.json
+std::string default_kernel_table_path();
+// The table the backend uses by default: $RINGLM_TUNING names a file ("off": none), else the
+// default path (absent is fine: the built-in crossover). Empty when off, absent or malformed.
+KernelTable load_configured_kernel_table();
+
+// This machine, as a table header: CPU name, Highway target, `threads`, today, ringlm version.
+TuningMachine this_machine(int threads);
+
+// One measured M of one shape.
+struct TuningPoint {
+  int64_t m = 0;
+  double int8_ms = 0, sgemm_ms = 0;
+};
+// The crossover from measurements in increasing M: the smallest M from which sgemm is faster at
+// every larger measured M too, so that one noisy small-M sample cannot send decode-sized calls
+// to sgemm. kNever when int8 wins at the largest M (or there are no points).
+int64_t crossover_from_timings(std::span<const TuningPoint> points);
+
+}  // namespace ringlm
