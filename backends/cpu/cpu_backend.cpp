@@ -40,7 +40,8 @@ namespace ringlm {
 namespace {
 
 // Calls with at least this many tokens take the sgemm path on fp32 compute. On int8 compute the
-// crossover is per weight shape (KernelTable; without a table, KernelTable::kDefaultCrossover).
+// crossover is per weight shape (KernelTable; without a table, KernelTable::kDefaultCrossover:
+// the int8 kernels for every M).
 constexpr int64_t kSgemmMinTokens = 16;
 // Token rows the activation buffer holds from prepare on (decode batches: flat GEMM sizes).
 constexpr int64_t kPreparedTokens = 16;
