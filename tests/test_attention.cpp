@@ -76,7 +76,8 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
 INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                          ::testing::Values(Case{4, 4, 16, 0, 1}, Case{4, 4, 16, 0, 9}, Case{9, 3, 64, 0, 130},
                                            Case{9, 3, 64, 200, 33}, Case{8, 1, 32, 1000, 1}, Case{8, 2, 32, 700, 1},
-                                           Case{9, 3, 64, 600, 1}, Case{6, 3, 8, 129, 70}, Case{2, 2, 64, 255, 2}),
+                                           Case{9, 3, 64, 600, 1}, Case{6, 3, 8, 129, 70}, Case{2, 2, 64, 255, 2},
+                                           Case{4, 2, 36, 50, 3}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;  // (not operator+: GCC 12 reports a false -Wrestrict on it)

@@ -42,6 +42,46 @@ float SoftmaxBlockRow(float* s, int64_t n_valid, int64_t n_cols, float* m) {
   return sum;
 }
 
+// scores[r][j] = q[r] · k[j] for rows r < n_rows of q ([n_rows][hd]) and keys j < n_keys (k_ld
+// floats apart): the score block of a few query rows (decode), where sgemm's packing of its
+// operands costs more than the products.
+void ScoreRows(const float* q, int n_rows, int hd, const float* k, int64_t k_ld, int n_keys, float* scores,
+               int scores_ld) {
+  const hn::ScalableTag<float> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  for (int j = 0; j < n_keys; ++j) {
+    const float* kj = k + j * k_ld;
+    for (int r = 0; r < n_rows; ++r) {
+      const float* qr = q + r * hd;
+      auto sum = hn::Zero(d);
+      int c = 0;
+      for (; c + lanes <= hd; c += lanes) sum = hn::MulAdd(hn::LoadU(d, qr + c), hn::LoadU(d, kj + c), sum);
+      float dot = hn::GetLane(hn::SumOfLanes(d, sum));
+      for (; c < hd; ++c) dot += qr[c] * kj[c];
+      scores[r * scores_ld + j] = dot;
+    }
+  }
+}
+
+// acc[r] += sum_j p[r][j] * v[j] for rows r < n_rows: the value side of ScoreRows.
+void AccumulateRows(const float* p, int n_rows, int p_ld, const float* v, int64_t v_ld, int n_keys, int hd,
+                    float* acc) {
+  const hn::ScalableTag<float> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  for (int j = 0; j < n_keys; ++j) {
+    const float* vj = v + j * v_ld;
+    for (int r = 0; r < n_rows; ++r) {
+      const float w = p[r * p_ld + j];
+      if (w == 0.0f) continue;
+      float* ar = acc + r * hd;
+      const auto vw = hn::Set(d, w);
+      int c = 0;
+      for (; c + lanes <= hd; c += lanes) hn::StoreU(hn::MulAdd(vw, hn::LoadU(d, vj + c), hn::LoadU(d, ar + c)), d, ar + c);
+      for (; c < hd; ++c) ar[c] += w * vj[c];
+    }
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace ringlm::cpu
 HWY_AFTER_NAMESPACE();
@@ -53,6 +93,8 @@ HWY_AFTER_NAMESPACE();
 namespace ringlm::cpu {
 
 HWY_EXPORT(SoftmaxBlockRow);
+HWY_EXPORT(ScoreRows);
+HWY_EXPORT(AccumulateRows);
 
 namespace {
 
@@ -60,6 +102,9 @@ constexpr int kQueryRows = 64;  // rows of a query tile (query heads of a group 
 constexpr int kKeyBlock = 128;  // keys per block: a block's scores stay in L1 / L2
 constexpr int kMinKeysPerSplit = 256;  // decode: fewer keys per thread cost more to merge than they save
 constexpr int kMaxSplits = 64;
+// Tiles of at most this many query rows (decode: one token's heads of a group) multiply directly;
+// larger ones through sgemm, whose operand packing pays off only then.
+constexpr int kDirectRows = 8;
 
 // A tile's running state: per row the max and the sum of exponentials, and the weighted values.
 struct TileState {
@@ -97,8 +142,12 @@ void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int n
     const float* k = kv.keys + j0 * ld + u.kv_head * hd;
     const float* v = kv.values + j0 * ld + u.kv_head * hd;
     // scores[rows][nb] = qt · Kᵀ
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nb, hd, 1.0f, qt, hd, k, static_cast<int>(ld), 0.0f,
-                scores, kKeyBlock);
+    if (rows <= kDirectRows) {
+      HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, k, ld, nb, scores, kKeyBlock);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nb, hd, 1.0f, qt, hd, k, static_cast<int>(ld), 0.0f,
+                  scores, kKeyBlock);
+    }
     for (int r = 0; r < rows; ++r) {
       const int visible = std::clamp(n_past + u.token_begin + r / group + 1 - j0, 0, nb);
       float* s = scores + r * kKeyBlock;
@@ -115,8 +164,12 @@ void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int n
       }
     }
     // acc[rows][hd] += P · V
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, nb, 1.0f, scores, kKeyBlock, v,
-                static_cast<int>(ld), 1.0f, st.acc, hd);
+    if (rows <= kDirectRows) {
+      HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores, rows, kKeyBlock, v, ld, nb, hd, st.acc);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, nb, 1.0f, scores, kKeyBlock, v,
+                  static_cast<int>(ld), 1.0f, st.acc, hd);
+    }
   }
 }
 

@@ -147,7 +147,7 @@ class CpuBackend final : public Backend {
     const bool int8 = compute_ == ComputeType::kInt8 && cpu::int8_supported(w.type);
     reserve(int8 ? kPreparedTokens : 0, w.cols, sgemm_tile_rows(w.rows));
     auto prepared = std::make_unique<CpuWeight>(w, int8 ? crossover(w) : 0);
-    if (int8) prepared->packed = cpu::pack_int8(w.type, w.data, prepared->row_stride, w.rows, w.cols);
+    if (int8) prepared->packed = cpu::pack_int8(w.type, w.data, prepared->row_stride, w.rows, w.cols, &arena_);
     if (int8 && prepared->packed.data == nullptr) {
       throw std::runtime_error("weight '" + w.name + "': could not be packed for the int8 kernels");
     }
@@ -374,6 +374,7 @@ class CpuBackend final : public Backend {
   std::vector<const CpuWeight*> int8_batch_;  // reused lists: no allocation per call
   std::vector<float*> int8_batch_ys_;
   std::vector<ThreadBuffers> per_thread_;
+  cpu::WeightArena arena_;  // the packed weights, in the order the model prepares them
 };
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include <memory>
 
 #include "backends/cpu/int8_kernels.h"
+#include "backends/cpu/weight_arena.h"
 #include "quant/formats.h"
 
 namespace ringlm::cpu {
@@ -34,13 +35,10 @@ namespace ringlm::cpu {
 inline constexpr int64_t kPackRows = 8;  // rows per interleaved group
 
 struct PackedWeight {
-  struct Free {
-    void operator()(uint8_t* p) const;
-  };
   TensorType type = TensorType::F32;
   int64_t rows = 0, cols = 0;  // the matrix: rows outputs of cols inputs (unpadded)
   size_t group_bytes = 0;      // bytes of one 8-row group (a multiple of 64)
-  std::unique_ptr<uint8_t[], Free> data;
+  std::shared_ptr<uint8_t> data;  // from a WeightArena (shared with other weights) or its own
 
   int64_t groups() const { return (rows + kPackRows - 1) / kPackRows; }
   size_t bytes() const { return group_bytes * static_cast<size_t>(groups()); }
@@ -49,8 +47,10 @@ struct PackedWeight {
 
 // Packs a [rows][cols] matrix of `type` (int8_supported(type); cols a multiple of the format's
 // block) whose rows are `row_stride` bytes apart from `w`. Groups are packed in parallel over
-// the OpenMP threads (a nested call runs serially).
-PackedWeight pack_int8(TensorType type, const uint8_t* w, size_t row_stride, int64_t rows, int64_t cols);
+// the OpenMP threads (a nested call runs serially). The copy is cut from `arena` when given
+// (weights packed in the order the model uses them lie in that order), else allocated alone.
+PackedWeight pack_int8(TensorType type, const uint8_t* w, size_t row_stride, int64_t rows, int64_t cols,
+                       WeightArena* arena = nullptr);
 
 // y[m][n] = sum_k W[n][k] * xq[m][k] for n in [n_begin, n_end), m in [0, n_tokens), y with row
 // stride ldy; as gemm_int8 on the unpacked weights, within the same rounding bound (the sums
