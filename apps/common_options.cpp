@@ -37,6 +37,23 @@ void add_compute_option(CLI::App& cmd, ComputeType& compute) {
       ->default_str("int8");
 }
 
+void add_kv_cache_options(CLI::App& cmd, KvCacheOptions& opts) {
+  opts.n_keep = 4;
+  opts.context_shift = true;
+  const std::map<std::string, KvType> types{{"f16", KvType::kF16}, {"f32", KvType::kF32}};
+  cmd.add_option("--cache-type", opts.type, "KV cache element type: f16 or f32")
+      ->transform(CLI::CheckedTransformer(types, CLI::ignore_case))
+      ->default_str("f16");
+  cmd.add_option("--keep", opts.n_keep, "tokens at the start kept when the context shifts (attention sinks)")
+      ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
+  cmd.add_option("--discard", opts.n_discard, "tokens a context shift drops after the kept ones (0: half of them)")
+      ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
+  cmd.add_flag_callback("--no-context-shift", [&opts] { opts.context_shift = false; },
+                        "stop at a full context instead of shifting it (StreamingLLM)");
+}
+
 void add_sampling_options(CLI::App& cmd, SamplingParams& p) {
   cmd.add_option("--temp", p.temperature, "temperature (0: greedy)")->check(CLI::Range(0.0f, 100.0f))->capture_default_str();
   cmd.add_option("--top-k", p.top_k, "keep the k most likely tokens (0: off)")->check(CLI::Range(0, 1 << 24))->capture_default_str();

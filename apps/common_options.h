@@ -5,6 +5,7 @@
 #include <string>
 
 #include "backends/cpu/cpu_backend.h"
+#include "core/kv/kv_cache.h"
 #include "core/sampling/sampler.h"
 
 namespace ringlm {
@@ -21,6 +22,11 @@ void add_sampling_options(CLI::App& cmd, SamplingParams& params);
 // --compute int8|fp32: how quantized weights are multiplied (int8: activations quantized per
 // block on the fly, the fast default; fp32: weights dequantized, the reference path).
 void add_compute_option(CLI::App& cmd, ComputeType& compute);
+
+// The KV cache and StreamingLLM: --cache-type f16|f32, --keep N (attention sinks, default 4),
+// --discard N (tokens a context shift drops, default half of those after the sinks),
+// --no-context-shift (stop at a full context instead). Sets context_shift = true unless told not to.
+void add_kv_cache_options(CLI::App& cmd, KvCacheOptions& opts);
 
 // -m if given, else $RINGLM_MODEL, else the model that setup installs into the cache directory.
 std::string resolve_model_path(const std::string& flag_value);

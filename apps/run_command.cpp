@@ -19,6 +19,7 @@ namespace {
 
 struct RunOptions {
   ModelOptions model;
+  KvCacheOptions cache;
   SamplingParams sampling;
   std::string prompt;
   std::string prompt_file;
@@ -35,6 +36,8 @@ struct RunStats {
   double decode_ms = 0;
   double load_ms = 0;
   int n_threads = 0;
+  int64_t n_shifts = 0;        // context shifts done
+  int64_t n_discarded = 0;     // tokens they dropped
   std::string stop_reason;
 };
 
@@ -56,6 +59,7 @@ void print_stats(const RunStats& s, const std::string& format) {
     nlohmann::json j = {
         {"prompt_tokens", s.prompt_tokens}, {"prompt_ms", s.prompt_ms}, {"prompt_tps", per_second(s.prompt_tokens, s.prompt_ms)},
         {"gen_tokens", s.gen_tokens},       {"gen_ms", s.decode_ms},    {"gen_tps", per_second(s.decode_evals, s.decode_ms)},
+        {"n_shifts", s.n_shifts},           {"n_discarded", s.n_discarded},
         {"load_ms", s.load_ms},             {"n_threads", s.n_threads}, {"stop_reason", s.stop_reason},
     };
     std::fprintf(stderr, "%s\n", j.dump().c_str());
@@ -85,7 +89,7 @@ void run(const RunOptions& o) {
   stats.load_ms = m.load_ms;
   stats.n_threads = n_threads;
   stats.prompt_tokens = prompt.size();
-  KvCache cache = m.model->make_cache(n_ctx);
+  KvCache cache = m.model->make_cache(n_ctx, o.cache);
   Sampler sampler(o.sampling, hp.n_vocab);
   std::vector<float> logits(static_cast<size_t>(hp.n_vocab));
   std::vector<int32_t> history = prompt;
@@ -109,15 +113,18 @@ void run(const RunOptions& o) {
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
     if (o.n_predict >= 0 && stats.gen_tokens >= static_cast<size_t>(o.n_predict)) break;
-    if (cache.size() >= cache.capacity()) {
+    if (!o.cache.context_shift && cache.size() >= cache.capacity()) {
       stats.stop_reason = "context";
-      std::fprintf(stderr, "\nringlm: context of %d tokens is full; stopping (raise -c)\n", n_ctx);
+      std::fprintf(stderr, "\nringlm: context of %d tokens is full; stopping (raise -c, or drop --no-context-shift)\n",
+                   n_ctx);
       break;
     }
     m.model->forward(std::span<const int32_t>(&token, 1), cache, logits.data());
     ++stats.decode_evals;
   }
   stats.decode_ms = ms_since(t0);
+  stats.n_shifts = cache.shifts();
+  stats.n_discarded = cache.discarded();
   const std::string rest = text.flush();
   std::fwrite(rest.data(), 1, rest.size(), stdout);
   std::fflush(stdout);
@@ -131,6 +138,7 @@ void add_run_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("run", "generate text from one prompt");
   add_model_options(*cmd, opts->model);
   add_sampling_options(*cmd, opts->sampling);
+  add_kv_cache_options(*cmd, opts->cache);
   auto* p = cmd->add_option("-p,--prompt", opts->prompt, "prompt text");
   auto* f = cmd->add_option("-f,--file", opts->prompt_file, "read the prompt from a file");
   p->excludes(f);

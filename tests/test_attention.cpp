@@ -1,22 +1,47 @@
 // The CPU attention kernel against attention computed from its definition in float64:
-// out[i][h] = sum_j softmax_j(q[i][h] · k[j][g] / sqrt(d)) v[j][g] over j <= n_past + i, g = h / group.
-// Shapes cover MHA, GQA and MQA, prefill chunks that span several query tiles and key blocks,
-// decode with the keys split across threads, and 1 or 2 threads.
+// out[i][h] = sum_j softmax_j(q[i][h] · k[j][g] / sqrt(d)) v[j][g] over the tokens j <= n_past + i,
+// g = h / group. Shapes cover MHA, GQA and MQA, prefill chunks that span several query tiles and
+// key blocks, decode with the keys split across threads, and 1 or 2 threads; the cache layouts
+// cover tokens in order, tokens scattered over a ring's slots in any order with empty slots
+// between them, and fp16 storage (the reference then reads the same fp16-rounded values).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <sstream>
 #include <vector>
 
 #include "backends/cpu/attention.h"
+#include "quant/formats.h"
 
 namespace ringlm::cpu {
 namespace {
 
 struct Case {
   int n_head, n_head_kv, head_dim, n_past, n_tokens;
+  bool ring = false;  // tokens in shuffled slots, with empty slots among them
+  bool f16 = false;   // keys and values stored as fp16
 };
+
+// Where each token's keys and values live: slot_of[j] for token j, and per slot its position
+// (-1: empty). In order, token j is slot j; as a ring, the tokens are shuffled over 1.5x as
+// many slots.
+struct Layout {
+  std::vector<int> slot_of;
+  std::vector<int64_t> positions;
+};
+
+Layout make_layout(const Case& c, std::mt19937& rng) {
+  const int n_keys = c.n_past + c.n_tokens;
+  const int n_slots = c.ring ? n_keys + n_keys / 2 + 1 : n_keys;
+  std::vector<int> slots(static_cast<size_t>(n_slots));
+  for (int i = 0; i < n_slots; ++i) slots[static_cast<size_t>(i)] = i;
+  if (c.ring) std::shuffle(slots.begin(), slots.end(), rng);
+  Layout l{std::vector<int>(slots.begin(), slots.begin() + n_keys), std::vector<int64_t>(static_cast<size_t>(n_slots), -1)};
+  for (int j = 0; j < n_keys; ++j) l.positions[static_cast<size_t>(l.slot_of[static_cast<size_t>(j)])] = j;
+  return l;
+}
 
 std::vector<double> reference(const Case& c, const std::vector<float>& q, const std::vector<float>& k,
                               const std::vector<float>& v) {
@@ -52,19 +77,45 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
   std::mt19937 rng(static_cast<unsigned>(c.n_past * 31 + c.n_tokens));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const int n_keys = c.n_past + c.n_tokens;
+  const int kv_w = c.n_head_kv * c.head_dim;
   std::vector<float> q(static_cast<size_t>(c.n_tokens) * c.n_head * c.head_dim);
-  std::vector<float> k(static_cast<size_t>(n_keys) * c.n_head_kv * c.head_dim), v(k.size());
+  std::vector<float> k(static_cast<size_t>(n_keys) * kv_w), v(k.size());
   // Scores of a few units: the softmax is neither flat nor one-hot.
   for (float& x : q) x = normal(rng) * 0.8f;
   for (float& x : k) x = normal(rng);
   for (float& x : v) x = normal(rng);
+  if (c.f16) {  // the reference sees what the cache holds
+    for (float& x : k) x = fp16_to_fp32(fp32_to_fp16(x));
+    for (float& x : v) x = fp16_to_fp32(fp32_to_fp16(x));
+  }
   const std::vector<double> expected = reference(c, q, k, v);
+
+  // The cache: token j's row in slot slot_of[j]; empty slots hold garbage that must not count.
+  const Layout layout = make_layout(c, rng);
+  const size_t n_slots = layout.positions.size();
+  std::vector<float> k_slots(n_slots * kv_w, 1e4f), v_slots(n_slots * kv_w, 1e4f);
+  for (int j = 0; j < n_keys; ++j) {
+    const size_t slot = static_cast<size_t>(layout.slot_of[static_cast<size_t>(j)]);
+    std::copy_n(&k[static_cast<size_t>(j) * kv_w], kv_w, &k_slots[slot * kv_w]);
+    std::copy_n(&v[static_cast<size_t>(j) * kv_w], kv_w, &v_slots[slot * kv_w]);
+  }
+  std::vector<uint16_t> k16(k_slots.size()), v16(v_slots.size());
+  for (size_t i = 0; i < k_slots.size(); ++i) {
+    k16[i] = fp32_to_fp16(k_slots[i]);
+    v16[i] = fp32_to_fp16(v_slots[i]);
+  }
+  KvLayer kv;
+  kv.keys = c.f16 ? static_cast<const void*>(k16.data()) : k_slots.data();
+  kv.values = c.f16 ? static_cast<const void*>(v16.data()) : v_slots.data();
+  kv.row_stride = kv_w;
+  kv.f16 = c.f16;
+  kv.positions = layout.positions.data();
+  kv.n_slots = static_cast<int>(n_slots);
   for (int threads : {1, 2}) {
     AttentionScratch scratch;
     std::vector<float> out(q.size(), NAN);
-    attention_causal({c.n_head, c.n_head_kv, c.head_dim}, q.data(),
-                     {k.data(), v.data(), static_cast<int64_t>(c.n_head_kv) * c.head_dim}, c.n_past, c.n_tokens,
-                     out.data(), scratch, threads);
+    attention_causal({c.n_head, c.n_head_kv, c.head_dim}, q.data(), kv, c.n_past, c.n_tokens, out.data(), scratch,
+                     threads);
     for (size_t i = 0; i < out.size(); ++i) {
       // Outputs are convex combinations of values of magnitude ~1: fp32 softmax and sums over
       // a few hundred keys stay well within 1e-5.
@@ -77,12 +128,14 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                          ::testing::Values(Case{4, 4, 16, 0, 1}, Case{4, 4, 16, 0, 9}, Case{9, 3, 64, 0, 130},
                                            Case{9, 3, 64, 200, 33}, Case{8, 1, 32, 1000, 1}, Case{8, 2, 32, 700, 1},
                                            Case{9, 3, 64, 600, 1}, Case{6, 3, 8, 129, 70}, Case{2, 2, 64, 255, 2},
-                                           Case{4, 2, 36, 50, 3}),
+                                           Case{4, 2, 36, 50, 3}, Case{9, 3, 64, 200, 33, true},
+                                           Case{9, 3, 64, 600, 1, true}, Case{8, 2, 32, 300, 1, true, true},
+                                           Case{6, 3, 8, 129, 70, true, true}, Case{4, 4, 16, 0, 9, false, true}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;  // (not operator+: GCC 12 reports a false -Wrestrict on it)
                            name << "H" << c.n_head << "_KV" << c.n_head_kv << "_D" << c.head_dim << "_past" << c.n_past
-                                << "_n" << c.n_tokens;
+                                << "_n" << c.n_tokens << (c.ring ? "_ring" : "") << (c.f16 ? "_f16" : "");
                            return name.str();
                          });
 

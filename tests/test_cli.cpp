@@ -7,6 +7,8 @@
 #include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -275,6 +277,47 @@ TEST(Cli, ValidGgufThatIsNotALlamaModel) {
   const std::string path = write_work_file("no-hparams.gguf", small_gguf());
   expect_clean_failure(run_ringlm({"run", "-m", path, "-p", "hi"}),
                        AllOf(HasSubstr(path), HasSubstr("llama.context_length")));
+}
+
+// The JSON object of the last stderr line (--stats json).
+nlohmann::json last_stats(const RunResult& r) {
+  std::string err = r.err;
+  while (!err.empty() && err.back() == '\n') err.pop_back();
+  return nlohmann::json::parse(err.substr(err.rfind('\n') + 1));
+}
+
+TEST(CliContextShift, GenerationGoesOnPastTheContext) {
+  // 150 tokens through a 64-token cache: StreamingLLM shifts (4 sinks, 30 dropped each time).
+  const RunResult r = run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "Once upon a time", "-c", "64", "--keep", "4",
+                                  "-n", "150", "--ignore-eos", "--temp", "0", "--stats", "json", "-t", "2"},
+                                 120s);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const nlohmann::json stats = last_stats(r);
+  EXPECT_EQ(stats["gen_tokens"], 150);
+  EXPECT_EQ(stats["stop_reason"], "limit");
+  // 4 prompt tokens (+BOS at most) and 149 decoded: the cache overflows after 64, then every 30.
+  EXPECT_GE(stats["n_shifts"].get<int>(), 3);
+  EXPECT_EQ(stats["n_discarded"].get<int>(), 30 * stats["n_shifts"].get<int>());
+}
+
+TEST(CliContextShift, NoContextShiftStopsAtAFullContext) {
+  const RunResult r = run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "Once upon a time", "-c", "32",
+                                  "--no-context-shift", "-n", "100", "--ignore-eos", "--temp", "0", "--stats", "json"},
+                                 120s);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const nlohmann::json stats = last_stats(r);
+  EXPECT_EQ(stats["stop_reason"], "context");
+  EXPECT_EQ(stats["n_shifts"], 0);
+  EXPECT_LT(stats["gen_tokens"].get<int>(), 32);
+}
+
+TEST(CliContextShift, BadCacheFlags) {
+  expect_clean_failure(run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "hi", "-c", "64", "--keep", "64"}),
+                       HasSubstr("--keep"));
+  expect_clean_failure(run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "hi", "-c", "64", "--discard", "61"}),
+                       HasSubstr("--discard"));
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "--cache-type", "q8"}), HasSubstr("--cache-type"));
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "--keep", "-2"}), HasSubstr("--keep"));
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "backends/cpu/attention.h"
+#include "quant/formats.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -16,30 +17,54 @@ namespace ringlm::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// One row of a score block: the first n_valid scores are visible (the rest are masked out by
-// causality). Raises the running max *m to cover them, replaces the visible scores by
-// exp(s - max) and the masked ones by 0, and returns the sum of the exponentials.
-float SoftmaxBlockRow(float* s, int64_t n_valid, int64_t n_cols, float* m) {
+// One row of a score block, masked scores set to -inf. Raises the running max *m to cover the
+// visible ones, replaces them by exp(s - max) and the masked ones by 0, and returns the sum of
+// the exponentials (0, with *m unchanged, when the whole row is masked).
+float SoftmaxBlockRow(float* s, int64_t n, float* m) {
   const hn::ScalableTag<float> d;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  // Causal masks leave the masked scores at the end of a row of an in-order cache: only the
+  // visible prefix needs exponentials.
+  const int64_t n_all = n;
+  while (n > 0 && s[n - 1] == -INFINITY) s[--n] = 0.0f;
   float row_max = *m;
-  for (int64_t j = 0; j < n_valid; ++j) row_max = std::max(row_max, s[j]);
+  for (int64_t j = 0; j < n; ++j) row_max = std::max(row_max, s[j]);
+  if (row_max == -INFINITY) {
+    std::fill(s, s + n_all, 0.0f);
+    return 0.0f;
+  }
   *m = row_max;
   const auto vmax = hn::Set(d, row_max);
+  const auto masked = hn::Set(d, -INFINITY);
   auto vsum = hn::Zero(d);
   int64_t j = 0;
-  for (; j + lanes <= n_valid; j += lanes) {
-    const auto e = hn::Exp(d, hn::Sub(hn::LoadU(d, s + j), vmax));
+  for (; j + lanes <= n; j += lanes) {
+    const auto v = hn::LoadU(d, s + j);
+    const auto e = hn::IfThenZeroElse(hn::Eq(v, masked), hn::Exp(d, hn::Sub(v, vmax)));
     hn::StoreU(e, d, s + j);
     vsum = hn::Add(vsum, e);
   }
   float sum = hn::GetLane(hn::SumOfLanes(d, vsum));
-  for (; j < n_valid; ++j) {
-    s[j] = std::exp(s[j] - row_max);
+  for (; j < n; ++j) {
+    s[j] = s[j] == -INFINITY ? 0.0f : std::exp(s[j] - row_max);
     sum += s[j];
   }
-  std::fill(s + n_valid, s + n_cols, 0.0f);
   return sum;
+}
+
+// dst[j][0 .. n) = src[j * src_stride + 0 .. n) as fp32, for j < rows: a block of fp16 keys or
+// values of one head, converted once for all the query rows that meet it.
+void F16RowsToF32(const uint16_t* src, int64_t src_stride, int rows, int n, float* dst) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  for (int j = 0; j < rows; ++j) {
+    const auto* in = reinterpret_cast<const hwy::float16_t*>(src + j * src_stride);
+    float* o = dst + static_cast<int64_t>(j) * n;
+    int c = 0;
+    for (; c + lanes <= n; c += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in + c)), df, o + c);
+    for (; c < n; ++c) o[c] = fp16_to_fp32(src[j * src_stride + c]);
+  }
 }
 
 // scores[r][j] = q[r] · k[j] for rows r < n_rows of q ([n_rows][hd]) and keys j < n_keys (k_ld
@@ -93,6 +118,7 @@ HWY_AFTER_NAMESPACE();
 namespace ringlm::cpu {
 
 HWY_EXPORT(SoftmaxBlockRow);
+HWY_EXPORT(F16RowsToF32);
 HWY_EXPORT(ScoreRows);
 HWY_EXPORT(AccumulateRows);
 
@@ -120,14 +146,40 @@ struct Unit {
   int key_begin, key_end;      // cache indices (keys beyond a row's causal limit are masked)
 };
 
-// Runs one unit: gathers its query rows (pre-scaled by 1/sqrt(d)), then meets the keys a block
-// at a time. Row r is token token_begin + r / group, query head kv_head * group + r % group.
-void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int n_past, const Unit& u, float* qt,
-              float* scores, const TileState& st) {
+// Per-thread buffers of a unit: its query rows, a score block, and (fp16 caches) one block of
+// keys and one of values in fp32.
+struct UnitBuffers {
+  float* qt;      // [rows][hd]
+  float* scores;  // [rows][kKeyBlock]
+  float* kbuf;    // [kKeyBlock][hd]
+  float* vbuf;    // [kKeyBlock][hd]
+};
+
+// Slots [j0, j0 + nb) of one KV head as fp32 rows: in place (fp32 cache, `ld` apart) or
+// converted into `buf` (hd apart).
+const float* head_block(const void* base, const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* buf,
+                        int64_t* ld) {
+  const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
+  if (!kv.f16) {
+    *ld = kv.row_stride;
+    return static_cast<const float*>(base) + offset;
+  }
+  HWY_DYNAMIC_DISPATCH(F16RowsToF32)(static_cast<const uint16_t*>(base) + offset, kv.row_stride, nb, hd, buf);
+  *ld = hd;
+  return buf;
+}
+
+// Runs one unit: gathers its query rows (pre-scaled by 1/sqrt(d)), then meets the slots a block
+// at a time. Row r is token token_begin + r / group (position q_pos0 + that), query head
+// kv_head * group + r % group. Scores of slots the row may not see are -inf.
+void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
+              const UnitBuffers& buf, const TileState& st) {
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int rows = (u.token_end - u.token_begin) * group;
   const int64_t q_stride = static_cast<int64_t>(sh.n_head) * hd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  float* qt = buf.qt;
+  float* scores = buf.scores;
   for (int r = 0; r < rows; ++r) {
     const float* src = q + (u.token_begin + r / group) * q_stride + (u.kv_head * group + r % group) * hd;
     for (int c = 0; c < hd; ++c) qt[r * hd + c] = src[c] * scale;
@@ -135,26 +187,39 @@ void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int n
     st.l[r] = 0.0f;
     std::fill(st.acc + r * hd, st.acc + (r + 1) * hd, 0.0f);
   }
-  const int64_t ld = kv.row_stride;
-  const int key_end = std::min(u.key_end, n_past + u.token_end);  // the last row's causal limit
-  for (int j0 = u.key_begin; j0 < key_end; j0 += kKeyBlock) {
-    const int nb = std::min(kKeyBlock, key_end - j0);
-    const float* k = kv.keys + j0 * ld + u.kv_head * hd;
-    const float* v = kv.values + j0 * ld + u.kv_head * hd;
+  const int64_t first_pos = q_pos0 + u.token_begin, last_pos = q_pos0 + u.token_end - 1;
+  for (int j0 = u.key_begin; j0 < u.key_end; j0 += kKeyBlock) {
+    const int nb = std::min(kKeyBlock, u.key_end - j0);
+    const int64_t* pos = kv.positions + j0;
+    // A block no row of the tile can see (empty slots, or the future of a prefill) costs nothing.
+    bool any_visible = false;
+    bool all_visible = true;  // to every row: no mask to apply
+    for (int j = 0; j < nb; ++j) {
+      any_visible |= pos[j] >= 0 && pos[j] <= last_pos;
+      all_visible &= pos[j] >= 0 && pos[j] <= first_pos;
+    }
+    if (!any_visible) continue;
+    int64_t ldk = 0, ldv = 0;
+    const float* k = head_block(kv.keys, kv, u.kv_head, hd, j0, nb, buf.kbuf, &ldk);
+    const float* v = head_block(kv.values, kv, u.kv_head, hd, j0, nb, buf.vbuf, &ldv);
     // scores[rows][nb] = qt · Kᵀ
     if (rows <= kDirectRows) {
-      HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, k, ld, nb, scores, kKeyBlock);
+      HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, k, ldk, nb, scores, kKeyBlock);
     } else {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nb, hd, 1.0f, qt, hd, k, static_cast<int>(ld), 0.0f,
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nb, hd, 1.0f, qt, hd, k, static_cast<int>(ldk), 0.0f,
                   scores, kKeyBlock);
     }
     for (int r = 0; r < rows; ++r) {
-      const int visible = std::clamp(n_past + u.token_begin + r / group + 1 - j0, 0, nb);
       float* s = scores + r * kKeyBlock;
+      if (!all_visible) {
+        const int64_t row_pos = q_pos0 + u.token_begin + r / group;
+        for (int j = 0; j < nb; ++j) {
+          if (pos[j] < 0 || pos[j] > row_pos) s[j] = -INFINITY;
+        }
+      }
       const float m_old = st.m[r];
       float m_new = m_old;
-      const float sum = visible > 0 ? HWY_DYNAMIC_DISPATCH(SoftmaxBlockRow)(s, visible, nb, &m_new) : 0.0f;
-      if (visible == 0) std::fill(s, s + nb, 0.0f);
+      const float sum = HWY_DYNAMIC_DISPATCH(SoftmaxBlockRow)(s, nb, &m_new);
       // Rescale what the row has gathered so far to the new max (exp(-inf) = 0 on the first block).
       const float alpha = m_old == m_new ? 1.0f : std::exp(m_old - m_new);
       st.m[r] = m_new;
@@ -165,10 +230,10 @@ void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int n
     }
     // acc[rows][hd] += P · V
     if (rows <= kDirectRows) {
-      HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores, rows, kKeyBlock, v, ld, nb, hd, st.acc);
+      HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores, rows, kKeyBlock, v, ldv, nb, hd, st.acc);
     } else {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, nb, 1.0f, scores, kKeyBlock, v,
-                  static_cast<int>(ld), 1.0f, st.acc, hd);
+                  static_cast<int>(ldv), 1.0f, st.acc, hd);
     }
   }
 }
@@ -220,7 +285,7 @@ float* AttentionScratch::partials(size_t floats) {
   return partials_.data();
 }
 
-void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& kv, int n_past, int n_tokens,
+void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, int n_tokens,
                       float* out, AttentionScratch& scratch, int n_threads) {
   // sgemm runs inside our threads, never with threads of its own.
   static const bool blas_single_threaded = (openblas_set_num_threads(1), true);
@@ -228,7 +293,7 @@ void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& k
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int tokens_per_tile = std::max(1, kQueryRows / group);
   const int token_tiles = (n_tokens + tokens_per_tile - 1) / tokens_per_tile;
-  const int n_keys = n_past + n_tokens;
+  const int n_keys = kv.n_slots;
   // Decode: split the keys so that every thread has work even with few KV heads.
   int splits = 1;
   if (n_tokens == 1 && sh.n_head_kv < 2 * n_threads) {
@@ -240,7 +305,8 @@ void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& k
   const int n_units = sh.n_head_kv * token_tiles * splits;
   // Buffers are sized before the parallel region: growing them inside would race.
   float* partials = splits > 1 ? scratch.partials(static_cast<size_t>(n_units) * state_floats) : nullptr;
-  const size_t thread_floats = static_cast<size_t>(rows_max) * (hd + kKeyBlock) + state_floats;
+  const size_t thread_floats =
+      static_cast<size_t>(rows_max) * (hd + kKeyBlock) + 2 * static_cast<size_t>(kKeyBlock) * hd + state_floats;
   for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats);
 
   const auto state_at = [&](float* base) { return TileState{base, base + rows_max, base + 2 * rows_max}; };
@@ -258,14 +324,17 @@ void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& k
   {
     const int t = omp_get_thread_num();
     float* buf = scratch.thread_buffer(t, thread_floats);
-    float* qt = buf;
-    float* scores = qt + rows_max * hd;
-    float* own_state = scores + rows_max * kKeyBlock;
+    UnitBuffers ub;
+    ub.qt = buf;
+    ub.scores = ub.qt + rows_max * hd;
+    ub.kbuf = ub.scores + rows_max * kKeyBlock;
+    ub.vbuf = ub.kbuf + kKeyBlock * hd;
+    float* own_state = ub.vbuf + kKeyBlock * hd;
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_units; ++i) {
       const Unit u = unit_at(i);
       const TileState st = state_at(splits > 1 ? partials + static_cast<size_t>(i) * state_floats : own_state);
-      run_unit(sh, q, kv, n_past, u, qt, scores, st);
+      run_unit(sh, q, kv, q_pos0, u, ub, st);
       if (splits == 1) store_unit(sh, u, st, out);
     }
     if (splits > 1) {

@@ -17,11 +17,17 @@ struct AttentionShape {
   int head_dim = 0;
 };
 
-// The keys and values of one layer: token j's KV head g starts at keys + j * row_stride + g * head_dim.
+// The keys and values of one layer, in the slots of a ring cache: slot j's KV head g starts at
+// element j * row_stride + g * head_dim of keys (values), fp32 or fp16. positions[j] is the
+// position of slot j's token, -1 for an empty slot. Slots may be in any order: a query at
+// position p sees exactly the slots with 0 <= position <= p.
 struct KvLayer {
-  const float* keys = nullptr;
-  const float* values = nullptr;
-  int64_t row_stride = 0;
+  const void* keys = nullptr;
+  const void* values = nullptr;
+  int64_t row_stride = 0;  // elements
+  bool f16 = false;
+  const int64_t* positions = nullptr;
+  int n_slots = 0;
 };
 
 // Buffers reused across calls (grown, never shrunk: no allocation once warm).
@@ -35,10 +41,10 @@ class AttentionScratch {
   std::vector<float> partials_;
 };
 
-// out[i][h] = softmax(q[i][h] · K[0 .. n_past + i]ᵀ / sqrt(d)) · V[0 .. n_past + i] for the
-// n_tokens queries of the chunk, which sit at cache indices n_past .. n_past + n_tokens - 1.
+// out[i][h] = softmax(q[i][h] · K_visibleᵀ / sqrt(d)) · V_visible for the n_tokens queries of
+// the chunk, query i at position q_pos0 + i seeing the slots at positions 0 .. q_pos0 + i.
 // q and out are [n_tokens][n_head * head_dim].
-void attention_causal(const AttentionShape& shape, const float* q, const KvLayer& kv, int n_past, int n_tokens,
+void attention_causal(const AttentionShape& shape, const float* q, const KvLayer& kv, int64_t q_pos0, int n_tokens,
                       float* out, AttentionScratch& scratch, int n_threads);
 
 }  // namespace ringlm::cpu

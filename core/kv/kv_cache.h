@@ -1,54 +1,95 @@
-// Per-layer key/value cache: `capacity` slots per layer, each holding one token's keys and
-// values for every KV head. Keys are stored already rotated (RoPE) for their position.
+// Per-layer key/value cache as a ring of `capacity` slots (StreamingLLM).
 //
-// Slots are filled in order; a slot's position is tracked so that attention and a later
-// context shift (StreamingLLM) need not assume slot == position.
+// Slots [0, n_keep) hold the first n_keep tokens for good: the attention sinks. The other slots
+// form a ring: tokens are written at its tail; when the cache is full, discard() frees the
+// n_discard oldest tokens after the sinks (they are at the ring's head) and every token that
+// stays moves back n_discard positions. Nothing moves in memory: a slot keeps its token until a
+// new one is written over it, and each slot's position is tracked (-1: empty), because
+// attention masks by position, never by slot order. The keys stay rotated for their position:
+// whoever discards re-rotates them by -n_discard (LlamaModel::shift_context, "shift-RoPE").
+//
+// Keys and values are fp16 (half the memory and bandwidth) or fp32, all allocated at once.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 namespace ringlm {
 
+enum class KvType { kF16, kF32 };
+
+struct KvCacheOptions {
+  KvType type = KvType::kF16;
+  int n_keep = 0;              // attention sinks: the first tokens, never discarded
+  int n_discard = 0;           // tokens a context shift drops (0: half of those after the sinks)
+  bool context_shift = false;  // when full: shift (StreamingLLM) or refuse more tokens
+};
+
 class KvCache {
  public:
-  KvCache(int n_layer, int capacity, int n_kv_head, int head_dim);
+  KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const KvCacheOptions& options = {});
 
   int capacity() const { return capacity_; }
-  int size() const { return size_; }               // tokens cached
+  int size() const { return n_sink_ + ring_count_; }  // tokens cached
+  int n_keep() const { return n_keep_; }
+  KvType type() const { return type_; }
+  const KvCacheOptions& options() const { return options_; }
+  // Tokens the next context shift discards: --discard, else half of those after the sinks.
+  int shift_size() const;
   int row_width() const { return n_kv_head_ * head_dim_; }
   int head_dim() const { return head_dim_; }
   int n_kv_head() const { return n_kv_head_; }
-  size_t bytes() const { return (keys_.size() + values_.size()) * sizeof(float); }
+  size_t bytes() const { return storage_.size(); }
+  int64_t shifts() const { return shifts_; }         // discard() calls so far
+  int64_t discarded() const { return discarded_; }   // tokens discarded so far
 
-  // Slot of the i-th cached token (0 = oldest) and its position in the sequence.
-  int slot(int i) const { return i; }
-  int64_t position(int i) const { return positions_[static_cast<size_t>(i)]; }
+  // Slots that ever held a token: attention covers [0, extent()) and masks the empty ones.
+  int extent() const { return extent_; }
+  // Position of the token in each slot of [0, extent()), -1 where empty.
+  std::span<const int64_t> positions() const { return {positions_.data(), static_cast<size_t>(extent_)}; }
+  // Position the next token takes: one past the newest cached token (0 when empty).
+  int64_t next_position() const { return next_position_; }
 
-  float* key(int layer, int slot) { return keys_.data() + offset(layer, slot); }
-  float* value(int layer, int slot) { return values_.data() + offset(layer, slot); }
-  const float* key(int layer, int slot) const { return keys_.data() + offset(layer, slot); }
-  const float* value(int layer, int slot) const { return values_.data() + offset(layer, slot); }
+  // Tokens the next append() can take in contiguous slots (0: full).
+  int contiguous_free() const;
+  // Reserves `n` (<= contiguous_free()) contiguous slots for new tokens at positions
+  // next_position().. and returns the first. The caller writes every layer's keys and values.
+  int append(int n);
 
-  // Reserves the slots for `n` new tokens at positions pos0.. and returns the first slot.
-  // The caller writes the keys and values of every layer into them.
-  int append(int n, int64_t pos0);
-  void clear() { size_ = 0; }
+  // Frees the n_discard oldest tokens after the sinks (n_discard <= size() - sinks) and moves
+  // every later token back n_discard positions. Returns the slots whose keys must be re-rotated
+  // by -n_discard (every remaining token after the sinks).
+  std::vector<int> discard(int n_discard);
+  void clear();
+
+  // Row `slot` of layer `layer`: row_width() values of type(), K or V.
+  void* key(int layer, int slot) { return storage_.data() + offset(layer, slot, false); }
+  void* value(int layer, int slot) { return storage_.data() + offset(layer, slot, true); }
+  const void* key(int layer, int slot) const { return storage_.data() + offset(layer, slot, false); }
+  const void* value(int layer, int slot) const { return storage_.data() + offset(layer, slot, true); }
+  size_t row_bytes() const { return static_cast<size_t>(row_width()) * (type_ == KvType::kF16 ? 2 : 4); }
 
  private:
-  size_t offset(int layer, int slot) const {
-    return (static_cast<size_t>(layer) * capacity_ + static_cast<size_t>(slot)) * row_width();
+  size_t offset(int layer, int slot, bool value) const {
+    return ((static_cast<size_t>(layer) * 2 + (value ? 1 : 0)) * capacity_ + static_cast<size_t>(slot)) * row_bytes();
   }
+  int ring_capacity() const { return capacity_ - n_keep_; }
+  int ring_slot(int i) const { return n_keep_ + (ring_head_ + i) % ring_capacity(); }  // i-th oldest after the sinks
 
-  int n_layer_;
-  int capacity_;
-  int n_kv_head_;
-  int head_dim_;
-  int size_ = 0;
-  std::vector<float> keys_;
-  std::vector<float> values_;
+  int n_layer_, capacity_, n_kv_head_, head_dim_;
+  KvCacheOptions options_;
+  KvType type_;
+  int n_keep_;
+  int n_sink_ = 0;      // sink slots filled (< n_keep only while the cache is young)
+  int ring_head_ = 0;   // ring index of the oldest token after the sinks
+  int ring_count_ = 0;  // tokens in the ring
+  int extent_ = 0;
+  int64_t next_position_ = 0;
+  int64_t shifts_ = 0, discarded_ = 0;
   std::vector<int64_t> positions_;
+  std::vector<uint8_t> storage_;
 };
 
 }  // namespace ringlm

@@ -57,6 +57,14 @@ std::vector<float> load_vector(const GgufFile& gguf, const std::string& name, in
 }
 
 
+void fp16_to_fp32_row(const uint16_t* src, float* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
+}
+
+void fp32_to_fp16_row(const float* src, uint16_t* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
+}
+
 }  // namespace
 
 LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
@@ -201,7 +209,9 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend) : hp_(LlamaHparam
 
 LlamaModel::~LlamaModel() = default;
 
-KvCache LlamaModel::make_cache(int n_ctx) const { return KvCache(hp_.n_layer, n_ctx, hp_.n_head_kv, hp_.head_dim); }
+KvCache LlamaModel::make_cache(int n_ctx, const KvCacheOptions& options) const {
+  return KvCache(hp_.n_layer, n_ctx, hp_.n_head_kv, hp_.head_dim, options);
+}
 
 void LlamaModel::forward(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits) {
   for (int32_t t : tokens) {
@@ -210,16 +220,80 @@ void LlamaModel::forward(std::span<const int32_t> tokens, KvCache& cache, float*
                               std::to_string(hp_.n_vocab - 1) + ")");
     }
   }
-  if (cache.size() + static_cast<int64_t>(tokens.size()) > cache.capacity()) {
+  if (!cache.options().context_shift && cache.size() + static_cast<int64_t>(tokens.size()) > cache.capacity()) {
     throw std::length_error("context full: " + std::to_string(cache.size()) + " cached + " +
                             std::to_string(tokens.size()) + " new tokens exceed the context size " +
                             std::to_string(cache.capacity()));
   }
-  for (size_t start = 0; start < tokens.size(); start += static_cast<size_t>(max_batch_)) {
-    const size_t n = std::min(tokens.size() - start, static_cast<size_t>(max_batch_));
+  // Chunks of at most max_batch tokens, each in contiguous slots of the ring (a chunk stops
+  // where the ring wraps), shifting the context whenever the cache is full.
+  size_t start = 0;
+  while (start < tokens.size()) {
+    if (cache.contiguous_free() == 0) shift_context(cache);
+    const size_t n = std::min({tokens.size() - start, static_cast<size_t>(max_batch_),
+                               static_cast<size_t>(cache.contiguous_free())});
     const bool last_chunk = start + n == tokens.size();
     float* out = all_logits ? logits + start * static_cast<size_t>(hp_.n_vocab) : (last_chunk ? logits : nullptr);
     forward_chunk(tokens.subspan(start, n), cache, out, all_logits);
+    start += n;
+  }
+}
+
+void LlamaModel::shift_context(KvCache& cache) const {
+  const int n_discard = cache.shift_size();
+  const std::vector<int> moved = cache.discard(n_discard);
+  // The rotation by -n_discard positions, per rotary pair (in double, as rope_angles()).
+  const int half = hp_.n_rot / 2;
+  std::vector<float> cos(static_cast<size_t>(half)), sin(static_cast<size_t>(half));
+  for (int i = 0; i < half; ++i) {
+    const double theta = -static_cast<double>(n_discard) / hp_.rope_scale * rope_inv_freq_[static_cast<size_t>(i)];
+    cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
+    sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
+  }
+  const bool adjacent = hp_.rope_style == RopeStyle::kAdjacentPairs;
+  const int width = cache.row_width();
+  const bool f16 = cache.type() == KvType::kF16;
+#pragma omp parallel
+  {
+    std::vector<float> row(static_cast<size_t>(width));
+#pragma omp for collapse(2) schedule(static)
+    for (int il = 0; il < hp_.n_layer; ++il) {
+      for (size_t m = 0; m < moved.size(); ++m) {
+        void* key = cache.key(il, moved[m]);
+        if (f16) {
+          fp16_to_fp32_row(static_cast<const uint16_t*>(key), row.data(), width);
+        } else {
+          std::copy_n(static_cast<const float*>(key), width, row.data());
+        }
+        for (int h = 0; h < hp_.n_head_kv; ++h) {
+          float* x = row.data() + static_cast<size_t>(h) * hp_.head_dim;
+          for (int i = 0; i < half; ++i) {
+            const int a = adjacent ? 2 * i : i;
+            const int b = adjacent ? 2 * i + 1 : i + half;
+            const float x0 = x[a], x1 = x[b];
+            x[a] = x0 * cos[static_cast<size_t>(i)] - x1 * sin[static_cast<size_t>(i)];
+            x[b] = x0 * sin[static_cast<size_t>(i)] + x1 * cos[static_cast<size_t>(i)];
+          }
+        }
+        if (f16) {
+          fp32_to_fp16_row(row.data(), static_cast<uint16_t*>(key), width);
+        } else {
+          std::copy_n(row.data(), width, static_cast<float*>(key));
+        }
+      }
+    }
+  }
+}
+
+// Writes one token's keys and values (every KV head) into its slot, in the cache's type.
+void LlamaModel::store_kv(KvCache& cache, int layer, int slot, const float* k, const float* v) const {
+  const int width = cache.row_width();
+  if (cache.type() == KvType::kF16) {
+    fp32_to_fp16_row(k, static_cast<uint16_t*>(cache.key(layer, slot)), width);
+    fp32_to_fp16_row(v, static_cast<uint16_t*>(cache.value(layer, slot)), width);
+  } else {
+    std::copy_n(k, width, static_cast<float*>(cache.key(layer, slot)));
+    std::copy_n(v, width, static_cast<float*>(cache.value(layer, slot)));
   }
 }
 
@@ -267,10 +341,12 @@ void LlamaModel::apply_rope(float* vec, int n_heads, int t) const {
 // Causal attention of the chunk's n_tokens queries over the cache: query i sees the cached
 // tokens up to and including itself. Query heads share KV heads in groups (GQA) by index,
 // without copying K/V.
-void LlamaModel::attention(int layer, int n_tokens, int first_slot, KvCache& cache) {
+void LlamaModel::attention(int layer, int n_tokens, int64_t pos0, KvCache& cache) {
   const cpu::AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim};
-  const cpu::KvLayer kv{cache.key(layer, 0), cache.value(layer, 0), cache.row_width()};
-  cpu::attention_causal(shape, scratch_->q.data(), kv, first_slot, n_tokens, scratch_->attn.data(), scratch_->attention,
+  const std::span<const int64_t> positions = cache.positions();
+  const cpu::KvLayer kv{cache.key(layer, 0),         cache.value(layer, 0), cache.row_width(),
+                        cache.type() == KvType::kF16, positions.data(),      static_cast<int>(positions.size())};
+  cpu::attention_causal(shape, scratch_->q.data(), kv, pos0, n_tokens, scratch_->attn.data(), scratch_->attention,
                         omp_get_max_threads());
 }
 
@@ -280,8 +356,8 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
   const int d = hp_.n_embd;
   const int q_dim = hp_.n_head * hp_.head_dim;
   const int kv_dim = hp_.n_head_kv * hp_.head_dim;
-  const int64_t pos0 = cache.size() == 0 ? 0 : cache.position(cache.size() - 1) + 1;
-  const int first_slot = cache.append(n, pos0);
+  const int64_t pos0 = cache.next_position();
+  const int first_slot = cache.append(n);
 
   embed(tokens, s.x.data());
   rope_angles(pos0, n);
@@ -295,10 +371,9 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
     for (int i = 0; i < n; ++i) {
       apply_rope(&s.q[static_cast<size_t>(i) * q_dim], hp_.n_head, i);
       apply_rope(&s.k[static_cast<size_t>(i) * kv_dim], hp_.n_head_kv, i);
-      std::copy_n(&s.k[static_cast<size_t>(i) * kv_dim], kv_dim, cache.key(il, cache.slot(first_slot + i)));
-      std::copy_n(&s.v[static_cast<size_t>(i) * kv_dim], kv_dim, cache.value(il, cache.slot(first_slot + i)));
+      store_kv(cache, il, first_slot + i, &s.k[static_cast<size_t>(i) * kv_dim], &s.v[static_cast<size_t>(i) * kv_dim]);
     }
-    attention(il, n, first_slot, cache);
+    attention(il, n, pos0, cache);
     backend_.matmul(*L.wo, s.attn.data(), n, s.xn.data());
     for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) s.x[i] += s.xn[i];
 

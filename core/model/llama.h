@@ -51,22 +51,30 @@ class LlamaModel {
   size_t weight_bytes() const { return weight_bytes_; }
   int64_t n_params() const { return n_params_; }
 
-  // Runs `tokens` at positions cache.size().. (appending them to the cache) and writes the
-  // logits of the last token to `logits` ([n_vocab]); with all_logits, `logits` gets
+  // Runs `tokens` at positions cache.next_position().. (appending them to the cache) and writes
+  // the logits of the last token to `logits` ([n_vocab]); with all_logits, `logits` gets
   // [tokens.size()][n_vocab]. Long inputs are processed in chunks of at most max_batch().
+  // When the cache fills: with the cache's context_shift, shift_context() and go on; without,
+  // std::length_error before anything runs.
   void forward(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits = false);
 
+  // StreamingLLM: drops cache.shift_size() tokens after the sinks and re-rotates the keys of
+  // every token after them by minus that many positions, in place ("shift-RoPE": a rotation by
+  // θ·p followed by one by θ·(-d) is the rotation by θ·(p - d)). Nothing is recomputed.
+  void shift_context(KvCache& cache) const;
+
   int max_batch() const { return max_batch_; }
-  KvCache make_cache(int n_ctx) const;
+  KvCache make_cache(int n_ctx, const KvCacheOptions& options = {}) const;
 
  private:
   struct Layer;
   struct Scratch;
   void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits);
   void embed(std::span<const int32_t> tokens, float* out) const;
-  void attention(int layer, int n_tokens, int first_slot, KvCache& cache);
+  void attention(int layer, int n_tokens, int64_t pos0, KvCache& cache);
   void rope_angles(int64_t pos0, int n_tokens);
   void apply_rope(float* vec, int n_heads, int token) const;
+  void store_kv(KvCache& cache, int layer, int slot, const float* k, const float* v) const;
 
   LlamaHparams hp_;
   Backend& backend_;

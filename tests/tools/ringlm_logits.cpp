@@ -25,7 +25,8 @@ int main(int argc, char** argv) {
     ringlm::LoadedModel m = ringlm::load_model(model_path, n_threads, ringlm::ComputeType::kFp32);
     const int n_vocab = m.model->hparams().n_vocab;
     const std::vector<int32_t> tokens = m.tokenizer->encode(prompt, m.tokenizer->add_bos_by_default(), true);
-    ringlm::KvCache cache = m.model->make_cache(static_cast<int>(tokens.size()) + n_generate + 1);
+    ringlm::KvCache cache = m.model->make_cache(static_cast<int>(tokens.size()) + n_generate + 1,
+                                                {.type = ringlm::KvType::kF32});
     std::vector<float> logits(static_cast<size_t>(n_vocab));
     m.model->forward(tokens, cache, logits.data());
     nlohmann::json out;
