@@ -38,11 +38,13 @@ struct BenchOptions {
   std::string n_prompt = "512";  // comma lists, as llama-bench takes them
   std::string n_gen = "128";
   std::string n_threads = "0";
+  std::string n_depth = "0";  // tokens already in the context when a test starts (llama-bench -d)
   int n_batch = 2048;
   int reps = 5;
   std::string output = "md";
   bool no_warmup = false;
   ComputeType compute = ComputeType::kInt8;
+  std::string softmax = "async";  // decode attention: async (FlashDecoding++) or online
 };
 
 // One row of the result: a (p, n, threads) combination and its timed samples.
@@ -50,6 +52,7 @@ struct BenchTest {
   int n_prompt = 0;
   int n_gen = 0;
   int n_threads = 0;
+  int n_depth = 0;
   std::string test_time;
   std::vector<uint64_t> samples_ns;
 };
@@ -195,13 +198,14 @@ class Runner {
 void run_test(LoadedModel& m, const BenchOptions& o, BenchTest& t) {
   Runner runner(m, o.n_batch);
   // The warm-up of a combined test runs its prompt and then one token without a clear between.
-  KvCache cache = m.model->make_cache(t.n_prompt + std::max(t.n_gen, 1));
+  KvCache cache = m.model->make_cache(t.n_depth + t.n_prompt + std::max(t.n_gen, 1));
   if (!o.no_warmup) {
     if (t.n_prompt > 0) runner.prompt(cache, t.n_prompt);
     if (t.n_gen > 0) runner.generate(cache, 1);
   }
   for (int r = 0; r < o.reps; ++r) {
     cache.clear();
+    if (t.n_depth > 0) runner.prompt(cache, t.n_depth);  // the context the test runs at, untimed
     const auto t0 = std::chrono::steady_clock::now();
     if (t.n_prompt > 0) runner.prompt(cache, t.n_prompt);
     if (t.n_gen > 0) runner.generate(cache, t.n_gen);
@@ -233,9 +237,10 @@ std::vector<double> rates(const BenchTest& t) {
 }
 
 std::string test_name(const BenchTest& t) {
-  if (t.n_gen == 0) return "pp" + std::to_string(t.n_prompt);
-  if (t.n_prompt == 0) return "tg" + std::to_string(t.n_gen);
-  return "pp" + std::to_string(t.n_prompt) + "+tg" + std::to_string(t.n_gen);
+  const std::string depth = t.n_depth > 0 ? " @ d" + std::to_string(t.n_depth) : "";
+  if (t.n_gen == 0) return "pp" + std::to_string(t.n_prompt) + depth;
+  if (t.n_prompt == 0) return "tg" + std::to_string(t.n_gen) + depth;
+  return "pp" + std::to_string(t.n_prompt) + "+tg" + std::to_string(t.n_gen) + depth;
 }
 
 std::string format(const char* fmt, double v) {
@@ -293,7 +298,7 @@ nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_
   j["n_gpu_layers"] = 0;
   j["n_prompt"] = t.n_prompt;
   j["n_gen"] = t.n_gen;
-  j["n_depth"] = 0;
+  j["n_depth"] = t.n_depth;
   j["test_time"] = t.test_time;
   j["avg_ns"] = static_cast<uint64_t>(mean(t.samples_ns));
   j["stddev_ns"] = static_cast<uint64_t>(stdev(t.samples_ns));
@@ -307,11 +312,13 @@ nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_
 // The tests in llama-bench's order: every pp value, then every tg value, for each thread count.
 std::vector<BenchTest> plan(const BenchOptions& o, int threads) {
   std::vector<BenchTest> tests;
-  for (const int p : parse_int_list(o.n_prompt, "-p", 0)) {
-    if (p > 0) tests.push_back({p, 0, threads, {}, {}});
-  }
-  for (const int n : parse_int_list(o.n_gen, "-n", 0)) {
-    if (n > 0) tests.push_back({0, n, threads, {}, {}});
+  for (const int d : parse_int_list(o.n_depth, "-d", 0)) {
+    for (const int p : parse_int_list(o.n_prompt, "-p", 0)) {
+      if (p > 0) tests.push_back({p, 0, threads, d, {}, {}});
+    }
+    for (const int n : parse_int_list(o.n_gen, "-n", 0)) {
+      if (n > 0) tests.push_back({0, n, threads, d, {}, {}});
+    }
   }
   return tests;
 }
@@ -329,6 +336,7 @@ void bench(const BenchOptions& o) {
     const int threads = resolve_threads(t_flag);
     omp_set_num_threads(threads);
     LoadedModel m = load_model(path, threads, o.compute);  // the backend's thread count is fixed at load
+    m.model->set_async_softmax(o.softmax == "async");
     const ModelInfo info = describe(m, path);
     for (BenchTest& t : plan(o, threads)) {
       t.test_time = utc_now();
@@ -350,6 +358,11 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("-p,--n-prompt", o->n_prompt, "prompt lengths, comma-separated (0: no pp test)")->capture_default_str();
   cmd->add_option("-n,--n-gen", o->n_gen, "generated lengths, comma-separated (0: no tg test)")->capture_default_str();
   cmd->add_option("-t,--threads", o->n_threads, "thread counts, comma-separated (0: all cores)")->capture_default_str();
+  cmd->add_option("--softmax", o->softmax, "decode attention softmax: async (FlashDecoding++'s unified max) or online")
+      ->check(CLI::IsMember({"async", "online"}))
+      ->capture_default_str();
+  cmd->add_option("-d,--n-depth", o->n_depth, "context depths, comma-separated: tokens prefilled (untimed) before each test")
+      ->capture_default_str();
   cmd->add_option("-b,--batch-size", o->n_batch, "tokens per forward call in a pp test")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();

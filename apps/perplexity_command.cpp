@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -36,6 +37,9 @@ struct PerplexityOptions {
   int n_threads = 0;
   int n_chunks = -1;  // -1: all
   ComputeType compute = ComputeType::kInt8;
+  KvCacheOptions cache;
+  int stream_tokens = 0;        // > 0: stream this many tokens through one ring of -c slots
+  bool sliding_window = false;  // with stream_tokens: recompute the last -c tokens for every token instead
 };
 
 // Running sums of the negative log-likelihood and its square over every scored token.
@@ -96,6 +100,58 @@ void print_final(const NllStats& s) {
   std::printf("Final estimate: PPL = %.4f +/- %.5f\n", s.ppl(), stderr_mean * s.ppl());
 }
 
+void add_nll(const float* logits, int n_vocab, int32_t target, NllStats& s) {
+  const double nll = token_nll(logits, n_vocab, target);
+  s.sum += nll;
+  s.sum_sq += nll * nll;
+  ++s.count;
+}
+
+// StreamingLLM's evaluation: the first n tokens go through one cache of -c slots in order, -b at
+// a time, shifting the context whenever it fills (--keep sinks, --discard dropped); every token
+// after the first is scored by the logits before it.
+NllStats stream_perplexity(LoadedModel& m, const PerplexityOptions& o, std::vector<int32_t> tokens) {
+  const int n_vocab = m.model->hparams().n_vocab;
+  const size_t n_batch = static_cast<size_t>(std::min(o.n_batch, o.n_ctx));
+  KvCacheOptions cache_options = o.cache;
+  cache_options.context_shift = true;
+  KvCache cache = m.model->make_cache(o.n_ctx, cache_options);
+  std::vector<float> logits(n_batch * static_cast<size_t>(n_vocab));
+  NllStats stats;
+  for (size_t done = 0; done + 1 < tokens.size();) {
+    const size_t n = std::min(n_batch, tokens.size() - 1 - done);
+    m.model->forward(std::span<const int32_t>(tokens.data() + done, n), cache, logits.data(), /*all_logits=*/true);
+    for (size_t i = 0; i < n; ++i) add_nll(logits.data() + i * static_cast<size_t>(n_vocab), n_vocab, tokens[done + i + 1], stats);
+    done += n;
+    std::fprintf(stderr, "\r[%zu/%zu] PPL %.4f, %lld shifts", done, tokens.size() - 1, stats.ppl(),
+                 static_cast<long long>(cache.shifts()));
+    std::fflush(stderr);
+  }
+  std::fprintf(stderr, "\n");
+  return stats;
+}
+
+// The baseline StreamingLLM compares with: for every token, a fresh cache computes the (at most
+// -c - 1) tokens before it from scratch. Quadratic: keep --stream small.
+NllStats sliding_window_perplexity(LoadedModel& m, const PerplexityOptions& o, const std::vector<int32_t>& tokens) {
+  const int n_vocab = m.model->hparams().n_vocab;
+  KvCache cache = m.model->make_cache(o.n_ctx, {o.cache.type, 0, 0, false});
+  std::vector<float> logits(static_cast<size_t>(n_vocab));
+  NllStats stats;
+  for (size_t j = 1; j < tokens.size(); ++j) {
+    const size_t first = j >= static_cast<size_t>(o.n_ctx) ? j - static_cast<size_t>(o.n_ctx - 1) : 0;
+    cache.clear();
+    m.model->forward(std::span<const int32_t>(tokens.data() + first, j - first), cache, logits.data());
+    add_nll(logits.data(), n_vocab, tokens[j], stats);
+    if (j % 16 == 0) {
+      std::fprintf(stderr, "\r[%zu/%zu] PPL %.4f", j, tokens.size() - 1, stats.ppl());
+      std::fflush(stderr);
+    }
+  }
+  std::fprintf(stderr, "\n");
+  return stats;
+}
+
 void perplexity(const PerplexityOptions& o) {
   const std::string text = read_text(o.text_file);  // before the model load: fail fast
   const int n_threads = resolve_threads(o.n_threads);
@@ -105,6 +161,17 @@ void perplexity(const PerplexityOptions& o) {
 
   std::fprintf(stderr, "perplexity: tokenizing the input ..\n");
   const std::vector<int32_t> tokens = m.tokenizer->encode(text, m.tokenizer->add_bos_by_default(), /*parse_special=*/false);
+  if (o.stream_tokens > 0) {
+    if (tokens.size() < 2) throw std::runtime_error("the text has fewer than 2 tokens");
+    std::vector<int32_t> head(tokens.begin(), tokens.begin() + std::min(tokens.size(), static_cast<size_t>(o.stream_tokens)));
+    std::fprintf(stderr, "perplexity: streaming %zu tokens through %d slots (%s)\n", head.size(), o.n_ctx,
+                 o.sliding_window ? "sliding window, recomputed for every token"
+                                  : ("keep " + std::to_string(o.cache.n_keep) + ", discard " +
+                                     (o.cache.n_discard > 0 ? std::to_string(o.cache.n_discard) : std::string("half")))
+                                        .c_str());
+    print_final(o.sliding_window ? sliding_window_perplexity(m, o, head) : stream_perplexity(m, o, head));
+    return;
+  }
   const size_t needed = 2 * static_cast<size_t>(o.n_ctx);
   if (tokens.size() < needed) {
     throw std::runtime_error("perplexity with a context of " + std::to_string(o.n_ctx) + " needs at least " +
@@ -117,7 +184,7 @@ void perplexity(const PerplexityOptions& o) {
   std::fprintf(stderr, "perplexity: %zu tokens; calculating perplexity over %d chunks, n_ctx=%d, batch_size=%d\n",
                tokens.size(), n_chunks, o.n_ctx, n_batch);
 
-  KvCache cache = m.model->make_cache(o.n_ctx);
+  KvCache cache = m.model->make_cache(o.n_ctx, {o.cache.type, 0, 0, false});
   std::vector<float> logits(static_cast<size_t>(o.n_ctx) * static_cast<size_t>(n_vocab));
   NllStats stats;
   const auto t0 = std::chrono::steady_clock::now();
@@ -153,7 +220,17 @@ void add_perplexity_command(CLI::App& app) {
   cmd->add_option("--chunks", o->n_chunks, "score at most this many chunks (-1: all)")
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();
-  cmd->callback([o] { perplexity(*o); });
+  add_kv_cache_options(*cmd, o->cache);
+  cmd->add_option("--stream", o->stream_tokens,
+                  "instead of chunks: stream the first N tokens through one context of -c slots, shifting it "
+                  "(--keep, --discard) when full, and score every token")
+      ->check(CLI::Range(0, 1 << 30));
+  auto* window = cmd->add_flag("--sliding-window", o->sliding_window,
+                               "with --stream: recompute the last -c tokens from scratch for every token (the baseline)");
+  cmd->callback([o, window] {
+    if (window->count() > 0 && o->stream_tokens == 0) throw CLI::ValidationError("--sliding-window", "needs --stream N");
+    perplexity(*o);
+  });
 }
 
 }  // namespace ringlm

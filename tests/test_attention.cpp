@@ -124,6 +124,50 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
   }
 }
 
+// Decode with FlashDecoding++'s asynchronized softmax: with the unified max learned from a
+// previous step, and with maxima so wrong (100 too low: overflow risk; 100 too high: underflow)
+// that every part must fall back to the exact softmax, the output is the same.
+class AsyncSoftmax : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AsyncSoftmax, MatchesTheDefinitionAndFallsBack) {
+  const Case c = GetParam();  // decode shapes: one token
+  std::mt19937 rng(static_cast<unsigned>(c.n_past * 17 + 5));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int n_keys = c.n_past + 1, kv_w = c.n_head_kv * c.head_dim;
+  std::vector<float> q(static_cast<size_t>(c.n_head) * c.head_dim), k(static_cast<size_t>(n_keys) * kv_w), v(k.size());
+  for (float& x : q) x = normal(rng) * 2.0f;  // peaked scores: a wrong max would show
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  const std::vector<double> expected = reference(c, q, k, v);
+  std::vector<int64_t> positions(static_cast<size_t>(n_keys));
+  for (int j = 0; j < n_keys; ++j) positions[static_cast<size_t>(j)] = j;
+  KvLayer kv;
+  kv.keys = k.data();
+  kv.values = v.data();
+  kv.row_stride = kv_w;
+  kv.positions = positions.data();
+  kv.n_slots = n_keys;
+  for (int threads : {1, 2}) {
+    AttentionScratch scratch;
+    std::vector<float> phi(static_cast<size_t>(c.n_head), NAN);
+    std::vector<float> out(q.size());
+    attention_causal({c.n_head, c.n_head_kv, c.head_dim}, q.data(), kv, c.n_past, 1, out.data(), scratch, threads,
+                     phi.data());  // learns phi
+    for (float x : phi) ASSERT_TRUE(std::isfinite(x));
+    const std::vector<float> learned = phi;
+    for (float offset : {0.0f, -100.0f, 100.0f, 3.0f}) {
+      for (size_t h = 0; h < phi.size(); ++h) phi[h] = learned[h] + offset;
+      std::fill(out.begin(), out.end(), NAN);
+      attention_causal({c.n_head, c.n_head_kv, c.head_dim}, q.data(), kv, c.n_past, 1, out.data(), scratch, threads,
+                       phi.data());
+      for (size_t i = 0; i < out.size(); ++i) {
+        ASSERT_NEAR(out[i], expected[i], 1e-5) << "threads " << threads << " phi offset " << offset << " index " << i;
+      }
+      for (size_t h = 0; h < phi.size(); ++h) ASSERT_FLOAT_EQ(phi[h], learned[h]) << "the observed max is returned";
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                          ::testing::Values(Case{4, 4, 16, 0, 1}, Case{4, 4, 16, 0, 9}, Case{9, 3, 64, 0, 130},
                                            Case{9, 3, 64, 200, 33}, Case{8, 1, 32, 1000, 1}, Case{8, 2, 32, 700, 1},
@@ -136,6 +180,17 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                            std::ostringstream name;  // (not operator+: GCC 12 reports a false -Wrestrict on it)
                            name << "H" << c.n_head << "_KV" << c.n_head_kv << "_D" << c.head_dim << "_past" << c.n_past
                                 << "_n" << c.n_tokens << (c.ring ? "_ring" : "") << (c.f16 ? "_f16" : "");
+                           return name.str();
+                         });
+
+// Decode shapes with and without split keys (SmolLM2's 9/3 heads past 512 keys split in two).
+INSTANTIATE_TEST_SUITE_P(DecodeShapes, AsyncSoftmax,
+                         ::testing::Values(Case{4, 4, 16, 0, 1}, Case{8, 1, 32, 1000, 1}, Case{8, 2, 32, 700, 1},
+                                           Case{9, 3, 64, 600, 1}, Case{9, 3, 64, 2047, 1}, Case{32, 32, 64, 300, 1}),
+                         [](const auto& info) {
+                           const Case& c = info.param;
+                           std::ostringstream name;
+                           name << "H" << c.n_head << "_KV" << c.n_head_kv << "_D" << c.head_dim << "_past" << c.n_past;
                            return name.str();
                          });
 

@@ -71,6 +71,20 @@ TEST(BenchCommand, JsonHasLlamaBenchFieldsForEachTest) {
   }
 }
 
+TEST(BenchCommand, DepthRunsEachTestAfterThatManyTokens) {
+  // llama-bench's -d: the tests run with d tokens already in the context (n_depth in JSON,
+  // "@ dN" in the test name).
+  const Result r = bench("-p 0 -n 2 -d 0,16 -t 1 -r 1 -o json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j.size(), 2u);
+  EXPECT_EQ(j[0]["n_depth"], 0);
+  EXPECT_EQ(j[1]["n_depth"], 16);
+  const Result md = bench("-p 0 -n 2 -d 16 -t 1 -r 1 --softmax online");
+  ASSERT_EQ(md.exit_code, 0) << md.err;
+  EXPECT_NE(md.out.find("tg2 @ d16"), std::string::npos) << md.out;
+}
+
 TEST(BenchCommand, MarkdownTableHasLlamaBenchColumns) {
   const Result r = bench("-p 8 -n 0 -t 1 -r 1");
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -52,6 +52,33 @@ float SoftmaxBlockRow(float* s, int64_t n, float* m) {
   return sum;
 }
 
+// One row of a score block against a fixed max phi (FlashDecoding++'s unified max): replaces
+// the scores by exp(s - phi), masked (-inf) ones by 0, and returns their sum. *block_max gets the
+// largest score, for the caller's range check.
+float ExpBlockRow(float* s, int64_t n, float phi, float* block_max) {
+  const hn::ScalableTag<float> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  *block_max = mx;
+  const auto vphi = hn::Set(d, phi);
+  const auto masked = hn::Set(d, -INFINITY);
+  auto vsum = hn::Zero(d);
+  int64_t j = 0;
+  for (; j + lanes <= n; j += lanes) {
+    const auto v = hn::LoadU(d, s + j);
+    const auto e = hn::IfThenZeroElse(hn::Eq(v, masked), hn::Exp(d, hn::Sub(v, vphi)));
+    hn::StoreU(e, d, s + j);
+    vsum = hn::Add(vsum, e);
+  }
+  float sum = hn::GetLane(hn::SumOfLanes(d, vsum));
+  for (; j < n; ++j) {
+    s[j] = s[j] == -INFINITY ? 0.0f : std::exp(s[j] - phi);
+    sum += s[j];
+  }
+  return sum;
+}
+
 // dst[j][0 .. n) = src[j * src_stride + 0 .. n) as fp32, for j < rows: a block of fp16 keys or
 // values of one head, converted once for all the query rows that meet it.
 void F16RowsToF32(const uint16_t* src, int64_t src_stride, int rows, int n, float* dst) {
@@ -119,6 +146,7 @@ namespace ringlm::cpu {
 
 HWY_EXPORT(SoftmaxBlockRow);
 HWY_EXPORT(F16RowsToF32);
+HWY_EXPORT(ExpBlockRow);
 HWY_EXPORT(ScoreRows);
 HWY_EXPORT(AccumulateRows);
 
@@ -131,6 +159,11 @@ constexpr int kMaxSplits = 64;
 // Tiles of at most this many query rows (decode: one token's heads of a group) multiply directly;
 // larger ones through sgemm, whose operand packing pays off only then.
 constexpr int kDirectRows = 8;
+// Asynchronized softmax: exp(s - phi) is safe while every score is at most phi + kAsyncHigh (the
+// sums stay far from fp32's range) and the largest at least phi + kAsyncLow (its exponential
+// keeps full precision). Outside that, the unit is run again with the exact online softmax.
+constexpr float kAsyncHigh = 30.0f;
+constexpr float kAsyncLow = -60.0f;
 
 // A tile's running state: per row the max and the sum of exponentials, and the weighted values.
 struct TileState {
@@ -172,8 +205,12 @@ const float* head_block(const void* base, const KvLayer& kv, int kv_head, int hd
 // Runs one unit: gathers its query rows (pre-scaled by 1/sqrt(d)), then meets the slots a block
 // at a time. Row r is token token_begin + r / group (position q_pos0 + that), query head
 // kv_head * group + r % group. Scores of slots the row may not see are -inf.
-void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
-              const UnitBuffers& buf, const TileState& st) {
+// With `phi` (decode: one unified max per row, [rows]), each block's exponentials are taken
+// against phi and nothing is ever rescaled; the unit's state then carries m = phi, so the merge
+// of split parts is a plain sum. Returns false, leaving the state to be discarded, when a score
+// leaves [phi + kAsyncLow, phi + kAsyncHigh]. seen_max[r] gets row r's largest visible score.
+bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
+              const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max) {
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int rows = (u.token_end - u.token_begin) * group;
   const int64_t q_stride = static_cast<int64_t>(sh.n_head) * hd;
@@ -183,8 +220,9 @@ void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
   for (int r = 0; r < rows; ++r) {
     const float* src = q + (u.token_begin + r / group) * q_stride + (u.kv_head * group + r % group) * hd;
     for (int c = 0; c < hd; ++c) qt[r * hd + c] = src[c] * scale;
-    st.m[r] = -INFINITY;
+    st.m[r] = phi != nullptr ? phi[r] : -INFINITY;
     st.l[r] = 0.0f;
+    seen_max[r] = -INFINITY;
     std::fill(st.acc + r * hd, st.acc + (r + 1) * hd, 0.0f);
   }
   const int64_t first_pos = q_pos0 + u.token_begin, last_pos = q_pos0 + u.token_end - 1;
@@ -217,9 +255,17 @@ void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
           if (pos[j] < 0 || pos[j] > row_pos) s[j] = -INFINITY;
         }
       }
+      if (phi != nullptr) {
+        float block_max = -INFINITY;
+        st.l[r] += HWY_DYNAMIC_DISPATCH(ExpBlockRow)(s, nb, phi[r], &block_max);
+        seen_max[r] = std::max(seen_max[r], block_max);
+        if (block_max > phi[r] + kAsyncHigh) return false;
+        continue;
+      }
       const float m_old = st.m[r];
       float m_new = m_old;
       const float sum = HWY_DYNAMIC_DISPATCH(SoftmaxBlockRow)(s, nb, &m_new);
+      seen_max[r] = m_new;
       // Rescale what the row has gathered so far to the new max (exp(-inf) = 0 on the first block).
       const float alpha = m_old == m_new ? 1.0f : std::exp(m_old - m_new);
       st.m[r] = m_new;
@@ -236,6 +282,13 @@ void run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
                   static_cast<int>(ldv), 1.0f, st.acc, hd);
     }
   }
+  if (phi != nullptr) {
+    for (int r = 0; r < rows; ++r) {
+      // A row that saw keys, all far below phi: its exponentials lost precision.
+      if (seen_max[r] != -INFINITY && seen_max[r] < phi[r] + kAsyncLow) return false;
+    }
+  }
+  return true;
 }
 
 // Writes a finished tile to the output: acc / l per row.
@@ -286,7 +339,7 @@ float* AttentionScratch::partials(size_t floats) {
 }
 
 void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, int n_tokens,
-                      float* out, AttentionScratch& scratch, int n_threads) {
+                      float* out, AttentionScratch& scratch, int n_threads, float* softmax_phi) {
   // sgemm runs inside our threads, never with threads of its own.
   static const bool blas_single_threaded = (openblas_set_num_threads(1), true);
   (void)blas_single_threaded;
@@ -304,9 +357,13 @@ void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& k
   const size_t state_floats = static_cast<size_t>(rows_max) * (2 + hd);
   const int n_units = sh.n_head_kv * token_tiles * splits;
   // Buffers are sized before the parallel region: growing them inside would race.
-  float* partials = splits > 1 ? scratch.partials(static_cast<size_t>(n_units) * state_floats) : nullptr;
+  float* partials = splits > 1 ? scratch.partials(static_cast<size_t>(n_units) * (state_floats + rows_max)) : nullptr;
+  float* unit_max = splits > 1 ? partials + static_cast<size_t>(n_units) * state_floats : nullptr;  // [units][rows]
+  // Asynchronized softmax for decode, once the previous step has given every head its max.
+  bool async = softmax_phi != nullptr && n_tokens == 1;
+  for (int h = 0; async && h < sh.n_head; ++h) async = std::isfinite(softmax_phi[h]);
   const size_t thread_floats =
-      static_cast<size_t>(rows_max) * (hd + kKeyBlock) + 2 * static_cast<size_t>(kKeyBlock) * hd + state_floats;
+      static_cast<size_t>(rows_max) * (hd + kKeyBlock + 1) + 2 * static_cast<size_t>(kKeyBlock) * hd + state_floats;
   for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats);
 
   const auto state_at = [&](float* base) { return TileState{base, base + rows_max, base + 2 * rows_max}; };
@@ -330,12 +387,18 @@ void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& k
     ub.kbuf = ub.scores + rows_max * kKeyBlock;
     ub.vbuf = ub.kbuf + kKeyBlock * hd;
     float* own_state = ub.vbuf + kKeyBlock * hd;
+    float* own_max = own_state + state_floats;
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_units; ++i) {
       const Unit u = unit_at(i);
       const TileState st = state_at(splits > 1 ? partials + static_cast<size_t>(i) * state_floats : own_state);
-      run_unit(sh, q, kv, q_pos0, u, ub, st);
-      if (splits == 1) store_unit(sh, u, st, out);
+      float* seen = splits > 1 ? unit_max + static_cast<size_t>(i) * rows_max : own_max;
+      const float* phi = async ? softmax_phi + u.kv_head * group : nullptr;
+      if (!run_unit(sh, q, kv, q_pos0, u, ub, st, phi, seen)) run_unit(sh, q, kv, q_pos0, u, ub, st, nullptr, seen);
+      if (splits == 1) {
+        store_unit(sh, u, st, out);
+        if (softmax_phi != nullptr && n_tokens == 1) std::copy_n(seen, group, softmax_phi + u.kv_head * group);
+      }
     }
     if (splits > 1) {
 #pragma omp for schedule(static)
@@ -344,6 +407,13 @@ void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& k
         for (int p = 0; p < splits; ++p) parts[p] = state_at(partials + static_cast<size_t>(g * splits + p) * state_floats);
         merge_splits(parts, splits, group, hd);
         store_unit(sh, unit_at(g * splits), parts[0], out);
+        if (softmax_phi != nullptr) {  // the next step's unified max: this step's, over every part
+          for (int r = 0; r < group; ++r) {
+            float m = -INFINITY;
+            for (int p = 0; p < splits; ++p) m = std::max(m, unit_max[static_cast<size_t>(g * splits + p) * rows_max + r]);
+            softmax_phi[g * group + r] = m;
+          }
+        }
       }
     }
   }

@@ -44,7 +44,13 @@ class AttentionScratch {
 // out[i][h] = softmax(q[i][h] · K_visibleᵀ / sqrt(d)) · V_visible for the n_tokens queries of
 // the chunk, query i at position q_pos0 + i seeing the slots at positions 0 .. q_pos0 + i.
 // q and out are [n_tokens][n_head * head_dim].
+//
+// softmax_phi (optional, [n_head], decode only) selects FlashDecoding++'s asynchronized softmax:
+// on entry the unified max of each query head's scores (NaN: not known yet, e.g. from the
+// previous decode step of the same layer), used by every block and split part instead of a
+// running max, so nothing is rescaled and the parts merge by plain sums; a part whose scores
+// leave the safe range around it is redone exactly. On exit it holds this step's maxima.
 void attention_causal(const AttentionShape& shape, const float* q, const KvLayer& kv, int64_t q_pos0, int n_tokens,
-                      float* out, AttentionScratch& scratch, int n_threads);
+                      float* out, AttentionScratch& scratch, int n_threads, float* softmax_phi = nullptr);
 
 }  // namespace ringlm::cpu

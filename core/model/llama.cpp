@@ -194,6 +194,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend) : hp_(LlamaHparam
     for (size_t i = 0; i < factors.size(); ++i) rope_inv_freq_[i] /= factors[i];
   }
 
+  softmax_phi_.assign(static_cast<size_t>(hp_.n_layer) * static_cast<size_t>(hp_.n_head), NAN);
   scratch_ = std::make_unique<Scratch>();
   const auto M = static_cast<size_t>(max_batch_);
   scratch_->x.resize(M * d);
@@ -346,8 +347,9 @@ void LlamaModel::attention(int layer, int n_tokens, int64_t pos0, KvCache& cache
   const std::span<const int64_t> positions = cache.positions();
   const cpu::KvLayer kv{cache.key(layer, 0),         cache.value(layer, 0), cache.row_width(),
                         cache.type() == KvType::kF16, positions.data(),      static_cast<int>(positions.size())};
+  float* phi = async_softmax_ ? &softmax_phi_[static_cast<size_t>(layer) * static_cast<size_t>(hp_.n_head)] : nullptr;
   cpu::attention_causal(shape, scratch_->q.data(), kv, pos0, n_tokens, scratch_->attn.data(), scratch_->attention,
-                        omp_get_max_threads());
+                        omp_get_max_threads(), phi);
 }
 
 void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits) {

@@ -63,6 +63,11 @@ class LlamaModel {
   // θ·p followed by one by θ·(-d) is the rotation by θ·(p - d)). Nothing is recomputed.
   void shift_context(KvCache& cache) const;
 
+  // Decode attention with FlashDecoding++'s asynchronized softmax (one unified max per head,
+  // learned from the previous step; exact fallback) or the exact online softmax (false).
+  void set_async_softmax(bool on) { async_softmax_ = on; }
+  bool async_softmax() const { return async_softmax_; }
+
   int max_batch() const { return max_batch_; }
   KvCache make_cache(int n_ctx, const KvCacheOptions& options = {}) const;
 
@@ -84,6 +89,8 @@ class LlamaModel {
   std::unique_ptr<PreparedWeight> output_;
   std::vector<float> rope_inv_freq_;
   int max_batch_ = 512;
+  bool async_softmax_ = true;
+  std::vector<float> softmax_phi_;  // [n_layer][n_head]: the unified max of each head's scores
   std::unique_ptr<Scratch> scratch_;
   size_t weight_bytes_ = 0;
   int64_t n_params_ = 0;
