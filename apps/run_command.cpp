@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 #include "apps/common_options.h"
 #include "core/model/loader.h"
@@ -33,6 +34,7 @@ struct RunStats {
   double prompt_ms = 0;
   size_t gen_tokens = 0;
   size_t decode_evals = 0;  // forward passes of single generated tokens
+  std::vector<double> token_ms;  // the time of each of them (constant-speed checks)
   double decode_ms = 0;
   double load_ms = 0;
   int n_threads = 0;
@@ -59,7 +61,7 @@ void print_stats(const RunStats& s, const std::string& format) {
     nlohmann::json j = {
         {"prompt_tokens", s.prompt_tokens}, {"prompt_ms", s.prompt_ms}, {"prompt_tps", per_second(s.prompt_tokens, s.prompt_ms)},
         {"gen_tokens", s.gen_tokens},       {"gen_ms", s.decode_ms},    {"gen_tps", per_second(s.decode_evals, s.decode_ms)},
-        {"n_shifts", s.n_shifts},           {"n_discarded", s.n_discarded},
+        {"n_shifts", s.n_shifts},           {"n_discarded", s.n_discarded},     {"token_ms", s.token_ms},
         {"load_ms", s.load_ms},             {"n_threads", s.n_threads}, {"stop_reason", s.stop_reason},
     };
     std::fprintf(stderr, "%s\n", j.dump().c_str());
@@ -86,6 +88,7 @@ void run(const RunOptions& o) {
   }
 
   RunStats stats;
+  if (o.n_predict > 0) stats.token_ms.reserve(static_cast<size_t>(o.n_predict));
   stats.load_ms = m.load_ms;
   stats.n_threads = n_threads;
   stats.prompt_tokens = prompt.size();
@@ -119,7 +122,9 @@ void run(const RunOptions& o) {
                    n_ctx);
       break;
     }
+    const auto step = std::chrono::steady_clock::now();
     m.model->forward(std::span<const int32_t>(&token, 1), cache, logits.data());
+    stats.token_ms.push_back(ms_since(step));
     ++stats.decode_evals;
   }
   stats.decode_ms = ms_since(t0);

@@ -30,7 +30,9 @@ std::string slurp(const std::string& path) {
 }
 
 Result bench(const std::string& args, const std::string& model = RINGLM_TEST_MODEL) {
-  const std::string out = work_dir() + "/stdout.txt", err = work_dir() + "/stderr.txt";
+  // Files named after the running test: CTest runs the tests of this file in parallel.
+  const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string out = work_dir() + "/" + name + ".stdout", err = work_dir() + "/" + name + ".stderr";
   const std::string line = "timeout 600 " + std::string(RINGLM_BINARY) + " bench -m " + model + " " + args +
                            " >" + out + " 2>" + err + " </dev/null";
   const int status = std::system(line.c_str());

@@ -298,6 +298,8 @@ TEST(CliContextShift, GenerationGoesOnPastTheContext) {
   // 4 prompt tokens (+BOS at most) and 149 decoded: the cache overflows after 64, then every 30.
   EXPECT_GE(stats["n_shifts"].get<int>(), 3);
   EXPECT_EQ(stats["n_discarded"].get<int>(), 30 * stats["n_shifts"].get<int>());
+  // One time per decode step (the first generated token comes from the prompt's logits).
+  EXPECT_EQ(stats["token_ms"].size(), 149u);
 }
 
 TEST(CliContextShift, NoContextShiftStopsAtAFullContext) {

@@ -38,7 +38,9 @@ std::string slurp(const std::string& path) {
 
 // Runs a shell command under a time limit, capturing stdout and stderr apart.
 Result run(const std::string& command, int timeout_s = 600) {
-  const std::string out = work_dir() + "/stdout.txt", err = work_dir() + "/stderr.txt";
+  // Files named after the running test: CTest runs the tests of this file in parallel.
+  const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string out = work_dir() + "/" + name + ".stdout", err = work_dir() + "/" + name + ".stderr";
   const std::string line = "timeout " + std::to_string(timeout_s) + " " + command + " >" + out + " 2>" + err + " </dev/null";
   const int status = std::system(line.c_str());
   Result r;
