@@ -412,7 +412,9 @@ struct Result {
 };
 
 Result ringlm_tune(const std::string& args, const std::string& env = "") {
-  const std::string out = work_dir() + "/stdout.txt", err = work_dir() + "/stderr.txt";
+  // Files named after the running test: CTest runs the tests of this file in parallel.
+  const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string out = work_dir() + "/" + name + ".stdout", err = work_dir() + "/" + name + ".stderr";
   const std::string line = env + " timeout 600 " + std::string(RINGLM_BINARY) + " tune " + args + " >" + out + " 2>" +
                            err + " </dev/null";
   const int status = std::system(line.c_str());
