@@ -113,9 +113,11 @@ void add_nll(const float* logits, int n_vocab, int32_t target, NllStats& s) {
 NllStats stream_perplexity(LoadedModel& m, const PerplexityOptions& o, std::vector<int32_t> tokens) {
   const int n_vocab = m.model->hparams().n_vocab;
   const size_t n_batch = static_cast<size_t>(std::min(o.n_batch, o.n_ctx));
-  KvCacheOptions cache_options = o.cache;
-  cache_options.context_shift = true;
-  KvCache cache = m.model->make_cache(o.n_ctx, cache_options);
+  if (!o.cache.context_shift && tokens.size() > static_cast<size_t>(o.n_ctx)) {
+    throw std::runtime_error("--stream " + std::to_string(tokens.size()) + " tokens do not fit a context of " +
+                             std::to_string(o.n_ctx) + " with --no-context-shift (raise -c)");
+  }
+  KvCache cache = m.model->make_cache(o.n_ctx, o.cache);
   std::vector<float> logits(n_batch * static_cast<size_t>(n_vocab));
   NllStats stats;
   for (size_t done = 0; done + 1 < tokens.size();) {
