@@ -17,12 +17,32 @@ namespace ringlm::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+// s[j] = exp(s[j] - shift) for j < n, masked scores (-inf) to 0; returns the sum.
+HWY_INLINE float ExpShiftedRow(float* s, int64_t n, float shift) {
+  const hn::ScalableTag<float> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  const auto vshift = hn::Set(d, shift);
+  const auto masked = hn::Set(d, -INFINITY);
+  auto vsum = hn::Zero(d);
+  int64_t j = 0;
+  for (; j + lanes <= n; j += lanes) {
+    const auto v = hn::LoadU(d, s + j);
+    const auto e = hn::IfThenZeroElse(hn::Eq(v, masked), hn::Exp(d, hn::Sub(v, vshift)));
+    hn::StoreU(e, d, s + j);
+    vsum = hn::Add(vsum, e);
+  }
+  float sum = hn::GetLane(hn::SumOfLanes(d, vsum));
+  for (; j < n; ++j) {
+    s[j] = s[j] == -INFINITY ? 0.0f : std::exp(s[j] - shift);
+    sum += s[j];
+  }
+  return sum;
+}
+
 // One row of a score block, masked scores set to -inf. Raises the running max *m to cover the
 // visible ones, replaces them by exp(s - max) and the masked ones by 0, and returns the sum of
 // the exponentials (0, with *m unchanged, when the whole row is masked).
 float SoftmaxBlockRow(float* s, int64_t n, float* m) {
-  const hn::ScalableTag<float> d;
-  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
   // Causal masks leave the masked scores at the end of a row of an in-order cache: only the
   // visible prefix needs exponentials.
   const int64_t n_all = n;
@@ -34,49 +54,17 @@ float SoftmaxBlockRow(float* s, int64_t n, float* m) {
     return 0.0f;
   }
   *m = row_max;
-  const auto vmax = hn::Set(d, row_max);
-  const auto masked = hn::Set(d, -INFINITY);
-  auto vsum = hn::Zero(d);
-  int64_t j = 0;
-  for (; j + lanes <= n; j += lanes) {
-    const auto v = hn::LoadU(d, s + j);
-    const auto e = hn::IfThenZeroElse(hn::Eq(v, masked), hn::Exp(d, hn::Sub(v, vmax)));
-    hn::StoreU(e, d, s + j);
-    vsum = hn::Add(vsum, e);
-  }
-  float sum = hn::GetLane(hn::SumOfLanes(d, vsum));
-  for (; j < n; ++j) {
-    s[j] = s[j] == -INFINITY ? 0.0f : std::exp(s[j] - row_max);
-    sum += s[j];
-  }
-  return sum;
+  return ExpShiftedRow(s, n, row_max);
 }
 
 // One row of a score block against a fixed max phi (FlashDecoding++'s unified max): replaces
 // the scores by exp(s - phi), masked (-inf) ones by 0, and returns their sum. *block_max gets the
 // largest score, for the caller's range check.
 float ExpBlockRow(float* s, int64_t n, float phi, float* block_max) {
-  const hn::ScalableTag<float> d;
-  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
   float mx = -INFINITY;
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
   *block_max = mx;
-  const auto vphi = hn::Set(d, phi);
-  const auto masked = hn::Set(d, -INFINITY);
-  auto vsum = hn::Zero(d);
-  int64_t j = 0;
-  for (; j + lanes <= n; j += lanes) {
-    const auto v = hn::LoadU(d, s + j);
-    const auto e = hn::IfThenZeroElse(hn::Eq(v, masked), hn::Exp(d, hn::Sub(v, vphi)));
-    hn::StoreU(e, d, s + j);
-    vsum = hn::Add(vsum, e);
-  }
-  float sum = hn::GetLane(hn::SumOfLanes(d, vsum));
-  for (; j < n; ++j) {
-    s[j] = s[j] == -INFINITY ? 0.0f : std::exp(s[j] - phi);
-    sum += s[j];
-  }
-  return sum;
+  return ExpShiftedRow(s, n, phi);
 }
 
 // dst[j][0 .. n) = src[j * src_stride + 0 .. n) as fp32, for j < rows: a block of fp16 keys or
