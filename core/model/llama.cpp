@@ -251,7 +251,6 @@ void LlamaModel::shift_context(KvCache& cache) const {
     cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
     sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
   }
-  const bool adjacent = hp_.rope_style == RopeStyle::kAdjacentPairs;
   const int width = cache.row_width();
   const bool f16 = cache.type() == KvType::kF16;
 #pragma omp parallel
@@ -266,16 +265,7 @@ void LlamaModel::shift_context(KvCache& cache) const {
         } else {
           std::copy_n(static_cast<const float*>(key), width, row.data());
         }
-        for (int h = 0; h < hp_.n_head_kv; ++h) {
-          float* x = row.data() + static_cast<size_t>(h) * hp_.head_dim;
-          for (int i = 0; i < half; ++i) {
-            const int a = adjacent ? 2 * i : i;
-            const int b = adjacent ? 2 * i + 1 : i + half;
-            const float x0 = x[a], x1 = x[b];
-            x[a] = x0 * cos[static_cast<size_t>(i)] - x1 * sin[static_cast<size_t>(i)];
-            x[b] = x0 * sin[static_cast<size_t>(i)] + x1 * cos[static_cast<size_t>(i)];
-          }
-        }
+        rotate_heads(row.data(), hp_.n_head_kv, cos.data(), sin.data());
         if (f16) {
           fp32_to_fp16_row(row.data(), static_cast<uint16_t*>(key), width);
         } else {
@@ -322,14 +312,18 @@ void LlamaModel::rope_angles(int64_t pos0, int n_tokens) {
 
 // Rotates the n_heads vectors of token t of the chunk by its angles (rope_angles).
 void LlamaModel::apply_rope(float* vec, int n_heads, int t) const {
+  const size_t at = static_cast<size_t>(t) * static_cast<size_t>(hp_.n_rot / 2);
+  rotate_heads(vec, n_heads, &scratch_->rope_cos[at], &scratch_->rope_sin[at]);
+}
+
+// Rotates every rotary pair i of n_heads vectors by the angle whose cosine and sine are
+// cos[i], sin[i], in the pair layout this architecture uses.
+void LlamaModel::rotate_heads(float* vec, int n_heads, const float* cos, const float* sin) const {
   const int half = hp_.n_rot / 2;
-  const float* cos = &scratch_->rope_cos[static_cast<size_t>(t * half)];
-  const float* sin = &scratch_->rope_sin[static_cast<size_t>(t * half)];
   const bool adjacent = hp_.rope_style == RopeStyle::kAdjacentPairs;
   for (int h = 0; h < n_heads; ++h) {
     float* x = vec + static_cast<size_t>(h) * hp_.head_dim;
     for (int i = 0; i < half; ++i) {
-      // The two rotated coordinates of pair i, in the layout this architecture uses.
       const int a = adjacent ? 2 * i : i;
       const int b = adjacent ? 2 * i + 1 : i + half;
       const float x0 = x[a], x1 = x[b];

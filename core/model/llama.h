@@ -79,6 +79,7 @@ class LlamaModel {
   void attention(int layer, int n_tokens, int64_t pos0, KvCache& cache);
   void rope_angles(int64_t pos0, int n_tokens);
   void apply_rope(float* vec, int n_heads, int token) const;
+  void rotate_heads(float* vec, int n_heads, const float* cos, const float* sin) const;
   void store_kv(KvCache& cache, int layer, int slot, const float* k, const float* v) const;
 
   LlamaHparams hp_;
