@@ -21,16 +21,8 @@
 #include "quant/int4.h"
 
 HWY_BEFORE_NAMESPACE();
-// Highway 1.0.3's AVX3_DL target string names the VEX "avxvnni" (which Ice Lake and Zen 4 lack)
-// but not "avx512vnni", although that target's run-time check requires AVX-512 VNNI: enable it
-// for this target's code so that the kernels can use the EVEX vpdpbusd. HWY_AFTER_NAMESPACE's
-// pop_options ends it on GCC.
+// The AVX3_DL target (AVX-512 with VNNI) multiplies bytes with vpdpbusd (evex_dpbusd-inl.h).
 #if HWY_TARGET == HWY_AVX3_DL
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512vnni"))), apply_to = function)
-#else
-#pragma GCC target("avx512vnni")
-#endif
 #define RINGLM_VNNI 1
 #else
 #define RINGLM_VNNI 0
@@ -38,6 +30,7 @@ HWY_BEFORE_NAMESPACE();
 namespace ringlm::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
+#include "backends/cpu/evex_dpbusd-inl.h"  // IWYU pragma: keep
 
 // ---------------------------------------------------------------------------------------------
 // Activation quantization: per block of 32, d = max|x| / 127 and q = nearest(x * 127 / max|x|).
@@ -141,7 +134,7 @@ constexpr int64_t kTileRows = MT == 1 ? 8 : 4;
 // int32 lanes += sum over each lane's 4 bytes of u * s (u unsigned, s signed).
 HWY_INLINE __m256i DotAdd(__m256i acc, __m256i u, __m256i s) {
 #if RINGLM_VNNI
-  return _mm256_dpbusd_epi32(acc, u, s);
+  return DpbusdEvex(acc, u, s);
 #else
   // |u * s| <= 255 * 127 per byte pair, so the pairwise i16 sums (at most 2 * 128 * 127 here:
   // weights are at most 128 in magnitude) never saturate.
@@ -482,9 +475,6 @@ void GemmInt8(TensorType type, const uint8_t* w, size_t row_stride, int64_t n_be
 
 }  // namespace HWY_NAMESPACE
 }  // namespace ringlm::cpu
-#if HWY_TARGET == HWY_AVX3_DL && defined(__clang__)
-#pragma clang attribute pop
-#endif
 #undef RINGLM_VNNI
 #undef RINGLM_INLINE
 HWY_AFTER_NAMESPACE();

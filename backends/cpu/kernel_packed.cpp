@@ -65,20 +65,15 @@ inline std::optional<Layout> layout_of(TensorType type) {
 #endif  // RINGLM_KERNEL_PACKED_LAYOUT
 
 HWY_BEFORE_NAMESPACE();
-// As in int8_kernels.cpp: Highway 1.0.3's AVX3_DL target does not enable avx512vnni for the
-// compiler although its run-time check requires it; enable it so the kernels can use vpdpbusd.
+// The AVX3_DL target (AVX-512 with VNNI) multiplies bytes with vpdpbusd (evex_dpbusd-inl.h).
 #if HWY_TARGET == HWY_AVX3_DL
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512vnni"))), apply_to = function)
-#else
-#pragma GCC target("avx512vnni")
-#endif
 #define RINGLM_VNNI 1
 #else
 #define RINGLM_VNNI 0
 #endif
 namespace ringlm::cpu {
 namespace HWY_NAMESPACE {
+#include "backends/cpu/evex_dpbusd-inl.h"  // IWYU pragma: keep
 
 // A packed format as a kernel instantiation.
 template <int G, bool Asym, bool Bytes, ScaleType S>
@@ -123,9 +118,9 @@ HWY_INLINE __m256i Broadcast4(const int8_t* q) {
 // AVX2 the sums stay int16 until the end of the sub-block: a vpmaddubsw pair is at most
 // 2 * 15 * 127 = 3810, the sub-block's 8 of them at most 30480 < 2^15, so nothing saturates.
 #if RINGLM_VNNI
-HWY_INLINE __m256i DotNibbles(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+HWY_INLINE __m256i DotNibbles(__m256i acc, __m256i u, __m256i s) { return DpbusdEvex(acc, u, s); }
 HWY_INLINE __m256i WidenNibbles(__m256i acc) { return acc; }
-HWY_INLINE __m256i DotBytes(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+HWY_INLINE __m256i DotBytes(__m256i acc, __m256i u, __m256i s) { return DpbusdEvex(acc, u, s); }
 #else
 HWY_INLINE __m256i DotNibbles(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
@@ -359,9 +354,6 @@ void GemmPacked(const PackedWeight& w, int64_t n_begin, int64_t n_end, const Qua
 
 }  // namespace HWY_NAMESPACE
 }  // namespace ringlm::cpu
-#if HWY_TARGET == HWY_AVX3_DL && defined(__clang__)
-#pragma clang attribute pop
-#endif
 #undef RINGLM_VNNI
 #undef RINGLM_INLINE
 HWY_AFTER_NAMESPACE();
