@@ -10,8 +10,9 @@ namespace ringlm {
 
 namespace {
 constexpr const char* kDefaultModelFile = "SmolLM2-135M-Instruct.Q4_1.gguf";
+}  // namespace
 
-std::filesystem::path cache_dir() {
+std::filesystem::path ringlm_cache_dir() {
   if (const char* dir = std::getenv("RINGLM_CACHE_DIR"); dir != nullptr && *dir != '\0') return dir;
   if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
     return std::filesystem::path(xdg) / "ringlm";
@@ -19,7 +20,6 @@ std::filesystem::path cache_dir() {
   const char* home = std::getenv("HOME");
   return std::filesystem::path(home != nullptr ? home : ".") / ".cache" / "ringlm";
 }
-}  // namespace
 
 void add_model_options(CLI::App& cmd, ModelOptions& opts) {
   cmd.add_option("-m,--model", opts.model_path, "GGUF model file (default: $RINGLM_MODEL, else the model setup installed)");
@@ -73,7 +73,7 @@ void add_sampling_options(CLI::App& cmd, SamplingParams& p) {
 std::string resolve_model_path(const std::string& flag_value) {
   if (!flag_value.empty()) return flag_value;
   if (const char* env = std::getenv("RINGLM_MODEL"); env != nullptr && *env != '\0') return env;
-  const std::filesystem::path p = cache_dir() / "models" / kDefaultModelFile;
+  const std::filesystem::path p = ringlm_cache_dir() / "models" / kDefaultModelFile;
   if (!std::filesystem::exists(p)) {
     throw std::runtime_error("no model given (-m) and the default model is not installed at " + p.string() +
                              "; run scripts/setup.sh first");

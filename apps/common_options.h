@@ -2,6 +2,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <filesystem>
 #include <string>
 
 #include "backends/cpu/cpu_backend.h"
@@ -28,6 +29,8 @@ void add_compute_option(CLI::App& cmd, ComputeType& compute);
 // --no-context-shift (stop at a full context instead). Sets context_shift = true unless told not to.
 void add_kv_cache_options(CLI::App& cmd, KvCacheOptions& opts);
 
+// $RINGLM_CACHE_DIR, else $XDG_CACHE_HOME/ringlm, else ~/.cache/ringlm: models, chat history.
+std::filesystem::path ringlm_cache_dir();
 // -m if given, else $RINGLM_MODEL, else the model that setup installs into the cache directory.
 std::string resolve_model_path(const std::string& flag_value);
 // Threads to use for a -t value of 0 (auto).

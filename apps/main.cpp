@@ -3,7 +3,9 @@
 #include <cstdio>
 #include <exception>
 
+#include "apps/batch_command.h"
 #include "apps/bench_command.h"
+#include "apps/chat_command.h"
 #include "apps/perplexity_command.h"
 #include "apps/quantize_command.h"
 #include "apps/run_command.h"
@@ -14,6 +16,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "ringlm 0.1.0");
   ringlm::add_run_command(app);
+  ringlm::add_chat_command(app);
+  ringlm::add_batch_command(app);
   ringlm::add_bench_command(app);
   ringlm::add_perplexity_command(app);
   ringlm::add_quantize_command(app);

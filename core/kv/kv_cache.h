@@ -64,6 +64,12 @@ class KvCache {
   std::vector<int> discard(int n_discard);
   void clear();
 
+  // The sequence's decode attention state, kept between steps: FlashDecoding++'s unified max of
+  // each (layer, query head)'s scores. The model sizes it on first use; empty or NaN: not known
+  // yet (the exact softmax runs). It belongs to the sequence, not the model, so sequences
+  // decoded together never see each other's maxima.
+  std::vector<float>& softmax_phi() { return softmax_phi_; }
+
   // Row `slot` of layer `layer`: row_width() values of type(), K or V.
   void* key(int layer, int slot) { return storage_.data() + offset(layer, slot, false); }
   void* value(int layer, int slot) { return storage_.data() + offset(layer, slot, true); }
@@ -90,6 +96,7 @@ class KvCache {
   int64_t shifts_ = 0, discarded_ = 0;
   std::vector<int64_t> positions_;
   std::vector<uint8_t> storage_;
+  std::vector<float> softmax_phi_;
 };
 
 }  // namespace ringlm

@@ -194,7 +194,6 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend) : hp_(LlamaHparam
     for (size_t i = 0; i < factors.size(); ++i) rope_inv_freq_[i] /= factors[i];
   }
 
-  softmax_phi_.assign(static_cast<size_t>(hp_.n_layer) * static_cast<size_t>(hp_.n_head), NAN);
   scratch_ = std::make_unique<Scratch>();
   const auto M = static_cast<size_t>(max_batch_);
   scratch_->x.resize(M * d);
@@ -298,21 +297,22 @@ void LlamaModel::embed(std::span<const int32_t> tokens, float* out) const {
 
 // cos and sin of every rotation angle of the chunk's positions, computed once per chunk for
 // all layers (in double: positions reach millions, where float angles lose digits).
-void LlamaModel::rope_angles(int64_t pos0, int n_tokens) {
+void LlamaModel::rope_angles(int row0, int64_t pos0, int n_tokens) {
   const int half = hp_.n_rot / 2;
   for (int t = 0; t < n_tokens; ++t) {
     const double p = static_cast<double>(pos0 + t) / hp_.rope_scale;
+    const size_t at = static_cast<size_t>(row0 + t) * static_cast<size_t>(half);
     for (int i = 0; i < half; ++i) {
       const double theta = p * rope_inv_freq_[static_cast<size_t>(i)];
-      scratch_->rope_cos[static_cast<size_t>(t * half + i)] = static_cast<float>(std::cos(theta));
-      scratch_->rope_sin[static_cast<size_t>(t * half + i)] = static_cast<float>(std::sin(theta));
+      scratch_->rope_cos[at + static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
+      scratch_->rope_sin[at + static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
     }
   }
 }
 
-// Rotates the n_heads vectors of token t of the chunk by its angles (rope_angles).
-void LlamaModel::apply_rope(float* vec, int n_heads, int t) const {
-  const size_t at = static_cast<size_t>(t) * static_cast<size_t>(hp_.n_rot / 2);
+// Rotates the n_heads vectors of activation row `row` by its angles (rope_angles).
+void LlamaModel::apply_rope(float* vec, int n_heads, int row) const {
+  const size_t at = static_cast<size_t>(row) * static_cast<size_t>(hp_.n_rot / 2);
   rotate_heads(vec, n_heads, &scratch_->rope_cos[at], &scratch_->rope_sin[at]);
 }
 
@@ -333,43 +333,53 @@ void LlamaModel::rotate_heads(float* vec, int n_heads, const float* cos, const f
   }
 }
 
-// Causal attention of the chunk's n_tokens queries over the cache: query i sees the cached
-// tokens up to and including itself. Query heads share KV heads in groups (GQA) by index,
-// without copying K/V.
-void LlamaModel::attention(int layer, int n_tokens, int64_t pos0, KvCache& cache) {
+// Causal attention of one sequence's queries over its cache: query i sees the cached tokens up
+// to and including itself. Query heads share KV heads in groups (GQA) by index, without copying
+// K/V. The asynchronized softmax's maxima live in the sequence's cache.
+void LlamaModel::attention(int layer, const Rows& r) {
   const cpu::AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim};
+  KvCache& cache = *r.cache;
   const std::span<const int64_t> positions = cache.positions();
   const cpu::KvLayer kv{cache.key(layer, 0),         cache.value(layer, 0), cache.row_width(),
                         cache.type() == KvType::kF16, positions.data(),      static_cast<int>(positions.size())};
-  float* phi = async_softmax_ ? &softmax_phi_[static_cast<size_t>(layer) * static_cast<size_t>(hp_.n_head)] : nullptr;
-  cpu::attention_causal(shape, scratch_->q.data(), kv, pos0, n_tokens, scratch_->attn.data(), scratch_->attention,
-                        omp_get_max_threads(), phi);
+  float* phi = nullptr;
+  if (async_softmax_) {
+    std::vector<float>& state = cache.softmax_phi();
+    const size_t per_layer = static_cast<size_t>(hp_.n_head);
+    if (state.size() != static_cast<size_t>(hp_.n_layer) * per_layer) state.assign(hp_.n_layer * per_layer, NAN);
+    phi = &state[static_cast<size_t>(layer) * per_layer];
+  }
+  const size_t q_dim = static_cast<size_t>(hp_.n_head) * hp_.head_dim;
+  const size_t at = static_cast<size_t>(r.row0) * q_dim;
+  cpu::attention_causal(shape, scratch_->q.data() + at, kv, r.pos0, static_cast<int>(r.tokens.size()),
+                        scratch_->attn.data() + at, scratch_->attention, omp_get_max_threads(), phi);
 }
 
-void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits) {
+void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   Scratch& s = *scratch_;
-  const int n = static_cast<int>(tokens.size());
   const int d = hp_.n_embd;
   const int q_dim = hp_.n_head * hp_.head_dim;
   const int kv_dim = hp_.n_head_kv * hp_.head_dim;
-  const int64_t pos0 = cache.next_position();
-  const int first_slot = cache.append(n);
-
-  embed(tokens, s.x.data());
-  rope_angles(pos0, n);
+  for (const Rows& r : rows) {
+    embed(r.tokens, &s.x[static_cast<size_t>(r.row0) * d]);
+    rope_angles(r.row0, r.pos0, static_cast<int>(r.tokens.size()));
+  }
   for (int il = 0; il < hp_.n_layer; ++il) {
     const Layer& L = layers_[static_cast<size_t>(il)];
     // Attention block: one QKV projection of the normalised input (the norm is fused into the
-    // backend's input preparation), RoPE on the way into the cache.
+    // backend's input preparation), RoPE on the way into each sequence's cache.
     const PreparedWeight* qkv[] = {L.wq.get(), L.wk.get(), L.wv.get()};
     float* const qkv_out[] = {s.q.data(), s.k.data(), s.v.data()};
     backend_.matmul_many(qkv, MatmulInput{s.x.data(), n, L.attn_norm.data(), hp_.rms_eps}, qkv_out);
-    for (int i = 0; i < n; ++i) {
-      apply_rope(&s.q[static_cast<size_t>(i) * q_dim], hp_.n_head, i);
-      apply_rope(&s.k[static_cast<size_t>(i) * kv_dim], hp_.n_head_kv, i);
-      store_kv(cache, il, first_slot + i, &s.k[static_cast<size_t>(i) * kv_dim], &s.v[static_cast<size_t>(i) * kv_dim]);
+    for (const Rows& r : rows) {
+      for (int t = 0; t < static_cast<int>(r.tokens.size()); ++t) {
+        const size_t i = static_cast<size_t>(r.row0 + t);
+        apply_rope(&s.q[i * q_dim], hp_.n_head, r.row0 + t);
+        apply_rope(&s.k[i * kv_dim], hp_.n_head_kv, r.row0 + t);
+        store_kv(*r.cache, il, r.first_slot + t, &s.k[i * kv_dim], &s.v[i * kv_dim]);
+      }
     }
-    attention(il, n, pos0, cache);
+    for (const Rows& r : rows) attention(il, r);
     backend_.matmul(*L.wo, s.attn.data(), n, s.xn.data());
     for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) s.x[i] += s.xn[i];
 
@@ -378,15 +388,81 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
     backend_.matmul(*L.down, s.gate.data(), n, s.xn.data());
     for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) s.x[i] += s.xn[i];
   }
+}
+
+void LlamaModel::project_logits(int row, int n, float* logits) {
+  const PreparedWeight* output[] = {output_.get()};
+  float* const output_logits[] = {logits};
+  const float* x = &scratch_->x[static_cast<size_t>(row) * hp_.n_embd];
+  backend_.matmul_many(output, MatmulInput{x, n, output_norm_.data(), hp_.rms_eps}, output_logits);
+}
+
+void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits) {
+  const int n = static_cast<int>(tokens.size());
+  const int64_t pos0 = cache.next_position();
+  const Rows rows[] = {{tokens, &cache, 0, pos0, cache.append(n)}};
+  run_layers(rows, n);
   if (logits == nullptr) return;
   // Only the rows whose logits are wanted go through the final norm and the vocabulary projection.
   const int first_row = all_logits ? 0 : n - 1;
-  const int n_rows = n - first_row;
-  const PreparedWeight* output[] = {output_.get()};
-  float* const output_logits[] = {logits};
-  backend_.matmul_many(output,
-                       MatmulInput{&s.x[static_cast<size_t>(first_row) * d], n_rows, output_norm_.data(), hp_.rms_eps},
-                       output_logits);
+  project_logits(first_row, n - first_row, logits);
+}
+
+void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
+  // Everything is checked before any cache changes.
+  size_t total = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const SequenceTokens& b = batch[i];
+    if (b.cache == nullptr || b.tokens.empty()) throw std::invalid_argument("forward_batch: sequence without cache or tokens");
+    for (size_t j = 0; j < i; ++j) {
+      if (batch[j].cache == b.cache) throw std::invalid_argument("forward_batch: a cache appears twice in one batch");
+    }
+    if (static_cast<int>(b.tokens.size()) > b.cache->contiguous_free()) {
+      throw std::invalid_argument("forward_batch: " + std::to_string(b.tokens.size()) + " tokens do not fit the " +
+                                  std::to_string(b.cache->contiguous_free()) + " free slots of their cache");
+    }
+    for (int32_t t : b.tokens) {
+      if (t < 0 || t >= hp_.n_vocab) throw std::out_of_range("token id " + std::to_string(t) + " is outside the vocabulary");
+    }
+    total += b.tokens.size();
+  }
+  if (total > static_cast<size_t>(max_batch_)) {
+    throw std::invalid_argument("forward_batch: " + std::to_string(total) + " tokens exceed the batch of " +
+                                std::to_string(max_batch_));
+  }
+  if (total == 0) return;
+
+  std::vector<Rows>& rows = batch_rows_;
+  rows.clear();
+  int row = 0;
+  for (const SequenceTokens& b : batch) {
+    const int n = static_cast<int>(b.tokens.size());
+    const int64_t pos0 = b.cache->next_position();
+    rows.push_back({b.tokens, b.cache, row, pos0, b.cache->append(n)});
+    row += n;
+  }
+  run_layers(rows, row);
+
+  // The last row of each sequence that wants logits, gathered so that the vocabulary
+  // projection is one matrix product.
+  Scratch& s = *scratch_;
+  const size_t d = static_cast<size_t>(hp_.n_embd), vocab = static_cast<size_t>(hp_.n_vocab);
+  int wanted = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (batch[i].logits == nullptr) continue;
+    const size_t last = static_cast<size_t>(rows[i].row0) + batch[i].tokens.size() - 1;
+    std::copy_n(&s.x[last * d], d, &s.xn[static_cast<size_t>(wanted) * d]);
+    ++wanted;
+  }
+  if (wanted == 0) return;
+  std::copy_n(s.xn.data(), static_cast<size_t>(wanted) * d, s.x.data());
+  if (batch_logits_.size() < static_cast<size_t>(wanted) * vocab) batch_logits_.resize(static_cast<size_t>(wanted) * vocab);
+  project_logits(0, wanted, batch_logits_.data());
+  int k = 0;
+  for (const SequenceTokens& b : batch) {
+    if (b.logits == nullptr) continue;
+    std::copy_n(&batch_logits_[static_cast<size_t>(k++) * vocab], vocab, b.logits);
+  }
 }
 
 }  // namespace ringlm

@@ -58,6 +58,20 @@ class LlamaModel {
   // std::length_error before anything runs.
   void forward(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits = false);
 
+  // One sequence's share of a batched pass.
+  struct SequenceTokens {
+    std::span<const int32_t> tokens;  // appended to `cache` at its next positions
+    KvCache* cache = nullptr;
+    float* logits = nullptr;  // [n_vocab]: the logits of its last token; nullptr: not wanted
+  };
+  // Runs the tokens of several sequences in one pass (continuous batching): every matrix
+  // multiplies all their rows at once, attention runs per sequence over its own cache. A row's
+  // result does not depend on the other rows of the batch, so a sequence gets the same logits
+  // batched or alone (given the same chunks of its own tokens). At most max_batch() tokens in
+  // all, each sequence's fitting its cache without a shift (contiguous_free()), each cache used
+  // once; std::invalid_argument otherwise, before anything runs.
+  void forward_batch(std::span<const SequenceTokens> batch);
+
   // StreamingLLM: drops cache.shift_size() tokens after the sinks and re-rotates the keys of
   // every token after them by minus that many positions, in place ("shift-RoPE": a rotation by
   // θ·p followed by one by θ·(-d) is the rotation by θ·(p - d)). Nothing is recomputed.
@@ -74,11 +88,25 @@ class LlamaModel {
  private:
   struct Layer;
   struct Scratch;
+  // A sequence's rows in the pass: rows [row0, row0 + tokens.size()) of the activations.
+  struct Rows {
+    std::span<const int32_t> tokens;
+    KvCache* cache;
+    int row0;
+    int64_t pos0;    // position of its first token
+    int first_slot;  // cache slot of its first token
+  };
+  // The transformer over `rows` (appended to their caches); leaves the final hidden states in
+  // the scratch activations.
+  void run_layers(std::span<const Rows> rows, int n_rows);
+  // Final norm + vocabulary projection of n hidden-state rows starting at `row`, into `logits`.
+  void project_logits(int row, int n, float* logits);
   void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits);
   void embed(std::span<const int32_t> tokens, float* out) const;
-  void attention(int layer, int n_tokens, int64_t pos0, KvCache& cache);
-  void rope_angles(int64_t pos0, int n_tokens);
-  void apply_rope(float* vec, int n_heads, int token) const;
+  void attention(int layer, const Rows& rows);
+  // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0...
+  void rope_angles(int row0, int64_t pos0, int n_tokens);
+  void apply_rope(float* vec, int n_heads, int row) const;
   void rotate_heads(float* vec, int n_heads, const float* cos, const float* sin) const;
   void store_kv(KvCache& cache, int layer, int slot, const float* k, const float* v) const;
 
@@ -91,8 +119,9 @@ class LlamaModel {
   std::vector<float> rope_inv_freq_;
   int max_batch_ = 512;
   bool async_softmax_ = true;
-  std::vector<float> softmax_phi_;  // [n_layer][n_head]: the unified max of each head's scores
   std::unique_ptr<Scratch> scratch_;
+  std::vector<Rows> batch_rows_;       // forward_batch's, reused
+  std::vector<float> batch_logits_;    // forward_batch's logits of every sequence, reused
   size_t weight_bytes_ = 0;
   int64_t n_params_ = 0;
 };

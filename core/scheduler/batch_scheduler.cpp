@@ -1,0 +1,218 @@
+#include "core/scheduler/batch_scheduler.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "core/model/llama.h"
+
+namespace ringlm {
+
+namespace {
+
+double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// Where the earliest stop string starts in `text`, or npos.
+size_t find_stop(const std::string& text, const std::vector<std::string>& stops) {
+  size_t at = std::string::npos;
+  for (const std::string& s : stops) {
+    if (!s.empty()) at = std::min(at, text.find(s));
+  }
+  return at;
+}
+
+}  // namespace
+
+// One sequence being generated: its own KV cache, sampler and text.
+struct BatchScheduler::Slot {
+  enum class State { kFree, kWaitingForPrompt, kPrefill, kDecode };
+
+  Slot(const LlamaModel& model, const BatchOptions& o)
+      : cache(model.make_cache(o.n_ctx, KvCacheOptions{o.cache_type, 0, 0, false})),
+        logits(static_cast<size_t>(model.hparams().n_vocab)) {}
+
+  State state = State::kFree;
+  GenerationRequest request;
+  int sample = 0;
+  Slot* prompt_owner = nullptr;  // a sample waiting for the prompt that this slot prefills
+  KvCache cache;
+  std::vector<float> logits;
+  std::unique_ptr<Sampler> sampler;
+  std::vector<int32_t> history;  // prompt + generated: the repetition penalty's window
+  size_t prefilled = 0;          // prompt tokens in the cache
+  int32_t next_token = -1;       // sampled, to be evaluated in the next step
+  GenerationResult result;
+  Utf8StreamDecoder utf8;
+  Clock::time_point submitted, started, first_token;
+};
+
+BatchScheduler::BatchScheduler(LlamaModel& model, const Tokenizer& tokenizer, const BatchOptions& options)
+    : model_(model), tokenizer_(tokenizer), options_(options) {
+  if (options.n_parallel < 1) throw std::invalid_argument("--parallel must be at least 1");
+  if (options.n_parallel > model.max_batch()) {
+    throw std::invalid_argument("--parallel " + std::to_string(options.n_parallel) + " exceeds the batch of " +
+                                std::to_string(model.max_batch()) + " tokens");
+  }
+  if (options.prefill_chunk < 1 || options.prefill_chunk + options.n_parallel > model.max_batch()) {
+    throw std::invalid_argument("the prefill chunk must be between 1 and " +
+                                std::to_string(model.max_batch() - options.n_parallel) + " tokens");
+  }
+  for (int i = 0; i < options.n_parallel; ++i) slots_.push_back(std::make_unique<Slot>(model, options));
+}
+
+BatchScheduler::~BatchScheduler() = default;
+
+void BatchScheduler::submit(GenerationRequest request) {
+  if (request.prompt.empty()) throw std::invalid_argument("the prompt is empty");
+  if (static_cast<int>(request.prompt.size()) >= options_.n_ctx) {
+    throw std::invalid_argument("the prompt is " + std::to_string(request.prompt.size()) +
+                                " tokens, which leaves no room in the context of " + std::to_string(options_.n_ctx) +
+                                " tokens (raise -c)");
+  }
+  if (request.n_samples < 1 || request.n_samples > options_.n_parallel) {
+    throw std::invalid_argument("n = " + std::to_string(request.n_samples) + " samples: must be between 1 and --parallel (" +
+                                std::to_string(options_.n_parallel) + ")");
+  }
+  if (request.max_tokens < 0) throw std::invalid_argument("max_tokens must not be negative");
+  queue_.push_back({std::move(request), Clock::now()});
+}
+
+bool BatchScheduler::idle() const { return queue_.empty() && n_running() == 0; }
+
+int BatchScheduler::n_running() const {
+  int n = 0;
+  for (const auto& s : slots_) n += s->state != Slot::State::kFree;
+  return n;
+}
+
+// Requests take free slots in arrival order; one with n samples waits until n slots are free
+// (first come, first served: a large request is not overtaken by smaller ones behind it).
+void BatchScheduler::admit() {
+  while (!queue_.empty()) {
+    std::vector<Slot*> free;
+    for (auto& s : slots_) {
+      if (s->state == Slot::State::kFree) free.push_back(s.get());
+    }
+    const GenerationRequest& next = queue_.front().request;
+    if (static_cast<int>(free.size()) < next.n_samples) return;
+    Queued q = std::move(queue_.front());
+    queue_.pop_front();
+    for (int i = 0; i < q.request.n_samples; ++i) {
+      Slot& s = *free[static_cast<size_t>(i)];
+      s.state = i == 0 ? Slot::State::kPrefill : Slot::State::kWaitingForPrompt;
+      s.request = q.request;
+      s.sample = i;
+      s.prompt_owner = i == 0 ? nullptr : free[0];
+      s.cache.clear();
+      SamplingParams params = q.request.sampling;
+      params.seed += static_cast<uint64_t>(i);
+      s.sampler = std::make_unique<Sampler>(params, model_.hparams().n_vocab);
+      s.history = q.request.prompt;
+      s.prefilled = 0;
+      s.next_token = -1;
+      s.result = GenerationResult{};
+      s.result.index = q.request.index;
+      s.result.sample = i;
+      s.result.prompt_tokens = static_cast<int>(q.request.prompt.size());
+      s.utf8 = Utf8StreamDecoder{};
+      s.submitted = q.submitted;
+    }
+  }
+}
+
+bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) {
+  admit();
+  if (idle()) return false;
+
+  // The pass: every decoding sequence's pending token, then the next chunk of one prompt.
+  std::vector<LlamaModel::SequenceTokens> batch;
+  std::vector<Slot*> in_batch;
+  Slot* prefilling = nullptr;
+  for (auto& s : slots_) {
+    if (s->state == Slot::State::kDecode) {
+      batch.push_back({std::span<const int32_t>(&s->next_token, 1), &s->cache, s->logits.data()});
+      in_batch.push_back(s.get());
+    } else if (s->state == Slot::State::kPrefill && prefilling == nullptr) {
+      prefilling = s.get();
+    }
+  }
+  const auto now = Clock::now();
+  if (prefilling != nullptr) {
+    Slot& s = *prefilling;
+    if (s.prefilled == 0) s.started = now;
+    const size_t n = std::min(static_cast<size_t>(options_.prefill_chunk), s.request.prompt.size() - s.prefilled);
+    const bool last = s.prefilled + n == s.request.prompt.size();
+    batch.push_back({std::span<const int32_t>(s.request.prompt).subspan(s.prefilled, n), &s.cache,
+                     last ? s.logits.data() : nullptr});
+    in_batch.push_back(&s);
+  }
+  model_.forward_batch(batch);
+  ++steps_;
+
+  for (size_t i = 0; i < in_batch.size(); ++i) {
+    Slot& s = *in_batch[i];
+    if (s.state == Slot::State::kPrefill) {
+      s.prefilled += batch[i].tokens.size();
+      if (s.prefilled < s.request.prompt.size()) continue;
+      // The prompt is in: the samples waiting for it start from copies of its cache.
+      for (auto& other : slots_) {
+        if (other->state != Slot::State::kWaitingForPrompt || other->prompt_owner != &s) continue;
+        other->cache = s.cache;
+        other->logits = s.logits;
+        other->prefilled = s.prefilled;
+        other->started = s.started;
+        other->state = Slot::State::kDecode;
+        shared_prefill_tokens_ += static_cast<int64_t>(s.prefilled);
+        advance(*other, on_done);
+      }
+      s.state = Slot::State::kDecode;
+    }
+    advance(s, on_done);
+  }
+  return true;
+}
+
+bool BatchScheduler::advance(Slot& s, const std::function<void(GenerationResult)>& on_done) {
+  const auto now = Clock::now();
+  if (s.result.n_tokens == 0) s.first_token = now;
+  if (s.result.n_tokens >= s.request.max_tokens) {
+    finish(s, "length", on_done);
+    return false;
+  }
+  const int32_t token = s.sampler->sample(s.logits, s.history);
+  if (tokenizer_.is_end_of_generation(token)) {
+    finish(s, "stop", on_done);
+    return false;
+  }
+  ++s.result.n_tokens;
+  ++generated_tokens_;
+  s.history.push_back(token);
+  s.result.text += s.utf8.push(tokenizer_.token_to_piece(token));
+  if (const size_t at = find_stop(s.result.text, s.request.stop); at != std::string::npos) {
+    s.result.text.resize(at);
+    finish(s, "stop", on_done, /*flush_text=*/false);
+    return false;
+  }
+  if (s.result.n_tokens >= s.request.max_tokens || s.cache.size() >= s.cache.capacity()) {
+    finish(s, "length", on_done);
+    return false;
+  }
+  s.next_token = token;
+  return true;
+}
+
+void BatchScheduler::finish(Slot& s, const std::string& reason, const std::function<void(GenerationResult)>& on_done,
+                            bool flush_text) {
+  const auto now = Clock::now();
+  if (flush_text) s.result.text += s.utf8.flush();
+  s.result.finish_reason = reason;
+  s.result.queue_ms = ms_between(s.submitted, s.started);
+  s.result.prefill_ms = ms_between(s.started, s.first_token);
+  s.result.decode_ms = ms_between(s.first_token, now);
+  s.state = Slot::State::kFree;
+  s.sampler.reset();
+  on_done(std::move(s.result));
+}
+
+}  // namespace ringlm

@@ -1,0 +1,233 @@
+#include "core/session/chat_session.h"
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+#include "core/gguf/gguf.h"
+#include "core/model/llama.h"
+#include "core/tokenizer/tokenizer.h"
+
+namespace ringlm {
+
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void append(std::vector<int32_t>& to, const std::vector<int32_t>& tokens) { to.insert(to.end(), tokens.begin(), tokens.end()); }
+
+}  // namespace
+
+ChatTemplate chat_template_for(const GgufFile& gguf, const Tokenizer& tokenizer, const std::string& name,
+                               std::string& notice) {
+  ChatSpecialTokens special;
+  if (tokenizer.bos_id() >= 0) special.bos = tokenizer.token_to_piece(tokenizer.bos_id(), true);
+  if (tokenizer.eos_id() >= 0) special.eos = tokenizer.token_to_piece(tokenizer.eos_id(), true);
+  notice.clear();
+  if (!name.empty()) return ChatTemplate::from_name(name, special);
+  const std::optional<std::string_view> source = gguf.get_string("tokenizer.chat_template");
+  if (source) {
+    if (auto recognised = ChatTemplate::detect(*source, special)) return *recognised;
+  }
+  std::string names;
+  for (std::string_view n : ChatTemplate::names()) names += (names.empty() ? "" : ", ") + std::string(n);
+  notice = std::string(source ? "the model's chat template is not one ringlm recognises" : "the model has no chat template") +
+           "; using chatml (--chat-template picks one of: " + names + ")";
+  return ChatTemplate::from_name("chatml", special);
+}
+
+ChatSession::ChatSession(LlamaModel& model, const Tokenizer& tokenizer, ChatTemplate chat_template,
+                         const ChatSessionOptions& options)
+    : model_(model),
+      tokenizer_(tokenizer),
+      template_(std::move(chat_template)),
+      options_(options),
+      sampler_(options.sampling, model.hparams().n_vocab),
+      cache_(model.make_cache(options.n_ctx, cache_options_for(static_cast<int>(conversation_start_tokens("").size())))),
+      logits_(static_cast<size_t>(model.hparams().n_vocab)) {
+  system_tokens_ = static_cast<int>(conversation_start_tokens(system_).size());
+  // A reply ends at the vocabulary's end-of-generation tokens and at the format's own marker,
+  // which some vocabularies do not flag as one (a GGUF converted without it).
+  if (auto marker = tokenizer_.find_token(template_.end_of_turn())) end_of_turn_tokens_.push_back(*marker);
+}
+
+std::vector<int32_t> ChatSession::conversation_start_tokens(std::string_view system) const {
+  const bool bos = template_.starts_with_bos() || tokenizer_.add_bos_by_default();
+  return tokenizer_.encode(template_.conversation_start(system), bos, /*parse_special=*/true);
+}
+
+KvCacheOptions ChatSession::cache_options_for(int start_tokens) const {
+  if (start_tokens >= options_.n_ctx) {
+    throw std::invalid_argument("the system prompt is " + std::to_string(start_tokens) +
+                                " tokens, which does not fit the context of " + std::to_string(options_.n_ctx) +
+                                " tokens (raise -c)");
+  }
+  KvCacheOptions opts = options_.cache;
+  opts.n_keep = std::min(std::max(opts.n_keep, start_tokens), options_.n_ctx - 1);
+  if (opts.n_discard > options_.n_ctx - opts.n_keep) opts.n_discard = 0;  // the sinks grew past it: default
+  return opts;
+}
+
+void ChatSession::clear_cache() {
+  system_tokens_ = static_cast<int>(conversation_start_tokens(system_).size());
+  const KvCacheOptions opts = cache_options_for(system_tokens_);
+  if (opts.n_keep != cache_.n_keep()) {
+    cache_ = model_.make_cache(options_.n_ctx, opts);
+  } else {
+    cache_.clear();
+  }
+  context_.clear();
+  started_ = false;
+  pending_text_.clear();
+}
+
+void ChatSession::evaluate(const std::vector<int32_t>& tokens) {
+  if (tokens.empty()) return;
+  // forward() shifts the cache on its own when it fills. Each shift drops the oldest tokens
+  // after the sinks, so all of them together are the oldest `dropped` after the sinks of the
+  // context with the new tokens appended.
+  const int64_t discarded_before = cache_.discarded();
+  model_.forward(tokens, cache_, logits_.data());
+  append(context_, tokens);
+  const auto dropped = static_cast<ptrdiff_t>(cache_.discarded() - discarded_before);
+  const auto sinks = context_.begin() + cache_.n_keep();
+  context_.erase(sinks, sinks + dropped);
+  evaluated_total_ += static_cast<int64_t>(tokens.size());
+}
+
+bool ChatSession::is_end_of_turn(int32_t token) const {
+  return tokenizer_.is_end_of_generation(token) ||
+         std::find(end_of_turn_tokens_.begin(), end_of_turn_tokens_.end(), token) != end_of_turn_tokens_.end();
+}
+
+ChatTurnStats ChatSession::reply(std::string_view user_message, const std::function<void(std::string_view)>& on_text,
+                                 const std::atomic<bool>* stop) {
+  // The new tokens: the conversation start (first turn only, tokenized alone so that it is
+  // exactly the sinks), the end of the last reply, the message and the reply header.
+  std::vector<int32_t> tokens = started_ ? std::vector<int32_t>{} : conversation_start_tokens(system_);
+  append(tokens, tokenizer_.encode(pending_text_ + template_.user_turn(user_message, turns_.empty(), system_),
+                                   /*add_bos=*/false, /*parse_special=*/true));
+  const int room = cache_.capacity() - cache_.n_keep();  // what a shift can make free
+  const int message_tokens = static_cast<int>(tokens.size()) - (started_ ? 0 : system_tokens_);
+  if (message_tokens >= room) {
+    throw std::invalid_argument("the message is " + std::to_string(message_tokens) + " tokens; with the " +
+                                std::to_string(cache_.n_keep()) + " kept tokens of the system prompt, the context of " +
+                                std::to_string(cache_.capacity()) + " holds at most " + std::to_string(room - 1) +
+                                " (raise -c)");
+  }
+  if (!cache_.options().context_shift && cache_.size() + static_cast<int>(tokens.size()) >= cache_.capacity()) {
+    throw std::invalid_argument("the context of " + std::to_string(cache_.capacity()) +
+                                " tokens is full (context shift is off): /reset, or raise -c");
+  }
+
+  ChatTurnStats stats;
+  auto t0 = std::chrono::steady_clock::now();
+  evaluate(tokens);
+  started_ = true;
+  pending_text_.clear();
+  turns_.push_back({std::string(user_message), {}});
+  stats.prefill_tokens = static_cast<int>(tokens.size());
+  stats.prefill_ms = ms_since(t0);
+
+  // Every token shown is also evaluated, so the cache always holds the reply as it was shown,
+  // whatever stops it.
+  t0 = std::chrono::steady_clock::now();
+  Utf8StreamDecoder utf8;
+  std::string& text = turns_.back().assistant;
+  auto emit = [&](const std::string& piece) {
+    if (piece.empty()) return;
+    text += piece;
+    on_text(piece);
+  };
+  stats.stop_reason = "end";
+  while (true) {
+    if (options_.n_predict >= 0 && stats.reply_tokens >= options_.n_predict) {
+      stats.stop_reason = "limit";
+      break;
+    }
+    const int32_t token = sampler_.sample(logits_, context_);
+    if (is_end_of_turn(token)) break;
+    if (!cache_.options().context_shift && cache_.size() >= cache_.capacity()) {
+      stats.stop_reason = "context";
+      break;
+    }
+    evaluate({token});
+    ++stats.reply_tokens;
+    emit(utf8.push(tokenizer_.token_to_piece(token)));
+    if (stop != nullptr && stop->load()) {
+      stats.stop_reason = "interrupted";
+      break;
+    }
+  }
+  emit(utf8.flush());
+  stats.reply_ms = ms_since(t0);
+  pending_text_ = template_.reply_end();
+  return stats;
+}
+
+void ChatSession::set_system(std::string system) {
+  std::vector<Turn> turns = turns_;
+  replace_conversation(std::move(system), std::move(turns));
+}
+
+void ChatSession::reset() {
+  turns_.clear();
+  clear_cache();
+}
+
+int ChatSession::load(const std::vector<ChatMessage>& messages) {
+  template_.render(messages);  // checks roles and order
+  const bool has_system = !messages.empty() && messages.front().role == "system";
+  std::vector<Turn> turns;
+  for (size_t i = has_system ? 1 : 0; i < messages.size(); i += 2) {
+    if (i + 1 >= messages.size()) {
+      throw std::invalid_argument("message " + std::to_string(i) +
+                                  " (user) has no reply: a saved conversation ends with an assistant message");
+    }
+    turns.push_back({messages[i].content, messages[i + 1].content});
+  }
+  return replace_conversation(has_system ? messages.front().content : std::string(), std::move(turns));
+}
+
+std::vector<int32_t> ChatSession::conversation_tokens(std::string_view system, const std::vector<Turn>& turns) const {
+  // The same pieces, tokenized the same way, as the turns were when they were said.
+  std::vector<int32_t> tokens = conversation_start_tokens(system);
+  std::string pending;
+  for (size_t i = 0; i < turns.size(); ++i) {
+    append(tokens, tokenizer_.encode(pending + template_.user_turn(turns[i].user, i == 0, system), false, true));
+    append(tokens, tokenizer_.encode(turns[i].assistant, false, true));
+    pending = template_.reply_end();
+  }
+  return tokens;
+}
+
+int ChatSession::replace_conversation(std::string system, std::vector<Turn> turns) {
+  // Everything that can refuse the new conversation runs before the old one is touched.
+  const std::vector<int32_t> tokens = conversation_tokens(system, turns);
+  cache_options_for(static_cast<int>(conversation_start_tokens(system).size()));
+  if (!cache_.options().context_shift && static_cast<int>(tokens.size()) >= cache_.capacity()) {
+    throw std::invalid_argument("the conversation is " + std::to_string(tokens.size()) + " tokens, more than the context of " +
+                                std::to_string(cache_.capacity()) + " holds with context shift off (raise -c)");
+  }
+  system_ = std::move(system);
+  turns_ = std::move(turns);
+  clear_cache();
+  evaluate(tokens);
+  started_ = true;
+  pending_text_ = turns_.empty() ? std::string() : template_.reply_end();
+  return static_cast<int>(tokens.size());
+}
+
+std::vector<ChatMessage> ChatSession::messages() const {
+  std::vector<ChatMessage> out;
+  if (!system_.empty()) out.push_back({"system", system_});
+  for (const Turn& t : turns_) {
+    out.push_back({"user", t.user});
+    out.push_back({"assistant", t.assistant});
+  }
+  return out;
+}
+
+}  // namespace ringlm

@@ -1,0 +1,132 @@
+// A chat that lives in the KV cache.
+//
+// The conversation is written out by its chat template piece by piece and only the new pieces
+// are prefilled: a turn evaluates the end of the previous reply, the user's message and the
+// header of the new reply, then generates. Nothing said before is evaluated again.
+//
+// When the context fills, the cache's StreamingLLM shift drops the oldest turns. The system
+// prompt (and the BOS before it) are the attention sinks: the session sets the cache's n_keep
+// to cover them, so the model never loses its instructions however long the chat goes on.
+//
+// The session mirrors the cache with the token ids it holds (context()), so it can say what is
+// in the context and feed the sampler's repetition penalty.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/kv/kv_cache.h"
+#include "core/sampling/sampler.h"
+#include "core/session/chat_template.h"
+
+namespace ringlm {
+
+class GgufFile;
+class LlamaModel;
+class Tokenizer;
+
+// The chat template of a model: `name` when given (see ChatTemplate::names()), else the one
+// recognised from the GGUF's tokenizer.chat_template, else ChatML with `notice` set to a
+// one-line reason (it stays empty otherwise). BOS/EOS texts come from the tokenizer.
+ChatTemplate chat_template_for(const GgufFile& gguf, const Tokenizer& tokenizer, const std::string& name,
+                               std::string& notice);
+
+struct ChatSessionOptions {
+  int n_ctx = 4096;
+  KvCacheOptions cache;  // n_keep is a minimum: the session raises it to cover the system prompt
+  SamplingParams sampling;
+  int n_predict = -1;    // most tokens per reply (-1: until the end of the turn)
+};
+
+// What one turn cost.
+struct ChatTurnStats {
+  int prefill_tokens = 0;   // new tokens evaluated for this turn (before the reply)
+  double prefill_ms = 0;
+  int reply_tokens = 0;     // tokens the reply generated
+  double reply_ms = 0;
+  std::string stop_reason;  // "end" (end of turn), "limit" (-n), "interrupted", "context" (full, no shift)
+};
+
+class ChatSession {
+ public:
+  ChatSession(LlamaModel& model, const Tokenizer& tokenizer, ChatTemplate chat_template, const ChatSessionOptions& options);
+
+  // Streams each piece of the reply (complete UTF-8 only) to `on_text`. `stop` (may be null),
+  // when it becomes true, ends the reply after the token being generated; what was generated
+  // stays in the conversation. Throws std::invalid_argument, changing nothing, when the
+  // message cannot fit the context.
+  ChatTurnStats reply(std::string_view user_message, const std::function<void(std::string_view)>& on_text,
+                      const std::atomic<bool>* stop = nullptr);
+
+  // Replaces the system prompt ("" for none) and prefills the conversation again under it.
+  void set_system(std::string system);
+  // Forgets the conversation (the system prompt stays).
+  void reset();
+  // Replaces the conversation with `messages` (an optional system message, then user/assistant
+  // turns ending with an assistant message) and prefills it. Returns the tokens prefilled.
+  // std::invalid_argument naming the message when the conversation is malformed; the session
+  // is unchanged then.
+  int load(const std::vector<ChatMessage>& messages);
+
+  // The conversation: the system message first (if any), then user/assistant turns.
+  std::vector<ChatMessage> messages() const;
+  const std::string& system() const { return system_; }
+  const ChatTemplate& chat_template() const { return template_; }
+
+  // Token ids in the KV cache, oldest first (sinks included); context().size() == cache().size().
+  const std::vector<int32_t>& context() const { return context_; }
+  const KvCache& cache() const { return cache_; }
+  // The logits after the last evaluated token: what the next token is sampled from.
+  std::span<const float> logits() const { return logits_; }
+  // Tokens of BOS + system prompt: the sinks cover at least these.
+  int system_tokens() const { return system_tokens_; }
+  // Tokens evaluated since the session began (prefill and replies): what re-evaluating would cost.
+  int64_t evaluated_total() const { return evaluated_total_; }
+
+ private:
+  struct Turn {
+    std::string user;
+    std::string assistant;
+  };
+
+  // Tokens of the text before the first user message (BOS + system block) under `system`.
+  std::vector<int32_t> conversation_start_tokens(std::string_view system) const;
+  // Cache options whose sinks cover `start_tokens` tokens; std::invalid_argument when the
+  // context is too small for them.
+  KvCacheOptions cache_options_for(int start_tokens) const;
+  // Empties the cache for a conversation under system_; makes a new one when the sinks must
+  // cover a different number of tokens.
+  void clear_cache();
+  // Evaluates `tokens` at the end of the context, keeping context_ in step with the cache's
+  // shifts; the logits of the last token land in logits_.
+  void evaluate(const std::vector<int32_t>& tokens);
+  bool is_end_of_turn(int32_t token) const;
+  // The tokens of a whole conversation, in the pieces reply() would have evaluated.
+  std::vector<int32_t> conversation_tokens(std::string_view system, const std::vector<Turn>& turns) const;
+  // Makes (system, turns) the conversation and prefills it; refuses (unchanged) if it cannot fit.
+  int replace_conversation(std::string system, std::vector<Turn> turns);
+
+  LlamaModel& model_;
+  const Tokenizer& tokenizer_;
+  ChatTemplate template_;
+  ChatSessionOptions options_;
+  Sampler sampler_;
+  std::string system_;  // declared before cache_: the sinks are sized from it
+  KvCache cache_;
+  std::vector<int32_t> context_;
+  std::vector<float> logits_;
+  std::vector<int32_t> end_of_turn_tokens_;  // single tokens that end a reply besides the vocab's EOG
+
+  int system_tokens_ = 0;
+  std::vector<Turn> turns_;
+  bool started_ = false;       // the conversation start (BOS, system prompt) is in the cache
+  std::string pending_text_;  // the end of the last reply, evaluated with the next user message
+  int64_t evaluated_total_ = 0;
+};
+
+}  // namespace ringlm

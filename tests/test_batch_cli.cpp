@@ -1,0 +1,235 @@
+// `ringlm batch` on the real model (SmolLM2), as a subprocess: JSON-lines in and out, bad lines,
+// a run killed in the middle and resumed, greedy outputs that do not depend on --parallel, and
+// n samples sharing one prompt prefill. One thread (ctest runs two suites at once).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ringlm {
+namespace {
+
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+std::string work_dir() {
+  const std::string dir = std::string(RINGLM_TEST_WORK_DIR) + "/test_batch_cli";
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+std::vector<json> records(const std::string& path) {
+  std::vector<json> out;
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) out.push_back(json::parse(line));
+  return out;
+}
+
+std::string batch_command(const std::string& in, const std::string& out, const std::string& extra) {
+  return std::string(RINGLM_BINARY) + " batch -m " + RINGLM_TEST_MODEL + " -t 1 --temp 0 -i " + in + " -o " + out + " " +
+         extra;
+}
+
+struct BatchRunResult {
+  int exit_code = -1;
+  std::string err;
+};
+
+BatchRunResult run_batch(const std::string& name, const std::string& input, const std::string& extra, bool fresh = true) {
+  const std::string in = work_dir() + "/" + name + ".in", out = work_dir() + "/" + name + ".out",
+                    err = work_dir() + "/" + name + ".err";
+  std::ofstream(in) << input;
+  if (fresh) std::filesystem::remove(out);
+  const int status = std::system(("timeout 300 " + batch_command(in, out, extra) + " 2> " + err).c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(err)};
+}
+
+// id (as JSON text) -> text, for results without a sample index.
+std::map<std::string, std::string> texts_by_id(const std::vector<json>& recs) {
+  std::map<std::string, std::string> m;
+  for (const json& r : recs) {
+    if (!r.contains("error")) m[r["id"].dump()] = r["text"].get<std::string>();
+  }
+  return m;
+}
+
+// Prompts of different lengths, so sequences finish at different steps and others join.
+std::string eight_prompts(int max_tokens) {
+  const char* prompts[] = {"The capital of France is", "Once upon a time", "The best way to learn to cook is",
+                           "In 1969, astronauts", "A recipe for bread: first,", "The three primary colours are",
+                           "Write a haiku about the sea:", "def fibonacci(n):"};
+  std::string s;
+  for (int i = 0; i < 8; ++i) {
+    json line = {{"prompt", prompts[i]}, {"max_tokens", max_tokens - 3 * i}};
+    line["id"] = std::string("p").append(std::to_string(i));
+    s.append(line.dump()).append("\n");
+  }
+  return s;
+}
+
+TEST(BatchCli, ValidAndInvalidLinesMixed) {
+  const std::string input =
+      R"({"id": "ok1", "prompt": "The capital of France is", "max_tokens": 8})" "\n"
+      "{not json\n"
+      R"({"id": "bad-type", "prompt": 42})" "\n"
+      "\n"
+      R"({"id": "both", "prompt": "x", "messages": []})" "\n"
+      R"({"id": "chat", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8})" "\n"
+      R"({"id": "neg", "prompt": "x", "max_tokens": -1})" "\n"
+      R"({"id": "toomany", "prompt": "x", "n": 99})" "\n"
+      R"({"id": "ok2", "prompt": "Once upon a time", "max_tokens": 8, "stop": ["\n"]})" "\n";
+  const BatchRunResult r = run_batch("mixed", input, "--parallel 2");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<json> recs = records(work_dir() + "/mixed.out");
+  std::map<int, json> errors;
+  std::map<std::string, json> results;
+  for (const json& j : recs) {
+    if (j.contains("error")) errors[j["line"].get<int>()] = j;
+    else results[j["id"].get<std::string>()] = j;
+  }
+  ASSERT_EQ(errors.size(), 5u) << r.err;
+  EXPECT_FALSE(errors[2].contains("id"));  // unreadable
+  EXPECT_THAT(errors[2]["error"].get<std::string>(), HasSubstr("invalid JSON"));
+  EXPECT_EQ(errors[3]["id"], "bad-type");
+  EXPECT_THAT(errors[3]["error"].get<std::string>(), HasSubstr("\"prompt\" must be a string"));
+  EXPECT_EQ(errors[5]["id"], "both");
+  EXPECT_EQ(errors[7]["id"], "neg");
+  EXPECT_EQ(errors[8]["id"], "toomany");
+  EXPECT_THAT(r.err, HasSubstr("line 2"));
+  ASSERT_EQ(results.size(), 3u);
+  for (const auto& [id, j] : results) {
+    EXPECT_GT(j["tokens"].get<int>(), 0) << id;
+    EXPECT_GT(j["prompt_tokens"].get<int>(), 0) << id;
+    EXPECT_TRUE(j["finish_reason"] == "stop" || j["finish_reason"] == "length") << id;
+    EXPECT_TRUE(j["timings"].contains("decode_ms")) << id;
+  }
+  EXPECT_EQ(results["ok1"]["tokens"], 8);
+  EXPECT_EQ(results["ok2"]["text"].get<std::string>().find('\n'), std::string::npos);  // cut at the stop string
+}
+
+TEST(BatchCli, GreedyOutputsDoNotDependOnParallel) {
+  std::map<std::string, std::string> reference;
+  for (const char* parallel : {"1", "3", "8"}) {
+    const std::string name = std::string("parallel") + parallel;
+    const BatchRunResult r = run_batch(name, eight_prompts(40), std::string("--parallel ") + parallel + " --prefill-chunk 4");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto texts = texts_by_id(records(work_dir() + "/" + name + ".out"));
+    ASSERT_EQ(texts.size(), 8u);
+    if (reference.empty()) {
+      reference = texts;
+    } else {
+      EXPECT_EQ(texts, reference) << "--parallel " << parallel;
+    }
+  }
+}
+
+TEST(BatchCli, KilledRunResumesAndLosesNothing) {
+  const std::string name = "resume";
+  const std::string in = work_dir() + "/" + name + ".in", out = work_dir() + "/" + name + ".out";
+  std::ofstream(in) << eight_prompts(60);
+  std::filesystem::remove(out);
+
+  const pid_t child = fork();
+  if (child == 0) {
+    execl("/bin/sh", "sh", "-c", ("exec " + batch_command(in, out, "--parallel 2") + " 2>/dev/null").c_str(), nullptr);
+    _exit(127);
+  }
+  // Kill it (no chance to clean up) once some, not all, results are written.
+  const auto deadline = std::chrono::steady_clock::now() + 120s;
+  while (records(out).size() < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(20ms);
+  kill(child, SIGKILL);
+  int status = 0;
+  waitpid(child, &status, 0);
+  const size_t before = records(out).size();
+  ASSERT_GE(before, 2u);
+  ASSERT_LT(before, 8u) << "the run finished before it could be killed";
+
+  const BatchRunResult again = run_batch(name, eight_prompts(60), "--parallel 2", /*fresh=*/false);
+  EXPECT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_THAT(again.err, HasSubstr(std::to_string(before) + " skipped"));
+  const std::vector<json> recs = records(out);
+  std::map<std::string, int> count;
+  for (const json& j : recs) ++count[j["id"].get<std::string>()];
+  EXPECT_EQ(count.size(), 8u);
+  for (const auto& [id, n] : count) EXPECT_EQ(n, 1) << id;
+
+  // And the resumed results are the ones an uninterrupted run gives.
+  const BatchRunResult clean = run_batch("resume_clean", eight_prompts(60), "--parallel 2");
+  ASSERT_EQ(clean.exit_code, 0) << clean.err;
+  EXPECT_EQ(texts_by_id(recs), texts_by_id(records(work_dir() + "/resume_clean.out")));
+}
+
+TEST(BatchCli, ThreeSamplesShareOnePromptPrefill) {
+  const std::string input =
+      R"({"id": "s", "prompt": "Roses are red, violets are", "n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 16})"
+      "\n";
+  const BatchRunResult r = run_batch("samples", input, "--parallel 4");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<json> recs = records(work_dir() + "/samples.out");
+  ASSERT_EQ(recs.size(), 3u);
+  std::set<int> samples;
+  std::set<std::string> texts;
+  for (const json& j : recs) {
+    EXPECT_EQ(j["id"], "s");
+    samples.insert(j["sample"].get<int>());
+    texts.insert(j["text"].get<std::string>());
+    EXPECT_EQ(j["prompt_tokens"], recs[0]["prompt_tokens"]);
+  }
+  EXPECT_EQ(samples, (std::set<int>{0, 1, 2}));
+  EXPECT_GT(texts.size(), 1u);  // different seeds, different samples
+  // The prompt was prefilled once: the two other samples started from its cache.
+  const int prompt = recs[0]["prompt_tokens"].get<int>();
+  EXPECT_THAT(r.err, HasSubstr("prompt prefill shared by samples: " + std::to_string(2 * prompt) + " tokens"));
+}
+
+TEST(BatchCli, PlainTextLinesAreNumbered) {
+  const BatchRunResult r = run_batch("plain", "The capital of France is\n\nOnce upon a time\n", "-n 6");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto texts = texts_by_id(records(work_dir() + "/plain.out"));
+  EXPECT_EQ(texts.size(), 2u);
+  EXPECT_EQ(texts.count("1"), 1u);
+  EXPECT_EQ(texts.count("3"), 1u);
+}
+
+TEST(BatchCli, PromptLongerThanTheContextIsAnErrorRecord) {
+  std::string long_prompt;
+  for (int i = 0; i < 200; ++i) long_prompt += "word ";
+  const BatchRunResult r = run_batch("long", json{{"id", "long"}, {"prompt", long_prompt}}.dump() + "\n" +
+                                      R"({"id": "short", "prompt": "Hi", "max_tokens": 4})" "\n",
+                          "-c 64");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<json> recs = records(work_dir() + "/long.out");
+  ASSERT_EQ(recs.size(), 2u);
+  EXPECT_EQ(recs[0]["id"], "long");
+  EXPECT_THAT(recs[0]["error"].get<std::string>(), HasSubstr("raise -c"));
+  EXPECT_EQ(recs[1]["id"], "short");
+}
+
+TEST(BatchCli, MissingInputFileIsAClearError) {
+  const int status = std::system((batch_command(work_dir() + "/no-such.jsonl", work_dir() + "/x.out", "") + " 2> " +
+                                  work_dir() + "/missing.err")
+                                     .c_str());
+  EXPECT_NE(WEXITSTATUS(status), 0);
+  EXPECT_THAT(slurp(work_dir() + "/missing.err"), HasSubstr("cannot read input file"));
+}
+
+}  // namespace
+}  // namespace ringlm

@@ -1,0 +1,104 @@
+// LlamaModel::forward_batch on the real model (SmolLM2, Q4_1 through the int8 kernels): several
+// sequences in one pass must each get exactly (bit for bit) the logits they get alone, given
+// the same chunks of their own tokens. That is what makes continuous batching's greedy outputs
+// independent of how many sequences run together.
+#include <gtest/gtest.h>
+
+#include <omp.h>
+
+#include <cstring>
+#include <vector>
+
+#include "core/model/loader.h"
+#include "core/sampling/sampler.h"
+
+namespace ringlm {
+namespace {
+
+class BatchForward : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    omp_set_num_threads(1);
+    loaded_ = new LoadedModel(load_model(RINGLM_TEST_MODEL, 1));
+  }
+  static void TearDownTestSuite() {
+    delete loaded_;
+    loaded_ = nullptr;
+  }
+  static LlamaModel& model() { return *loaded_->model; }
+  static std::vector<int32_t> tokens(const char* text) { return loaded_->tokenizer->encode(text, false, true); }
+  static size_t vocab() { return static_cast<size_t>(model().hparams().n_vocab); }
+
+  // The logits of the last token after running `chunks` one after the other on a fresh cache.
+  static std::vector<float> alone(const std::vector<std::vector<int32_t>>& chunks) {
+    KvCache cache = model().make_cache(256);
+    std::vector<float> logits(vocab());
+    for (const auto& c : chunks) model().forward(c, cache, logits.data());
+    return logits;
+  }
+
+  static LoadedModel* loaded_;
+};
+
+LoadedModel* BatchForward::loaded_ = nullptr;
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST_F(BatchForward, EachSequenceGetsTheLogitsItGetsAlone) {
+  const std::vector<int32_t> a = tokens("The capital of France is");
+  const std::vector<int32_t> b = tokens("Once upon a time, in a land far away, there lived a dragon who");
+  const std::vector<int32_t> c = tokens("Hello");
+  KvCache ca = model().make_cache(256), cb = model().make_cache(256), cc = model().make_cache(256);
+  std::vector<float> la(vocab()), lb(vocab()), lc(vocab());
+
+  // Step 1: three prompts prefilled together.
+  const LlamaModel::SequenceTokens prefill[] = {{a, &ca, la.data()}, {b, &cb, lb.data()}, {c, &cc, lc.data()}};
+  model().forward_batch(prefill);
+  EXPECT_TRUE(bitwise_equal(la, alone({a})));
+  EXPECT_TRUE(bitwise_equal(lb, alone({b})));
+  EXPECT_TRUE(bitwise_equal(lc, alone({c})));
+
+  // Step 2: one decode token each, and a sequence that wants no logits this time.
+  const std::vector<int32_t> ta = {argmax(la)}, tb = {argmax(lb)}, tc = {argmax(lc)};
+  const LlamaModel::SequenceTokens decode[] = {{ta, &ca, la.data()}, {tb, &cb, nullptr}, {tc, &cc, lc.data()}};
+  model().forward_batch(decode);
+  EXPECT_TRUE(bitwise_equal(la, alone({a, ta})));
+  EXPECT_TRUE(bitwise_equal(lc, alone({c, tc})));
+  EXPECT_EQ(cb.size(), static_cast<int>(b.size()) + 1);  // its token was still appended
+
+  // Step 3: decode rows batched with another sequence's prompt chunk.
+  const std::vector<int32_t> d = tokens("A second prompt joins while the others decode");
+  KvCache cd = model().make_cache(256);
+  std::vector<float> ld(vocab());
+  const std::vector<int32_t> ta2 = {argmax(la)};
+  const LlamaModel::SequenceTokens mixed[] = {{ta2, &ca, la.data()}, {d, &cd, ld.data()}};
+  model().forward_batch(mixed);
+  EXPECT_TRUE(bitwise_equal(la, alone({a, ta, ta2})));
+  EXPECT_TRUE(bitwise_equal(ld, alone({d})));
+}
+
+TEST_F(BatchForward, RefusesBadBatchesBeforeTouchingAnyCache) {
+  const std::vector<int32_t> a = tokens("Hello there");
+  KvCache small = model().make_cache(4), other = model().make_cache(64);
+  std::vector<float> logits(vocab());
+  const std::vector<int32_t> six(6, a[0]);
+  const LlamaModel::SequenceTokens too_long[] = {{a, &other, logits.data()}, {six, &small, nullptr}};
+  EXPECT_THROW(model().forward_batch(too_long), std::invalid_argument);
+  const LlamaModel::SequenceTokens twice[] = {{a, &other, nullptr}, {a, &other, nullptr}};
+  EXPECT_THROW(model().forward_batch(twice), std::invalid_argument);
+  const std::vector<int32_t> bad = {-1};
+  const LlamaModel::SequenceTokens bad_token[] = {{bad, &other, nullptr}};
+  EXPECT_THROW(model().forward_batch(bad_token), std::out_of_range);
+  std::vector<int32_t> huge(static_cast<size_t>(model().max_batch()) + 1, a[0]);
+  KvCache big = model().make_cache(model().max_batch() + 8);
+  const LlamaModel::SequenceTokens over[] = {{huge, &big, nullptr}};
+  EXPECT_THROW(model().forward_batch(over), std::invalid_argument);
+  EXPECT_EQ(other.size(), 0);
+  EXPECT_EQ(small.size(), 0);
+  EXPECT_EQ(big.size(), 0);
+}
+
+}  // namespace
+}  // namespace ringlm

@@ -1,0 +1,224 @@
+// The chat session on the real model (SmolLM2-135M-Instruct, ChatML), checked against things
+// that do not come from the session itself:
+//  - the context it builds turn by turn, detokenized, is the conversation as the chat template
+//    renders it whole (the template is checked against Jinja in reference.chat_templates);
+//  - a turn evaluates only its own tokens: nothing said before is evaluated again;
+//  - a conversation restored by load() continues exactly as the live one does (greedy);
+//  - past the context, the StreamingLLM shift keeps the system prompt's tokens as the sinks.
+#include <gtest/gtest.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/model/loader.h"
+#include "core/session/chat_session.h"
+
+namespace ringlm {
+namespace {
+
+class ChatSessionTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    // One thread: ctest runs two suites at once on two cores, and OpenMP threads that wait for a
+    // descheduled peer make everything crawl.
+    omp_set_num_threads(1);
+    loaded_ = new LoadedModel(load_model(RINGLM_TEST_MODEL, 1));
+  }
+  static void TearDownTestSuite() {
+    delete loaded_;
+    loaded_ = nullptr;
+  }
+
+  static ChatTemplate model_template() {
+    const auto source = loaded_->gguf->get_string("tokenizer.chat_template");
+    EXPECT_TRUE(source.has_value());
+    auto t = ChatTemplate::detect(source.value_or(""));
+    EXPECT_TRUE(t.has_value());
+    return t.value_or(ChatTemplate::from_name("chatml"));
+  }
+
+  static ChatSessionOptions greedy(int n_ctx, int n_predict) {
+    ChatSessionOptions o;
+    o.n_ctx = n_ctx;
+    o.cache.n_keep = 4;
+    o.cache.context_shift = true;
+    o.sampling.temperature = 0.0f;
+    o.n_predict = n_predict;
+    return o;
+  }
+
+  static ChatSession make_session(const ChatSessionOptions& o) {
+    return ChatSession(*loaded_->model, *loaded_->tokenizer, model_template(), o);
+  }
+
+  static std::string detokenize(const std::vector<int32_t>& ids) {
+    return loaded_->tokenizer->decode(ids, /*render_special=*/true);
+  }
+
+  static LoadedModel* loaded_;
+};
+
+LoadedModel* ChatSessionTest::loaded_ = nullptr;
+
+const auto kIgnore = [](std::string_view) {};
+
+TEST_F(ChatSessionTest, ContextIsTheRenderedConversation) {
+  ChatSession s = make_session(greedy(1024, 24));
+  s.set_system("You are a terse assistant.");
+  std::string streamed;
+  s.reply("What is the capital of France?", [&](std::string_view p) { streamed += p; });
+  s.reply("And of Italy?", kIgnore);
+
+  const std::vector<ChatMessage> m = s.messages();
+  ASSERT_EQ(m.size(), 5u);
+  EXPECT_EQ(m[0].role, "system");
+  EXPECT_EQ(m[2].content, streamed);  // the reply kept is the reply shown
+  EXPECT_FALSE(streamed.empty());
+  // The cache holds everything up to the last reply's last token; the text that closes the
+  // reply is evaluated with the next message.
+  EXPECT_EQ(detokenize(s.context()) + s.chat_template().reply_end(), s.chat_template().render(m));
+  EXPECT_EQ(static_cast<int>(s.context().size()), s.cache().size());
+}
+
+TEST_F(ChatSessionTest, EachTurnEvaluatesOnlyItsNewTokens) {
+  ChatSession s = make_session(greedy(1024, 16));
+  s.set_system("You are a helpful assistant.");
+  const int system_tokens = static_cast<int>(s.context().size());
+  EXPECT_EQ(system_tokens, s.system_tokens());
+  const ChatTurnStats first = s.reply("Name a colour.", kIgnore);
+  const size_t after_first = s.context().size();
+  const std::string second_text = s.chat_template().reply_end() + s.chat_template().user_turn("Another one.", false, "");
+  const ChatTurnStats second = s.reply("Another one.", kIgnore);
+
+  EXPECT_EQ(second.prefill_tokens,
+            static_cast<int>(loaded_->tokenizer->encode(second_text, false, true).size()));
+  EXPECT_EQ(s.context().size(), after_first + static_cast<size_t>(second.prefill_tokens + second.reply_tokens));
+  // Nothing was evaluated twice: every token evaluated is still in the context.
+  EXPECT_EQ(s.evaluated_total(), static_cast<int64_t>(s.context().size()));
+  EXPECT_EQ(static_cast<int>(s.context().size()),
+            system_tokens + first.prefill_tokens + first.reply_tokens + second.prefill_tokens + second.reply_tokens);
+}
+
+TEST_F(ChatSessionTest, LoadedConversationContinuesLikeTheLiveOne) {
+  ChatSession live = make_session(greedy(1024, 20));
+  live.set_system("You are a helpful assistant.");
+  live.reply("My name is Alice. Say hello to me.", kIgnore);
+  const std::vector<ChatMessage> saved = live.messages();
+  const std::vector<int32_t> saved_context = live.context();
+
+  ChatSession restored = make_session(greedy(1024, 20));
+  const int prefilled = restored.load(saved);
+  EXPECT_EQ(prefilled, static_cast<int>(saved_context.size()));
+  EXPECT_EQ(restored.context(), saved_context);
+  EXPECT_EQ(restored.messages().size(), saved.size());
+
+  // Both now hold the same tokens, so the next token's distribution must agree. (Only up to
+  // rounding: the restored context was prefilled in one batch, the live one turn by turn and
+  // token by token, and the int8 path quantizes activations per batch shape, so greedy replies
+  // may part after a near tie.)
+  const auto a = live.logits(), b = restored.logits();
+  float max_diff = 0, lo = a[0], hi = a[0];
+  for (size_t i = 0; i < a.size(); ++i) {
+    max_diff = std::max(max_diff, std::fabs(a[i] - b[i]));
+    lo = std::min(lo, a[i]);
+    hi = std::max(hi, a[i]);
+  }
+  EXPECT_LT(max_diff, 0.02f * (hi - lo)) << "logit range " << hi - lo;
+  EXPECT_EQ(argmax(a), argmax(b));
+}
+
+TEST_F(ChatSessionTest, OverflowKeepsTheSystemPromptAsSinks) {
+  ChatSession s = make_session(greedy(160, 40));
+  s.set_system("You are a helpful assistant who answers in one sentence.");
+  const std::vector<int32_t> start(s.context().begin(), s.context().end());
+  ASSERT_GT(start.size(), 4u);
+  EXPECT_EQ(s.cache().n_keep(), static_cast<int>(start.size()));  // --keep 4 raised to cover it
+
+  const char* questions[] = {"Tell me about the sea.", "Tell me about mountains.", "Tell me about rivers.",
+                             "Tell me about forests.", "Tell me about deserts."};
+  for (const char* q : questions) {
+    const ChatTurnStats t = s.reply(q, kIgnore);
+    EXPECT_GT(t.reply_tokens, 0) << q;
+    EXPECT_LE(s.cache().size(), 160);
+    EXPECT_EQ(static_cast<int>(s.context().size()), s.cache().size());
+    ASSERT_GE(s.context().size(), start.size());
+    EXPECT_TRUE(std::equal(start.begin(), start.end(), s.context().begin())) << "the sinks lost the system prompt";
+  }
+  EXPECT_GT(s.cache().shifts(), 0);
+  EXPECT_GT(s.evaluated_total(), 160);
+  // The newest turn is whole at the end of the context.
+  const std::string tail = detokenize(s.context());
+  EXPECT_NE(tail.find("Tell me about deserts."), std::string::npos);
+}
+
+TEST_F(ChatSessionTest, MessageLongerThanTheContextIsRefusedAndChangesNothing) {
+  ChatSession s = make_session(greedy(128, 8));
+  s.set_system("Be brief.");
+  s.reply("Hi", kIgnore);
+  const std::vector<int32_t> before = s.context();
+  std::string long_message;
+  for (int i = 0; i < 200; ++i) long_message += "word ";
+  try {
+    s.reply(long_message, kIgnore);
+    FAIL() << "a 200-word message fit a 128-token context";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("raise -c"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(s.context(), before);
+  EXPECT_EQ(s.messages().size(), 3u);
+  EXPECT_GT(s.reply("Bye", kIgnore).reply_tokens, 0);  // and the chat goes on
+}
+
+TEST_F(ChatSessionTest, SystemPromptLongerThanTheContextIsRefused) {
+  ChatSession s = make_session(greedy(64, 8));
+  std::string huge;
+  for (int i = 0; i < 100; ++i) huge += "rule ";
+  EXPECT_THROW(s.set_system(huge), std::invalid_argument);
+  EXPECT_EQ(s.system(), "");
+  EXPECT_GT(s.reply("Hi", kIgnore).reply_tokens, 0);
+}
+
+TEST_F(ChatSessionTest, MalformedConversationIsRefusedAndChangesNothing) {
+  ChatSession s = make_session(greedy(512, 8));
+  s.reply("Hi", kIgnore);
+  const std::vector<int32_t> before = s.context();
+  EXPECT_THROW(s.load({{"user", "a"}, {"user", "b"}}), std::invalid_argument);
+  EXPECT_THROW(s.load({{"user", "a"}}), std::invalid_argument);  // no reply to the last message
+  EXPECT_THROW(s.load({{"assistant", "a"}, {"user", "b"}}), std::invalid_argument);
+  EXPECT_THROW(s.load({{"wizard", "a"}}), std::invalid_argument);
+  EXPECT_EQ(s.context(), before);
+}
+
+TEST_F(ChatSessionTest, InterruptKeepsWhatWasShown) {
+  ChatSession s = make_session(greedy(512, 64));
+  std::atomic<bool> stop{false};
+  std::string shown;
+  int pieces = 0;
+  const ChatTurnStats t = s.reply("Write a long story about a dragon.", [&](std::string_view p) {
+    shown += p;
+    if (++pieces == 5) stop = true;
+  }, &stop);
+  EXPECT_EQ(t.stop_reason, "interrupted");
+  EXPECT_LT(t.reply_tokens, 64);
+  EXPECT_EQ(s.messages().back().content, shown);
+  EXPECT_EQ(detokenize(s.context()) + s.chat_template().reply_end(), s.chat_template().render(s.messages()));
+}
+
+TEST_F(ChatSessionTest, ResetForgetsTheConversationButKeepsTheSystemPrompt) {
+  ChatSession s = make_session(greedy(512, 8));
+  s.set_system("Be brief.");
+  s.reply("Hi", kIgnore);
+  s.reset();
+  EXPECT_EQ(s.system(), "Be brief.");
+  EXPECT_EQ(s.messages().size(), 1u);
+  EXPECT_EQ(s.cache().size(), 0);
+  s.reply("Hello", kIgnore);
+  EXPECT_EQ(detokenize(s.context()) + s.chat_template().reply_end(), s.chat_template().render(s.messages()));
+}
+
+}  // namespace
+}  // namespace ringlm

@@ -1,0 +1,421 @@
+// Chat template tests: recognising real templates by their markers, the default system prompt,
+// names, hand-written renderings of each format, the pieces adding up to render(), and
+// malformed conversations. tests/reference/check_chat_templates.py compares the renderings
+// with the real templates run by jinja2.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/session/chat_template.h"
+
+namespace ringlm {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::string kSharedTemplates = std::string(RINGLM_SHARED_DATA) + "/chat-templates/";
+const std::string kReferenceTemplates = std::string(RINGLM_SOURCE_DIR) + "/tests/reference/chat_templates/";
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+ChatTemplate detect_file(const std::string& path, const ChatSpecialTokens& special = {}) {
+  std::optional<ChatTemplate> detected = ChatTemplate::detect(read_file(path), special);
+  if (!detected) throw std::runtime_error("no chat format recognised in " + path);
+  return *detected;
+}
+
+std::vector<ChatMessage> two_turns_with_system() {
+  return {{"system", "S"}, {"user", "U1"}, {"assistant", "A1"}, {"user", "U2"}};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Recognising real templates
+
+struct TemplateCase {
+  const char* file;
+  const char* format;
+};
+
+class SharedTemplates : public ::testing::TestWithParam<TemplateCase> {};
+
+TEST_P(SharedTemplates, RecognisedByMarkers) {
+  const TemplateCase& c = GetParam();
+  EXPECT_EQ(detect_file(kSharedTemplates + c.file).name(), c.format);
+}
+
+INSTANTIATE_TEST_SUITE_P(ChatTemplate, SharedTemplates,
+                         ::testing::Values(TemplateCase{"HuggingFaceTB-SmolLM3-3B.jinja", "chatml"},
+                                           TemplateCase{"Qwen-Qwen2.5-7B-Instruct.jinja", "chatml"},
+                                           TemplateCase{"google-gemma-2-2b-it.jinja", "gemma"},
+                                           TemplateCase{"meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3"},
+                                           TemplateCase{"microsoft-Phi-3.5-mini-instruct.jinja", "phi3"},
+                                           TemplateCase{"mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"}));
+
+class ReferenceTemplates : public ::testing::TestWithParam<TemplateCase> {};
+
+TEST_P(ReferenceTemplates, RecognisedByMarkers) {
+  const TemplateCase& c = GetParam();
+  EXPECT_EQ(detect_file(kReferenceTemplates + c.file).name(), c.format);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ChatTemplate, ReferenceTemplates,
+    ::testing::Values(TemplateCase{"HuggingFaceTB-SmolLM2-135M-Instruct.jinja", "chatml"},
+                      TemplateCase{"meta-llama-Llama-2-7b-chat-hf.jinja", "llama2"},
+                      TemplateCase{"meta-llama-Meta-Llama-3-8B-Instruct.jinja", "llama3"},
+                      TemplateCase{"microsoft-Phi-3-mini-4k-instruct.jinja", "phi3"},
+                      TemplateCase{"HuggingFaceH4-zephyr-7b-beta.jinja", "zephyr"},
+                      TemplateCase{"mistralai-Mistral-7B-Instruct-v0.1.jinja", "mistral"},
+                      TemplateCase{"mistralai-Mistral-7B-Instruct-v0.1-2023.jinja", "mistral"}));
+
+TEST(ChatTemplate, EveryTemplateFileHasAnExpectation) {
+  // A template added to either folder must be added to the lists above too.
+  size_t files = 0;
+  for (const std::string& folder : {kSharedTemplates, kReferenceTemplates}) {
+    for (const auto& entry : std::filesystem::directory_iterator(folder)) files += entry.path().extension() == ".jinja";
+  }
+  EXPECT_EQ(files, 6u + 7u);
+}
+
+TEST(ChatTemplate, Llama31WritesItsDatedSystemHeader) {
+  const ChatTemplate llama31 = detect_file(kSharedTemplates + "meta-llama-Llama-3.1-8B-Instruct.jinja");
+  const std::string header =
+      "<|start_header_id|>system<|end_header_id|>\n\n"
+      "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n";
+  EXPECT_EQ(llama31.conversation_start(""), header + "<|eot_id|>");
+  EXPECT_EQ(llama31.conversation_start("  Be brief.\n"), header + "Be brief.<|eot_id|>");
+  EXPECT_TRUE(llama31.starts_with_bos());
+}
+
+TEST(ChatTemplate, Llama3WithoutDateWritesNoEmptySystemBlock) {
+  const ChatTemplate llama3 = detect_file(kReferenceTemplates + "meta-llama-Meta-Llama-3-8B-Instruct.jinja");
+  EXPECT_EQ(llama3.conversation_start(""), "");
+  EXPECT_EQ(llama3.conversation_start("S"), "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>");
+}
+
+TEST(ChatTemplate, MistralSpacingFollowsTheTemplate) {
+  const ChatTemplate nemo = detect_file(kSharedTemplates + "mistralai-Mistral-Nemo-Instruct-2407.jinja");
+  EXPECT_EQ(nemo.user_turn("U", true, ""), "[INST]U[/INST]");
+  EXPECT_EQ(nemo.assistant_reply("A"), "A</s>");
+
+  const ChatTemplate v1 = detect_file(kReferenceTemplates + "mistralai-Mistral-7B-Instruct-v0.1.jinja");
+  EXPECT_EQ(v1.user_turn("U", true, ""), " [INST] U [/INST]");
+  EXPECT_EQ(v1.user_turn("U", true, "S"), " [INST] S\n\nU [/INST]");
+  EXPECT_EQ(v1.assistant_reply("A"), " A</s>");
+
+  const ChatTemplate v1_2023 = detect_file(kReferenceTemplates + "mistralai-Mistral-7B-Instruct-v0.1-2023.jinja");
+  EXPECT_EQ(v1_2023.user_turn("U", false, ""), "[INST] U [/INST]");
+  EXPECT_EQ(v1_2023.assistant_reply("A"), "A</s> ");
+  EXPECT_EQ(v1_2023.reply_end(), "</s> ");
+}
+
+TEST(ChatTemplate, SpecialTokenTextsComeFromTheVocabulary) {
+  const ChatSpecialTokens special{.bos = "<BOS>", .eos = "<EOS>"};
+  const ChatTemplate zephyr = detect_file(kReferenceTemplates + "HuggingFaceH4-zephyr-7b-beta.jinja", special);
+  EXPECT_EQ(zephyr.user_turn("U", true, ""), "<|user|>\nU<EOS>\n<|assistant|>\n");
+  EXPECT_EQ(zephyr.end_of_turn(), "<EOS>");
+  const ChatTemplate llama2 = ChatTemplate::from_name("llama2", special);
+  EXPECT_EQ(llama2.user_turn("U", false, ""), "<BOS>[INST] U [/INST]");
+  EXPECT_EQ(llama2.assistant_reply("A"), " A <EOS>");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Templates that are not recognised
+
+TEST(ChatTemplate, UnknownTemplatesAreNotRecognised) {
+  EXPECT_FALSE(ChatTemplate::detect(""));
+  EXPECT_FALSE(ChatTemplate::detect("{% for message in messages %}{{ message['content'] }}{% endfor %}"));
+  EXPECT_FALSE(ChatTemplate::detect("### Instruction:\n{{ prompt }}\n### Response:"));
+  // "<|assistant|>" alone (neither Phi-3's <|end|> nor Zephyr's <|user|>) is not enough.
+  EXPECT_FALSE(ChatTemplate::detect("{{ '<|assistant|>' }}"));
+  std::string every_byte;
+  for (int i = 0; i < 256; ++i) every_byte += static_cast<char>(i);
+  EXPECT_FALSE(ChatTemplate::detect(every_byte + every_byte));
+}
+
+TEST(ChatTemplate, TenMegabytesOfGarbageIsNotRecognised) {
+  std::mt19937 rng(7);
+  std::string garbage(10 << 20, '\0');
+  for (char& c : garbage) c = static_cast<char>(rng() & 0xFF);
+  EXPECT_FALSE(ChatTemplate::detect(garbage));
+}
+
+TEST(ChatTemplate, HugeChatMlTemplatesAreReadInLinearTime) {
+  // Every occurrence of the system header could start a default system prompt: each must not
+  // rescan the rest of the text.
+  std::string repeated;
+  for (size_t i = 0; repeated.size() < (10u << 20); ++i) repeated += "<|im_start|>system\nabc ";
+  const auto start = std::chrono::steady_clock::now();
+  const std::optional<ChatTemplate> open = ChatTemplate::detect(repeated);
+  const std::optional<ChatTemplate> closed = ChatTemplate::detect(repeated + "<|im_end|>");
+  const std::optional<ChatTemplate> quoted = ChatTemplate::detect(repeated + "'<|im_end|>");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(open && closed && quoted);
+  EXPECT_EQ(open->default_system_prompt(), "");
+  EXPECT_EQ(closed->default_system_prompt().substr(0, 6), "abc <|");
+  EXPECT_EQ(quoted->default_system_prompt(), "");
+  EXPECT_LT(seconds, 20.0);  // quadratic would take hours
+}
+
+// ---------------------------------------------------------------------------------------------
+// Default system prompt
+
+TEST(ChatTemplate, SmolLm2DefaultSystemPrompt) {
+  // SmolLM2-135M-Instruct's template as its GGUF carries it: the newlines are real ones.
+  const std::string smollm2 =
+      "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
+      "'<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+      "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+      "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+  const std::optional<ChatTemplate> chat_template = ChatTemplate::detect(smollm2);
+  ASSERT_TRUE(chat_template);
+  EXPECT_EQ(chat_template->name(), "chatml");
+  const std::string expected = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+  EXPECT_EQ(chat_template->default_system_prompt(), expected);
+  EXPECT_EQ(detect_file(kReferenceTemplates + "HuggingFaceTB-SmolLM2-135M-Instruct.jinja").default_system_prompt(),
+            expected);
+}
+
+TEST(ChatTemplate, QwenDefaultSystemPrompt) {
+  // Qwen's template writes "\n" escapes, and its first "<|im_start|>system\n" is a string of its
+  // own (followed by a quote): only the literal block counts.
+  EXPECT_EQ(detect_file(kSharedTemplates + "Qwen-Qwen2.5-7B-Instruct.jinja").default_system_prompt(),
+            "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.");
+}
+
+TEST(ChatTemplate, NoDefaultSystemPromptWhereTheBlockIsBuilt) {
+  EXPECT_EQ(detect_file(kSharedTemplates + "HuggingFaceTB-SmolLM3-3B.jinja").default_system_prompt(), "");
+  // The block that writes the caller's system message is not a default.
+  EXPECT_EQ(ChatTemplate::detect("{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}")
+                ->default_system_prompt(),
+            "");
+  EXPECT_EQ(ChatTemplate::detect("{{ '<|im_start|>user\\nHi<|im_end|>' }}")->default_system_prompt(), "");
+  // Escapes in the literal become the characters they stand for.
+  EXPECT_EQ(ChatTemplate::detect("{{ '<|im_start|>system\\nLine one.\\nLine two.<|im_end|>\\n' }}")
+                ->default_system_prompt(),
+            "Line one.\nLine two.");
+  // Only ChatML templates carry one.
+  EXPECT_EQ(ChatTemplate::from_name("chatml").default_system_prompt(), "");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Names
+
+TEST(ChatTemplate, NamesRoundTrip) {
+  const std::vector<std::string_view> names = ChatTemplate::names();
+  EXPECT_THAT(names, ::testing::ElementsAre("chatml", "llama2", "llama3", "gemma", "phi3", "mistral", "zephyr"));
+  std::vector<ChatFormat> formats;
+  for (std::string_view name : names) {
+    const ChatTemplate chat_template = ChatTemplate::from_name(name);
+    EXPECT_EQ(chat_template.name(), name);
+    formats.push_back(chat_template.format());
+  }
+  EXPECT_THAT(formats, ::testing::ElementsAre(ChatFormat::kChatMl, ChatFormat::kLlama2, ChatFormat::kLlama3,
+                                              ChatFormat::kGemma, ChatFormat::kPhi3, ChatFormat::kMistral,
+                                              ChatFormat::kZephyr));
+}
+
+TEST(ChatTemplate, UnknownNameListsTheKnownOnes) {
+  try {
+    ChatTemplate::from_name("vicuna");
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    const std::string message = e.what();
+    EXPECT_THAT(message, HasSubstr("vicuna"));
+    for (std::string_view name : ChatTemplate::names()) EXPECT_THAT(message, HasSubstr(std::string(name)));
+  }
+  EXPECT_THROW(ChatTemplate::from_name(""), std::invalid_argument);
+  EXPECT_THROW(ChatTemplate::from_name("ChatML"), std::invalid_argument);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Renderings, written out from each format's description
+
+TEST(ChatTemplate, ChatMlRendering) {
+  const ChatTemplate chatml = ChatTemplate::from_name("chatml");
+  EXPECT_FALSE(chatml.starts_with_bos());
+  EXPECT_EQ(chatml.render(two_turns_with_system()),
+            "<|im_start|>system\nS<|im_end|>\n"
+            "<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\n"
+            "A1<|im_end|>\n"
+            "<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n");
+  const std::vector<ChatMessage> untrimmed = {{"user", " hi \n"}};
+  EXPECT_EQ(chatml.render(untrimmed), "<|im_start|>user\n hi \n<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(chatml.conversation_start(""), "");
+  EXPECT_EQ(chatml.reply_end(), "<|im_end|>\n");
+  EXPECT_EQ(chatml.end_of_turn(), "<|im_end|>");
+}
+
+TEST(ChatTemplate, Llama3Rendering) {
+  const ChatTemplate llama3 = ChatTemplate::from_name("llama3");
+  EXPECT_TRUE(llama3.starts_with_bos());
+  const std::vector<ChatMessage> messages = {
+      {"system", " S\n"}, {"user", "\tU1 "}, {"assistant", "\nA1\n"}, {"user", "U2"}};
+  EXPECT_EQ(llama3.render(messages),
+            "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nU1<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+            "A1<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nU2<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n");
+  EXPECT_EQ(llama3.end_of_turn(), "<|eot_id|>");
+}
+
+TEST(ChatTemplate, GemmaRendering) {
+  const ChatTemplate gemma = ChatTemplate::from_name("gemma");
+  EXPECT_TRUE(gemma.starts_with_bos());
+  const std::vector<ChatMessage> messages = {
+      {"system", " S"}, {"user", "U1 "}, {"assistant", " A1 "}, {"user", " U2"}};
+  EXPECT_EQ(gemma.render(messages),
+            "<start_of_turn>user\nS\n\nU1<end_of_turn>\n<start_of_turn>model\n"
+            "A1<end_of_turn>\n"
+            "<start_of_turn>user\nU2<end_of_turn>\n<start_of_turn>model\n");
+  EXPECT_EQ(gemma.conversation_start("S"), "");
+  EXPECT_EQ(gemma.end_of_turn(), "<end_of_turn>");
+}
+
+TEST(ChatTemplate, Phi3Rendering) {
+  const ChatTemplate phi3 = ChatTemplate::from_name("phi3");
+  EXPECT_FALSE(phi3.starts_with_bos());
+  EXPECT_EQ(phi3.render(two_turns_with_system()),
+            "<|system|>\nS<|end|>\n"
+            "<|user|>\nU1<|end|>\n<|assistant|>\n"
+            "A1<|end|>\n"
+            "<|user|>\nU2<|end|>\n<|assistant|>\n");
+  EXPECT_EQ(phi3.conversation_start(""), "");
+  EXPECT_EQ(phi3.end_of_turn(), "<|end|>");
+}
+
+TEST(ChatTemplate, ZephyrRendering) {
+  const ChatTemplate zephyr = ChatTemplate::from_name("zephyr");
+  EXPECT_FALSE(zephyr.starts_with_bos());
+  EXPECT_EQ(zephyr.render(two_turns_with_system()),
+            "<|system|>\nS</s>\n"
+            "<|user|>\nU1</s>\n<|assistant|>\n"
+            "A1</s>\n"
+            "<|user|>\nU2</s>\n<|assistant|>\n");
+  EXPECT_EQ(zephyr.end_of_turn(), "</s>");
+}
+
+TEST(ChatTemplate, Llama2Rendering) {
+  const ChatTemplate llama2 = ChatTemplate::from_name("llama2");
+  EXPECT_TRUE(llama2.starts_with_bos());
+  EXPECT_EQ(llama2.render(two_turns_with_system()),
+            "[INST] <<SYS>>\nS\n<</SYS>>\n\nU1 [/INST]"
+            " A1 </s>"
+            "<s>[INST] U2 [/INST]");
+  const std::vector<ChatMessage> no_system = {{"user", " U1 "}, {"assistant", " A1\n"}, {"user", "\nU2"}};
+  EXPECT_EQ(llama2.render(no_system), "[INST] U1 [/INST] A1 </s><s>[INST] U2 [/INST]");
+  // The template strips the first message together with its <<SYS>> block: the message keeps
+  // its leading whitespace there, and the system prompt is not stripped at all.
+  EXPECT_EQ(llama2.user_turn(" U ", true, " S "), "[INST] <<SYS>>\n S \n<</SYS>>\n\n U [/INST]");
+  EXPECT_EQ(llama2.end_of_turn(), "</s>");
+}
+
+TEST(ChatTemplate, MistralRendering) {
+  const ChatTemplate mistral = ChatTemplate::from_name("mistral");
+  EXPECT_TRUE(mistral.starts_with_bos());
+  EXPECT_EQ(mistral.render(two_turns_with_system()),
+            "[INST] S\n\nU1 [/INST]"
+            "A1</s>"
+            "[INST] U2 [/INST]");
+  const std::vector<ChatMessage> untrimmed = {{"user", " U "}};
+  EXPECT_EQ(mistral.render(untrimmed), "[INST]  U  [/INST]");
+  EXPECT_EQ(mistral.end_of_turn(), "</s>");
+}
+
+TEST(ChatTemplate, TrimmingIsPythonsStrip) {
+  // Jinja's trim is Python's str.strip(): Unicode whitespace goes too (U+3000, U+00A0, U+0085,
+  // U+2028, U+001C), other characters and bytes that are not UTF-8 stay.
+  const ChatTemplate llama3 = ChatTemplate::from_name("llama3");
+  EXPECT_EQ(llama3.assistant_reply("\xE3\x80\x80\xC2\xA0 caf\xC3\xA9 \xF0\x9F\x99\x82\xC2\x85\xE2\x80\xA8\x1C"),
+            "caf\xC3\xA9 \xF0\x9F\x99\x82<|eot_id|>");
+  EXPECT_EQ(llama3.assistant_reply(" \xFF x \xFF "), "\xFF x \xFF<|eot_id|>");
+  EXPECT_EQ(llama3.assistant_reply("x \xE3\x80"), "x \xE3\x80<|eot_id|>");  // a cut-off U+3000
+  EXPECT_EQ(llama3.assistant_reply("\xE2\x80\x8B" "x"), "\xE2\x80\x8Bx<|eot_id|>");  // U+200B is not whitespace
+  EXPECT_EQ(llama3.assistant_reply(" \t\n "), "<|eot_id|>");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pieces and render()
+
+class EveryFormat : public ::testing::TestWithParam<std::string_view> {};
+
+TEST_P(EveryFormat, PiecesConcatenateToRender) {
+  const ChatTemplate chat_template = ChatTemplate::from_name(GetParam());
+  for (const std::string system : {"", "You are terse."}) {
+    std::vector<ChatMessage> messages;
+    if (!system.empty()) messages.push_back({"system", system});
+    messages.push_back({"user", " first question \n"});
+    messages.push_back({"assistant", " first answer\n"});
+    messages.push_back({"user", "caf\xC3\xA9 \xF0\x9F\x99\x82"});
+    const std::string pieces = chat_template.conversation_start(system) +
+                               chat_template.user_turn(" first question \n", true, system) +
+                               chat_template.assistant_reply(" first answer\n") +
+                               chat_template.user_turn("caf\xC3\xA9 \xF0\x9F\x99\x82", false, system);
+    EXPECT_EQ(chat_template.render(messages), pieces) << "system: '" << system << "'";
+  }
+}
+
+TEST_P(EveryFormat, ReplyEndClosesEveryReplyAndHoldsTheEndOfTurn) {
+  const ChatTemplate chat_template = ChatTemplate::from_name(GetParam());
+  const std::string reply = chat_template.assistant_reply("answer");
+  const std::string end = chat_template.reply_end();
+  ASSERT_GE(reply.size(), end.size());
+  EXPECT_EQ(reply.substr(reply.size() - end.size()), end);
+  EXPECT_THAT(end, HasSubstr(chat_template.end_of_turn()));
+  EXPECT_FALSE(chat_template.end_of_turn().empty());
+}
+
+TEST_P(EveryFormat, EmptyConversationIsTheConversationStart) {
+  const ChatTemplate chat_template = ChatTemplate::from_name(GetParam());
+  EXPECT_EQ(chat_template.render({}), chat_template.conversation_start(""));
+  const std::vector<ChatMessage> only_system = {{"system", "S"}};
+  EXPECT_EQ(chat_template.render(only_system), chat_template.conversation_start("S"));
+}
+
+TEST_P(EveryFormat, MalformedConversationsAreRejected) {
+  const ChatTemplate chat_template = ChatTemplate::from_name(GetParam());
+  const auto expect_rejected = [&](std::vector<ChatMessage> messages, const std::string& index,
+                                   const std::string& role) {
+    try {
+      chat_template.render(messages);
+      ADD_FAILURE() << "accepted a conversation whose message " << index << " is '" << role << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("message " + index));
+      EXPECT_THAT(e.what(), HasSubstr("'" + role + "'"));
+    }
+  };
+  expect_rejected({{"user", "a"}, {"tool", "b"}}, "1", "tool");
+  expect_rejected({{"user", "a"}, {"system", "b"}}, "1", "system");
+  expect_rejected({{"system", "a"}, {"system", "b"}}, "1", "system");
+  expect_rejected({{"user", "a"}, {"user", "b"}}, "1", "user");
+  expect_rejected({{"assistant", "a"}}, "0", "assistant");
+  expect_rejected({{"system", "s"}, {"assistant", "a"}}, "1", "assistant");
+  expect_rejected({{"system", "s"}, {"user", "u"}, {"assistant", "a"}, {"assistant", "b"}}, "3", "assistant");
+  expect_rejected({{"User", "a"}}, "0", "User");
+  // A conversation may end with the assistant's reply.
+  EXPECT_NO_THROW(chat_template.render(std::vector<ChatMessage>{{"user", "u"}, {"assistant", "a"}}));
+}
+
+INSTANTIATE_TEST_SUITE_P(ChatTemplate, EveryFormat, ::testing::ValuesIn(ChatTemplate::names()),
+                         [](const ::testing::TestParamInfo<std::string_view>& info) {
+                           return std::string(info.param);
+                         });
+
+}  // namespace
+}  // namespace ringlm
