@@ -36,6 +36,7 @@ struct BatchCommandOptions {
   int n_parallel = 4;
   int max_tokens = 256;
   int prefill_chunk = 64;
+  bool share_prompt = true;
   std::string chat_template;
 };
 
@@ -216,6 +217,8 @@ double percentile(std::vector<double> v, double p) {
   return v[i];
 }
 
+double mib(size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
 class BatchRun {
  public:
   BatchRun(const BatchCommandOptions& o, LoadedModel& m) : options_(o), model_(m) {}
@@ -230,6 +233,7 @@ class BatchRun {
     bo.n_parallel = options_.n_parallel;
     bo.n_ctx = options_.model.n_ctx > 0 ? options_.model.n_ctx : model_.model->hparams().n_ctx_train;
     bo.prefill_chunk = options_.prefill_chunk;
+    bo.share_prompt = options_.share_prompt;
     BatchScheduler scheduler(*model_.model, *model_.tokenizer, bo);
 
     for (size_t i = 0; i < lines.size(); ++i) {
@@ -290,6 +294,7 @@ class BatchRun {
   }
 
   void write_result(const InputLine& l, const GenerationResult& r) {
+    if (++samples_done_[r.index] == l.request.n_samples) ++finished_;  // samples finish in any order
     const auto already = already_.find(r.index);
     if (already != already_.end() && already->second.count(r.sample) != 0) return;  // written by an earlier run
     nlohmann::ordered_json j = {{"id", l.id},
@@ -307,7 +312,6 @@ class BatchRun {
     generated_ += r.n_tokens;
     latencies_ms_.push_back(r.queue_ms + r.prefill_ms + r.decode_ms);
     first_token_ms_.push_back(r.queue_ms + r.prefill_ms);
-    if (r.sample == l.request.n_samples - 1 || l.request.n_samples == 1) ++finished_;
   }
 
   double elapsed_s() const {
@@ -327,18 +331,21 @@ class BatchRun {
     std::fprintf(stderr,
                  "ringlm batch: %d requests run, %d skipped (already in %s), %d errors | %lld tokens generated in %.2f s: "
                  "%.1f tokens/s (--parallel %d, %lld steps) | latency ms p50 %.0f p90 %.0f p99 %.0f | first token ms p50 "
-                 "%.0f p90 %.0f | prompt prefill shared by samples: %lld tokens\n",
+                 "%.0f p90 %.0f | prompt prefill shared by samples: %lld tokens | KV cache peak %.1f MiB (%.1f MiB "
+                 "without sharing prompts)\n",
                  finished_, skipped_, options_.output.c_str(), errors_, static_cast<long long>(generated_), t,
                  t > 0 ? static_cast<double>(generated_) / t : 0.0, options_.n_parallel,
                  static_cast<long long>(s.steps()), percentile(latencies_ms_, 50), percentile(latencies_ms_, 90),
                  percentile(latencies_ms_, 99), percentile(first_token_ms_, 50), percentile(first_token_ms_, 90),
-                 static_cast<long long>(s.shared_prefill_tokens()));
+                 static_cast<long long>(s.shared_prefill_tokens()), mib(s.peak_kv_bytes()),
+                 mib(s.peak_kv_bytes_unshared()));
   }
 
   const BatchCommandOptions& options_;
   LoadedModel& model_;
   std::FILE* out_ = nullptr;
   std::map<size_t, std::set<int>> already_;  // request index -> samples written by an earlier run
+  std::map<size_t, int> samples_done_;        // request index -> samples finished in this run
   std::chrono::steady_clock::time_point start_;
   int total_ = 0, finished_ = 0, skipped_ = 0, errors_ = 0;
   int64_t generated_ = 0;
@@ -363,6 +370,8 @@ void add_batch_command(CLI::App& app) {
   cmd->add_option("--prefill-chunk", opts->prefill_chunk, "prompt tokens prefilled per step")
       ->check(CLI::Range(1, 448))
       ->capture_default_str();
+  cmd->add_flag("!--no-prompt-sharing", opts->share_prompt,
+               "n > 1 samples each prefill and hold their own copy of the prompt (to measure what sharing saves)");
   std::vector<std::string> names;
   for (std::string_view n : ChatTemplate::names()) names.emplace_back(n);
   cmd->add_option("--chat-template", opts->chat_template, "chat format for \"messages\" lines, instead of the model's")

@@ -3,11 +3,13 @@
 // g = h / group. Shapes cover MHA, GQA and MQA, prefill chunks that span several query tiles and
 // key blocks, decode with the keys split across threads, and 1 or 2 threads; the cache layouts
 // cover tokens in order, tokens scattered over a ring's slots in any order with empty slots
-// between them, and fp16 storage (the reference then reads the same fp16-rounded values).
+// between them, fp16 storage (the reference then reads the same fp16-rounded values), and slots
+// split between a prefix run in memory of its own and the rest (the segment KV cache).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <sstream>
 #include <vector>
@@ -22,6 +24,7 @@ struct Case {
   int n_head, n_head_kv, head_dim, n_past, n_tokens;
   bool ring = false;  // tokens in shuffled slots, with empty slots among them
   bool f16 = false;   // keys and values stored as fp16
+  int prefix = 0;     // slots [0, prefix) live in a separate prefix run (a shared prompt segment)
 };
 
 // Where each token's keys and values live: slot_of[j] for token j, and per slot its position
@@ -111,6 +114,22 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
   kv.f16 = c.f16;
   kv.positions = layout.positions.data();
   kv.n_slots = static_cast<int>(n_slots);
+  // With a prefix, slots [0, prefix) move to memory of their own (copies), and kv keeps the rest.
+  const size_t pre = static_cast<size_t>(c.prefix), elem = c.f16 ? 2 : 4;
+  std::vector<uint8_t> k_pre(pre * kv_w * elem), v_pre(k_pre.size());
+  KvLayer prefix = kv;
+  if (c.prefix > 0) {
+    std::memcpy(k_pre.data(), kv.keys, k_pre.size());
+    std::memcpy(v_pre.data(), kv.values, v_pre.size());
+    prefix.keys = k_pre.data();
+    prefix.values = v_pre.data();
+    prefix.n_slots = c.prefix;
+    kv.keys = static_cast<const uint8_t*>(kv.keys) + pre * kv_w * elem;
+    kv.values = static_cast<const uint8_t*>(kv.values) + pre * kv_w * elem;
+    kv.positions += pre;
+    kv.n_slots -= c.prefix;
+    kv.prefix = &prefix;
+  }
   for (int threads : {1, 2}) {
     AttentionScratch scratch;
     std::vector<float> out(q.size(), NAN);
@@ -174,12 +193,21 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                                            Case{9, 3, 64, 600, 1}, Case{6, 3, 8, 129, 70}, Case{2, 2, 64, 255, 2},
                                            Case{4, 2, 36, 50, 3}, Case{9, 3, 64, 200, 33, true},
                                            Case{9, 3, 64, 600, 1, true}, Case{8, 2, 32, 300, 1, true, true},
-                                           Case{6, 3, 8, 129, 70, true, true}, Case{4, 4, 16, 0, 9, false, true}),
+                                           Case{6, 3, 8, 129, 70, true, true}, Case{4, 4, 16, 0, 9, false, true},
+                                           // a shared prompt segment: block-aligned or not, decode
+                                           // (split keys) and prefill, in order and as a ring
+                                           Case{9, 3, 64, 600, 1, false, true, 300},
+                                           Case{8, 2, 32, 700, 1, false, false, 128},
+                                           Case{9, 3, 64, 200, 33, false, true, 77},
+                                           Case{9, 3, 64, 600, 1, true, false, 450},
+                                           Case{4, 2, 36, 50, 3, false, false, 53},
+                                           Case{9, 3, 64, 14, 1, false, true, 14}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;  // (not operator+: GCC 12 reports a false -Wrestrict on it)
                            name << "H" << c.n_head << "_KV" << c.n_head_kv << "_D" << c.head_dim << "_past" << c.n_past
                                 << "_n" << c.n_tokens << (c.ring ? "_ring" : "") << (c.f16 ? "_f16" : "");
+                           if (c.prefix > 0) name << "_prefix" << c.prefix;
                            return name.str();
                          });
 

@@ -6,7 +6,10 @@
 
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "core/model/loader.h"
@@ -77,6 +80,62 @@ TEST_F(BatchForward, EachSequenceGetsTheLogitsItGetsAlone) {
   model().forward_batch(mixed);
   EXPECT_TRUE(bitwise_equal(la, alone({a, ta, ta2})));
   EXPECT_TRUE(bitwise_equal(ld, alone({d})));
+}
+
+// The segment KV cache: samples that read a shared prompt cache as their prefix and hold only
+// their own tokens get the logits of a sequence that holds the prompt itself. The attention
+// meets the keys in other blocks (prefix, then own), so the sums round differently: close, not
+// bit for bit. fp32 compute (int8 activations amplify last-bit differences to about 2% of the
+// logit range, which would hide a real error). Memory: each sample holds its response only.
+TEST_F(BatchForward, SamplesReadingASharedPromptMatchWholeCaches) {
+  LoadedModel fp32 = load_model(RINGLM_TEST_MODEL, 1, ComputeType::kFp32);
+  LlamaModel& model = *fp32.model;
+  const std::vector<int32_t> prompt = tokens(
+      "Write a short poem about the sea, the wind and the gulls that follow the fishing boats home at dusk.");
+  auto shared = std::make_shared<KvCache>(model.make_cache(256));
+  std::vector<float> prompt_logits(vocab());
+  model.forward(prompt, *shared, prompt_logits.data());
+
+  // Three samples continue with different tokens, batched together, for a few steps.
+  constexpr int kSamples = 3;
+  std::vector<KvCache> segment, whole;
+  std::vector<std::vector<float>> seg_logits(kSamples, std::vector<float>(vocab()));
+  std::vector<std::vector<float>> whole_logits(kSamples, std::vector<float>(vocab()));
+  for (int i = 0; i < kSamples; ++i) {
+    segment.push_back(model.make_cache(256));
+    segment.back().attach_prefix(shared);
+    whole.push_back(model.make_cache(256));
+    model.forward(prompt, whole.back(), whole_logits[static_cast<size_t>(i)].data());
+  }
+  std::vector<std::vector<int32_t>> next(kSamples);
+  for (int i = 0; i < kSamples; ++i) next[static_cast<size_t>(i)] = {prompt[static_cast<size_t>(3 + 5 * i)]};
+  for (int step = 0; step < 6; ++step) {
+    std::vector<LlamaModel::SequenceTokens> batch;
+    for (int i = 0; i < kSamples; ++i) {
+      const auto u = static_cast<size_t>(i);
+      batch.push_back({next[u], &segment[u], seg_logits[u].data()});
+    }
+    model.forward_batch(batch);
+    for (int i = 0; i < kSamples; ++i) {
+      const auto u = static_cast<size_t>(i);
+      model.forward(next[u], whole[u], whole_logits[u].data());
+      const auto [lo, hi] = std::minmax_element(whole_logits[u].begin(), whole_logits[u].end());
+      float worst = 0;
+      for (size_t t = 0; t < vocab(); ++t) worst = std::max(worst, std::abs(seg_logits[u][t] - whole_logits[u][t]));
+      EXPECT_LT(worst, 1e-3f * (*hi - *lo)) << "sample " << i << " step " << step;
+      EXPECT_EQ(argmax(seg_logits[u]), argmax(whole_logits[u])) << "sample " << i << " step " << step;
+      next[u] = {argmax(seg_logits[u])};
+    }
+  }
+  for (int i = 0; i < kSamples; ++i) {
+    const auto u = static_cast<size_t>(i);
+    EXPECT_EQ(segment[u].size(), 6);  // its own tokens only
+    EXPECT_EQ(segment[u].context_size(), static_cast<int>(prompt.size()) + 6);
+    EXPECT_EQ(segment[u].next_position(), whole[u].next_position());
+    EXPECT_EQ(segment[u].bytes_in_use() * whole[u].size(), whole[u].bytes_in_use() * 6);
+  }
+  EXPECT_EQ(shared->size(), static_cast<int>(prompt.size()));  // the prompt was read, never written
+  EXPECT_THROW(segment[0].attach_prefix(shared), std::logic_error);  // not empty
 }
 
 TEST_F(BatchForward, RefusesBadBatchesBeforeTouchingAnyCache) {

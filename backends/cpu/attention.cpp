@@ -214,9 +214,10 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
     std::fill(st.acc + r * hd, st.acc + (r + 1) * hd, 0.0f);
   }
   const int64_t first_pos = q_pos0 + u.token_begin, last_pos = q_pos0 + u.token_end - 1;
-  for (int j0 = u.key_begin; j0 < u.key_end; j0 += kKeyBlock) {
-    const int nb = std::min(kKeyBlock, u.key_end - j0);
-    const int64_t* pos = kv.positions + j0;
+  // Meets slots [j0, j0 + nb) of one run of slots; false when the asynchronized softmax must
+  // give up (see above).
+  const auto meet_block = [&](const KvLayer& seg, int j0, int nb) {
+    const int64_t* pos = seg.positions + j0;
     // A block no row of the tile can see (empty slots, or the future of a prefill) costs nothing.
     bool any_visible = false;
     bool all_visible = true;  // to every row: no mask to apply
@@ -224,10 +225,10 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
       any_visible |= pos[j] >= 0 && pos[j] <= last_pos;
       all_visible &= pos[j] >= 0 && pos[j] <= first_pos;
     }
-    if (!any_visible) continue;
+    if (!any_visible) return true;
     int64_t ldk = 0, ldv = 0;
-    const float* k = head_block(kv.keys, kv, u.kv_head, hd, j0, nb, buf.kbuf, &ldk);
-    const float* v = head_block(kv.values, kv, u.kv_head, hd, j0, nb, buf.vbuf, &ldv);
+    const float* k = head_block(seg.keys, seg, u.kv_head, hd, j0, nb, buf.kbuf, &ldk);
+    const float* v = head_block(seg.values, seg, u.kv_head, hd, j0, nb, buf.vbuf, &ldv);
     // scores[rows][nb] = qt · Kᵀ
     if (rows <= kDirectRows) {
       HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, k, ldk, nb, scores, kKeyBlock);
@@ -268,6 +269,19 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
     } else {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, nb, 1.0f, scores, kKeyBlock, v,
                   static_cast<int>(ldv), 1.0f, st.acc, hd);
+    }
+    return true;
+  };
+  // The unit's key range [key_begin, key_end) numbers the prefix's slots first, then the own ones.
+  const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
+  const KvLayer* runs[] = {kv.prefix, &kv};
+  const int run_first[] = {0, n_prefix};
+  for (int ri = 0; ri < 2; ++ri) {
+    if (runs[ri] == nullptr) continue;
+    const int lo = std::max(u.key_begin - run_first[ri], 0);
+    const int hi = std::min(u.key_end - run_first[ri], runs[ri]->n_slots);
+    for (int j0 = lo; j0 < hi; j0 += kKeyBlock) {
+      if (!meet_block(*runs[ri], j0, std::min(kKeyBlock, hi - j0))) return false;
     }
   }
   if (phi != nullptr) {
@@ -334,7 +348,7 @@ void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& k
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int tokens_per_tile = std::max(1, kQueryRows / group);
   const int token_tiles = (n_tokens + tokens_per_tile - 1) / tokens_per_tile;
-  const int n_keys = kv.n_slots;
+  const int n_keys = kv.n_slots + (kv.prefix != nullptr ? kv.prefix->n_slots : 0);
   // Decode: split the keys so that every thread has work even with few KV heads.
   int splits = 1;
   if (n_tokens == 1 && sh.n_head_kv < 2 * n_threads) {

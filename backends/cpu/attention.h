@@ -21,6 +21,10 @@ struct AttentionShape {
 // element j * row_stride + g * head_dim of keys (values), fp32 or fp16. positions[j] is the
 // position of slot j's token, -1 for an empty slot. Slots may be in any order: a query at
 // position p sees exactly the slots with 0 <= position <= p.
+//
+// `prefix` (optional) is a second run of slots read before these ones: a prompt segment that
+// several sequences share (the segment KV cache of batch sampling), with its own memory. The
+// queries see both runs by the same rule; its f16 must match.
 struct KvLayer {
   const void* keys = nullptr;
   const void* values = nullptr;
@@ -28,6 +32,7 @@ struct KvLayer {
   bool f16 = false;
   const int64_t* positions = nullptr;
   int n_slots = 0;
+  const KvLayer* prefix = nullptr;
 };
 
 // Buffers reused across calls (grown, never shrunk: no allocation once warm).

@@ -25,7 +25,7 @@ KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const K
     throw std::invalid_argument("--discard " + std::to_string(options.n_discard) + " must be between 1 and the " +
                                 std::to_string(capacity - n_keep_) + " tokens after the kept ones (0: half of them)");
   }
-  storage_.assign(static_cast<size_t>(n_layer) * 2 * static_cast<size_t>(capacity) * row_bytes(), 0);
+  storage_ = PageBuffer(static_cast<size_t>(n_layer) * 2 * static_cast<size_t>(capacity) * row_bytes());
   positions_.assign(static_cast<size_t>(capacity), -1);
 }
 
@@ -39,6 +39,20 @@ void KvCache::clear() {
   next_position_ = 0;
   std::fill(positions_.begin(), positions_.end(), -1);
   softmax_phi_.clear();
+  prefix_.reset();
+  storage_.release();
+}
+
+void KvCache::attach_prefix(std::shared_ptr<const KvCache> prefix) {
+  if (prefix == nullptr) throw std::invalid_argument("KvCache::attach_prefix: no prefix");
+  if (size() != 0 || prefix_ != nullptr) throw std::logic_error("KvCache::attach_prefix: the cache is not empty");
+  if (prefix->n_layer_ != n_layer_ || prefix->n_kv_head_ != n_kv_head_ || prefix->head_dim_ != head_dim_ ||
+      prefix->type_ != type_) {
+    throw std::invalid_argument("KvCache::attach_prefix: the prefix has another shape or type");
+  }
+  if (prefix->prefix_ != nullptr) throw std::invalid_argument("KvCache::attach_prefix: the prefix has a prefix");
+  next_position_ = prefix->next_position();
+  prefix_ = std::move(prefix);
 }
 
 int KvCache::contiguous_free() const {
@@ -63,6 +77,7 @@ int KvCache::append(int n) {
 }
 
 std::vector<int> KvCache::discard(int n_discard) {
+  if (prefix_ != nullptr) throw std::logic_error("KvCache::discard: a cache with a shared prefix does not shift");
   if (n_discard <= 0 || n_discard > ring_count_) {
     throw std::invalid_argument("cannot discard " + std::to_string(n_discard) + " of the " + std::to_string(ring_count_) +
                                 " tokens after the " + std::to_string(n_keep_) + " kept ones");

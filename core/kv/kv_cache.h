@@ -8,13 +8,22 @@
 // attention masks by position, never by slot order. The keys stay rotated for their position:
 // whoever discards re-rotates them by -n_discard (LlamaModel::shift_context, "shift-RoPE").
 //
-// Keys and values are fp16 (half the memory and bandwidth) or fp32, all allocated at once.
+// Keys and values are fp16 (half the memory and bandwidth) or fp32, in one buffer sized for the
+// whole context whose pages become resident as tokens are written (PageBuffer): a cache costs
+// the memory of the tokens it holds.
+//
+// A prefix (attach_prefix) is another cache, read-only and shared, whose tokens come before this
+// one's: the segment KV cache of batch sampling, where n samples of one prompt share the
+// prompt's keys and values and each holds only its own response.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
+
+#include "core/kv/page_buffer.h"
 
 namespace ringlm {
 
@@ -32,7 +41,7 @@ class KvCache {
   KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const KvCacheOptions& options = {});
 
   int capacity() const { return capacity_; }
-  int size() const { return n_sink_ + ring_count_; }  // tokens cached
+  int size() const { return n_sink_ + ring_count_; }  // tokens cached here (not in the prefix)
   int n_keep() const { return n_keep_; }
   KvType type() const { return type_; }
   const KvCacheOptions& options() const { return options_; }
@@ -41,7 +50,12 @@ class KvCache {
   int row_width() const { return n_kv_head_ * head_dim_; }
   int head_dim() const { return head_dim_; }
   int n_kv_head() const { return n_kv_head_; }
-  size_t bytes() const { return storage_.size(); }
+  size_t bytes() const { return storage_.size(); }  // reserved for the whole context
+  // Memory the tokens held here occupy: size() tokens of every layer's keys and values.
+  size_t bytes_in_use() const { return static_cast<size_t>(size()) * bytes_per_token(); }
+  size_t bytes_per_token() const { return static_cast<size_t>(n_layer_) * 2 * row_bytes(); }
+  // Memory the cache occupies now: the pages its tokens were written to (see PageBuffer).
+  size_t resident_bytes() const { return storage_.resident_bytes(); }
   int64_t shifts() const { return shifts_; }         // discard() calls so far
   int64_t discarded() const { return discarded_; }   // tokens discarded so far
 
@@ -62,7 +76,19 @@ class KvCache {
   // every later token back n_discard positions. Returns the slots whose keys must be re-rotated
   // by -n_discard (every remaining token after the sinks).
   std::vector<int> discard(int n_discard);
+  // Empties the cache (and drops its prefix); the memory of its tokens goes back to the system.
   void clear();
+
+  // Makes `prefix`'s tokens this (empty) cache's first ones: attention reads them from there,
+  // and this cache's own tokens continue at prefix->next_position(). The prefix must have the
+  // same shape and type and no prefix of its own; it must not change while attached. A cache
+  // with a prefix does not shift (can_shift()).
+  void attach_prefix(std::shared_ptr<const KvCache> prefix);
+  const KvCache* prefix() const { return prefix_.get(); }
+  // A full cache shifts its context (options().context_shift) unless it reads a prefix.
+  bool can_shift() const { return options_.context_shift && prefix_ == nullptr; }
+  // Tokens the sequence's attention sees: the prefix's and this cache's.
+  int context_size() const { return (prefix_ ? prefix_->size() : 0) + size(); }
 
   // The sequence's decode attention state, kept between steps: FlashDecoding++'s unified max of
   // each (layer, query head)'s scores. The model sizes it on first use; empty or NaN: not known
@@ -95,7 +121,8 @@ class KvCache {
   int64_t next_position_ = 0;
   int64_t shifts_ = 0, discarded_ = 0;
   std::vector<int64_t> positions_;
-  std::vector<uint8_t> storage_;
+  PageBuffer storage_;
+  std::shared_ptr<const KvCache> prefix_;
   std::vector<float> softmax_phi_;
 };
 

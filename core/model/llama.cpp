@@ -220,7 +220,7 @@ void LlamaModel::forward(std::span<const int32_t> tokens, KvCache& cache, float*
                               std::to_string(hp_.n_vocab - 1) + ")");
     }
   }
-  if (!cache.options().context_shift && cache.size() + static_cast<int64_t>(tokens.size()) > cache.capacity()) {
+  if (!cache.can_shift() && cache.size() + static_cast<int64_t>(tokens.size()) > cache.capacity()) {
     throw std::length_error("context full: " + std::to_string(cache.size()) + " cached + " +
                             std::to_string(tokens.size()) + " new tokens exceed the context size " +
                             std::to_string(cache.capacity()));
@@ -339,9 +339,16 @@ void LlamaModel::rotate_heads(float* vec, int n_heads, const float* cos, const f
 void LlamaModel::attention(int layer, const Rows& r) {
   const cpu::AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim};
   KvCache& cache = *r.cache;
-  const std::span<const int64_t> positions = cache.positions();
-  const cpu::KvLayer kv{cache.key(layer, 0),         cache.value(layer, 0), cache.row_width(),
-                        cache.type() == KvType::kF16, positions.data(),      static_cast<int>(positions.size())};
+  const auto layer_of = [layer](const KvCache& c, const cpu::KvLayer* prefix) {
+    const std::span<const int64_t> positions = c.positions();
+    return cpu::KvLayer{c.key(layer, 0),         c.value(layer, 0), c.row_width(),
+                        c.type() == KvType::kF16, positions.data(),  static_cast<int>(positions.size()),
+                        prefix};
+  };
+  // A shared prompt segment (batch samples) is read first, from its own memory.
+  cpu::KvLayer prefix;
+  if (cache.prefix() != nullptr) prefix = layer_of(*cache.prefix(), nullptr);
+  const cpu::KvLayer kv = layer_of(cache, cache.prefix() != nullptr ? &prefix : nullptr);
   float* phi = nullptr;
   if (async_softmax_) {
     std::vector<float>& state = cache.softmax_phi();

@@ -75,6 +75,17 @@ void BatchScheduler::submit(GenerationRequest request) {
                                 std::to_string(options_.n_parallel) + ")");
   }
   if (request.max_tokens < 0) throw std::invalid_argument("max_tokens must not be negative");
+  if (!options_.share_prompt && request.n_samples > 1) {
+    const int n = request.n_samples;
+    for (int i = 0; i < n; ++i) {
+      GenerationRequest one = request;
+      one.n_samples = 1;
+      one.first_sample = request.first_sample + i;
+      one.sampling.seed += static_cast<uint64_t>(i);
+      queue_.push_back({std::move(one), Clock::now()});
+    }
+    return;
+  }
   queue_.push_back({std::move(request), Clock::now()});
 }
 
@@ -102,7 +113,7 @@ void BatchScheduler::admit() {
       Slot& s = *free[static_cast<size_t>(i)];
       s.state = i == 0 ? Slot::State::kPrefill : Slot::State::kWaitingForPrompt;
       s.request = q.request;
-      s.sample = i;
+      s.sample = q.request.first_sample + i;
       s.prompt_owner = i == 0 ? nullptr : free[0];
       s.cache.clear();
       SamplingParams params = q.request.sampling;
@@ -113,7 +124,7 @@ void BatchScheduler::admit() {
       s.next_token = -1;
       s.result = GenerationResult{};
       s.result.index = q.request.index;
-      s.result.sample = i;
+      s.result.sample = s.sample;
       s.result.prompt_tokens = static_cast<int>(q.request.prompt.size());
       s.utf8 = Utf8StreamDecoder{};
       s.submitted = q.submitted;
@@ -155,22 +166,49 @@ bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) 
     if (s.state == Slot::State::kPrefill) {
       s.prefilled += batch[i].tokens.size();
       if (s.prefilled < s.request.prompt.size()) continue;
-      // The prompt is in: the samples waiting for it start from copies of its cache.
-      for (auto& other : slots_) {
-        if (other->state != Slot::State::kWaitingForPrompt || other->prompt_owner != &s) continue;
-        other->cache = s.cache;
-        other->logits = s.logits;
-        other->prefilled = s.prefilled;
-        other->started = s.started;
-        other->state = Slot::State::kDecode;
-        shared_prefill_tokens_ += static_cast<int64_t>(s.prefilled);
-        advance(*other, on_done);
-      }
       s.state = Slot::State::kDecode;
+      if (s.request.n_samples > 1) share_prompt(s, on_done);
     }
     advance(s, on_done);
   }
+  account_memory();
   return true;
+}
+
+void BatchScheduler::share_prompt(Slot& owner, const std::function<void(GenerationResult)>& on_done) {
+  // The prompt's cache moves out of the owner's slot, which gets an empty one (reserved address
+  // space only), and becomes read-only and shared.
+  auto prompt = std::make_shared<KvCache>(std::move(owner.cache));
+  owner.cache = model_.make_cache(options_.n_ctx, KvCacheOptions{options_.cache_type, 0, 0, false});
+  owner.cache.attach_prefix(prompt);
+  for (auto& other : slots_) {
+    if (other->state != Slot::State::kWaitingForPrompt || other->prompt_owner != &owner) continue;
+    other->cache.clear();
+    other->cache.attach_prefix(prompt);
+    other->logits = owner.logits;
+    other->prefilled = owner.prefilled;
+    other->started = owner.started;
+    other->state = Slot::State::kDecode;
+    shared_prefill_tokens_ += static_cast<int64_t>(owner.prefilled);
+    advance(*other, on_done);
+  }
+}
+
+void BatchScheduler::account_memory() {
+  size_t held = 0, unshared = 0;
+  std::vector<const KvCache*> prefixes;
+  for (const auto& s : slots_) {
+    if (s->state == Slot::State::kFree) continue;
+    const KvCache& c = s->cache;
+    held += c.bytes_in_use();
+    unshared += static_cast<size_t>(c.context_size()) * c.bytes_per_token();
+    if (c.prefix() != nullptr && std::find(prefixes.begin(), prefixes.end(), c.prefix()) == prefixes.end()) {
+      prefixes.push_back(c.prefix());
+      held += c.prefix()->bytes_in_use();
+    }
+  }
+  peak_kv_bytes_ = std::max(peak_kv_bytes_, held);
+  peak_kv_bytes_unshared_ = std::max(peak_kv_bytes_unshared_, unshared);
 }
 
 bool BatchScheduler::advance(Slot& s, const std::function<void(GenerationResult)>& on_done) {
@@ -194,7 +232,7 @@ bool BatchScheduler::advance(Slot& s, const std::function<void(GenerationResult)
     finish(s, "stop", on_done, /*flush_text=*/false);
     return false;
   }
-  if (s.result.n_tokens >= s.request.max_tokens || s.cache.size() >= s.cache.capacity()) {
+  if (s.result.n_tokens >= s.request.max_tokens || s.cache.context_size() >= options_.n_ctx) {
     finish(s, "length", on_done);
     return false;
   }
@@ -212,6 +250,7 @@ void BatchScheduler::finish(Slot& s, const std::string& reason, const std::funct
   s.result.decode_ms = ms_between(s.first_token, now);
   s.state = Slot::State::kFree;
   s.sampler.reset();
+  s.cache.clear();  // its memory goes back now, and its share of a prompt segment with it
   on_done(std::move(s.result));
 }
 

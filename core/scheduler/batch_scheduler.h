@@ -7,9 +7,10 @@
 // whatever else runs, and a row's result does not depend on the other rows of a pass
 // (LlamaModel::forward_batch), so greedy outputs do not depend on n_parallel.
 //
-// n > 1 samples of one request share its prompt's prefill: the prompt is evaluated once, then
-// each sample continues from a copy of that cache with its own sampler (seed + sample index).
-// (The copy saves the compute, not the memory: every slot has a whole cache of its own.)
+// n > 1 samples of one request share its prompt (the segment KV cache): the prompt is evaluated
+// once into a cache of its own, which every sample reads as the prefix of its cache
+// (KvCache::attach_prefix) while holding only its own response; each sample has its own sampler
+// (seed + sample index). The prompt's memory is freed when its last sample finishes.
 #pragma once
 
 #include <chrono>
@@ -35,6 +36,7 @@ struct GenerationRequest {
   int max_tokens = 256;
   std::vector<std::string> stop;  // the text ends before the first of these it contains
   int n_samples = 1;
+  int first_sample = 0;           // the sample index of the first of these samples
 };
 
 struct GenerationResult {
@@ -54,6 +56,9 @@ struct BatchOptions {
   int n_ctx = 2048;        // per sequence: prompt + generated tokens
   int prefill_chunk = 64;  // prompt tokens per chunk
   KvType cache_type = KvType::kF16;
+  // false: n samples are n independent sequences, each prefilling and holding the prompt (the
+  // baseline that the segment cache is measured against).
+  bool share_prompt = true;
 };
 
 class BatchScheduler {
@@ -75,6 +80,10 @@ class BatchScheduler {
   int64_t steps() const { return steps_; }
   // Prompt tokens not prefilled again thanks to sharing: (n - 1) x prompt for n samples.
   int64_t shared_prefill_tokens() const { return shared_prefill_tokens_; }
+  // The most KV cache memory the running sequences held at once (after a step), and what the
+  // same sequences would have held with a whole copy of the prompt each.
+  size_t peak_kv_bytes() const { return peak_kv_bytes_; }
+  size_t peak_kv_bytes_unshared() const { return peak_kv_bytes_unshared_; }
 
  private:
   struct Slot;
@@ -92,6 +101,9 @@ class BatchScheduler {
               bool flush_text = true);
   // Samples the next token of a slot whose logits are fresh; false once it has finished.
   bool advance(Slot& slot, const std::function<void(GenerationResult)>& on_done);
+  // The prompt that `owner` prefilled becomes the shared prefix of every one of its samples.
+  void share_prompt(Slot& owner, const std::function<void(GenerationResult)>& on_done);
+  void account_memory();
 
   LlamaModel& model_;
   const Tokenizer& tokenizer_;
@@ -101,6 +113,7 @@ class BatchScheduler {
   int64_t generated_tokens_ = 0;
   int64_t steps_ = 0;
   int64_t shared_prefill_tokens_ = 0;
+  size_t peak_kv_bytes_ = 0, peak_kv_bytes_unshared_ = 0;
 };
 
 }  // namespace ringlm
