@@ -4,7 +4,8 @@
 // key blocks, decode with the keys split across threads, and 1 or 2 threads; the cache layouts
 // cover tokens in order, tokens scattered over a ring's slots in any order with empty slots
 // between them, fp16 storage (the reference then reads the same fp16-rounded values), and slots
-// split between a prefix run in memory of its own and the rest (the segment KV cache).
+// split between a prefix run in memory of its own and the rest (the segment KV cache), which must
+// give bit for bit what the same slots give in one run.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -117,6 +118,7 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
   // With a prefix, slots [0, prefix) move to memory of their own (copies), and kv keeps the rest.
   const size_t pre = static_cast<size_t>(c.prefix), elem = c.f16 ? 2 : 4;
   std::vector<uint8_t> k_pre(pre * kv_w * elem), v_pre(k_pre.size());
+  const KvLayer whole = kv;
   KvLayer prefix = kv;
   if (c.prefix > 0) {
     std::memcpy(k_pre.data(), kv.keys, k_pre.size());
@@ -139,6 +141,12 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
       // Outputs are convex combinations of values of magnitude ~1: fp32 softmax and sums over
       // a few hundred keys stay well within 1e-5.
       ASSERT_NEAR(out[i], expected[i], 1e-5) << "threads " << threads << " index " << i;
+    }
+    if (c.prefix > 0) {  // a prefix run is read as if its slots were the cache's first ones
+      std::vector<float> out_whole(q.size(), NAN);
+      attention_causal({c.n_head, c.n_head_kv, c.head_dim}, q.data(), whole, c.n_past, c.n_tokens, out_whole.data(),
+                       scratch, threads);
+      for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], out_whole[i]) << "threads " << threads << " index " << i;
     }
   }
 }
@@ -183,6 +191,78 @@ TEST_P(AsyncSoftmax, MatchesTheDefinitionAndFallsBack) {
         ASSERT_NEAR(out[i], expected[i], 1e-5) << "threads " << threads << " phi offset " << offset << " index " << i;
       }
       for (size_t h = 0; h < phi.size(); ++h) ASSERT_FLOAT_EQ(phi[h], learned[h]) << "the observed max is returned";
+    }
+  }
+}
+
+// attention_batch: several sequences of one shape, each with its own cache (decode with split
+// keys and without, a prefill chunk, a prefix run, the asynchronized softmax), in one call. Each
+// job's output and learned maxima must be bit for bit those of attention_causal on it alone:
+// batching must never change a sequence's result (greedy outputs whatever --parallel is).
+struct Sequence {
+  Sequence(int past, int tokens, int prefix_slots, bool async_softmax)
+      : n_past(past), n_tokens(tokens), prefix(prefix_slots), async(async_softmax) {}
+  int n_past, n_tokens, prefix;
+  bool async;
+  std::vector<float> q, k, v, out_alone, out_batched, phi_alone, phi_batched;
+  std::vector<int64_t> positions;
+  KvLayer prefix_layer, kv;
+};
+
+void fill_sequence(Sequence& s, const AttentionShape& sh, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int n_keys = s.n_past + s.n_tokens, kv_w = sh.n_head_kv * sh.head_dim;
+  s.q.resize(static_cast<size_t>(s.n_tokens) * sh.n_head * sh.head_dim);
+  s.k.resize(static_cast<size_t>(n_keys) * kv_w);
+  s.v.resize(s.k.size());
+  for (auto* vec : {&s.q, &s.k, &s.v}) {
+    for (float& x : *vec) x = normal(rng);
+  }
+  s.positions.resize(static_cast<size_t>(n_keys));
+  for (int j = 0; j < n_keys; ++j) s.positions[static_cast<size_t>(j)] = j;
+  s.kv = KvLayer{s.k.data(), s.v.data(), kv_w, false, s.positions.data(), n_keys, nullptr};
+  if (s.prefix > 0) {  // the first slots as a run of their own (same memory: reads only)
+    s.prefix_layer = KvLayer{s.k.data(), s.v.data(), kv_w, false, s.positions.data(), s.prefix, nullptr};
+    s.kv = KvLayer{s.k.data() + static_cast<size_t>(s.prefix) * kv_w, s.v.data() + static_cast<size_t>(s.prefix) * kv_w,
+                   kv_w,  false, s.positions.data() + s.prefix, n_keys - s.prefix, &s.prefix_layer};
+  }
+  s.out_alone.assign(s.q.size(), NAN);
+  s.out_batched.assign(s.q.size(), NAN);
+  // Async jobs start from maxima a little off the true ones (as a previous step leaves them).
+  s.phi_alone.assign(static_cast<size_t>(sh.n_head), s.async ? 2.5f : NAN);
+  s.phi_batched = s.phi_alone;
+}
+
+TEST(AttentionBatch, EachJobMatchesItsOwnCallBitForBit) {
+  const AttentionShape sh{9, 3, 64};
+  std::mt19937 rng(2024);
+  std::vector<Sequence> seqs = {{600, 1, 0, false}, {14, 1, 0, true},  {200, 33, 0, false},
+                                {700, 1, 300, true}, {0, 5, 0, false}, {40, 1, 20, false}};
+  for (Sequence& s : seqs) fill_sequence(s, sh, rng);
+  for (int threads : {1, 2}) {
+    std::vector<AttentionJob> jobs;
+    for (Sequence& s : seqs) {
+      std::fill(s.out_batched.begin(), s.out_batched.end(), NAN);
+      AttentionScratch alone;
+      std::vector<float> phi = s.phi_alone;
+      attention_causal(sh, s.q.data(), s.kv, s.n_past, s.n_tokens, s.out_alone.data(), alone, threads,
+                       s.async ? phi.data() : nullptr);
+      s.phi_batched = s.phi_alone;
+      s.phi_alone = phi;
+      jobs.push_back({s.q.data(), s.kv, s.n_past, s.n_tokens, s.out_batched.data(),
+                      s.async ? s.phi_batched.data() : nullptr});
+    }
+    AttentionScratch scratch;
+    attention_batch(sh, jobs, scratch, threads);
+    for (size_t j = 0; j < seqs.size(); ++j) {
+      const Sequence& s = seqs[j];
+      for (size_t i = 0; i < s.out_alone.size(); ++i) {
+        ASSERT_FALSE(std::isnan(s.out_batched[i])) << "job " << j << " index " << i << " not written";
+        ASSERT_EQ(s.out_batched[i], s.out_alone[i]) << "threads " << threads << " job " << j << " index " << i;
+      }
+      if (s.async) {
+        for (size_t h = 0; h < s.phi_alone.size(); ++h) ASSERT_EQ(s.phi_batched[h], s.phi_alone[h]) << "job " << j;
+      }
     }
   }
 }

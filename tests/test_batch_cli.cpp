@@ -195,16 +195,19 @@ std::map<int, std::string> texts_by_sample(const std::vector<json>& recs) {
 
 // n = 3 samples of one prompt: the prompt is prefilled once and its KV cache is shared (the
 // segment cache). The oracle is the same request without sharing (each sample prefills and holds
-// the prompt itself): the same samples, for more memory. fp32 compute: the attention over two
-// segments rounds its sums differently, and int8 activations would turn that last-bit noise
-// into logits a percent apart, enough to change a sampled token.
+// the prompt itself): the same samples, for more memory. A sample reading the shared segment
+// rounds exactly as one holding the prompt itself (test_attention), so the rest must be exact
+// too: fp32 compute (int8 activations turn any last-bit difference into logits a percent apart)
+// and prefill chunks of 8, which keep every product below the sgemm path, where a row's rounding
+// depends on the rows it shares the call with (without sharing, a sample's prompt is prefilled
+// next to the other samples' decode rows).
 TEST(BatchCli, ThreeSamplesShareOnePromptPrefill) {
   const std::string input =
       R"({"id": "s", "prompt": "Roses are red, violets are blue, the sea is wide and the sky is too. Write the next )"
       R"(four lines of this poem about a sailor who comes home after many years away", "n": 3, "temperature": 1.0, )"
       R"("seed": 11, "max_tokens": 16})"
       "\n";
-  const BatchRunResult r = run_batch("samples", input, "--parallel 4 --compute fp32");
+  const BatchRunResult r = run_batch("samples", input, "--parallel 4 --compute fp32 --prefill-chunk 8");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::vector<json> recs = records(work_dir() + "/samples.out");
   ASSERT_EQ(recs.size(), 3u);
@@ -223,7 +226,8 @@ TEST(BatchCli, ThreeSamplesShareOnePromptPrefill) {
   const int prompt = recs[0]["prompt_tokens"].get<int>();
   EXPECT_THAT(r.err, HasSubstr("prompt prefill shared by samples: " + std::to_string(2 * prompt) + " tokens"));
 
-  const BatchRunResult alone = run_batch("samples_unshared", input, "--parallel 4 --compute fp32 --no-prompt-sharing");
+  const BatchRunResult alone =
+      run_batch("samples_unshared", input, "--parallel 4 --compute fp32 --prefill-chunk 8 --no-prompt-sharing");
   ASSERT_EQ(alone.exit_code, 0) << alone.err;
   EXPECT_EQ(texts_by_sample(records(work_dir() + "/samples_unshared.out")), shared);
   EXPECT_THAT(alone.err, HasSubstr("prompt prefill shared by samples: 0 tokens"));

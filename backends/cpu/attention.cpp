@@ -9,6 +9,7 @@
 
 #include "backends/cpu/attention.h"
 #include "quant/formats.h"
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -82,15 +83,44 @@ void F16RowsToF32(const uint16_t* src, int64_t src_stride, int rows, int n, floa
   }
 }
 
+// One key's or value's hd elements as fp32: an fp32 row as it is; an fp16 row converted into
+// `buf` (hd floats, in L1), once for all the query rows that meet it.
+HWY_INLINE const float* RowAsF32(const float* row, int /*hd*/, float* /*buf*/) { return row; }
+HWY_INLINE const float* RowAsF32(const uint16_t* row, int hd, float* buf) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  const auto* in = reinterpret_cast<const hwy::float16_t*>(row);
+  int c = 0;
+  for (; c + lanes <= hd; c += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in + c)), df, buf + c);
+  for (; c < hd; ++c) buf[c] = fp16_to_fp32(row[c]);
+  return buf;
+}
+
+// Keys (values) a direct kernel asks for ahead of the one it multiplies. A sequence's head is a
+// short strided stream (tens of keys, a few hundred bytes apart) that the hardware prefetcher
+// barely starts on before it ends, and that the weights streamed through since the last step
+// have pushed out of the caches.
+constexpr int kPrefetchKeys = 4;
+
+template <typename T>
+HWY_INLINE void PrefetchRow(const T* row, int hd) {
+  const auto* bytes = reinterpret_cast<const char*>(row);
+  for (size_t line = 0; line < hd * sizeof(T); line += 64) hwy::Prefetch(bytes + line);
+}
+
 // scores[r][j] = q[r] · k[j] for rows r < n_rows of q ([n_rows][hd]) and keys j < n_keys (k_ld
-// floats apart): the score block of a few query rows (decode), where sgemm's packing of its
-// operands costs more than the products.
-void ScoreRows(const float* q, int n_rows, int hd, const float* k, int64_t k_ld, int n_keys, float* scores,
-               int scores_ld) {
+// elements apart, fp32 or fp16): the score block of a few query rows (decode), where sgemm's
+// packing of its operands costs more than the products, and fp16 keys are read in place.
+template <typename K>
+HWY_INLINE void ScoreRowsOf(const float* q, int n_rows, int hd, const K* k, int64_t k_ld, int n_keys, float* scores,
+                            int scores_ld) {
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
+  HWY_ALIGN float row_buf[kMaxDirectHeadDim];
   for (int j = 0; j < n_keys; ++j) {
-    const float* kj = k + j * k_ld;
+    if (j + kPrefetchKeys < n_keys) PrefetchRow(k + (j + kPrefetchKeys) * k_ld, hd);
+    const float* kj = RowAsF32(k + j * k_ld, hd, row_buf);
     for (int r = 0; r < n_rows; ++r) {
       const float* qr = q + r * hd;
       auto sum = hn::Zero(d);
@@ -102,14 +132,28 @@ void ScoreRows(const float* q, int n_rows, int hd, const float* k, int64_t k_ld,
     }
   }
 }
+void ScoreRows(const float* q, int n_rows, int hd, const float* k, int64_t k_ld, int n_keys, float* scores,
+               int scores_ld) {
+  ScoreRowsOf(q, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
+}
+void ScoreRowsF16(const float* q, int n_rows, int hd, const uint16_t* k, int64_t k_ld, int n_keys, float* scores,
+                  int scores_ld) {
+  ScoreRowsOf(q, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
+}
 
 // acc[r] += sum_j p[r][j] * v[j] for rows r < n_rows: the value side of ScoreRows.
-void AccumulateRows(const float* p, int n_rows, int p_ld, const float* v, int64_t v_ld, int n_keys, int hd,
-                    float* acc) {
+template <typename V>
+HWY_INLINE void AccumulateRowsOf(const float* p, int n_rows, int p_ld, const V* v, int64_t v_ld, int n_keys, int hd,
+                                 float* acc) {
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
+  HWY_ALIGN float row_buf[kMaxDirectHeadDim];
   for (int j = 0; j < n_keys; ++j) {
-    const float* vj = v + j * v_ld;
+    if (j + kPrefetchKeys < n_keys) PrefetchRow(v + (j + kPrefetchKeys) * v_ld, hd);
+    bool any = false;  // masked keys (weight 0 in every row) are skipped, fp16 ones unconverted
+    for (int r = 0; r < n_rows; ++r) any |= p[r * p_ld + j] != 0.0f;
+    if (!any) continue;
+    const float* vj = RowAsF32(v + j * v_ld, hd, row_buf);
     for (int r = 0; r < n_rows; ++r) {
       const float w = p[r * p_ld + j];
       if (w == 0.0f) continue;
@@ -120,6 +164,14 @@ void AccumulateRows(const float* p, int n_rows, int p_ld, const float* v, int64_
       for (; c < hd; ++c) ar[c] += w * vj[c];
     }
   }
+}
+void AccumulateRows(const float* p, int n_rows, int p_ld, const float* v, int64_t v_ld, int n_keys, int hd,
+                    float* acc) {
+  AccumulateRowsOf(p, n_rows, p_ld, v, v_ld, n_keys, hd, acc);
+}
+void AccumulateRowsF16(const float* p, int n_rows, int p_ld, const uint16_t* v, int64_t v_ld, int n_keys, int hd,
+                       float* acc) {
+  AccumulateRowsOf(p, n_rows, p_ld, v, v_ld, n_keys, hd, acc);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -136,7 +188,9 @@ HWY_EXPORT(SoftmaxBlockRow);
 HWY_EXPORT(F16RowsToF32);
 HWY_EXPORT(ExpBlockRow);
 HWY_EXPORT(ScoreRows);
+HWY_EXPORT(ScoreRowsF16);
 HWY_EXPORT(AccumulateRows);
+HWY_EXPORT(AccumulateRowsF16);
 
 namespace {
 
@@ -190,6 +244,17 @@ const float* head_block(const void* base, const KvLayer& kv, int kv_head, int hd
   return buf;
 }
 
+// Slots [j0, j0 + nb) of one KV head as fp32 rows written into `buf` (hd apart), whatever the
+// cache's type: a block whose slots come from two runs is gathered piece by piece.
+void gather_block(const void* base, const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* buf) {
+  const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
+  if (kv.f16) {
+    HWY_DYNAMIC_DISPATCH(F16RowsToF32)(static_cast<const uint16_t*>(base) + offset, kv.row_stride, nb, hd, buf);
+    return;
+  }
+  for (int j = 0; j < nb; ++j) std::copy_n(static_cast<const float*>(base) + offset + j * kv.row_stride, hd, buf + j * hd);
+}
+
 // Runs one unit: gathers its query rows (pre-scaled by 1/sqrt(d)), then meets the slots a block
 // at a time. Row r is token token_begin + r / group (position q_pos0 + that), query head
 // kv_head * group + r % group. Scores of slots the row may not see are -inf.
@@ -214,10 +279,30 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
     std::fill(st.acc + r * hd, st.acc + (r + 1) * hd, 0.0f);
   }
   const int64_t first_pos = q_pos0 + u.token_begin, last_pos = q_pos0 + u.token_end - 1;
-  // Meets slots [j0, j0 + nb) of one run of slots; false when the asynchronized softmax must
-  // give up (see above).
-  const auto meet_block = [&](const KvLayer& seg, int j0, int nb) {
-    const int64_t* pos = seg.positions + j0;
+  // The unit's keys are numbered across the runs, the prefix's slots first, and cut into blocks
+  // in that numbering: a sequence reading a shared prefix meets exactly the blocks (and rounds
+  // exactly as) a sequence holding the same slots in one cache.
+  const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
+  // Meets keys [j0, j0 + nb); false when the asynchronized softmax must give up (see above).
+  const auto meet_block = [&](int j0, int nb) {
+    // The block's pieces: at most one per run, each its run, first slot, length and column.
+    struct Piece {
+      const KvLayer* run;
+      int slot, count, column;
+    };
+    Piece pieces[2];
+    int n_pieces = 0;
+    if (j0 < n_prefix) pieces[n_pieces++] = {kv.prefix, j0, std::min(nb, n_prefix - j0), 0};
+    if (j0 + nb > n_prefix) {
+      const int column = std::max(0, n_prefix - j0);
+      pieces[n_pieces++] = {&kv, j0 + column - n_prefix, nb - column, column};
+    }
+    int64_t pos_buf[kKeyBlock];
+    const int64_t* pos = pieces[0].run->positions + pieces[0].slot;
+    if (n_pieces == 2) {
+      for (const Piece& p : pieces) std::copy_n(p.run->positions + p.slot, p.count, pos_buf + p.column);
+      pos = pos_buf;
+    }
     // A block no row of the tile can see (empty slots, or the future of a prefill) costs nothing.
     bool any_visible = false;
     bool all_visible = true;  // to every row: no mask to apply
@@ -226,12 +311,40 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
       all_visible &= pos[j] >= 0 && pos[j] <= first_pos;
     }
     if (!any_visible) return true;
+    // A few rows (decode) multiply directly, a piece at a time, reading fp16 keys and values
+    // where they are (the products go key by key, so pieces change nothing); more rows go
+    // through sgemm, on the block in fp32 (converted or gathered into the unit's buffers).
+    const bool direct = rows <= kDirectRows && hd <= kMaxDirectHeadDim;
+    const auto head_offset = [&](const Piece& p) {
+      return p.slot * p.run->row_stride + static_cast<int64_t>(u.kv_head) * hd;
+    };
     int64_t ldk = 0, ldv = 0;
-    const float* k = head_block(seg.keys, seg, u.kv_head, hd, j0, nb, buf.kbuf, &ldk);
-    const float* v = head_block(seg.values, seg, u.kv_head, hd, j0, nb, buf.vbuf, &ldv);
+    const float* k = nullptr;
+    const float* v = nullptr;
+    if (!direct) {
+      if (n_pieces == 1) {
+        k = head_block(pieces[0].run->keys, *pieces[0].run, u.kv_head, hd, pieces[0].slot, nb, buf.kbuf, &ldk);
+        v = head_block(pieces[0].run->values, *pieces[0].run, u.kv_head, hd, pieces[0].slot, nb, buf.vbuf, &ldv);
+      } else {
+        for (const Piece& p : pieces) {
+          gather_block(p.run->keys, *p.run, u.kv_head, hd, p.slot, p.count, buf.kbuf + p.column * hd);
+          gather_block(p.run->values, *p.run, u.kv_head, hd, p.slot, p.count, buf.vbuf + p.column * hd);
+        }
+        k = buf.kbuf, v = buf.vbuf, ldk = ldv = hd;
+      }
+    }
     // scores[rows][nb] = qt · Kᵀ
-    if (rows <= kDirectRows) {
-      HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, k, ldk, nb, scores, kKeyBlock);
+    if (direct) {
+      for (int i = 0; i < n_pieces; ++i) {
+        const Piece& p = pieces[i];
+        if (p.run->f16) {
+          HWY_DYNAMIC_DISPATCH(ScoreRowsF16)(qt, rows, hd, static_cast<const uint16_t*>(p.run->keys) + head_offset(p),
+                                             p.run->row_stride, p.count, scores + p.column, kKeyBlock);
+        } else {
+          HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, static_cast<const float*>(p.run->keys) + head_offset(p),
+                                          p.run->row_stride, p.count, scores + p.column, kKeyBlock);
+        }
+      }
     } else {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nb, hd, 1.0f, qt, hd, k, static_cast<int>(ldk), 0.0f,
                   scores, kKeyBlock);
@@ -264,25 +377,27 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
       }
     }
     // acc[rows][hd] += P · V
-    if (rows <= kDirectRows) {
-      HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores, rows, kKeyBlock, v, ldv, nb, hd, st.acc);
+    if (direct) {
+      for (int i = 0; i < n_pieces; ++i) {
+        const Piece& p = pieces[i];
+        if (p.run->f16) {
+          HWY_DYNAMIC_DISPATCH(AccumulateRowsF16)(scores + p.column, rows, kKeyBlock,
+                                                  static_cast<const uint16_t*>(p.run->values) + head_offset(p),
+                                                  p.run->row_stride, p.count, hd, st.acc);
+        } else {
+          HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores + p.column, rows, kKeyBlock,
+                                               static_cast<const float*>(p.run->values) + head_offset(p),
+                                               p.run->row_stride, p.count, hd, st.acc);
+        }
+      }
     } else {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, nb, 1.0f, scores, kKeyBlock, v,
                   static_cast<int>(ldv), 1.0f, st.acc, hd);
     }
     return true;
   };
-  // The unit's key range [key_begin, key_end) numbers the prefix's slots first, then the own ones.
-  const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
-  const KvLayer* runs[] = {kv.prefix, &kv};
-  const int run_first[] = {0, n_prefix};
-  for (int ri = 0; ri < 2; ++ri) {
-    if (runs[ri] == nullptr) continue;
-    const int lo = std::max(u.key_begin - run_first[ri], 0);
-    const int hi = std::min(u.key_end - run_first[ri], runs[ri]->n_slots);
-    for (int j0 = lo; j0 < hi; j0 += kKeyBlock) {
-      if (!meet_block(*runs[ri], j0, std::min(kKeyBlock, hi - j0))) return false;
-    }
+  for (int j0 = u.key_begin; j0 < u.key_end; j0 += kKeyBlock) {
+    if (!meet_block(j0, std::min(kKeyBlock, u.key_end - j0))) return false;
   }
   if (phi != nullptr) {
     for (int r = 0; r < rows; ++r) {
@@ -340,45 +455,89 @@ float* AttentionScratch::partials(size_t floats) {
   return partials_.data();
 }
 
+namespace {
+
+AttentionPlan plan_job(const AttentionShape& sh, const AttentionJob& job, int tokens_per_tile, int n_threads) {
+  AttentionPlan p;
+  p.token_tiles = (job.n_tokens + tokens_per_tile - 1) / tokens_per_tile;
+  p.n_keys = job.kv.n_slots + (job.kv.prefix != nullptr ? job.kv.prefix->n_slots : 0);
+  // Decode: split the keys so that every thread has work even with few KV heads. The split
+  // depends on this job alone (never on the others of a batch): its result does too.
+  if (job.n_tokens == 1 && sh.n_head_kv < 2 * n_threads) {
+    p.splits = std::clamp((2 * n_threads + sh.n_head_kv - 1) / sh.n_head_kv, 1,
+                          std::clamp(p.n_keys / kMinKeysPerSplit, 1, kMaxSplits));
+  }
+  // Asynchronized softmax for decode, once the previous step has given every head its max.
+  p.async = job.softmax_phi != nullptr && job.n_tokens == 1;
+  for (int h = 0; p.async && h < sh.n_head; ++h) p.async = std::isfinite(job.softmax_phi[h]);
+  return p;
+}
+
+}  // namespace
+
 void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, int n_tokens,
                       float* out, AttentionScratch& scratch, int n_threads, float* softmax_phi) {
+  const AttentionJob job{q, kv, q_pos0, n_tokens, out, softmax_phi};
+  attention_batch(sh, std::span<const AttentionJob>(&job, 1), scratch, n_threads);
+}
+
+void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> jobs, AttentionScratch& scratch,
+                     int n_threads) {
   // sgemm runs inside our threads, never with threads of its own.
   static const bool blas_single_threaded = (openblas_set_num_threads(1), true);
   (void)blas_single_threaded;
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int tokens_per_tile = std::max(1, kQueryRows / group);
-  const int token_tiles = (n_tokens + tokens_per_tile - 1) / tokens_per_tile;
-  const int n_keys = kv.n_slots + (kv.prefix != nullptr ? kv.prefix->n_slots : 0);
-  // Decode: split the keys so that every thread has work even with few KV heads.
-  int splits = 1;
-  if (n_tokens == 1 && sh.n_head_kv < 2 * n_threads) {
-    splits = std::clamp((2 * n_threads + sh.n_head_kv - 1) / sh.n_head_kv, 1,
-                        std::clamp(n_keys / kMinKeysPerSplit, 1, kMaxSplits));
-  }
   const int rows_max = tokens_per_tile * group;
   const size_t state_floats = static_cast<size_t>(rows_max) * (2 + hd);
-  const int n_units = sh.n_head_kv * token_tiles * splits;
+
+  // Every job's units in one numbering; split units' partial states in one buffer.
+  std::vector<AttentionPlan>& plans = scratch.plans;
+  plans.resize(jobs.size());
+  int n_units = 0;
+  size_t n_split_units = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    plans[i] = plan_job(sh, jobs[i], tokens_per_tile, n_threads);
+    plans[i].first_unit = n_units;
+    plans[i].first_partial = n_split_units;
+    const int units = sh.n_head_kv * plans[i].token_tiles * plans[i].splits;
+    n_units += units;
+    if (plans[i].splits > 1) n_split_units += static_cast<size_t>(units);
+  }
   // Buffers are sized before the parallel region: growing them inside would race.
-  float* partials = splits > 1 ? scratch.partials(static_cast<size_t>(n_units) * (state_floats + rows_max)) : nullptr;
-  float* unit_max = splits > 1 ? partials + static_cast<size_t>(n_units) * state_floats : nullptr;  // [units][rows]
-  // Asynchronized softmax for decode, once the previous step has given every head its max.
-  bool async = softmax_phi != nullptr && n_tokens == 1;
-  for (int h = 0; async && h < sh.n_head; ++h) async = std::isfinite(softmax_phi[h]);
+  float* partials = n_split_units > 0 ? scratch.partials(n_split_units * (state_floats + rows_max)) : nullptr;
+  float* unit_max = partials != nullptr ? partials + n_split_units * state_floats : nullptr;  // [units][rows]
   const size_t thread_floats =
       static_cast<size_t>(rows_max) * (hd + kKeyBlock + 1) + 2 * static_cast<size_t>(kKeyBlock) * hd + state_floats;
   for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats);
+  // Which job a unit belongs to: the last whose first unit is at most it.
+  std::vector<int>& job_of_unit = scratch.job_of_unit;
+  job_of_unit.resize(static_cast<size_t>(n_units));
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const int units = sh.n_head_kv * plans[i].token_tiles * plans[i].splits;
+    std::fill_n(job_of_unit.begin() + plans[i].first_unit, units, static_cast<int>(i));
+  }
 
   const auto state_at = [&](float* base) { return TileState{base, base + rows_max, base + 2 * rows_max}; };
-  const auto unit_at = [&](int index) {
-    const int split = index % splits, tile = (index / splits) % token_tiles, g = index / splits / token_tiles;
-    Unit u{g, tile * tokens_per_tile, std::min(n_tokens, (tile + 1) * tokens_per_tile), 0, n_keys};
-    if (splits > 1) {
-      const int per = (n_keys + splits - 1) / splits;
-      u.key_begin = std::min(n_keys, split * per);
-      u.key_end = std::min(n_keys, (split + 1) * per);
+  // Unit `index` of its job: KV head, token tile and key split.
+  const auto unit_at = [&](const AttentionPlan& p, const AttentionJob& job, int index) {
+    const int split = index % p.splits, tile = (index / p.splits) % p.token_tiles;
+    const int g = index / p.splits / p.token_tiles;
+    Unit u{g, tile * tokens_per_tile, std::min(job.n_tokens, (tile + 1) * tokens_per_tile), 0, p.n_keys};
+    if (p.splits > 1) {
+      const int per = (p.n_keys + p.splits - 1) / p.splits;
+      u.key_begin = std::min(p.n_keys, split * per);
+      u.key_end = std::min(p.n_keys, (split + 1) * per);
     }
     return u;
   };
+  // A split job's KV head g, merged: (job, g) pairs in one numbering.
+  std::vector<std::pair<int, int>>& merges = scratch.merges;
+  merges.clear();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (plans[i].splits == 1) continue;
+    for (int g = 0; g < sh.n_head_kv; ++g) merges.emplace_back(static_cast<int>(i), g);
+  }
 #pragma omp parallel num_threads(n_threads)
   {
     const int t = omp_get_thread_num();
@@ -392,28 +551,38 @@ void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& k
     float* own_max = own_state + state_floats;
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_units; ++i) {
-      const Unit u = unit_at(i);
-      const TileState st = state_at(splits > 1 ? partials + static_cast<size_t>(i) * state_floats : own_state);
-      float* seen = splits > 1 ? unit_max + static_cast<size_t>(i) * rows_max : own_max;
-      const float* phi = async ? softmax_phi + u.kv_head * group : nullptr;
-      if (!run_unit(sh, q, kv, q_pos0, u, ub, st, phi, seen)) run_unit(sh, q, kv, q_pos0, u, ub, st, nullptr, seen);
-      if (splits == 1) {
-        store_unit(sh, u, st, out);
-        if (softmax_phi != nullptr && n_tokens == 1) std::copy_n(seen, group, softmax_phi + u.kv_head * group);
+      const AttentionJob& job = jobs[static_cast<size_t>(job_of_unit[static_cast<size_t>(i)])];
+      const AttentionPlan& p = plans[static_cast<size_t>(job_of_unit[static_cast<size_t>(i)])];
+      const int local = i - p.first_unit;
+      const Unit u = unit_at(p, job, local);
+      const size_t split_index = p.first_partial + static_cast<size_t>(local);
+      const TileState st = state_at(p.splits > 1 ? partials + split_index * state_floats : own_state);
+      float* seen = p.splits > 1 ? unit_max + split_index * rows_max : own_max;
+      const float* phi = p.async ? job.softmax_phi + u.kv_head * group : nullptr;
+      if (!run_unit(sh, job.q, job.kv, job.q_pos0, u, ub, st, phi, seen)) {
+        run_unit(sh, job.q, job.kv, job.q_pos0, u, ub, st, nullptr, seen);
+      }
+      if (p.splits == 1) {
+        store_unit(sh, u, st, job.out);
+        if (job.softmax_phi != nullptr && job.n_tokens == 1) std::copy_n(seen, group, job.softmax_phi + u.kv_head * group);
       }
     }
-    if (splits > 1) {
+    if (!merges.empty()) {
 #pragma omp for schedule(static)
-      for (int g = 0; g < sh.n_head_kv; ++g) {
+      for (size_t m = 0; m < merges.size(); ++m) {
+        const auto [ji, g] = merges[m];
+        const AttentionJob& job = jobs[static_cast<size_t>(ji)];
+        const AttentionPlan& p = plans[static_cast<size_t>(ji)];
+        const size_t first = p.first_partial + static_cast<size_t>(g * p.splits);
         TileState parts[kMaxSplits];
-        for (int p = 0; p < splits; ++p) parts[p] = state_at(partials + static_cast<size_t>(g * splits + p) * state_floats);
-        merge_splits(parts, splits, group, hd);
-        store_unit(sh, unit_at(g * splits), parts[0], out);
-        if (softmax_phi != nullptr) {  // the next step's unified max: this step's, over every part
+        for (int s = 0; s < p.splits; ++s) parts[s] = state_at(partials + (first + s) * state_floats);
+        merge_splits(parts, p.splits, group, hd);
+        store_unit(sh, unit_at(p, job, g * p.splits), parts[0], job.out);
+        if (job.softmax_phi != nullptr) {  // the next step's unified max: this step's, over every part
           for (int r = 0; r < group; ++r) {
-            float m = -INFINITY;
-            for (int p = 0; p < splits; ++p) m = std::max(m, unit_max[static_cast<size_t>(g * splits + p) * rows_max + r]);
-            softmax_phi[g * group + r] = m;
+            float mx = -INFINITY;
+            for (int s = 0; s < p.splits; ++s) mx = std::max(mx, unit_max[(first + s) * rows_max + r]);
+            job.softmax_phi[g * group + r] = mx;
           }
         }
       }

@@ -7,9 +7,15 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <utility>
 #include <vector>
 
 namespace ringlm::cpu {
+
+// Largest head_dim whose decode attention reads fp16 keys and values in place (a row is
+// converted on the stack); larger heads go through converted blocks.
+constexpr int kMaxDirectHeadDim = 256;
 
 struct AttentionShape {
   int n_head = 0;     // query heads
@@ -35,11 +41,28 @@ struct KvLayer {
   const KvLayer* prefix = nullptr;
 };
 
+// How attention_batch cuts one job into units of work: tiles of tokens per KV head and, for
+// decode, splits of the keys.
+struct AttentionPlan {
+  int token_tiles = 1;
+  int splits = 1;
+  int n_keys = 0;
+  bool async = false;        // the asynchronized softmax, every head's phi being known
+  int first_unit = 0;        // in the batch's numbering
+  size_t first_partial = 0;  // split jobs: index of its first unit among all split units
+};
+
 // Buffers reused across calls (grown, never shrunk: no allocation once warm).
 class AttentionScratch {
  public:
   float* thread_buffer(int thread, size_t floats);
   float* partials(size_t floats);
+
+  // attention_batch's lists: each job's plan, the job of every unit, the (job, KV head) pairs
+  // whose split parts are merged.
+  std::vector<AttentionPlan> plans;
+  std::vector<int> job_of_unit;
+  std::vector<std::pair<int, int>> merges;
 
  private:
   std::vector<std::vector<float>> per_thread_;
@@ -57,5 +80,23 @@ class AttentionScratch {
 // leave the safe range around it is redone exactly. On exit it holds this step's maxima.
 void attention_causal(const AttentionShape& shape, const float* q, const KvLayer& kv, int64_t q_pos0, int n_tokens,
                       float* out, AttentionScratch& scratch, int n_threads, float* softmax_phi = nullptr);
+
+
+// One sequence's attention in a batch: the arguments of attention_causal.
+struct AttentionJob {
+  const float* q = nullptr;
+  KvLayer kv;
+  int64_t q_pos0 = 0;
+  int n_tokens = 0;
+  float* out = nullptr;
+  float* softmax_phi = nullptr;
+};
+
+// attention_causal for several sequences (each with its own cache) in one parallel region: the
+// units of work of all of them are shared out together, so a decode batch of many short
+// sequences keeps every thread busy and pays one fork and join per layer instead of one per
+// sequence. Each job's result is exactly what attention_causal gives it alone.
+void attention_batch(const AttentionShape& shape, std::span<const AttentionJob> jobs, AttentionScratch& scratch,
+                     int n_threads);
 
 }  // namespace ringlm::cpu

@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "backends/cpu/activation.h"
 #include "backends/cpu/int8_kernels.h"
 #include "backends/cpu/kernel_packed.h"
 
@@ -66,6 +67,9 @@ class CpuWeight final : public PreparedWeight {
   // here; the mmap'd original stays for the sgemm prefill path.
   cpu::PackedWeight packed;
 };
+
+// Chunks of work per thread the int8 products are cut into, handed out as threads come free.
+constexpr int64_t kChunksPerThread = 8;
 
 // Rows the int8 kernels take as one unit of work (threads split N on these boundaries).
 constexpr int64_t kUnitRows = cpu::kPackRows;
@@ -115,8 +119,6 @@ const float* input_row(const MatmulInput& in, int64_t m, int64_t cols, float* sc
   for (int64_t i = 0; i < cols; ++i) scratch[i] = x[i] * scale * in.rms_weight[i];
   return scratch;
 }
-
-float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 class CpuBackend final : public Backend {
  public:
@@ -200,17 +202,17 @@ class CpuBackend final : public Backend {
       // outputs it just wrote, while they are still in its cache.
       quantize_input(in, gate.cols());
       const int64_t units = row_units(ff);
+      const int64_t chunk = std::max<int64_t>(1, units / (n_threads_ * kChunksPerThread));
+      const int64_t n_chunks = (units + chunk - 1) / chunk;
 #pragma omp parallel num_threads(n_threads_)
       {
-        const Range r = share(units, omp_get_thread_num(), omp_get_num_threads());
-        const int64_t n0 = r.begin * kUnitRows, n1 = std::min(ff, r.end * kUnitRows);
-        if (n0 < n1) {
-          const cpu::QuantizedActs xq = acts();
+        const cpu::QuantizedActs xq = acts();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < n_chunks; ++c) {
+          const int64_t n0 = c * chunk * kUnitRows, n1 = std::min(ff, (c + 1) * chunk * kUnitRows);
           gemm_int8_rows(gate, n0, n1, xq, n, out);
           gemm_int8_rows(up, n0, n1, xq, n, up_y);
-          for (int64_t m = 0; m < n; ++m) {
-            for (int64_t j = n0; j < n1; ++j) out[m * ff + j] = silu(out[m * ff + j]) * up_y[m * ff + j];
-          }
+          for (int64_t m = 0; m < n; ++m) cpu::silu_mul(out + m * ff + n0, up_y + m * ff + n0, n1 - n0);
         }
       }
       return;
@@ -218,8 +220,11 @@ class CpuBackend final : public Backend {
     const PreparedWeight* weights[] = {&gate, &up};
     float* const ys[] = {out, up_y};
     matmul_many(weights, in, ys);
-#pragma omp parallel for num_threads(n_threads_) schedule(static)
-    for (int64_t i = 0; i < n * ff; ++i) out[i] = silu(out[i]) * up_y[i];
+#pragma omp parallel num_threads(n_threads_)
+    {
+      const Range r = share(n * ff, omp_get_thread_num(), omp_get_num_threads());
+      cpu::silu_mul(out + r.begin, up_y + r.begin, r.end - r.begin);
+    }
   }
 
  private:
@@ -299,22 +304,30 @@ class CpuBackend final : public Backend {
   }
 
   // Products of the quantized input with several weights in one parallel region: the 8-row
-  // kernel units of all the weights are numbered in sequence and split evenly over the threads.
+  // kernel units of all the weights are numbered in sequence and handed out in chunks, a chunk
+  // to whichever thread is free (cores of a shared machine do not run at one speed; an even
+  // split leaves the faster one waiting at the end). Each output is computed by one thread
+  // whichever it is, in the same order.
   void matmul_int8(std::span<const CpuWeight* const> weights, std::span<float* const> ys, int64_t n_tokens) {
     int64_t total_units = 0;
     for (const CpuWeight* w : weights) total_units += row_units(w->rows());
+    const int64_t chunk = std::max<int64_t>(1, total_units / (n_threads_ * kChunksPerThread));
+    const int64_t n_chunks = (total_units + chunk - 1) / chunk;
 #pragma omp parallel num_threads(n_threads_)
     {
-      const Range r = share(total_units, omp_get_thread_num(), omp_get_num_threads());
       const cpu::QuantizedActs xq = acts();
-      int64_t first_unit = 0;  // of the current weight, in the joint numbering
-      for (size_t i = 0; i < weights.size(); ++i) {
-        const CpuWeight& w = *weights[i];
-        const int64_t units = row_units(w.rows());
-        const int64_t u0 = std::max(r.begin, first_unit) - first_unit;
-        const int64_t u1 = std::min(r.end, first_unit + units) - first_unit;
-        if (u0 < u1) gemm_int8_rows(w, u0 * kUnitRows, std::min(w.rows(), u1 * kUnitRows), xq, n_tokens, ys[i]);
-        first_unit += units;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        const Range r{c * chunk, std::min(total_units, (c + 1) * chunk)};
+        int64_t first_unit = 0;  // of the current weight, in the joint numbering
+        for (size_t i = 0; i < weights.size() && first_unit < r.end; ++i) {
+          const CpuWeight& w = *weights[i];
+          const int64_t units = row_units(w.rows());
+          const int64_t u0 = std::max(r.begin, first_unit) - first_unit;
+          const int64_t u1 = std::min(r.end, first_unit + units) - first_unit;
+          if (u0 < u1) gemm_int8_rows(w, u0 * kUnitRows, std::min(w.rows(), u1 * kUnitRows), xq, n_tokens, ys[i]);
+          first_unit += units;
+        }
       }
     }
   }

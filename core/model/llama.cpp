@@ -144,6 +144,8 @@ struct LlamaModel::Scratch {
   std::vector<float> x, xn, q, k, v, attn, gate;
   std::vector<float> rope_cos, rope_sin;  // [tokens][n_rot / 2]
   cpu::AttentionScratch attention;
+  std::vector<cpu::AttentionJob> attention_jobs;  // attention()'s lists, reused
+  std::vector<cpu::KvLayer> attention_prefixes;
 };
 
 LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend) : hp_(LlamaHparams::from_gguf(gguf)), backend_(backend) {
@@ -333,33 +335,39 @@ void LlamaModel::rotate_heads(float* vec, int n_heads, const float* cos, const f
   }
 }
 
-// Causal attention of one sequence's queries over its cache: query i sees the cached tokens up
-// to and including itself. Query heads share KV heads in groups (GQA) by index, without copying
-// K/V. The asynchronized softmax's maxima live in the sequence's cache.
-void LlamaModel::attention(int layer, const Rows& r) {
+// Causal attention of every sequence's queries over its own cache, in one batch: query i sees
+// the cached tokens up to and including itself. Query heads share KV heads in groups (GQA) by
+// index, without copying K/V. The asynchronized softmax's maxima live in each sequence's cache.
+void LlamaModel::attention(int layer, std::span<const Rows> rows) {
   const cpu::AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim};
-  KvCache& cache = *r.cache;
   const auto layer_of = [layer](const KvCache& c, const cpu::KvLayer* prefix) {
     const std::span<const int64_t> positions = c.positions();
     return cpu::KvLayer{c.key(layer, 0),         c.value(layer, 0), c.row_width(),
                         c.type() == KvType::kF16, positions.data(),  static_cast<int>(positions.size()),
                         prefix};
   };
-  // A shared prompt segment (batch samples) is read first, from its own memory.
-  cpu::KvLayer prefix;
-  if (cache.prefix() != nullptr) prefix = layer_of(*cache.prefix(), nullptr);
-  const cpu::KvLayer kv = layer_of(cache, cache.prefix() != nullptr ? &prefix : nullptr);
-  float* phi = nullptr;
-  if (async_softmax_) {
-    std::vector<float>& state = cache.softmax_phi();
-    const size_t per_layer = static_cast<size_t>(hp_.n_head);
-    if (state.size() != static_cast<size_t>(hp_.n_layer) * per_layer) state.assign(hp_.n_layer * per_layer, NAN);
-    phi = &state[static_cast<size_t>(layer) * per_layer];
-  }
+  // A shared prompt segment (batch samples) is read first, from its own memory. Sized before
+  // filling: jobs point into it.
+  std::vector<cpu::KvLayer>& prefixes = scratch_->attention_prefixes;
+  std::vector<cpu::AttentionJob>& jobs = scratch_->attention_jobs;
+  prefixes.assign(rows.size(), cpu::KvLayer{});
+  jobs.clear();
   const size_t q_dim = static_cast<size_t>(hp_.n_head) * hp_.head_dim;
-  const size_t at = static_cast<size_t>(r.row0) * q_dim;
-  cpu::attention_causal(shape, scratch_->q.data() + at, kv, r.pos0, static_cast<int>(r.tokens.size()),
-                        scratch_->attn.data() + at, scratch_->attention, omp_get_max_threads(), phi);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    KvCache& cache = *rows[i].cache;
+    if (cache.prefix() != nullptr) prefixes[i] = layer_of(*cache.prefix(), nullptr);
+    float* phi = nullptr;
+    if (async_softmax_) {
+      std::vector<float>& state = cache.softmax_phi();
+      const size_t per_layer = static_cast<size_t>(hp_.n_head);
+      if (state.size() != static_cast<size_t>(hp_.n_layer) * per_layer) state.assign(hp_.n_layer * per_layer, NAN);
+      phi = &state[static_cast<size_t>(layer) * per_layer];
+    }
+    const size_t at = static_cast<size_t>(rows[i].row0) * q_dim;
+    jobs.push_back({scratch_->q.data() + at, layer_of(cache, cache.prefix() != nullptr ? &prefixes[i] : nullptr),
+                    rows[i].pos0, static_cast<int>(rows[i].tokens.size()), scratch_->attn.data() + at, phi});
+  }
+  cpu::attention_batch(shape, jobs, scratch_->attention, omp_get_max_threads());
 }
 
 void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
@@ -386,7 +394,7 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
         store_kv(*r.cache, il, r.first_slot + t, &s.k[i * kv_dim], &s.v[i * kv_dim]);
       }
     }
-    for (const Rows& r : rows) attention(il, r);
+    attention(il, rows);
     backend_.matmul(*L.wo, s.attn.data(), n, s.xn.data());
     for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) s.x[i] += s.xn[i];
 

@@ -103,7 +103,7 @@ class LlamaModel {
   void project_logits(int row, int n, float* logits);
   void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits);
   void embed(std::span<const int32_t> tokens, float* out) const;
-  void attention(int layer, const Rows& rows);
+  void attention(int layer, std::span<const Rows> rows);
   // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0...
   void rope_angles(int row0, int64_t pos0, int n_tokens);
   void apply_rope(float* vec, int n_heads, int row) const;
