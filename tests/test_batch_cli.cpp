@@ -10,10 +10,10 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -179,12 +179,17 @@ TEST(BatchCli, KilledRunResumesAndLosesNothing) {
   EXPECT_EQ(texts_by_id(recs), texts_by_id(records(work_dir() + "/resume_clean.out")));
 }
 
-// "KV cache peak A MiB (B MiB without sharing prompts)" from the summary.
+// "KV cache peak A MiB (B MiB without sharing prompts)" from the summary; {-1, -1} when absent.
+// (sscanf, not std::regex: GCC 12 reports false maybe-uninitialized errors inside <regex> under
+// the sanitizer build.)
 std::pair<double, double> kv_peaks(const std::string& err) {
-  static const std::regex pattern(R"(KV cache peak ([0-9.]+) MiB \(([0-9.]+) MiB without sharing prompts\))");
-  std::smatch m;
-  if (!std::regex_search(err, m, pattern)) return {-1, -1};
-  return {std::stod(m[1]), std::stod(m[2])};
+  const size_t at = err.find("KV cache peak ");
+  double held = -1, would_hold = -1;
+  if (at == std::string::npos ||
+      std::sscanf(err.c_str() + at, "KV cache peak %lf MiB (%lf MiB without sharing prompts)", &held, &would_hold) != 2) {
+    return {-1, -1};
+  }
+  return {held, would_hold};
 }
 
 std::map<int, std::string> texts_by_sample(const std::vector<json>& recs) {
