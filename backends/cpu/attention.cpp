@@ -230,22 +230,8 @@ struct UnitBuffers {
   float* vbuf;    // [kKeyBlock][hd]
 };
 
-// Slots [j0, j0 + nb) of one KV head as fp32 rows: in place (fp32 cache, `ld` apart) or
-// converted into `buf` (hd apart).
-const float* head_block(const void* base, const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* buf,
-                        int64_t* ld) {
-  const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
-  if (!kv.f16) {
-    *ld = kv.row_stride;
-    return static_cast<const float*>(base) + offset;
-  }
-  HWY_DYNAMIC_DISPATCH(F16RowsToF32)(static_cast<const uint16_t*>(base) + offset, kv.row_stride, nb, hd, buf);
-  *ld = hd;
-  return buf;
-}
-
 // Slots [j0, j0 + nb) of one KV head as fp32 rows written into `buf` (hd apart), whatever the
-// cache's type: a block whose slots come from two runs is gathered piece by piece.
+// cache's type (a block whose slots come from two runs is gathered piece by piece).
 void gather_block(const void* base, const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* buf) {
   const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
   if (kv.f16) {
@@ -253,6 +239,19 @@ void gather_block(const void* base, const KvLayer& kv, int kv_head, int hd, int 
     return;
   }
   for (int j = 0; j < nb; ++j) std::copy_n(static_cast<const float*>(base) + offset + j * kv.row_stride, hd, buf + j * hd);
+}
+
+// Slots [j0, j0 + nb) of one KV head as fp32 rows: in place (fp32 cache, `ld` apart) or
+// converted into `buf` (hd apart).
+const float* head_block(const void* base, const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* buf,
+                        int64_t* ld) {
+  if (!kv.f16) {
+    *ld = kv.row_stride;
+    return static_cast<const float*>(base) + j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
+  }
+  gather_block(base, kv, kv_head, hd, j0, nb, buf);
+  *ld = hd;
+  return buf;
 }
 
 // Runs one unit: gathers its query rows (pre-scaled by 1/sqrt(d)), then meets the slots a block
@@ -491,32 +490,28 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
   const int rows_max = tokens_per_tile * group;
   const size_t state_floats = static_cast<size_t>(rows_max) * (2 + hd);
 
-  // Every job's units in one numbering; split units' partial states in one buffer.
+  // Every job's units in one numbering (job_of_unit: the job of each); split units' partial
+  // states in one buffer.
   std::vector<AttentionPlan>& plans = scratch.plans;
   plans.resize(jobs.size());
-  int n_units = 0;
+  std::vector<int>& job_of_unit = scratch.job_of_unit;
+  job_of_unit.clear();
   size_t n_split_units = 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
     plans[i] = plan_job(sh, jobs[i], tokens_per_tile, n_threads);
-    plans[i].first_unit = n_units;
+    plans[i].first_unit = static_cast<int>(job_of_unit.size());
     plans[i].first_partial = n_split_units;
     const int units = sh.n_head_kv * plans[i].token_tiles * plans[i].splits;
-    n_units += units;
+    job_of_unit.insert(job_of_unit.end(), static_cast<size_t>(units), static_cast<int>(i));
     if (plans[i].splits > 1) n_split_units += static_cast<size_t>(units);
   }
+  const int n_units = static_cast<int>(job_of_unit.size());
   // Buffers are sized before the parallel region: growing them inside would race.
   float* partials = n_split_units > 0 ? scratch.partials(n_split_units * (state_floats + rows_max)) : nullptr;
   float* unit_max = partials != nullptr ? partials + n_split_units * state_floats : nullptr;  // [units][rows]
   const size_t thread_floats =
       static_cast<size_t>(rows_max) * (hd + kKeyBlock + 1) + 2 * static_cast<size_t>(kKeyBlock) * hd + state_floats;
   for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats);
-  // Which job a unit belongs to: the last whose first unit is at most it.
-  std::vector<int>& job_of_unit = scratch.job_of_unit;
-  job_of_unit.resize(static_cast<size_t>(n_units));
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    const int units = sh.n_head_kv * plans[i].token_tiles * plans[i].splits;
-    std::fill_n(job_of_unit.begin() + plans[i].first_unit, units, static_cast<int>(i));
-  }
 
   const auto state_at = [&](float* base) { return TileState{base, base + rows_max, base + 2 * rows_max}; };
   // Unit `index` of its job: KV head, token tile and key split.
