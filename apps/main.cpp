@@ -6,6 +6,7 @@
 #include "apps/batch_command.h"
 #include "apps/bench_command.h"
 #include "apps/chat_command.h"
+#include "apps/devices_command.h"
 #include "apps/perplexity_command.h"
 #include "apps/quantize_command.h"
 #include "apps/run_command.h"
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   ringlm::add_perplexity_command(app);
   ringlm::add_quantize_command(app);
   ringlm::add_tune_command(app);
+  ringlm::add_devices_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -19,6 +19,8 @@ if [ "${RINGLM_SKIP_SANITIZERS:-0}" != "1" ]; then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer build: tests" >&2
   cmake -S . -B "$ASAN_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRINGLM_SANITIZE=ON >/dev/null
   cmake --build "$ASAN_BUILD_DIR" -j"$jobs"
+  # LeakSanitizer ignores only what PoCL's in-process LLVM compiler leaves behind (tests/lsan_suppressions.txt).
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    LSAN_OPTIONS="suppressions=$PWD/tests/lsan_suppressions.txt" \
     ctest --test-dir "$ASAN_BUILD_DIR" --output-on-failure -j"$jobs"
 fi

@@ -1,0 +1,182 @@
+/* The C ABI between ringlm and a backend plugin (a shared library loaded at run time).
+ *
+ * A plugin exports one function, RINGLM_PLUGIN_ENTRY ("ringlm_plugin_entry"), that returns a
+ * pointer to a static, immutable table (ringlm_plugin). ringlm refuses a table whose
+ * abi_version differs from the one it was built with, or whose struct_size is smaller than
+ * its own: any change to a struct or a function signature here bumps RINGLM_PLUGIN_ABI_VERSION.
+ *
+ * Plain C, fixed-size types, no exceptions across the boundary: every call that can fail
+ * returns RINGLM_OK (0) or an error code, and the plugin keeps a human-readable reason for the
+ * last failure of the calling thread (last_error), which ringlm shows to the user as is.
+ *
+ * Data formats are GGUF's: weight blocks are GGML's Q4_0 / Q4_1 / Q8_0 layouts (quant/formats.h
+ * documents them), activations are fp32, KV cache rows fp16 or fp32. Every op is ordered after
+ * the ops and uploads issued before it on the same context; download waits for them.
+ */
+#ifndef RINGLM_BACKENDS_PLUGIN_API_H
+#define RINGLM_BACKENDS_PLUGIN_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RINGLM_PLUGIN_ABI_VERSION 1u
+#define RINGLM_PLUGIN_ENTRY "ringlm_plugin_entry"
+
+enum ringlm_status {
+  RINGLM_OK = 0,
+  RINGLM_ERROR = 1,               /* see last_error */
+  RINGLM_ERROR_UNSUPPORTED = 2,   /* the op, shape or format is not one supports() accepts */
+  RINGLM_ERROR_OUT_OF_MEMORY = 3,
+  RINGLM_ERROR_INVALID_ARGUMENT = 4,
+};
+
+/* GGUF tensor type ids of the formats the ABI can name. */
+enum ringlm_format {
+  RINGLM_FORMAT_F32 = 0,
+  RINGLM_FORMAT_F16 = 1,
+  RINGLM_FORMAT_Q4_0 = 2,
+  RINGLM_FORMAT_Q4_1 = 3,
+  RINGLM_FORMAT_Q8_0 = 8,
+};
+
+enum ringlm_device_type {
+  RINGLM_DEVICE_CPU = 0,
+  RINGLM_DEVICE_GPU = 1,
+  RINGLM_DEVICE_ACCELERATOR = 2,
+  RINGLM_DEVICE_OTHER = 3,
+};
+
+typedef struct ringlm_device_info {
+  char name[128];
+  char version[128];       /* e.g. the OpenCL version and driver */
+  uint32_t type;           /* ringlm_device_type */
+  uint32_t compute_units;
+  uint64_t memory_bytes;   /* global memory */
+} ringlm_device_info;
+
+enum ringlm_op {
+  RINGLM_OP_MATMUL = 1,      /* y = x · Wᵀ, W quantized */
+  RINGLM_OP_ATTENTION = 2,   /* causal attention over a slot cache */
+  RINGLM_OP_ROPE_SHIFT = 3,  /* re-rotation of cached keys (StreamingLLM shift-RoPE) */
+};
+
+/* What supports() is asked about; fields an op does not use are 0. */
+typedef struct ringlm_op_desc {
+  uint32_t op;             /* ringlm_op */
+  uint32_t weight_format;  /* MATMUL: ringlm_format of W */
+  uint32_t kv_format;      /* ATTENTION, ROPE_SHIFT: RINGLM_FORMAT_F16 or _F32 */
+  int64_t m, n, k;         /* MATMUL: rows of x, rows of W, columns of both */
+  int32_t n_head, n_head_kv, head_dim, n_rot;
+} ringlm_op_desc;
+
+typedef struct ringlm_context ringlm_context; /* an opened device */
+typedef struct ringlm_buffer ringlm_buffer;   /* device memory */
+
+typedef struct ringlm_open_options {
+  uint32_t struct_size;
+  const char* cache_dir; /* where compiled device programs may be kept; NULL: no disk cache */
+  int verbose;           /* nonzero: build logs and timings on stderr */
+} ringlm_open_options;
+
+/* y[i][j] = sum_c x[i][c] * W[j][c] for i < m, j < n, c < k: x is [m][k] fp32 at x_offset
+ * bytes into x, y is [m][n] fp32, W is n rows of k weights in weight_format's blocks. */
+typedef struct ringlm_matmul_args {
+  const ringlm_buffer* weight;
+  uint32_t weight_format;
+  int64_t n, k;
+  const ringlm_buffer* x;
+  size_t x_offset;
+  ringlm_buffer* y;
+  size_t y_offset;
+  int64_t m;
+} ringlm_matmul_args;
+
+/* out[i][h] = softmax(q[i][h] · K_visibleᵀ · scale) · V_visible for the n_tokens queries, query i
+ * at position q_pos0 + i; it sees the slots j < n_slots with 0 <= positions[j] <= q_pos0 + i
+ * (an empty slot has position -1; slots may be in any order, as in a ring). Query head h reads
+ * KV head h / (n_head / n_head_kv). q and out are [n_tokens][n_head * head_dim] fp32. Slot j's
+ * KV head g starts at element j * row_stride + g * head_dim of keys (values), from the byte
+ * offsets given, in kv_format. positions is int32 [n_slots]. */
+typedef struct ringlm_attention_args {
+  const ringlm_buffer* q;
+  size_t q_offset;
+  ringlm_buffer* out;
+  size_t out_offset;
+  const ringlm_buffer* keys;
+  size_t keys_offset;
+  const ringlm_buffer* values;
+  size_t values_offset;
+  uint32_t kv_format;
+  int64_t row_stride;
+  const ringlm_buffer* positions;
+  int32_t n_slots;
+  int32_t n_tokens;
+  int64_t q_pos0;
+  int32_t n_head, n_head_kv, head_dim;
+  float scale;
+} ringlm_attention_args;
+
+/* Rotates the keys of `n_moved` slots (int32 slot indices in `slots`) in each of n_layer
+ * layers by the angles whose cosines and sines are cos_sin[0 .. n_rot/2) and
+ * cos_sin[n_rot/2 .. n_rot) (fp32, computed by the host), pair i of every KV head being
+ * (x[2i], x[2i+1]) when adjacent_pairs, else (x[i], x[i + n_rot/2]):
+ *   x_a' = x_a cos - x_b sin,  x_b' = x_a sin + x_b cos.
+ * Layer l's slot j row starts at byte keys_offset + l * layer_stride_bytes + j * row_stride
+ * elements of kv_format. */
+typedef struct ringlm_rope_shift_args {
+  ringlm_buffer* keys;
+  size_t keys_offset;
+  size_t layer_stride_bytes;
+  int32_t n_layer;
+  uint32_t kv_format;
+  int64_t row_stride;
+  const ringlm_buffer* slots;
+  int32_t n_moved;
+  int32_t n_head_kv, head_dim, n_rot;
+  int32_t adjacent_pairs;
+  const ringlm_buffer* cos_sin;
+} ringlm_rope_shift_args;
+
+typedef struct ringlm_plugin {
+  uint32_t abi_version; /* RINGLM_PLUGIN_ABI_VERSION */
+  uint32_t struct_size; /* sizeof(ringlm_plugin) */
+  const char* name;     /* what --device names it by, e.g. "opencl" */
+  const char* description;
+
+  /* Why the last failed call on this thread failed (never NULL; "" when none did). ctx may be
+   * NULL for the calls that take none. */
+  const char* (*last_error)(const ringlm_context* ctx);
+
+  /* Devices: count (-1 on error, e.g. no driver), and the description of one. */
+  int32_t (*device_count)(void);
+  int32_t (*device_info)(int32_t index, ringlm_device_info* out);
+
+  /* Opens device `index` (builds its programs); NULL on failure, with last_error(NULL). */
+  ringlm_context* (*open)(int32_t index, const ringlm_open_options* options);
+  void (*close)(ringlm_context* ctx);
+
+  /* Buffers. alloc returns NULL on failure; upload and download are synchronous. */
+  ringlm_buffer* (*alloc)(ringlm_context* ctx, size_t bytes);
+  void (*free)(ringlm_context* ctx, ringlm_buffer* buffer);
+  int32_t (*upload)(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes);
+  int32_t (*download)(ringlm_context* ctx, const ringlm_buffer* src, size_t offset, void* dst, size_t bytes);
+
+  /* Nonzero when the op can run with these shapes and formats on this device. */
+  int32_t (*supports)(const ringlm_context* ctx, const ringlm_op_desc* desc);
+
+  int32_t (*matmul)(ringlm_context* ctx, const ringlm_matmul_args* args);
+  int32_t (*attention)(ringlm_context* ctx, const ringlm_attention_args* args);
+  int32_t (*rope_shift)(ringlm_context* ctx, const ringlm_rope_shift_args* args);
+} ringlm_plugin;
+
+typedef const ringlm_plugin* (*ringlm_plugin_entry_fn)(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RINGLM_BACKENDS_PLUGIN_API_H */

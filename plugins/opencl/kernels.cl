@@ -1,0 +1,305 @@
+// The kernels of ringlm's OpenCL plugin: flat GEMM on quantized weights, causal attention over a
+// ring of KV slots, and the shift-RoPE re-rotation of cached keys.
+//
+// OpenCL C 1.2 and nothing optional: fp16 data is read and written with vload_half /
+// vstore_half_rte (core in 1.2), never as `half` arithmetic, so every OpenCL 1.2 device runs it.
+// Quantized weights are GGML's packed blocks (18, 20 and 34 bytes: see quant/formats.h), read as
+// bytes, never as structs whose alignment the device compiler could choose.
+//
+// The host (opencl_plugin.cpp) checks every shape and offset before launching; the kernels only
+// guard the edges of their own grids.
+
+// No fused multiply-adds behind our back: the rotation and the roundings then match the CPU's
+// float arithmetic as closely as the operation order allows.
+#pragma OPENCL FP_CONTRACT OFF
+
+// The helpers below are plain functions, not `inline`: OpenCL C follows C99, where an inline
+// function that the compiler decides not to inline has no definition to link against.
+
+// ringlm_format ids (plugin_api.h).
+#define FMT_F32 0
+#define FMT_F16 1
+#define FMT_Q4_0 2
+#define FMT_Q4_1 3
+#define FMT_Q8_0 8
+
+#define BLOCK 32       // weights per quantized block; F32 and F16 rows are read in runs of 32 as well
+#define MAX_M 16       // rows of x one matmul call takes (supports() says so; the host splits more)
+#define HD_PER_ITEM 4  // head dimensions each attention work-item accumulates: head_dim <= 4 * group size
+
+// --- Small helpers ----------------------------------------------------------------------------
+
+float sum16(const float16 v) {
+  const float8 a = v.lo + v.hi;
+  const float4 b = a.lo + a.hi;
+  const float2 c = b.lo + b.hi;
+  return c.x + c.y;
+}
+
+// --- Matmul -----------------------------------------------------------------------------------
+
+// 32 consecutive weights of a row: w[i] = scale * (i < 16 ? lo[i] : hi[i - 16]). For Q4_0 and
+// Q8_0, lo/hi hold the integers and the block's scale multiplies their dot product once; for the
+// other formats they hold the weights themselves and scale is 1.
+typedef struct {
+  float16 lo;
+  float16 hi;
+  float scale;
+} WeightBlock;
+
+WeightBlock load_block(const int format, __global const uchar* p) {
+  WeightBlock b;
+  b.scale = 1.0f;
+  if (format == FMT_Q4_0) {  // {fp16 d; 16 bytes: low nibbles = elements 0..15, high = 16..31}, w = d (q - 8)
+    const uchar16 q = vload16(0, p + 2);
+    b.lo = convert_float16(q & (uchar16)0x0F) - 8.0f;
+    b.hi = convert_float16(q >> (uchar16)4) - 8.0f;
+    b.scale = vload_half(0, (__global const half*)p);
+  } else if (format == FMT_Q4_1) {  // {fp16 d; fp16 m; nibbles as Q4_0}, w = d q + m
+    const float d = vload_half(0, (__global const half*)p);
+    const float m = vload_half(1, (__global const half*)p);
+    const uchar16 q = vload16(0, p + 4);
+    b.lo = d * convert_float16(q & (uchar16)0x0F) + m;
+    b.hi = d * convert_float16(q >> (uchar16)4) + m;
+  } else if (format == FMT_Q8_0) {  // {fp16 d; int8 q[32]}, w = d q
+    __global const char* q = (__global const char*)(p + 2);
+    b.lo = convert_float16(vload16(0, q));
+    b.hi = convert_float16(vload16(1, q));
+    b.scale = vload_half(0, (__global const half*)p);
+  } else if (format == FMT_F16) {
+    b.lo = vload_half16(0, (__global const half*)p);
+    b.hi = vload_half16(1, (__global const half*)p);
+  } else {  // FMT_F32
+    b.lo = vload16(0, (__global const float*)p);
+    b.hi = vload16(1, (__global const float*)p);
+  }
+  return b;
+}
+
+// y[m][n] = sum_c x[m][c] W[n][c] for m < M (<= MAX_M), n < N, c < K (a multiple of 32): a flat
+// GEMM, the shape of decode (M = 1) and of small batches, in the spirit of FlashDecoding++.
+//
+// A work-group takes get_local_size(1) weight rows; each row is shared by get_local_size(0)
+// lanes that take its blocks in turn (lane l: blocks l, l + lanes, ...), so the row's bytes are
+// read side by side. Every row of the group multiplies the same x, so x goes through local
+// memory one chunk of `kc` columns (all M rows) at a time: global memory serves it once per group,
+// not once per weight row. Each work-item keeps M sums (the M rows of x against its blocks); the
+// lanes' sums of a row are added in lane order at the end.
+//
+// M is the same for every work-item, so the `m < M` tests below never diverge: a call with M = 1
+// does one row of work, not MAX_M.
+//
+// `lm` (local) holds max(M * kc, group size * MAX_M) floats: the x chunk, then the lanes' sums.
+void matmul_flat(const int format, const int block_bytes, __global const uchar* W, const int N, const int K,
+                 __global const float* x, const int M, __global float* y, const int kc, __local float* lm) {
+  const int lane = get_local_id(0), lanes = get_local_size(0);
+  const int row = get_local_id(1);
+  const int tid = row * lanes + lane, group_size = lanes * get_local_size(1);
+  const int n = get_global_id(1);
+  const bool active = n < N;  // the last group may run past N: its extra rows still load x
+  __global const uchar* w_row = W + (ulong)(active ? n : 0) * (ulong)(K / BLOCK) * (ulong)block_bytes;
+
+  float acc[MAX_M];
+  for (int m = 0; m < MAX_M; ++m) acc[m] = 0.0f;
+
+  for (int k0 = 0; k0 < K; k0 += kc) {
+    const int len = min(kc, K - k0);
+    barrier(CLK_LOCAL_MEM_FENCE);  // every work-item is done with the previous chunk
+    for (int i = tid; i < M * len; i += group_size) {
+      const int m = i / len, c = i - m * len;
+      lm[m * kc + c] = x[(ulong)m * K + k0 + c];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!active) continue;
+    for (int b = lane; b < len / BLOCK; b += lanes) {
+      const WeightBlock w = load_block(format, w_row + (ulong)(k0 / BLOCK + b) * block_bytes);
+#pragma unroll
+      for (int m = 0; m < MAX_M; ++m) {
+        if (m < M) {
+          __local const float* xr = lm + m * kc + b * BLOCK;
+          acc[m] += w.scale * (sum16(w.lo * vload16(0, xr)) + sum16(w.hi * vload16(1, xr)));
+        }
+      }
+    }
+  }
+
+  // The lanes' partial sums, through the (now free) x chunk: lm[(row * MAX_M + m) * lanes + lane].
+  barrier(CLK_LOCAL_MEM_FENCE);
+#pragma unroll
+  for (int m = 0; m < MAX_M; ++m) {
+    if (m < M) lm[(row * MAX_M + m) * lanes + lane] = acc[m];
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (!active) return;
+  for (int m = lane; m < M; m += lanes) {
+    __local const float* partial = lm + (row * MAX_M + m) * lanes;
+    float sum = 0.0f;
+    for (int l = 0; l < lanes; ++l) sum += partial[l];
+    y[(ulong)m * N + n] = sum;
+  }
+}
+
+// One kernel per weight format; x_off and y_off are in floats.
+#define MATMUL_KERNEL(name, format, block_bytes)                                                                    \
+  __kernel void name(__global const uchar* W, const int N, const int K, __global const float* x, const ulong x_off, \
+                     const int M, __global float* y, const ulong y_off, const int kc, __local float* lm) {          \
+    matmul_flat(format, block_bytes, W, N, K, x + x_off, M, y + y_off, kc, lm);                                     \
+  }
+
+MATMUL_KERNEL(matmul_q4_0, FMT_Q4_0, 18)
+MATMUL_KERNEL(matmul_q4_1, FMT_Q4_1, 20)
+MATMUL_KERNEL(matmul_q8_0, FMT_Q8_0, 34)
+MATMUL_KERNEL(matmul_f16, FMT_F16, 64)
+MATMUL_KERNEL(matmul_f32, FMT_F32, 128)
+
+// --- Attention --------------------------------------------------------------------------------
+
+// KV cache elements, fp16 or fp32, as floats.
+float load_kv(const int f16, __global const void* base, const ulong i) {
+  return f16 ? vload_half(0, (__global const half*)base + i) : ((__global const float*)base)[i];
+}
+float4 load_kv4(const int f16, __global const void* base, const ulong i) {
+  return f16 ? vload_half4(0, (__global const half*)base + i) : vload4(0, (__global const float*)base + i);
+}
+
+// out[i][h] = softmax(q[i][h] · K_visibleᵀ · scale) · V_visible for query token i =
+// get_group_id(1) at position q_pos0 + i and query head h = get_group_id(0), which reads KV head
+// h / (n_head / n_head_kv). Slot j is visible when 0 <= positions[j] <= q_pos0 + i; the slots
+// may be in any order (a ring), and a decode step and a prefill chunk are the same kernel.
+//
+// The keys are met a block of B = get_local_size(0) slots at a time, with the online softmax of
+// FlashAttention: a running max, by which the output sums and the denominator are rescaled
+// whenever a block raises it, so that local memory holds one block of scores whatever n_slots
+// is. Work-item t scores slot j0 + t of the block (ls); for the value side the work-items switch
+// roles: work-item t owns output dimensions t, t + B, ... (HD_PER_ITEM of them at most) and adds
+// up the block's weighted values (lp), reading value rows side by side. The value side reads
+// every probability of the block anyway, so each work-item also keeps the denominator, and the
+// block max is a scan of ls by each work-item: the same numbers in the same order everywhere,
+// and no reduction tree (with its barrier per step) at all.
+//
+// Masked slots are skipped, not multiplied by zero, so an empty slot's garbage (even NaN) never
+// reaches the output. A query that sees no slot at all gets zeros.
+//
+// Local memory: lq (head_dim floats, the query row), ls and lp (B floats each).
+void attention_one(const int f16, __global const float* q, __global float* out, __global const void* keys,
+                   __global const void* values, const long row_stride, __global const int* positions, const int n_slots,
+                   const long q_pos0, const int n_head, const int n_head_kv, const int head_dim, const float scale,
+                   __local float* lq, __local float* ls, __local float* lp) {
+  const int h = get_group_id(0), i = get_group_id(1);
+  const int tid = get_local_id(0), B = get_local_size(0);
+  const int g = h / (n_head / n_head_kv);
+  const long pos = q_pos0 + i;
+  const ulong q_row = ((ulong)i * n_head + h) * head_dim;
+  const ulong kv_col = (ulong)g * head_dim;
+
+  for (int d = tid; d < head_dim; d += B) lq[d] = q[q_row + d];
+  barrier(CLK_LOCAL_MEM_FENCE);
+
+  // Relative to m_run, the largest visible score so far (every work-item holds the same m_run and l).
+  float m_run = -INFINITY;
+  float l = 0.0f;          // the softmax denominator
+  float acc[HD_PER_ITEM];  // output dimensions tid + t B
+  for (int t = 0; t < HD_PER_ITEM; ++t) acc[t] = 0.0f;
+
+  for (int j0 = 0; j0 < n_slots; j0 += B) {
+    const int n_block = min(B, n_slots - j0);
+    // Score of slot j0 + tid; -inf when the slot is past n_slots, empty or in this query's
+    // future. (The previous block's readers of ls finished before its second barrier.)
+    const int j = j0 + tid;
+    float s = -INFINITY;
+    if (j < n_slots) {
+      const int p = positions[j];
+      if (p >= 0 && p <= pos) {
+        const ulong k_row = (ulong)j * row_stride + kv_col;
+        float dot_qk = 0.0f;
+        for (int c = 0; c < head_dim; c += 4) dot_qk += dot(vload4(0, lq + c), load_kv4(f16, keys, k_row + c));
+        s = dot_qk * scale;
+      }
+    }
+    ls[tid] = s;
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    float block_max = -INFINITY;
+    for (int jj = 0; jj < n_block; ++jj) block_max = fmax(block_max, ls[jj]);
+    const bool any_visible = block_max != -INFINITY;  // the same in every work-item
+    const float m_new = fmax(m_run, block_max);
+    const float rescale = any_visible ? exp(m_run - m_new) : 1.0f;  // exp(-inf) = 0: nothing visible before
+    lp[tid] = s == -INFINITY ? 0.0f : exp(s - m_new);
+    m_run = m_new;
+    barrier(CLK_LOCAL_MEM_FENCE);  // lp written; and every scan of ls done before the next block writes it
+    if (!any_visible) continue;
+
+    l *= rescale;
+    for (int t = 0; t < HD_PER_ITEM; ++t) acc[t] *= rescale;
+    for (int jj = 0; jj < n_block; ++jj) {
+      const float pj = lp[jj];
+      if (pj == 0.0f) continue;  // masked (or underflowed): the same branch for every work-item
+      l += pj;
+      const ulong v_row = (ulong)(j0 + jj) * row_stride + kv_col;
+      for (int t = 0; t < HD_PER_ITEM; ++t) {
+        const int d = tid + t * B;
+        if (d < head_dim) acc[t] += pj * load_kv(f16, values, v_row + d);
+      }
+    }
+  }
+
+  for (int t = 0; t < HD_PER_ITEM; ++t) {
+    const int d = tid + t * B;
+    if (d < head_dim) out[q_row + d] = l > 0.0f ? acc[t] / l : 0.0f;
+  }
+}
+
+// q_off, out_off, k_off, v_off are in elements of their buffers' types.
+#define ATTENTION_KERNEL(name, f16, kv_type)                                                                           \
+  __kernel void name(__global const float* q, const ulong q_off, __global float* out, const ulong out_off,             \
+                     __global const kv_type* keys, const ulong k_off, __global const kv_type* values,                  \
+                     const ulong v_off, const long row_stride, __global const int* positions, const int n_slots,       \
+                     const long q_pos0, const int n_head, const int n_head_kv, const int head_dim, const float scale,  \
+                     __local float* lq, __local float* ls, __local float* lp) {                                        \
+    attention_one(f16, q + q_off, out + out_off, keys + k_off, values + v_off, row_stride, positions, n_slots, q_pos0, \
+                  n_head, n_head_kv, head_dim, scale, lq, ls, lp);                                                     \
+  }
+
+ATTENTION_KERNEL(attention_f32, 0, float)
+ATTENTION_KERNEL(attention_f16, 1, half)
+
+// --- Shift-RoPE -------------------------------------------------------------------------------
+
+// Rotates pair i = get_global_id(0) (< n_rot / 2) of KV head get_global_id(1) of slot
+// slots[z % n_moved] in layer z / n_moved, z = get_global_id(2), in place:
+//   x_a' = x_a cos - x_b sin,  x_b' = x_a sin + x_b cos,
+// the pair being (x[2i], x[2i+1]) when adjacent_pairs, else (x[i], x[i + n_rot/2]). fp16 keys
+// are rounded back to nearest even. keys_off and layer_stride are in elements.
+void rope_shift_one(const int f16, __global void* keys, const ulong layer_stride, const long row_stride,
+                    __global const int* slots, const int n_moved, const int head_dim, const int n_rot,
+                    const int adjacent_pairs, __global const float* cos_sin) {
+  const int i = get_global_id(0), head = get_global_id(1), z = get_global_id(2);
+  const int half_rot = n_rot / 2;
+  const ulong row =
+      (ulong)(z / n_moved) * layer_stride + (ulong)slots[z % n_moved] * row_stride + (ulong)head * head_dim;
+  const ulong a = row + (adjacent_pairs ? 2 * i : i);
+  const ulong b = row + (adjacent_pairs ? 2 * i + 1 : i + half_rot);
+  const float c = cos_sin[i], s = cos_sin[half_rot + i];
+  if (f16) {
+    __global half* k = (__global half*)keys;
+    const float xa = vload_half(a, k), xb = vload_half(b, k);
+    vstore_half_rte(xa * c - xb * s, a, k);
+    vstore_half_rte(xa * s + xb * c, b, k);
+  } else {
+    __global float* k = (__global float*)keys;
+    const float xa = k[a], xb = k[b];
+    k[a] = xa * c - xb * s;
+    k[b] = xa * s + xb * c;
+  }
+}
+
+#define ROPE_SHIFT_KERNEL(name, f16, kv_type)                                                                       \
+  __kernel void name(__global kv_type* keys, const ulong keys_off, const ulong layer_stride, const long row_stride, \
+                     __global const int* slots, const int n_moved, const int head_dim, const int n_rot,             \
+                     const int adjacent_pairs, __global const float* cos_sin) {                                     \
+    rope_shift_one(f16, keys + keys_off, layer_stride, row_stride, slots, n_moved, head_dim, n_rot, adjacent_pairs, \
+                   cos_sin);                                                                                        \
+  }
+
+ROPE_SHIFT_KERNEL(rope_shift_f32, 0, float)
+ROPE_SHIFT_KERNEL(rope_shift_f16, 1, half)

@@ -1,0 +1,714 @@
+// libringlm-opencl.so: the plugin table of backends/plugin_api.h on OpenCL 1.2 devices.
+//
+// One program (kernels.cl) per device and process, shared by every context opened on that device
+// and cached on disk (program_cache.h); each context has its own in-order queue and kernel
+// objects. Every entry point validates its arguments (buffers, offsets and sizes against the
+// buffers' sizes, shapes against supports()) before a CL call sees them, turns any failure into
+// a status and the thread's last error, and lets no C++ exception through.
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "backends/plugin_api.h"
+#include "plugins/opencl/cl_util.h"
+#include "plugins/opencl/kernel_source.h"  // kKernelSource, generated from kernels.cl
+#include "plugins/opencl/program_cache.h"
+
+namespace ringlm::opencl {
+namespace {
+
+constexpr char kBuildOptions[] = "-cl-std=CL1.2";
+
+// The kernels' compile-time constants (kernels.cl).
+constexpr int64_t kBlock = 32;      // BLOCK: matmul K is a multiple of it
+constexpr int64_t kMaxM = 16;       // MAX_M: rows of x per matmul call
+constexpr int kHeadDimPerItem = 4;  // HD_PER_ITEM: head_dim <= 4 * attention group size
+
+// Work-group caps: a group larger than this buys nothing for these kernels and costs occupancy.
+constexpr size_t kMaxGroup = 256;
+// The matmul's x chunk stays within this much local memory even where a device has more (a
+// CPU's "local memory" is its cache; a GPU's is shared by the groups resident on a core).
+constexpr size_t kMaxChunkBytes = 32 * 1024;
+
+enum KernelId {
+  kMatmulQ4_0,
+  kMatmulQ4_1,
+  kMatmulQ8_0,
+  kMatmulF16,
+  kMatmulF32,
+  kAttentionF32,
+  kAttentionF16,
+  kRopeShiftF32,
+  kRopeShiftF16,
+  kKernelCount
+};
+constexpr std::array<const char*, kKernelCount> kKernelNames = {
+    "matmul_q4_0",   "matmul_q4_1",   "matmul_q8_0",    "matmul_f16",     "matmul_f32",
+    "attention_f32", "attention_f16", "rope_shift_f32", "rope_shift_f16",
+};
+
+// --- The thread's last error ------------------------------------------------------------------
+
+thread_local std::string t_last_error;
+
+void set_last_error(const char* message) noexcept {
+  try {
+    t_last_error = message;
+  } catch (...) {  // no memory for the message: keep the old one rather than throw
+  }
+}
+
+// Runs `body` and turns whatever it throws into a status and the thread's last error.
+template <typename Body>
+int32_t guarded(Body&& body) noexcept {
+  try {
+    body();
+    return RINGLM_OK;
+  } catch (const Error& e) {
+    set_last_error(e.what());
+    return e.status();
+  } catch (const std::bad_alloc&) {
+    set_last_error("out of host memory");
+    return RINGLM_ERROR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    set_last_error(e.what());
+    return RINGLM_ERROR;
+  } catch (...) {
+    set_last_error("unknown error");
+    return RINGLM_ERROR;
+  }
+}
+
+// --- Devices and programs ---------------------------------------------------------------------
+
+// What the kernels' geometry depends on, queried once per device.
+struct DeviceLimits {
+  size_t max_group = 1;                // CL_DEVICE_MAX_WORK_GROUP_SIZE
+  std::vector<size_t> max_item_sizes;  // CL_DEVICE_MAX_WORK_ITEM_SIZES, per dimension
+  cl_uint compute_units = 1;           // CL_DEVICE_MAX_COMPUTE_UNITS
+  cl_ulong local_mem = 0;              // CL_DEVICE_LOCAL_MEM_SIZE
+};
+
+// A device's CL context and built program, shared by every ringlm_context open on the device.
+struct DeviceProgram {
+  cl_device_id device = nullptr;
+  std::string name;
+  DeviceLimits limits;
+  ContextHandle context;
+  ProgramHandle program;
+};
+
+DeviceLimits query_limits(cl_device_id device) {
+  DeviceLimits l;
+  l.max_group = device_value<size_t>(device, CL_DEVICE_MAX_WORK_GROUP_SIZE, "CL_DEVICE_MAX_WORK_GROUP_SIZE");
+  const auto dims =
+      device_value<cl_uint>(device, CL_DEVICE_MAX_WORK_ITEM_DIMENSIONS, "CL_DEVICE_MAX_WORK_ITEM_DIMENSIONS");
+  l.max_item_sizes.assign(std::max<cl_uint>(dims, 3), 1);
+  check(clGetDeviceInfo(device, CL_DEVICE_MAX_WORK_ITEM_SIZES, dims * sizeof(size_t), l.max_item_sizes.data(), nullptr),
+        "clGetDeviceInfo", "CL_DEVICE_MAX_WORK_ITEM_SIZES");
+  l.compute_units = device_value<cl_uint>(device, CL_DEVICE_MAX_COMPUTE_UNITS, "CL_DEVICE_MAX_COMPUTE_UNITS");
+  l.local_mem = device_value<cl_ulong>(device, CL_DEVICE_LOCAL_MEM_SIZE, "CL_DEVICE_LOCAL_MEM_SIZE");
+  return l;
+}
+
+cl_device_id device_at(int32_t index) {
+  const std::vector<cl_device_id> devices = all_devices();
+  require(index >= 0 && static_cast<size_t>(index) < devices.size(), RINGLM_ERROR_INVALID_ARGUMENT,
+          "no OpenCL device " + std::to_string(index) + " (there are " + std::to_string(devices.size()) + ")");
+  return devices[static_cast<size_t>(index)];
+}
+
+// The program of device `index`, built once per process: a context opened while another one on
+// the same device is open shares its program (and writes it to its own cache_dir if that lacks it).
+std::shared_ptr<DeviceProgram> device_program(int32_t index, const ProgramSpec& spec) {
+  static std::mutex mutex;
+  static std::map<int32_t, std::weak_ptr<DeviceProgram>> programs;
+  std::lock_guard lock(mutex);
+  if (std::shared_ptr<DeviceProgram> shared = programs[index].lock()) {
+    if (spec.verbose) std::fprintf(stderr, "ringlm-opencl: program shared with a context already open\n");
+    store_program_binary(shared->program.get(), shared->device, spec);
+    return shared;
+  }
+  auto dp = std::make_shared<DeviceProgram>();
+  dp->device = device_at(index);
+  dp->name = device_string(dp->device, CL_DEVICE_NAME, "CL_DEVICE_NAME");
+  dp->limits = query_limits(dp->device);
+  cl_int err = CL_SUCCESS;
+  dp->context = ContextHandle(clCreateContext(nullptr, 1, &dp->device, nullptr, nullptr, &err));
+  check(err, "clCreateContext");
+  dp->program = build_program(dp->context.get(), dp->device, spec);
+  programs[index] = dp;
+  return dp;
+}
+
+// A kernel object with the limits its compilation put on it.
+struct Kernel {
+  KernelHandle handle;
+  const char* name = "";
+  size_t max_group = 1;       // CL_KERNEL_WORK_GROUP_SIZE
+  size_t group_multiple = 1;  // CL_KERNEL_PREFERRED_WORK_GROUP_SIZE_MULTIPLE
+  cl_ulong local_used = 0;    // CL_KERNEL_LOCAL_MEM_SIZE: local memory taken before our arguments
+};
+
+Kernel make_kernel(const DeviceProgram& dp, const char* name) {
+  Kernel k;
+  k.name = name;
+  cl_int err = CL_SUCCESS;
+  k.handle = KernelHandle(clCreateKernel(dp.program.get(), name, &err));
+  check(err, "clCreateKernel", name);
+  const auto info = [&](cl_kernel_work_group_info param, size_t size, void* value) {
+    check(clGetKernelWorkGroupInfo(k.handle.get(), dp.device, param, size, value, nullptr), "clGetKernelWorkGroupInfo",
+          name);
+  };
+  info(CL_KERNEL_WORK_GROUP_SIZE, sizeof(k.max_group), &k.max_group);
+  info(CL_KERNEL_PREFERRED_WORK_GROUP_SIZE_MULTIPLE, sizeof(k.group_multiple), &k.group_multiple);
+  info(CL_KERNEL_LOCAL_MEM_SIZE, sizeof(k.local_used), &k.local_used);
+  k.max_group = std::max<size_t>(k.max_group, 1);
+  k.group_multiple = std::max<size_t>(k.group_multiple, 1);
+  return k;
+}
+
+}  // namespace
+}  // namespace ringlm::opencl
+
+// The C API's opaque types (global namespace).
+struct ringlm_context {
+  std::shared_ptr<ringlm::opencl::DeviceProgram> device;
+  ringlm::opencl::QueueHandle queue;
+  std::array<ringlm::opencl::Kernel, ringlm::opencl::kKernelCount> kernels;
+  std::mutex mutex;  // a kernel's arguments are set and its launch enqueued as one step
+};
+
+struct ringlm_buffer {
+  cl_context context = nullptr;  // the CL context it lives in (the mem object keeps it alive)
+  ringlm::opencl::MemHandle mem;
+  size_t bytes = 0;
+};
+
+namespace ringlm::opencl {
+namespace {
+
+// --- Geometry helpers -------------------------------------------------------------------------
+
+size_t pow2_floor(size_t v) {
+  size_t p = 1;
+  while (p * 2 <= v) p *= 2;
+  return p;
+}
+size_t pow2_ceil(size_t v) {
+  size_t p = 1;
+  while (p < v) p *= 2;
+  return p;
+}
+size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+// Local memory a kernel may take through its arguments.
+size_t local_budget(const ringlm_context& ctx, const Kernel& k) {
+  const cl_ulong total = ctx.device->limits.local_mem;
+  return total > k.local_used ? static_cast<size_t>(total - k.local_used) : 0;
+}
+
+// The largest power-of-two group a kernel may use along dimension `dim` alone.
+size_t group_cap(const ringlm_context& ctx, const Kernel& k, int dim) {
+  const DeviceLimits& l = ctx.device->limits;
+  return pow2_floor(std::min({kMaxGroup, k.max_group, l.max_group, l.max_item_sizes[static_cast<size_t>(dim)]}));
+}
+
+// --- Argument checks --------------------------------------------------------------------------
+
+const char* format_name(uint32_t format) {
+  switch (format) {
+    case RINGLM_FORMAT_F32:
+      return "F32";
+    case RINGLM_FORMAT_F16:
+      return "F16";
+    case RINGLM_FORMAT_Q4_0:
+      return "Q4_0";
+    case RINGLM_FORMAT_Q4_1:
+      return "Q4_1";
+    case RINGLM_FORMAT_Q8_0:
+      return "Q8_0";
+    default:
+      return nullptr;
+  }
+}
+
+// Bytes of one block of 32 weights (matmul) and the kernel that reads them; 0 for other formats.
+size_t weight_block_bytes(uint32_t format) {
+  switch (format) {
+    case RINGLM_FORMAT_F32:
+      return 128;
+    case RINGLM_FORMAT_F16:
+      return 64;
+    case RINGLM_FORMAT_Q4_0:
+      return 18;
+    case RINGLM_FORMAT_Q4_1:
+      return 20;
+    case RINGLM_FORMAT_Q8_0:
+      return 34;
+    default:
+      return 0;
+  }
+}
+KernelId matmul_kernel(uint32_t format) {
+  switch (format) {
+    case RINGLM_FORMAT_F32:
+      return kMatmulF32;
+    case RINGLM_FORMAT_F16:
+      return kMatmulF16;
+    case RINGLM_FORMAT_Q4_0:
+      return kMatmulQ4_0;
+    case RINGLM_FORMAT_Q4_1:
+      return kMatmulQ4_1;
+    default:
+      return kMatmulQ8_0;
+  }
+}
+
+// Bytes of one KV cache element; 0 for a format the cache cannot have.
+size_t kv_element_bytes(uint32_t format) {
+  return format == RINGLM_FORMAT_F16 ? 2 : format == RINGLM_FORMAT_F32 ? 4 : 0;
+}
+
+// a * b, or an INVALID_ARGUMENT error naming `what` when it does not fit in size_t.
+size_t mul(size_t a, size_t b, const char* what) {
+  size_t r = 0;
+  require(!__builtin_mul_overflow(a, b, &r), RINGLM_ERROR_INVALID_ARGUMENT, std::string(what) + " overflows");
+  return r;
+}
+size_t add(size_t a, size_t b, const char* what) {
+  size_t r = 0;
+  require(!__builtin_add_overflow(a, b, &r), RINGLM_ERROR_INVALID_ARGUMENT, std::string(what) + " overflows");
+  return r;
+}
+
+// The buffer behind an argument, which must exist, belong to ctx's device, and hold `bytes`
+// bytes from `offset` on (offset a multiple of `align`).
+cl_mem buffer_range(const ringlm_context& ctx, const ringlm_buffer* buffer, size_t offset, size_t bytes, size_t align,
+                    const char* what) {
+  const std::string name(what);
+  require(buffer != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, name + ": null buffer");
+  require(buffer->context == ctx.device->context.get(), RINGLM_ERROR_INVALID_ARGUMENT,
+          name + ": buffer of another device");
+  require(offset % align == 0, RINGLM_ERROR_INVALID_ARGUMENT,
+          name + ": offset " + std::to_string(offset) + " is not a multiple of " + std::to_string(align));
+  const size_t end = add(offset, bytes, what);
+  require(end <= buffer->bytes, RINGLM_ERROR_INVALID_ARGUMENT,
+          name + ": bytes [" + std::to_string(offset) + ", " + std::to_string(end) + ") past the buffer's " +
+              std::to_string(buffer->bytes));
+  return buffer->mem.get();
+}
+
+// Why matmul cannot take these shapes ("" when it can).
+std::string matmul_unsupported(uint32_t format, int64_t m, int64_t n, int64_t k) {
+  if (format_name(format) == nullptr) return "matmul: unknown weight format " + std::to_string(format);
+  if (m < 1 || m > kMaxM)
+    return "matmul: m = " + std::to_string(m) + " (1.." + std::to_string(kMaxM) + " rows per call)";
+  if (n < 1 || n > INT32_MAX) return "matmul: n = " + std::to_string(n);
+  if (k < kBlock || k % kBlock != 0 || k > INT32_MAX) {
+    return "matmul: k = " + std::to_string(k) + " (a positive multiple of " + std::to_string(kBlock) + ")";
+  }
+  return "";
+}
+
+// The largest head_dim the attention kernel takes on this context's device.
+int max_head_dim(const ringlm_context& ctx) {
+  const size_t group =
+      std::min(group_cap(ctx, ctx.kernels[kAttentionF32], 0), group_cap(ctx, ctx.kernels[kAttentionF16], 0));
+  return kHeadDimPerItem * static_cast<int>(group);
+}
+
+std::string attention_unsupported(const ringlm_context& ctx, uint32_t kv_format, int32_t n_head, int32_t n_head_kv,
+                                  int32_t head_dim) {
+  if (kv_element_bytes(kv_format) == 0) return "attention: KV format " + std::to_string(kv_format) + " (F16 or F32)";
+  if (n_head < 1 || n_head_kv < 1 || n_head % n_head_kv != 0) {
+    return "attention: n_head = " + std::to_string(n_head) +
+           " is not a multiple of n_head_kv = " + std::to_string(n_head_kv);
+  }
+  if (head_dim < 4 || head_dim % 4 != 0 || head_dim > max_head_dim(ctx)) {
+    return "attention: head_dim = " + std::to_string(head_dim) + " (a multiple of 4 up to " +
+           std::to_string(max_head_dim(ctx)) + " on this device)";
+  }
+  return "";
+}
+
+std::string rope_shift_unsupported(uint32_t kv_format, int32_t n_head_kv, int32_t head_dim, int32_t n_rot) {
+  if (kv_element_bytes(kv_format) == 0) return "rope_shift: KV format " + std::to_string(kv_format) + " (F16 or F32)";
+  if (n_head_kv < 1 || head_dim < 1) return "rope_shift: n_head_kv and head_dim must be positive";
+  if (n_rot < 2 || n_rot % 2 != 0 || n_rot > head_dim) {
+    return "rope_shift: n_rot = " + std::to_string(n_rot) + " (even, up to head_dim = " + std::to_string(head_dim) +
+           ")";
+  }
+  return "";
+}
+
+// --- Kernel launches --------------------------------------------------------------------------
+
+struct LocalFloats {  // a __local float* argument of this many floats
+  size_t count;
+};
+
+void set_arg(const Kernel& k, cl_uint i, size_t size, const void* value) {
+  check(clSetKernelArg(k.handle.get(), i, size, value), "clSetKernelArg", k.name);
+}
+void set_arg(const Kernel& k, cl_uint i, cl_mem v) { set_arg(k, i, sizeof(v), &v); }
+void set_arg(const Kernel& k, cl_uint i, cl_int v) { set_arg(k, i, sizeof(v), &v); }
+void set_arg(const Kernel& k, cl_uint i, cl_long v) { set_arg(k, i, sizeof(v), &v); }
+void set_arg(const Kernel& k, cl_uint i, cl_ulong v) { set_arg(k, i, sizeof(v), &v); }
+void set_arg(const Kernel& k, cl_uint i, cl_float v) { set_arg(k, i, sizeof(v), &v); }
+void set_arg(const Kernel& k, cl_uint i, LocalFloats v) { set_arg(k, i, v.count * sizeof(float), nullptr); }
+
+// Sets the kernel's arguments in order (each exactly of the kernel parameter's CL type) and
+// enqueues it on the context's queue.
+template <typename... Args>
+void launch(ringlm_context& ctx, KernelId id, cl_uint dims, const size_t* global, const size_t* local,
+            const Args&... args) {
+  const Kernel& k = ctx.kernels[id];
+  std::lock_guard lock(ctx.mutex);
+  cl_uint i = 0;
+  (set_arg(k, i++, args), ...);
+  check(clEnqueueNDRangeKernel(ctx.queue.get(), k.handle.get(), dims, nullptr, global, local, 0, nullptr, nullptr),
+        "clEnqueueNDRangeKernel", k.name);
+}
+
+cl_int as_int(int64_t v) { return static_cast<cl_int>(v); }
+
+// --- Matmul -----------------------------------------------------------------------------------
+
+// How a matmul call is cut: `lanes` work-items share a weight row, `rows` rows make a group,
+// `groups` groups cover n; x goes through local memory `kc` columns at a time.
+struct MatmulGeometry {
+  size_t lanes = 1, rows = 1, groups = 1;
+  size_t kc = kBlock;
+  size_t local_floats = 0;
+};
+
+MatmulGeometry matmul_geometry(const ringlm_context& ctx, const Kernel& kernel, int64_t m, int64_t n, int64_t k) {
+  const size_t budget = local_budget(ctx, kernel) / sizeof(float);
+  MatmulGeometry g;
+  const size_t chunk_floats = std::min(budget, kMaxChunkBytes / sizeof(float));
+  // Lanes per row: the device's preferred multiple (a warp, a SIMD width), but no more than the
+  // blocks of a chunk of all kMaxM rows, or lanes would idle. Nothing here depends on m, so a
+  // row of x meets the same blocks in the same lanes in the same order whatever m is: its
+  // result does not depend on the other rows of the call (batched = alone, bit for bit).
+  const size_t smallest_kc = std::clamp<size_t>(chunk_floats / kMaxM / kBlock * kBlock, kBlock, static_cast<size_t>(k));
+  g.lanes = std::min({pow2_floor(kernel.group_multiple), pow2_floor(smallest_kc / kBlock), group_cap(ctx, kernel, 0)});
+  g.rows = std::max<size_t>(
+      1, std::min(group_cap(ctx, kernel, 1), pow2_floor(std::min(kernel.max_group, kMaxGroup) / g.lanes)));
+  // Enough groups to keep every compute unit busy (two each), even for a short n.
+  const size_t want_groups = 2 * static_cast<size_t>(ctx.device->limits.compute_units);
+  while (g.rows > 1 && ceil_div(static_cast<size_t>(n), g.rows) < want_groups) g.rows /= 2;
+  // The lanes' sums go through the same local memory at the end.
+  while (g.rows > 1 && g.lanes * g.rows * kMaxM > budget) g.rows /= 2;
+  while (g.lanes > 1 && g.lanes * g.rows * kMaxM > budget) g.lanes /= 2;
+  // The x chunk: as many columns of all m rows as the budget holds, in whole rounds of the
+  // lanes (each chunk then starts on lane 0's block), k at most.
+  const size_t round = g.lanes * kBlock;
+  g.kc = std::min<size_t>(std::max<size_t>(chunk_floats / static_cast<size_t>(m) / round * round, round),
+                          static_cast<size_t>(k));
+  g.groups = ceil_div(static_cast<size_t>(n), g.rows);
+  g.local_floats = std::max(static_cast<size_t>(m) * g.kc, g.lanes * g.rows * kMaxM);
+  require(g.local_floats <= budget, RINGLM_ERROR_UNSUPPORTED,
+          std::string("matmul: ") + kernel.name + " needs more local memory than the device has");
+  return g;
+}
+
+void run_matmul(ringlm_context& ctx, const ringlm_matmul_args& a) {
+  const std::string why = matmul_unsupported(a.weight_format, a.m, a.n, a.k);
+  if (!why.empty()) {
+    const bool invalid = a.m < 1 || a.n < 1 || a.k < 1;
+    throw Error(invalid ? RINGLM_ERROR_INVALID_ARGUMENT : RINGLM_ERROR_UNSUPPORTED, why);
+  }
+  const size_t m = static_cast<size_t>(a.m), n = static_cast<size_t>(a.n), k = static_cast<size_t>(a.k);
+  const size_t row_bytes = k / kBlock * weight_block_bytes(a.weight_format);
+  const cl_mem w = buffer_range(ctx, a.weight, 0, mul(n, row_bytes, "matmul: weight size"), 1, "matmul weight");
+  const cl_mem x = buffer_range(ctx, a.x, a.x_offset, mul(mul(m, k, "matmul: x size"), sizeof(float), "matmul: x size"),
+                                sizeof(float), "matmul x");
+  const cl_mem y = buffer_range(ctx, a.y, a.y_offset, mul(mul(m, n, "matmul: y size"), sizeof(float), "matmul: y size"),
+                                sizeof(float), "matmul y");
+
+  const KernelId id = matmul_kernel(a.weight_format);
+  const MatmulGeometry g = matmul_geometry(ctx, ctx.kernels[id], a.m, a.n, a.k);
+  const size_t global[2] = {g.lanes, g.groups * g.rows};
+  const size_t local[2] = {g.lanes, g.rows};
+  launch(ctx, id, 2, global, local, w, as_int(a.n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
+         y, cl_ulong{a.y_offset / sizeof(float)}, as_int(static_cast<int64_t>(g.kc)), LocalFloats{g.local_floats});
+}
+
+// --- Attention --------------------------------------------------------------------------------
+
+void run_attention(ringlm_context& ctx, const ringlm_attention_args& a) {
+  const std::string why = attention_unsupported(ctx, a.kv_format, a.n_head, a.n_head_kv, a.head_dim);
+  if (!why.empty()) throw Error(RINGLM_ERROR_UNSUPPORTED, why);
+  require(a.n_tokens >= 1, RINGLM_ERROR_INVALID_ARGUMENT, "attention: n_tokens = " + std::to_string(a.n_tokens));
+  require(a.n_slots >= 0, RINGLM_ERROR_INVALID_ARGUMENT, "attention: n_slots = " + std::to_string(a.n_slots));
+  require(a.q_pos0 >= 0, RINGLM_ERROR_INVALID_ARGUMENT, "attention: q_pos0 = " + std::to_string(a.q_pos0));
+  const size_t kv_width = static_cast<size_t>(a.n_head_kv) * static_cast<size_t>(a.head_dim);
+  require(a.row_stride >= static_cast<int64_t>(kv_width), RINGLM_ERROR_INVALID_ARGUMENT,
+          "attention: row_stride = " + std::to_string(a.row_stride) + " is less than n_head_kv * head_dim");
+
+  const size_t elem = kv_element_bytes(a.kv_format);
+  const size_t q_floats =
+      mul(static_cast<size_t>(a.n_tokens), static_cast<size_t>(a.n_head) * a.head_dim, "attention: q size");
+  // Slot j's row ends at j * row_stride + n_head_kv * head_dim elements.
+  const size_t kv_elems =
+      a.n_slots == 0
+          ? 0
+          : add(mul(static_cast<size_t>(a.n_slots) - 1, static_cast<size_t>(a.row_stride), "attention: cache size"),
+                kv_width, "attention: cache size");
+  const size_t kv_bytes = mul(kv_elems, elem, "attention: cache size");
+  const cl_mem q = buffer_range(ctx, a.q, a.q_offset, q_floats * sizeof(float), sizeof(float), "attention q");
+  const cl_mem out = buffer_range(ctx, a.out, a.out_offset, q_floats * sizeof(float), sizeof(float), "attention out");
+  const cl_mem keys = buffer_range(ctx, a.keys, a.keys_offset, kv_bytes, elem, "attention keys");
+  const cl_mem values = buffer_range(ctx, a.values, a.values_offset, kv_bytes, elem, "attention values");
+  const cl_mem positions =
+      buffer_range(ctx, a.positions, 0, static_cast<size_t>(a.n_slots) * sizeof(int32_t), 1, "attention positions");
+
+  // A group of B work-items per (query head, token): B slots per block of keys, and B * 4 >= head_dim
+  // output dimensions. B about head_dim balances the two halves of the work (scores: one key per
+  // work-item; values: one dimension per work-item, every key of the block).
+  const KernelId id = a.kv_format == RINGLM_FORMAT_F16 ? kAttentionF16 : kAttentionF32;
+  const size_t head_dim = static_cast<size_t>(a.head_dim);
+  const size_t group = std::min(group_cap(ctx, ctx.kernels[id], 0), pow2_ceil(head_dim));
+  require(group * kHeadDimPerItem >= head_dim &&
+              (head_dim + 2 * group) * sizeof(float) <= local_budget(ctx, ctx.kernels[id]),
+          RINGLM_ERROR_UNSUPPORTED,
+          "attention: head_dim " + std::to_string(head_dim) + " is too large for this device");
+  const size_t global[2] = {static_cast<size_t>(a.n_head) * group, static_cast<size_t>(a.n_tokens)};
+  const size_t local[2] = {group, 1};
+  launch(ctx, id, 2, global, local, q, cl_ulong{a.q_offset / sizeof(float)}, out,
+         cl_ulong{a.out_offset / sizeof(float)}, keys, cl_ulong{a.keys_offset / elem}, values,
+         cl_ulong{a.values_offset / elem}, cl_long{a.row_stride}, positions, cl_int{a.n_slots}, cl_long{a.q_pos0},
+         cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim}, cl_float{a.scale}, LocalFloats{head_dim},
+         LocalFloats{group}, LocalFloats{group});
+}
+
+// --- Shift-RoPE -------------------------------------------------------------------------------
+
+// The slot list, read back to check it before the kernel writes through it: every slot must lie
+// within the keys buffer in every layer, and appear once (twice would rotate it twice, racing).
+// A blocking read, but a shift happens once per thousands of tokens.
+void check_slots(ringlm_context& ctx, const ringlm_rope_shift_args& a, cl_mem slots, size_t max_slot) {
+  std::vector<int32_t> sorted(static_cast<size_t>(a.n_moved));
+  check(clEnqueueReadBuffer(ctx.queue.get(), slots, CL_TRUE, 0, sorted.size() * sizeof(int32_t), sorted.data(), 0,
+                            nullptr, nullptr),
+        "clEnqueueReadBuffer", "rope_shift slots");
+  std::sort(sorted.begin(), sorted.end());
+  require(sorted.front() >= 0 && static_cast<size_t>(sorted.back()) <= max_slot, RINGLM_ERROR_INVALID_ARGUMENT,
+          "rope_shift: slot " + std::to_string(sorted.front() < 0 ? sorted.front() : sorted.back()) +
+              " outside the keys buffer (slots 0.." + std::to_string(max_slot) + ")");
+  require(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), RINGLM_ERROR_INVALID_ARGUMENT,
+          "rope_shift: a slot appears twice in the list");
+}
+
+void run_rope_shift(ringlm_context& ctx, const ringlm_rope_shift_args& a) {
+  const std::string why = rope_shift_unsupported(a.kv_format, a.n_head_kv, a.head_dim, a.n_rot);
+  if (!why.empty()) throw Error(RINGLM_ERROR_UNSUPPORTED, why);
+  require(a.n_layer >= 1 && a.n_moved >= 0, RINGLM_ERROR_INVALID_ARGUMENT,
+          "rope_shift: n_layer = " + std::to_string(a.n_layer) + ", n_moved = " + std::to_string(a.n_moved));
+  const size_t elem = kv_element_bytes(a.kv_format);
+  const size_t kv_width = static_cast<size_t>(a.n_head_kv) * static_cast<size_t>(a.head_dim);
+  require(a.row_stride >= static_cast<int64_t>(kv_width), RINGLM_ERROR_INVALID_ARGUMENT,
+          "rope_shift: row_stride = " + std::to_string(a.row_stride) + " is less than n_head_kv * head_dim");
+  require(a.layer_stride_bytes % elem == 0, RINGLM_ERROR_INVALID_ARGUMENT,
+          "rope_shift: layer_stride_bytes is not a multiple of the element size");
+
+  // Slot 0 of the last layer must fit; the slot list is checked against the rest of the buffer.
+  const size_t last_layer = mul(static_cast<size_t>(a.n_layer) - 1, a.layer_stride_bytes, "rope_shift: keys size");
+  const size_t first_row = add(last_layer, kv_width * elem, "rope_shift: keys size");
+  const cl_mem keys = buffer_range(ctx, a.keys, a.keys_offset, first_row, elem, "rope_shift keys");
+  const cl_mem cos_sin =
+      buffer_range(ctx, a.cos_sin, 0, static_cast<size_t>(a.n_rot) * sizeof(float), 1, "rope_shift cos_sin");
+  const cl_mem slots =
+      buffer_range(ctx, a.slots, 0, static_cast<size_t>(a.n_moved) * sizeof(int32_t), 1, "rope_shift slots");
+  if (a.n_moved == 0) return;
+  const size_t row_bytes = mul(static_cast<size_t>(a.row_stride), elem, "rope_shift: row size");
+  check_slots(ctx, a, slots, (a.keys->bytes - a.keys_offset - first_row) / row_bytes);
+
+  const KernelId id = a.kv_format == RINGLM_FORMAT_F16 ? kRopeShiftF16 : kRopeShiftF32;
+  const size_t global[3] = {static_cast<size_t>(a.n_rot / 2), static_cast<size_t>(a.n_head_kv),
+                            mul(static_cast<size_t>(a.n_moved), static_cast<size_t>(a.n_layer), "rope_shift: grid")};
+  launch(ctx, id, 3, global, nullptr, keys, cl_ulong{a.keys_offset / elem}, cl_ulong{a.layer_stride_bytes / elem},
+         cl_long{a.row_stride}, slots, cl_int{a.n_moved}, cl_int{a.head_dim}, cl_int{a.n_rot}, cl_int{a.adjacent_pairs},
+         cos_sin);
+}
+
+// --- The C entry points -----------------------------------------------------------------------
+
+const char* api_last_error(const ringlm_context* /*ctx: errors are kept per thread*/) { return t_last_error.c_str(); }
+
+int32_t api_device_count(void) {
+  int32_t count = -1;
+  guarded([&] { count = static_cast<int32_t>(all_devices().size()); });
+  return count;
+}
+
+void copy_text(const std::string& text, char* dst, size_t size) {
+  const size_t n = std::min(text.size(), size - 1);
+  std::memcpy(dst, text.data(), n);
+  dst[n] = '\0';
+}
+
+int32_t api_device_info(int32_t index, ringlm_device_info* out) {
+  return guarded([&] {
+    require(out != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "device_info: null output");
+    const cl_device_id device = device_at(index);
+    ringlm_device_info info{};
+    copy_text(device_string(device, CL_DEVICE_NAME, "CL_DEVICE_NAME"), info.name, sizeof(info.name));
+    copy_text(device_string(device, CL_DEVICE_VERSION, "CL_DEVICE_VERSION") + " " +
+                  device_string(device, CL_DRIVER_VERSION, "CL_DRIVER_VERSION"),
+              info.version, sizeof(info.version));
+    const auto type = device_value<cl_device_type>(device, CL_DEVICE_TYPE, "CL_DEVICE_TYPE");
+    info.type = (type & CL_DEVICE_TYPE_GPU)           ? RINGLM_DEVICE_GPU
+                : (type & CL_DEVICE_TYPE_CPU)         ? RINGLM_DEVICE_CPU
+                : (type & CL_DEVICE_TYPE_ACCELERATOR) ? RINGLM_DEVICE_ACCELERATOR
+                                                      : RINGLM_DEVICE_OTHER;
+    info.compute_units = device_value<cl_uint>(device, CL_DEVICE_MAX_COMPUTE_UNITS, "CL_DEVICE_MAX_COMPUTE_UNITS");
+    info.memory_bytes = device_value<cl_ulong>(device, CL_DEVICE_GLOBAL_MEM_SIZE, "CL_DEVICE_GLOBAL_MEM_SIZE");
+    *out = info;
+  });
+}
+
+ringlm_context* api_open(int32_t index, const ringlm_open_options* options) {
+  ringlm_context* opened = nullptr;
+  guarded([&] {
+    // Fields past the caller's struct_size are left at their defaults.
+    const auto has = [&](size_t field_end) { return options != nullptr && options->struct_size >= field_end; };
+    ProgramSpec spec{kKernelSource, kBuildOptions};
+    if (has(offsetof(ringlm_open_options, cache_dir) + sizeof(options->cache_dir)) && options->cache_dir != nullptr &&
+        options->cache_dir[0] != '\0') {
+      spec.cache_dir = options->cache_dir;
+    }
+    spec.verbose = has(offsetof(ringlm_open_options, verbose) + sizeof(options->verbose)) && options->verbose != 0;
+
+    auto ctx = std::make_unique<ringlm_context>();
+    ctx->device = device_program(index, spec);
+    cl_int err = CL_SUCCESS;
+    ctx->queue = QueueHandle(clCreateCommandQueue(ctx->device->context.get(), ctx->device->device, 0, &err));
+    check(err, "clCreateCommandQueue");
+    for (int id = 0; id < kKernelCount; ++id) ctx->kernels[id] = make_kernel(*ctx->device, kKernelNames[id]);
+    if (spec.verbose) std::fprintf(stderr, "ringlm-opencl: opened device %d (%s)\n", index, ctx->device->name.c_str());
+    opened = ctx.release();
+  });
+  return opened;
+}
+
+void api_close(ringlm_context* ctx) {
+  if (ctx == nullptr) return;
+  clFinish(ctx->queue.get());  // let queued work end before its kernels and queue go
+  delete ctx;
+}
+
+ringlm_buffer* api_alloc(ringlm_context* ctx, size_t bytes) {
+  ringlm_buffer* made = nullptr;
+  guarded([&] {
+    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "alloc: null context");
+    require(bytes > 0, RINGLM_ERROR_INVALID_ARGUMENT, "alloc: 0 bytes");
+    auto buffer = std::make_unique<ringlm_buffer>();
+    cl_int err = CL_SUCCESS;
+    buffer->context = ctx->device->context.get();
+    buffer->mem = MemHandle(clCreateBuffer(buffer->context, CL_MEM_READ_WRITE, bytes, nullptr, &err));
+    check(err, "clCreateBuffer", std::to_string(bytes) + " bytes");
+    buffer->bytes = bytes;
+    made = buffer.release();
+  });
+  return made;
+}
+
+void api_free(ringlm_context* /*ctx*/, ringlm_buffer* buffer) { delete buffer; }
+
+int32_t api_upload(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
+  return guarded([&] {
+    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload: null context");
+    const cl_mem mem = buffer_range(*ctx, dst, offset, bytes, 1, "upload");
+    if (bytes == 0) return;
+    require(src != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload: null source");
+    check(clEnqueueWriteBuffer(ctx->queue.get(), mem, CL_TRUE, offset, bytes, src, 0, nullptr, nullptr),
+          "clEnqueueWriteBuffer");
+  });
+}
+
+int32_t api_download(ringlm_context* ctx, const ringlm_buffer* src, size_t offset, void* dst, size_t bytes) {
+  return guarded([&] {
+    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "download: null context");
+    const cl_mem mem = buffer_range(*ctx, src, offset, bytes, 1, "download");
+    if (bytes == 0) return;
+    require(dst != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "download: null destination");
+    check(clEnqueueReadBuffer(ctx->queue.get(), mem, CL_TRUE, offset, bytes, dst, 0, nullptr, nullptr),
+          "clEnqueueReadBuffer");
+  });
+}
+
+int32_t api_supports(const ringlm_context* ctx, const ringlm_op_desc* d) {
+  if (ctx == nullptr || d == nullptr) return 0;
+  int32_t yes = 0;
+  guarded([&] {
+    switch (d->op) {
+      case RINGLM_OP_MATMUL:
+        yes = matmul_unsupported(d->weight_format, d->m, d->n, d->k).empty();
+        break;
+      case RINGLM_OP_ATTENTION:
+        yes = attention_unsupported(*ctx, d->kv_format, d->n_head, d->n_head_kv, d->head_dim).empty();
+        break;
+      case RINGLM_OP_ROPE_SHIFT:
+        yes = rope_shift_unsupported(d->kv_format, d->n_head_kv, d->head_dim, d->n_rot).empty();
+        break;
+      default:
+        break;
+    }
+  });
+  return yes;
+}
+
+// The three ops: a context and arguments, checked, then the run_* above.
+template <typename Args, typename Run>
+int32_t op(ringlm_context* ctx, const Args* args, const char* name, Run run) {
+  return guarded([&] {
+    require(ctx != nullptr && args != nullptr, RINGLM_ERROR_INVALID_ARGUMENT,
+            std::string(name) + ": null " + (ctx == nullptr ? "context" : "arguments"));
+    run(*ctx, *args);
+  });
+}
+
+int32_t api_matmul(ringlm_context* ctx, const ringlm_matmul_args* args) { return op(ctx, args, "matmul", run_matmul); }
+int32_t api_attention(ringlm_context* ctx, const ringlm_attention_args* args) {
+  return op(ctx, args, "attention", run_attention);
+}
+int32_t api_rope_shift(ringlm_context* ctx, const ringlm_rope_shift_args* args) {
+  return op(ctx, args, "rope_shift", run_rope_shift);
+}
+
+constexpr ringlm_plugin kPlugin = {
+    .abi_version = RINGLM_PLUGIN_ABI_VERSION,
+    .struct_size = sizeof(ringlm_plugin),
+    .name = "opencl",
+    .description = "OpenCL 1.2 devices: flat GEMM on Q4_0/Q4_1/Q8_0/F16/F32 weights, causal attention, shift-RoPE",
+    .last_error = api_last_error,
+    .device_count = api_device_count,
+    .device_info = api_device_info,
+    .open = api_open,
+    .close = api_close,
+    .alloc = api_alloc,
+    .free = api_free,
+    .upload = api_upload,
+    .download = api_download,
+    .supports = api_supports,
+    .matmul = api_matmul,
+    .attention = api_attention,
+    .rope_shift = api_rope_shift,
+};
+
+}  // namespace
+}  // namespace ringlm::opencl
+
+extern "C" __attribute__((visibility("default"))) const ringlm_plugin* ringlm_plugin_entry(void) {
+  return &ringlm::opencl::kPlugin;
+}
