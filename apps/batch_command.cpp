@@ -379,7 +379,7 @@ void add_batch_command(CLI::App& app) {
   cmd->callback([opts] {
     const int n_threads = resolve_threads(opts->model.n_threads);
     omp_set_num_threads(n_threads);
-    LoadedModel m = load_model(resolve_model_path(opts->model.model_path), n_threads, opts->model.compute);
+    LoadedModel m = load_model(opts->model, n_threads);
     const int status = BatchRun(*opts, m).run();
     if (status != 0) throw CLI::RuntimeError(status);  // main() exits with it, destructors run
   });

@@ -44,6 +44,8 @@ struct BenchOptions {
   std::string output = "md";
   bool no_warmup = false;
   ComputeType compute = ComputeType::kInt8;
+  std::string device = "cpu";
+  std::string plugin_dir;
   std::string softmax = "async";  // decode attention: async (FlashDecoding++) or online
 };
 
@@ -64,6 +66,8 @@ struct ModelInfo {
   uint64_t size = 0;
   uint64_t n_params = 0;
   int n_ubatch = 0;
+  std::string backend;  // "CPU", or the plugin's name ("opencl")
+  std::string device;   // the plugin device's description; empty on the CPU
 };
 
 std::vector<int> parse_int_list(const std::string& text, const char* flag, int min_value) {
@@ -133,6 +137,8 @@ ModelInfo describe(const LoadedModel& m, const std::string& path) {
   info.n_params = static_cast<uint64_t>(m.model->n_params());
   info.type = m.model->hparams().arch + " " + size_label(info.n_params) + " " + file_type_name(*m.gguf);
   info.n_ubatch = m.model->max_batch();
+  info.backend = std::string(m.backend->name());
+  if (m.backend->device_attention() != nullptr) info.device = m.backend->device_description();
   return info;
 }
 
@@ -272,7 +278,7 @@ void print_markdown_row(const ModelInfo& info, const BenchTest& t) {
   const std::string tps = format("%.2f", mean(ts)) + " ± " + format("%.2f", stdev(ts));
   // "±" is two bytes but one column: pad by one more so the columns still line up.
   std::printf("| %-30s | %10s | %10s | %-10s | %7d | %15s | %21s |\n", info.type.c_str(), size_text(info.size).c_str(),
-              params_text(info.n_params).c_str(), "CPU", t.n_threads, test_name(t).c_str(), tps.c_str());
+              params_text(info.n_params).c_str(), info.backend.c_str(), t.n_threads, test_name(t).c_str(), tps.c_str());
   std::fflush(stdout);
 }
 
@@ -284,8 +290,8 @@ nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_
   j["build_commit"] = "ringlm";
   j["build_number"] = 0;
   j["cpu_info"] = cpu_info();
-  j["gpu_info"] = "";
-  j["backends"] = "CPU";
+  j["gpu_info"] = info.device;
+  j["backends"] = info.backend;
   j["model_filename"] = info.filename;
   j["model_type"] = info.type;
   j["model_size"] = info.size;
@@ -335,7 +341,7 @@ void bench(const BenchOptions& o) {
   for (const int t_flag : thread_counts) {
     const int threads = resolve_threads(t_flag);
     omp_set_num_threads(threads);
-    LoadedModel m = load_model(path, threads, o.compute);  // the backend's thread count is fixed at load
+    LoadedModel m = load_model(path, threads, o.compute, o.device, o.plugin_dir);  // the backend's thread count is fixed at load
     m.model->set_async_softmax(o.softmax == "async");
     const ModelInfo info = describe(m, path);
     for (BenchTest& t : plan(o, threads)) {
@@ -368,6 +374,7 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("-r,--repetitions", o->reps, "timed repetitions of each test")->check(CLI::Range(1, 1000))->capture_default_str();
   add_compute_option(*cmd, o->compute);
+  add_device_options(*cmd, o->device, o->plugin_dir);
   cmd->add_option("-o,--output", o->output, "output format: md or json")->check(CLI::IsMember({"md", "json"}))->capture_default_str();
   cmd->add_flag("--no-warmup", o->no_warmup, "skip the untimed warm-up run");
   cmd->callback([o] { bench(*o); });

@@ -325,7 +325,7 @@ std::string history_file() {
 void chat(const ChatOptions& o) {
   const int n_threads = resolve_threads(o.model.n_threads);
   omp_set_num_threads(n_threads);
-  LoadedModel m = load_model(resolve_model_path(o.model.model_path), n_threads, o.model.compute);
+  LoadedModel m = load_model(o.model, n_threads);
   std::unique_ptr<ChatInput> input = isatty(STDIN_FILENO) ? make_terminal_input(history_file()) : make_pipe_input();
   ChatApp app(o, m, *input);
   install_interrupt_handler();

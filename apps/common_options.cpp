@@ -1,10 +1,14 @@
 #include "apps/common_options.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <stdexcept>
 #include <thread>
+#include <utility>
+
+#include "backends/plugin_backend.h"
 
 namespace ringlm {
 
@@ -28,6 +32,30 @@ void add_model_options(CLI::App& cmd, ModelOptions& opts) {
       ->check(CLI::Range(0, 1 << 24))
       ->capture_default_str();
   add_compute_option(cmd, opts.compute);
+  add_device_options(cmd, opts.device, opts.plugin_dir);
+}
+
+void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir) {
+  cmd.add_option("--device", device,
+                 "where to run: cpu, auto (a plugin's GPU if there is one, else the CPU) or a plugin device "
+                 "such as opencl or opencl:1 (see 'ringlm devices')")
+      ->capture_default_str();
+  cmd.add_option("--plugin-dir", plugin_dir, "directory searched for backend plugins first (then $RINGLM_PLUGIN_PATH, then next to ringlm)");
+}
+
+LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType compute, const std::string& device,
+                       const std::string& plugin_dir) {
+  const std::string path = resolve_model_path(model_flag);
+  BackendChoice choice;
+  choice.device = device;
+  choice.plugin_dir = plugin_dir;
+  choice.cache_dir = ringlm_cache_dir() / "kernels";
+  choice.n_threads = n_threads;
+  choice.compute = compute;
+  std::string notice;
+  std::unique_ptr<Backend> backend = make_backend(choice, notice);
+  if (!notice.empty()) std::fprintf(stderr, "ringlm: %s\n", notice.c_str());
+  return load_model(path, std::move(backend));
 }
 
 void add_compute_option(CLI::App& cmd, ComputeType& compute) {

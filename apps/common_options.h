@@ -7,6 +7,7 @@
 
 #include "backends/cpu/cpu_backend.h"
 #include "core/kv/kv_cache.h"
+#include "core/model/loader.h"
 #include "core/sampling/sampler.h"
 
 namespace ringlm {
@@ -16,9 +17,21 @@ struct ModelOptions {
   int n_threads = 0;       // 0: all cores
   int n_ctx = 4096;        // 0: the model's training context
   ComputeType compute = ComputeType::kInt8;
+  std::string device = "cpu";  // --device: cpu | auto | opencl[:N] (a plugin's name)
+  std::string plugin_dir;      // --plugin-dir: searched for plugins before $RINGLM_PLUGIN_PATH
 };
 
 void add_model_options(CLI::App& cmd, ModelOptions& opts);
+// --device and --plugin-dir (part of add_model_options; alone for commands with their own -m).
+void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir);
+
+// Loads the model -m names (resolve_model_path) onto the backend --device names, with
+// `n_threads` CPU threads; prints --device auto's fallback notice on stderr.
+LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType compute, const std::string& device,
+                       const std::string& plugin_dir);
+inline LoadedModel load_model(const ModelOptions& opts, int n_threads) {
+  return load_model(opts.model_path, n_threads, opts.compute, opts.device, opts.plugin_dir);
+}
 void add_sampling_options(CLI::App& cmd, SamplingParams& params);
 // --compute int8|fp32: how quantized weights are multiplied (int8: activations quantized per
 // block on the fly, the fast default; fp32: weights dequantized, the reference path).

@@ -75,7 +75,7 @@ void print_stats(const RunStats& s, const std::string& format) {
 void run(const RunOptions& o) {
   const int n_threads = resolve_threads(o.model.n_threads);
   omp_set_num_threads(n_threads);
-  LoadedModel m = load_model(resolve_model_path(o.model.model_path), n_threads, o.model.compute);
+  LoadedModel m = load_model(o.model, n_threads);
   const LlamaHparams& hp = m.model->hparams();
   const int n_ctx = o.model.n_ctx > 0 ? o.model.n_ctx : hp.n_ctx_train;
 

@@ -15,6 +15,8 @@
 
 namespace ringlm {
 
+class DeviceAttention;  // below
+
 // A weight matrix as stored in the model file: `rows` output features (N), each a contiguous
 // row of `cols` input features (K) in `type`'s block layout.
 struct WeightView {
@@ -71,6 +73,58 @@ class Backend {
   // activation applied as each output tile is produced. out is [n_tokens][gate.rows()].
   virtual void matmul_swiglu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input,
                              float* out) = 0;
+
+  // Attention on the backend's device, for backends that keep KV caches in their own memory
+  // (a plugin's GPU); nullptr: attention runs on the CPU.
+  virtual DeviceAttention* device_attention() { return nullptr; }
+  // Where the products run, for reports: "cpu", "opencl:0 (NVIDIA ...)".
+  virtual std::string device_description() const { return std::string(name()); }
+};
+
+// A KV cache's keys and values in a device's memory. Opaque outside the backend that made it.
+class DeviceKvCache {
+ public:
+  virtual ~DeviceKvCache() = default;
+};
+
+// The shape of a KV cache a device keeps: the host cache's (core/kv/kv_cache.h), slot for slot.
+struct DeviceKvShape {
+  int n_layer = 0;
+  int capacity = 0;  // slots
+  int row_width = 0;  // n_kv_head * head_dim elements per slot and layer
+  bool f16 = false;
+};
+
+// One sequence's attention query on the device: n_tokens rows of q ([n_tokens][n_head *
+// head_dim], host memory) at positions q_pos0..; the result goes to out (host, same shape).
+struct DeviceAttentionQuery {
+  int layer = 0;
+  const float* q = nullptr;
+  int n_tokens = 0;
+  int64_t q_pos0 = 0;
+  float* out = nullptr;
+};
+
+// Attention over KV caches kept on a device. The model keeps each cache's bookkeeping (slots,
+// positions, sinks, the shift) and a host copy of its rows, and mirrors every change here: rows
+// written (store), slot positions (set_positions), keys re-rotated (shift_keys). The semantics
+// are those of cpu::attention_causal.
+class DeviceAttention {
+ public:
+  virtual ~DeviceAttention() = default;
+  // Whether this device runs attention of this geometry at all.
+  virtual bool supports(int n_head, int n_head_kv, int head_dim, bool f16_kv) const = 0;
+  virtual std::unique_ptr<DeviceKvCache> make_kv(const DeviceKvShape& shape) = 0;
+  // Copies n consecutive slots from first_slot of one layer's keys and values: host rows in the
+  // cache's type (fp16 bits or fp32), n * row_width elements each.
+  virtual void store(DeviceKvCache& kv, int layer, int first_slot, int n, const void* keys, const void* values) = 0;
+  // Positions of slots [0, positions.size()) (-1: empty), as the next attend() calls see them.
+  virtual void set_positions(DeviceKvCache& kv, std::span<const int64_t> positions) = 0;
+  virtual void attend(DeviceKvCache& kv, const DeviceAttentionQuery& query, int n_head, int n_head_kv, int head_dim) = 0;
+  // Rotates the keys of `slots` in every layer by the angles with cosines cos[i] and sines
+  // sin[i] (i < n_rot / 2), pairs adjacent or split in halves (the model's RoPE layout).
+  virtual void shift_keys(DeviceKvCache& kv, std::span<const int> slots, std::span<const float> cos,
+                          std::span<const float> sin, int n_kv_head, int head_dim, bool adjacent_pairs) = 0;
 };
 
 // The CPU backend with int8 compute (backends/cpu/cpu_backend.h has the other choices);

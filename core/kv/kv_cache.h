@@ -21,8 +21,10 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
+#include "backends/backend.h"
 #include "core/kv/page_buffer.h"
 
 namespace ringlm {
@@ -96,6 +98,11 @@ class KvCache {
   // decoded together never see each other's maxima.
   std::vector<float>& softmax_phi() { return softmax_phi_; }
 
+  // The copy of this cache's rows that a device keeps for its attention (DeviceAttention), made
+  // by the model when the cache first runs there and kept in step with it from then on.
+  DeviceKvCache* device_copy() const { return device_copy_.get(); }
+  void set_device_copy(std::unique_ptr<DeviceKvCache> copy) { device_copy_ = std::move(copy); }
+
   // Row `slot` of layer `layer`: row_width() values of type(), K or V.
   void* key(int layer, int slot) { return storage_.data() + offset(layer, slot, false); }
   void* value(int layer, int slot) { return storage_.data() + offset(layer, slot, true); }
@@ -124,6 +131,7 @@ class KvCache {
   PageBuffer storage_;
   std::shared_ptr<const KvCache> prefix_;
   std::vector<float> softmax_phi_;
+  std::unique_ptr<DeviceKvCache> device_copy_;
 };
 
 }  // namespace ringlm

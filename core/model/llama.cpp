@@ -148,7 +148,8 @@ struct LlamaModel::Scratch {
   std::vector<cpu::KvLayer> attention_prefixes;
 };
 
-LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend) : hp_(LlamaHparams::from_gguf(gguf)), backend_(backend) {
+LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
+    : hp_(LlamaHparams::from_gguf(gguf)), backend_(backend), device_(backend.device_attention()) {
   const int64_t d = hp_.n_embd;
   const int64_t q_dim = static_cast<int64_t>(hp_.n_head) * hp_.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(hp_.n_head_kv) * hp_.head_dim;
@@ -275,6 +276,34 @@ void LlamaModel::shift_context(KvCache& cache) const {
       }
     }
   }
+  // The device's copy turns the same way, where it lives.
+  if (DeviceKvCache* copy = cache.device_copy()) {
+    const bool adjacent = hp_.rope_style == RopeStyle::kAdjacentPairs;
+    device_->shift_keys(*copy, moved, cos, sin, hp_.n_head_kv, hp_.head_dim, adjacent);
+  }
+}
+
+bool LlamaModel::attends_on_device(const KvCache& cache) const {
+  return device_ != nullptr && cache.prefix() == nullptr &&
+         device_->supports(hp_.n_head, hp_.n_head_kv, hp_.head_dim, cache.type() == KvType::kF16);
+}
+
+void LlamaModel::sync_device_copy(KvCache& cache) {
+  if (cache.device_copy() == nullptr) {
+    if (!attends_on_device(cache)) return;
+    const DeviceKvShape shape{hp_.n_layer, cache.capacity(), cache.row_width(), cache.type() == KvType::kF16};
+    std::unique_ptr<DeviceKvCache> copy = device_->make_kv(shape);
+    // A cache that ran on the CPU so far (or was restored) brings its rows along.
+    if (cache.extent() > 0) {
+      for (int il = 0; il < hp_.n_layer; ++il) {
+        device_->store(*copy, il, 0, cache.extent(), cache.key(il, 0), cache.value(il, 0));
+      }
+    }
+    cache.set_device_copy(std::move(copy));
+  }
+  // Once a cache has a copy, the copy follows every change (even while a prefix keeps its
+  // attention on the CPU), so it is never stale.
+  device_->set_positions(*cache.device_copy(), cache.positions());
 }
 
 // Writes one token's keys and values (every KV head) into its slot, in the cache's type.
@@ -338,6 +367,8 @@ void LlamaModel::rotate_heads(float* vec, int n_heads, const float* cos, const f
 // Causal attention of every sequence's queries over its own cache, in one batch: query i sees
 // the cached tokens up to and including itself. Query heads share KV heads in groups (GQA) by
 // index, without copying K/V. The asynchronized softmax's maxima live in each sequence's cache.
+// A sequence whose cache has a copy on the backend's device attends there (one call each);
+// the others share one CPU call.
 void LlamaModel::attention(int layer, std::span<const Rows> rows) {
   const cpu::AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim};
   const auto layer_of = [layer](const KvCache& c, const cpu::KvLayer* prefix) {
@@ -355,6 +386,14 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
   const size_t q_dim = static_cast<size_t>(hp_.n_head) * hp_.head_dim;
   for (size_t i = 0; i < rows.size(); ++i) {
     KvCache& cache = *rows[i].cache;
+    const size_t q_at = static_cast<size_t>(rows[i].row0) * q_dim;
+    if (cache.device_copy() != nullptr && attends_on_device(cache)) {
+      device_->attend(*cache.device_copy(),
+                      {layer, scratch_->q.data() + q_at, static_cast<int>(rows[i].tokens.size()), rows[i].pos0,
+                       scratch_->attn.data() + q_at},
+                      hp_.n_head, hp_.n_head_kv, hp_.head_dim);
+      continue;
+    }
     if (cache.prefix() != nullptr) prefixes[i] = layer_of(*cache.prefix(), nullptr);
     float* phi = nullptr;
     if (async_softmax_) {
@@ -363,11 +402,10 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
       if (state.size() != static_cast<size_t>(hp_.n_layer) * per_layer) state.assign(hp_.n_layer * per_layer, NAN);
       phi = &state[static_cast<size_t>(layer) * per_layer];
     }
-    const size_t at = static_cast<size_t>(rows[i].row0) * q_dim;
-    jobs.push_back({scratch_->q.data() + at, layer_of(cache, cache.prefix() != nullptr ? &prefixes[i] : nullptr),
-                    rows[i].pos0, static_cast<int>(rows[i].tokens.size()), scratch_->attn.data() + at, phi});
+    jobs.push_back({scratch_->q.data() + q_at, layer_of(cache, cache.prefix() != nullptr ? &prefixes[i] : nullptr),
+                    rows[i].pos0, static_cast<int>(rows[i].tokens.size()), scratch_->attn.data() + q_at, phi});
   }
-  cpu::attention_batch(shape, jobs, scratch_->attention, omp_get_max_threads());
+  if (!jobs.empty()) cpu::attention_batch(shape, jobs, scratch_->attention, omp_get_max_threads());
 }
 
 void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
@@ -378,6 +416,7 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   for (const Rows& r : rows) {
     embed(r.tokens, &s.x[static_cast<size_t>(r.row0) * d]);
     rope_angles(r.row0, r.pos0, static_cast<int>(r.tokens.size()));
+    if (device_ != nullptr) sync_device_copy(*r.cache);
   }
   for (int il = 0; il < hp_.n_layer; ++il) {
     const Layer& L = layers_[static_cast<size_t>(il)];
@@ -392,6 +431,10 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
         apply_rope(&s.q[i * q_dim], hp_.n_head, r.row0 + t);
         apply_rope(&s.k[i * kv_dim], hp_.n_head_kv, r.row0 + t);
         store_kv(*r.cache, il, r.first_slot + t, &s.k[i * kv_dim], &s.v[i * kv_dim]);
+      }
+      if (DeviceKvCache* copy = r.cache->device_copy()) {
+        device_->store(*copy, il, r.first_slot, static_cast<int>(r.tokens.size()), r.cache->key(il, r.first_slot),
+                       r.cache->value(il, r.first_slot));
       }
     }
     attention(il, rows);

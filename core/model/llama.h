@@ -109,9 +109,15 @@ class LlamaModel {
   void apply_rope(float* vec, int n_heads, int row) const;
   void rotate_heads(float* vec, int n_heads, const float* cos, const float* sin) const;
   void store_kv(KvCache& cache, int layer, int slot, const float* k, const float* v) const;
+  // Whether `cache`'s attention runs on the backend's device (DeviceAttention).
+  bool attends_on_device(const KvCache& cache) const;
+  // Gives `cache` its device copy (uploading the rows it already holds) if its attention runs
+  // on the device, and brings the copy's slot positions up to date.
+  void sync_device_copy(KvCache& cache);
 
   LlamaHparams hp_;
   Backend& backend_;
+  DeviceAttention* device_ = nullptr;  // the backend's, or nullptr: attention on the CPU
   const GgufTensorInfo* token_embd_ = nullptr;
   std::vector<Layer> layers_;
   std::vector<float> output_norm_;

@@ -1,14 +1,19 @@
 #include "core/model/loader.h"
 
 #include <chrono>
+#include <utility>
 
 namespace ringlm {
 
 LoadedModel load_model(const std::string& path, int n_threads, ComputeType compute) {
+  return load_model(path, make_cpu_backend(n_threads, compute));
+}
+
+LoadedModel load_model(const std::string& path, std::unique_ptr<Backend> backend) {
   const auto t0 = std::chrono::steady_clock::now();
   LoadedModel m;
   m.gguf = GgufFile::open(path);
-  m.backend = make_cpu_backend(n_threads, compute);
+  m.backend = std::move(backend);
   m.model = std::make_unique<LlamaModel>(*m.gguf, *m.backend);
   m.tokenizer = Tokenizer::from_gguf(*m.gguf);
   // Some models pad the embedding past the vocabulary; fewer embedding rows than tokens is an error.

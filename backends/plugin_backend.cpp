@@ -1,0 +1,392 @@
+#include "backends/plugin_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backends/cpu/activation.h"
+
+namespace ringlm {
+namespace {
+
+// Rows the device's flat GEMM takes per call (FlashDecoding++'s flat GEMM: M = 1..16); larger
+// inputs are cut into such chunks.
+constexpr int64_t kMaxDeviceRows = 16;
+
+// The weight formats the ABI can name (plugin_api.h's ringlm_format = the GGUF type id).
+bool nameable_format(TensorType type) {
+  switch (type) {
+    case TensorType::F32:
+    case TensorType::F16:
+    case TensorType::Q4_0:
+    case TensorType::Q4_1:
+    case TensorType::Q8_0:
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::string device_label(const OpenedDevice& device) {
+  return device.plugin->name() + ":" + std::to_string(device.index) + " (" + device.info.name + ")";
+}
+
+// Turns a plugin status into an exception naming the device, the call and the plugin's reason.
+void check(const OpenedDevice& device, int32_t status, const char* what) {
+  if (status == RINGLM_OK) return;
+  throw std::runtime_error(device_label(device) + ": " + what + " failed: " + device.plugin->last_error(device.context));
+}
+
+// Device memory; freed with the last owner. Holds the device open for as long as it lives.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(std::shared_ptr<OpenedDevice> device, size_t bytes) : device_(std::move(device)), bytes_(bytes) {
+    buffer_ = device_->plugin->api().alloc(device_->context, std::max<size_t>(bytes, 1));
+    if (buffer_ == nullptr) {
+      throw std::runtime_error(device_label(*device_) + ": cannot allocate " + std::to_string(bytes) +
+                               " bytes: " + device_->plugin->last_error(device_->context));
+    }
+  }
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    std::swap(device_, other.device_);
+    std::swap(buffer_, other.buffer_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (buffer_ != nullptr) device_->plugin->api().free(device_->context, buffer_);
+  }
+
+  ringlm_buffer* get() const { return buffer_; }
+  size_t bytes() const { return bytes_; }
+  void upload(size_t offset, const void* src, size_t n) {
+    check(*device_, device_->plugin->api().upload(device_->context, buffer_, offset, src, n), "upload");
+  }
+  void download(size_t offset, void* dst, size_t n) const {
+    check(*device_, device_->plugin->api().download(device_->context, buffer_, offset, dst, n), "download");
+  }
+
+ private:
+  std::shared_ptr<OpenedDevice> device_;
+  ringlm_buffer* buffer_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A weight in device memory, or (device == false) one the CPU backend prepared.
+class PluginWeight final : public PreparedWeight {
+ public:
+  PluginWeight(int64_t rows, int64_t cols) : PreparedWeight(rows, cols) {}
+  bool on_device = false;
+  TensorType type = TensorType::F32;
+  DeviceBuffer data;
+  int64_t max_rows = 1;  // largest M one device call takes
+  std::unique_ptr<PreparedWeight> cpu;
+};
+
+const PluginWeight& as_plugin_weight(const PreparedWeight& w) { return static_cast<const PluginWeight&>(w); }
+
+// A KV cache's rows on the device, slot for slot as on the host: layer l's keys start at
+// l * layer_bytes of `keys`, its values likewise in `values`.
+class PluginKvCache final : public DeviceKvCache {
+ public:
+  PluginKvCache(const std::shared_ptr<OpenedDevice>& device, const DeviceKvShape& s)
+      : shape(s),
+        row_bytes(static_cast<size_t>(s.row_width) * (s.f16 ? 2 : 4)),
+        layer_bytes(row_bytes * static_cast<size_t>(s.capacity)),
+        keys(device, layer_bytes * static_cast<size_t>(s.n_layer)),
+        values(device, layer_bytes * static_cast<size_t>(s.n_layer)),
+        positions(device, sizeof(int32_t) * static_cast<size_t>(s.capacity)) {}
+  DeviceKvShape shape;
+  size_t row_bytes, layer_bytes;
+  DeviceBuffer keys, values, positions;
+  int n_slots = 0;  // slots whose positions were set
+  std::vector<int32_t> host_positions;
+};
+
+class PluginBackend final : public Backend, public DeviceAttention {
+ public:
+  PluginBackend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu)
+      : device_(std::move(device)), api_(device_->plugin->api()), cpu_(std::move(cpu)) {
+    name_ = device_->plugin->name();
+  }
+
+  std::string_view name() const override { return name_; }
+  std::string device_description() const override { return device_label(*device_); }
+  DeviceAttention* device_attention() override { return this; }
+
+  std::unique_ptr<PreparedWeight> prepare(const WeightView& w) override {
+    auto prepared = std::make_unique<PluginWeight>(w.rows, w.cols);
+    prepared->type = w.type;
+    prepared->max_rows = device_rows_for(w);
+    if (prepared->max_rows > 0) {
+      prepared->on_device = true;
+      const size_t bytes = row_bytes(w.type, w.cols) * static_cast<size_t>(w.rows);
+      prepared->data = DeviceBuffer(device_, bytes);
+      prepared->data.upload(0, w.data, bytes);
+    } else {
+      prepared->cpu = cpu_->prepare(w);
+    }
+    return prepared;
+  }
+
+  void matmul(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) override {
+    const PluginWeight& w = as_plugin_weight(weight);
+    if (!w.on_device) return cpu_->matmul(*w.cpu, x, n_tokens, y);
+    upload_input(x, n_tokens, w.cols());
+    device_product(w, n_tokens, y);
+  }
+
+  void matmul_many(std::span<const PreparedWeight* const> weights, const MatmulInput& input,
+                   std::span<float* const> ys) override {
+    // The CPU's weights in one fused call, the device's on one upload of the normalised input.
+    std::vector<const PreparedWeight*> cpu_weights;
+    std::vector<float*> cpu_ys;
+    bool any_on_device = false;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const PluginWeight& w = as_plugin_weight(*weights[i]);
+      if (w.on_device) {
+        any_on_device = true;
+      } else {
+        cpu_weights.push_back(w.cpu.get());
+        cpu_ys.push_back(ys[i]);
+      }
+    }
+    if (!cpu_weights.empty()) cpu_->matmul_many(cpu_weights, input, cpu_ys);
+    if (!any_on_device) return;
+    upload_input(normalised(input, weights[0]->cols()), input.n_tokens, weights[0]->cols());
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const PluginWeight& w = as_plugin_weight(*weights[i]);
+      if (w.on_device) device_product(w, input.n_tokens, ys[i]);
+    }
+  }
+
+  void matmul_swiglu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input,
+                     float* out) override {
+    const PluginWeight& g = as_plugin_weight(gate);
+    const PluginWeight& u = as_plugin_weight(up);
+    if (!g.on_device && !u.on_device) return cpu_->matmul_swiglu(*g.cpu, *u.cpu, input, out);
+    const int64_t n = input.n_tokens * g.rows();
+    if (up_out_.size() < static_cast<size_t>(n)) up_out_.resize(static_cast<size_t>(n));
+    const PreparedWeight* both[] = {&gate, &up};
+    float* const outs[] = {out, up_out_.data()};
+    matmul_many(both, input, outs);
+    cpu::silu_mul(out, up_out_.data(), n);
+  }
+
+  // --- DeviceAttention -------------------------------------------------------------------
+
+  bool supports(int n_head, int n_head_kv, int head_dim, bool f16_kv) const override {
+    ringlm_op_desc attention{};
+    attention.op = RINGLM_OP_ATTENTION;
+    attention.kv_format = f16_kv ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
+    attention.n_head = n_head;
+    attention.n_head_kv = n_head_kv;
+    attention.head_dim = head_dim;
+    ringlm_op_desc shift = attention;
+    shift.op = RINGLM_OP_ROPE_SHIFT;
+    shift.n_rot = head_dim;
+    return api_.supports(device_->context, &attention) != 0 && api_.supports(device_->context, &shift) != 0;
+  }
+
+  std::unique_ptr<DeviceKvCache> make_kv(const DeviceKvShape& shape) override {
+    return std::make_unique<PluginKvCache>(device_, shape);
+  }
+
+  void store(DeviceKvCache& kv, int layer, int first_slot, int n, const void* keys, const void* values) override {
+    PluginKvCache& c = static_cast<PluginKvCache&>(kv);
+    const size_t at = static_cast<size_t>(layer) * c.layer_bytes + static_cast<size_t>(first_slot) * c.row_bytes;
+    const size_t bytes = static_cast<size_t>(n) * c.row_bytes;
+    c.keys.upload(at, keys, bytes);
+    c.values.upload(at, values, bytes);
+  }
+
+  void set_positions(DeviceKvCache& kv, std::span<const int64_t> positions) override {
+    PluginKvCache& c = static_cast<PluginKvCache&>(kv);
+    c.host_positions.resize(positions.size());
+    for (size_t j = 0; j < positions.size(); ++j) {
+      // Positions stay below the context size plus what a sequence generates; a ring shifts
+      // them back. 2^31 tokens in one sequence is not a case to serve.
+      if (positions[j] > INT32_MAX) throw std::length_error("device attention: position beyond 2^31");
+      c.host_positions[j] = static_cast<int32_t>(positions[j]);
+    }
+    if (!positions.empty()) c.positions.upload(0, c.host_positions.data(), positions.size() * sizeof(int32_t));
+    c.n_slots = static_cast<int>(positions.size());
+  }
+
+  void attend(DeviceKvCache& kv, const DeviceAttentionQuery& query, int n_head, int n_head_kv, int head_dim) override {
+    PluginKvCache& c = static_cast<PluginKvCache&>(kv);
+    const size_t bytes = static_cast<size_t>(query.n_tokens) * n_head * head_dim * sizeof(float);
+    ensure(q_buffer_, bytes);
+    ensure(out_buffer_, bytes);
+    q_buffer_.upload(0, query.q, bytes);
+    ringlm_attention_args args{};
+    args.q = q_buffer_.get();
+    args.out = out_buffer_.get();
+    args.keys = c.keys.get();
+    args.keys_offset = static_cast<size_t>(query.layer) * c.layer_bytes;
+    args.values = c.values.get();
+    args.values_offset = args.keys_offset;
+    args.kv_format = c.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
+    args.row_stride = c.shape.row_width;
+    args.positions = c.positions.get();
+    args.n_slots = c.n_slots;
+    args.n_tokens = query.n_tokens;
+    args.q_pos0 = query.q_pos0;
+    args.n_head = n_head;
+    args.n_head_kv = n_head_kv;
+    args.head_dim = head_dim;
+    args.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    check(*device_, api_.attention(device_->context, &args), "attention");
+    out_buffer_.download(0, query.out, bytes);
+  }
+
+  void shift_keys(DeviceKvCache& kv, std::span<const int> slots, std::span<const float> cos,
+                  std::span<const float> sin, int n_kv_head, int head_dim, bool adjacent_pairs) override {
+    if (slots.empty()) return;
+    PluginKvCache& c = static_cast<PluginKvCache&>(kv);
+    std::vector<int32_t> slot_list(slots.begin(), slots.end());
+    std::vector<float> cos_sin(cos.begin(), cos.end());
+    cos_sin.insert(cos_sin.end(), sin.begin(), sin.end());
+    DeviceBuffer slot_buffer(device_, slot_list.size() * sizeof(int32_t));
+    DeviceBuffer angle_buffer(device_, cos_sin.size() * sizeof(float));
+    slot_buffer.upload(0, slot_list.data(), slot_list.size() * sizeof(int32_t));
+    angle_buffer.upload(0, cos_sin.data(), cos_sin.size() * sizeof(float));
+    ringlm_rope_shift_args args{};
+    args.keys = c.keys.get();
+    args.layer_stride_bytes = c.layer_bytes;
+    args.n_layer = c.shape.n_layer;
+    args.kv_format = c.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
+    args.row_stride = c.shape.row_width;
+    args.slots = slot_buffer.get();
+    args.n_moved = static_cast<int32_t>(slot_list.size());
+    args.n_head_kv = n_kv_head;
+    args.head_dim = head_dim;
+    args.n_rot = static_cast<int32_t>(2 * cos.size());
+    args.adjacent_pairs = adjacent_pairs ? 1 : 0;
+    args.cos_sin = angle_buffer.get();
+    check(*device_, api_.rope_shift(device_->context, &args), "rope_shift");
+  }
+
+ private:
+  // The largest M (<= kMaxDeviceRows) the device multiplies `w` by in one call; 0: the device
+  // does not take this weight at all.
+  int64_t device_rows_for(const WeightView& w) const {
+    if (!nameable_format(w.type)) return 0;
+    ringlm_op_desc desc{};
+    desc.op = RINGLM_OP_MATMUL;
+    desc.weight_format = static_cast<uint32_t>(w.type);
+    desc.n = w.rows;
+    desc.k = w.cols;
+    for (int64_t m = kMaxDeviceRows; m >= 1; m /= 2) {
+      desc.m = m;
+      if (api_.supports(device_->context, &desc) != 0) return m;
+    }
+    return 0;
+  }
+
+  void ensure(DeviceBuffer& buffer, size_t bytes) {
+    if (buffer.get() == nullptr || buffer.bytes() < bytes) buffer = DeviceBuffer(device_, std::max(bytes, 2 * buffer.bytes()));
+  }
+
+  // The input rows as the products should see them: normalised on the host when asked.
+  const float* normalised(const MatmulInput& in, int64_t cols) {
+    if (in.rms_weight == nullptr) return in.x;
+    const size_t n = static_cast<size_t>(in.n_tokens * cols);
+    if (normed_.size() < n) normed_.resize(n);
+    for (int64_t m = 0; m < in.n_tokens; ++m) {
+      const float* x = in.x + m * cols;
+      double sum_sq = 0;
+      for (int64_t i = 0; i < cols; ++i) sum_sq += static_cast<double>(x[i]) * x[i];
+      const float scale = static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(cols) + in.rms_eps));
+      float* dst = normed_.data() + m * cols;
+      for (int64_t i = 0; i < cols; ++i) dst[i] = x[i] * scale * in.rms_weight[i];
+    }
+    return normed_.data();
+  }
+
+  void upload_input(const float* x, int64_t n_tokens, int64_t cols) {
+    const size_t bytes = static_cast<size_t>(n_tokens * cols) * sizeof(float);
+    ensure(x_buffer_, bytes);
+    x_buffer_.upload(0, x, bytes);
+  }
+
+  // y = x · wᵀ for the n_tokens rows in x_buffer_, in chunks of the device's flat-GEMM rows.
+  void device_product(const PluginWeight& w, int64_t n_tokens, float* y) {
+    const size_t bytes = static_cast<size_t>(n_tokens * w.rows()) * sizeof(float);
+    ensure(y_buffer_, bytes);
+    for (int64_t m0 = 0; m0 < n_tokens; m0 += w.max_rows) {
+      ringlm_matmul_args args{};
+      args.weight = w.data.get();
+      args.weight_format = static_cast<uint32_t>(w.type);
+      args.n = w.rows();
+      args.k = w.cols();
+      args.x = x_buffer_.get();
+      args.x_offset = static_cast<size_t>(m0 * w.cols()) * sizeof(float);
+      args.y = y_buffer_.get();
+      args.y_offset = static_cast<size_t>(m0 * w.rows()) * sizeof(float);
+      args.m = std::min(w.max_rows, n_tokens - m0);
+      check(*device_, api_.matmul(device_->context, &args), "matmul");
+    }
+    y_buffer_.download(0, y, bytes);
+  }
+
+  std::shared_ptr<OpenedDevice> device_;
+  const ringlm_plugin& api_;
+  std::unique_ptr<Backend> cpu_;
+  std::string name_;
+  DeviceBuffer x_buffer_, y_buffer_, q_buffer_, out_buffer_;
+  std::vector<float> normed_, up_out_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_plugin_backend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu) {
+  if (device == nullptr || device->context == nullptr) throw std::invalid_argument("make_plugin_backend: no device");
+  ringlm_op_desc probe{};
+  probe.op = RINGLM_OP_MATMUL;
+  probe.weight_format = RINGLM_FORMAT_Q4_0;
+  probe.m = 1;
+  probe.n = 32;
+  probe.k = 32;
+  if (device->plugin->api().supports(device->context, &probe) == 0) {
+    throw std::runtime_error(device_label(*device) + " does not run the INT4 matmul (Q4_0, 1x32x32); nothing would run there");
+  }
+  return std::make_unique<PluginBackend>(std::move(device), std::move(cpu));
+}
+
+}  // namespace ringlm
+
+namespace ringlm {
+
+std::unique_ptr<Backend> make_backend(const BackendChoice& choice, std::string& notice) {
+  notice.clear();
+  const DeviceSpec spec = parse_device_spec(choice.device);
+  std::unique_ptr<Backend> cpu = make_cpu_backend(choice.n_threads, choice.compute);
+  if (spec.kind == DeviceSpec::Kind::kCpu) return cpu;
+  const std::vector<std::filesystem::path> dirs = plugin_search_dirs(choice.plugin_dir);
+  if (spec.kind == DeviceSpec::Kind::kPlugin) {
+    std::shared_ptr<OpenedDevice> device = open_plugin_device(spec, dirs, choice.cache_dir);
+    return make_plugin_backend(std::move(device), std::move(cpu));
+  }
+  std::string why;
+  std::shared_ptr<OpenedDevice> device = open_auto_device(dirs, choice.cache_dir, why);
+  if (device == nullptr) {
+    notice = "--device auto: " + why;
+    return cpu;
+  }
+  try {
+    return make_plugin_backend(std::move(device), std::move(cpu));
+  } catch (const std::exception& e) {
+    notice = std::string("--device auto: ") + e.what() + "; running on the CPU";
+    return make_cpu_backend(choice.n_threads, choice.compute);
+  }
+}
+
+}  // namespace ringlm

@@ -1,0 +1,39 @@
+// A backend on a plugin's device (backends/plugin_api.h, opened by backends/plugin_loader.h).
+//
+// The products of every weight the plugin supports run on the device, the weight uploaded once
+// at prepare; attention runs there over KV caches kept in the device's memory (DeviceAttention),
+// with the StreamingLLM key shift done there too. Whatever the plugin does not take (a weight
+// format or shape it refuses, an attention geometry) runs on the CPU backend it wraps. Between
+// ops, activations come back to the host: RMSNorm, RoPE, SiLU and the residual adds stay on the
+// CPU (a few microseconds per layer at decode sizes).
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "backends/backend.h"
+#include "backends/cpu/cpu_backend.h"
+#include "backends/plugin_loader.h"
+
+namespace ringlm {
+
+// `cpu` runs what the device does not take. Throws std::runtime_error when the device cannot
+// even take a small matmul (nothing would run there).
+std::unique_ptr<Backend> make_plugin_backend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu);
+
+// What --device, --plugin-dir, -t and --compute ask for.
+struct BackendChoice {
+  std::string device = "cpu";        // cpu | auto | <plugin>[:N]
+  std::string plugin_dir;            // searched first (plugin_search_dirs)
+  std::filesystem::path cache_dir;   // where plugins keep compiled programs; empty: none
+  int n_threads = 0;
+  ComputeType compute = ComputeType::kInt8;
+};
+
+// The backend `choice` names. A named device that cannot run throws PluginError (or
+// std::invalid_argument for a malformed --device) with the cause; "auto" takes the first GPU of
+// any plugin and otherwise the CPU, setting `notice` to a one-line reason for the fallback.
+std::unique_ptr<Backend> make_backend(const BackendChoice& choice, std::string& notice);
+
+}  // namespace ringlm

@@ -1,0 +1,250 @@
+// The model on a plugin's device (the OpenCL plugin on PoCL here) against the model on the CPU:
+// the same SmolLM2 weights, the products and attention run by the device's kernels, the KV cache
+// kept in the device's memory and shifted there (StreamingLLM). The CPU reference computes in
+// fp32 (--compute fp32), as the device does; the two sum in different orders, so logits agree
+// to a tolerance and the greedy choices agree exactly.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "backends/plugin_backend.h"
+#include "core/model/loader.h"
+
+namespace ringlm {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::string plugin_dir() { return std::filesystem::path(RINGLM_BINARY).parent_path().string(); }
+std::string work_dir() {
+  const std::string dir = std::string(RINGLM_TEST_WORK_DIR) + "/test_device_model";
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::unique_ptr<Backend> opencl_backend() {
+  BackendChoice choice;
+  choice.device = "opencl";
+  choice.plugin_dir = plugin_dir();
+  choice.cache_dir = work_dir() + "/kernels";
+  choice.n_threads = 1;
+  choice.compute = ComputeType::kFp32;
+  std::string notice;
+  std::unique_ptr<Backend> backend = make_backend(choice, notice);
+  EXPECT_EQ(notice, "");
+  return backend;
+}
+
+int argmax(const std::vector<float>& v) { return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin()); }
+
+// Largest |a - b| over the logits, relative to the range of b.
+float relative_gap(const std::vector<float>& a, const std::vector<float>& b) {
+  const auto [lo, hi] = std::minmax_element(b.begin(), b.end());
+  float worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  return worst / (*hi - *lo);
+}
+
+class DeviceModel : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    omp_set_num_threads(1);
+    cpu_ = new LoadedModel(load_model(RINGLM_TEST_MODEL, 1, ComputeType::kFp32));
+    device_ = new LoadedModel(load_model(RINGLM_TEST_MODEL, opencl_backend()));
+  }
+  static void TearDownTestSuite() {
+    delete device_;
+    delete cpu_;
+    device_ = cpu_ = nullptr;
+  }
+  static std::vector<int32_t> tokens(const char* text) { return cpu_->tokenizer->encode(text, false, true); }
+  static size_t vocab() { return static_cast<size_t>(cpu_->model->hparams().n_vocab); }
+
+  static LoadedModel* cpu_;
+  static LoadedModel* device_;
+};
+
+LoadedModel* DeviceModel::cpu_ = nullptr;
+LoadedModel* DeviceModel::device_ = nullptr;
+
+TEST_F(DeviceModel, RunsOnThePluginDevice) {
+  EXPECT_EQ(device_->backend->name(), "opencl");
+  EXPECT_NE(device_->backend->device_attention(), nullptr);
+  EXPECT_THAT(device_->backend->device_description(), HasSubstr("opencl:0"));
+}
+
+// Prefill and decode: the logits of every step agree, and so does the greedy token.
+TEST_F(DeviceModel, PrefillAndDecodeLogitsMatchTheCpu) {
+  const std::vector<int32_t> prompt = tokens("The capital of France is Paris. The capital of Italy is");
+  KvCache cpu_cache = cpu_->model->make_cache(256), device_cache = device_->model->make_cache(256);
+  std::vector<float> cpu_logits(vocab()), device_logits(vocab());
+  cpu_->model->forward(prompt, cpu_cache, cpu_logits.data());
+  device_->model->forward(prompt, device_cache, device_logits.data());
+  ASSERT_NE(device_cache.device_copy(), nullptr);  // the cache lives on the device
+  for (int step = 0; step < 8; ++step) {
+    EXPECT_LT(relative_gap(device_logits, cpu_logits), 1e-3f) << "step " << step;
+    ASSERT_EQ(argmax(device_logits), argmax(cpu_logits)) << "step " << step;
+    const std::vector<int32_t> next = {argmax(cpu_logits)};
+    cpu_->model->forward(next, cpu_cache, cpu_logits.data());
+    device_->model->forward(next, device_cache, device_logits.data());
+  }
+}
+
+// StreamingLLM on the device: a small ring that overflows several times (sinks kept, keys
+// re-rotated on the device) gives the logits the CPU's ring gives.
+TEST_F(DeviceModel, StreamingOverflowMatchesTheCpu) {
+  KvCacheOptions options;
+  options.n_keep = 4;
+  options.context_shift = true;
+  KvCache cpu_cache = cpu_->model->make_cache(32, options), device_cache = device_->model->make_cache(32, options);
+  std::vector<int32_t> text = tokens(
+      "In the beginning God created the heaven and the earth. And the earth was without form, and void; and darkness "
+      "was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God said, Let there "
+      "be light: and there was light. And God saw the light, that it was good: and God divided the light from the "
+      "darkness.");
+  ASSERT_GT(text.size(), 70u);
+  std::vector<float> cpu_logits(vocab()), device_logits(vocab());
+  // Chunks of 7 tokens: prefill chunks that straddle the ring's wrap, then shifts.
+  for (size_t at = 0; at < text.size(); at += 7) {
+    const std::vector<int32_t> chunk(text.begin() + static_cast<long>(at),
+                                     text.begin() + static_cast<long>(std::min(text.size(), at + 7)));
+    cpu_->model->forward(chunk, cpu_cache, cpu_logits.data());
+    device_->model->forward(chunk, device_cache, device_logits.data());
+    EXPECT_LT(relative_gap(device_logits, cpu_logits), 1e-3f) << "after token " << at + chunk.size();
+    EXPECT_EQ(argmax(device_logits), argmax(cpu_logits)) << "after token " << at + chunk.size();
+  }
+  EXPECT_GE(device_cache.shifts(), 3);
+  EXPECT_EQ(device_cache.shifts(), cpu_cache.shifts());
+  EXPECT_EQ(device_cache.next_position(), cpu_cache.next_position());
+}
+
+// Several sequences in one pass on the device: each gets, bit for bit, what it gets alone there
+// (a row's product does not depend on the other rows), so batch greedy outputs do not depend on
+// --parallel on the device either.
+TEST_F(DeviceModel, BatchedSequencesMatchSequencesAlone) {
+  LlamaModel& model = *device_->model;
+  const std::vector<int32_t> a = tokens("Once upon a time"), b = tokens("The quick brown fox jumps over");
+  KvCache ca = model.make_cache(128), cb = model.make_cache(128);
+  std::vector<float> la(vocab()), lb(vocab());
+  const LlamaModel::SequenceTokens batch[] = {{a, &ca, la.data()}, {b, &cb, lb.data()}};
+  model.forward_batch(batch);
+  KvCache alone_a = model.make_cache(128), alone_b = model.make_cache(128);
+  std::vector<float> alone_la(vocab()), alone_lb(vocab());
+  model.forward(a, alone_a, alone_la.data());
+  model.forward(b, alone_b, alone_lb.data());
+  EXPECT_EQ(la, alone_la);
+  EXPECT_EQ(lb, alone_lb);
+}
+
+// A cache that reads a shared prompt prefix (batch sampling) attends on the CPU from the host
+// copy: still the right answer on a device backend.
+TEST_F(DeviceModel, PrefixCachesFallBackToTheCpuCorrectly) {
+  LlamaModel& model = *device_->model;
+  const std::vector<int32_t> prompt = tokens("Write a haiku about autumn leaves");
+  auto shared = std::make_shared<KvCache>(model.make_cache(128));
+  std::vector<float> logits(vocab()), whole_logits(vocab());
+  model.forward(prompt, *shared, logits.data());
+  KvCache sample = model.make_cache(128), whole = model.make_cache(128);
+  sample.attach_prefix(shared);
+  model.forward(prompt, whole, whole_logits.data());
+  const std::vector<int32_t> next = {argmax(logits)};
+  model.forward(next, sample, logits.data());
+  model.forward(next, whole, whole_logits.data());
+  EXPECT_LT(relative_gap(logits, whole_logits), 1e-3f);
+  EXPECT_EQ(argmax(logits), argmax(whole_logits));
+}
+
+// --- The command line --------------------------------------------------------------------------
+
+struct Output {
+  int status = -1;
+  std::string out, err;
+};
+
+Output run_ringlm(const std::string& args) {
+  // CTest runs each test in its own process, several at once: files of their own.
+  const std::string stem = work_dir() + "/" + std::to_string(::getpid());
+  const std::string out_file = stem + ".stdout", err_file = stem + ".stderr";
+  const std::string command = std::string(RINGLM_BINARY) + " " + args + " </dev/null >" + out_file + " 2>" + err_file;
+  Output o;
+  o.status = std::system(command.c_str());
+  const auto slurp = [](const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  o.out = slurp(out_file);
+  o.err = slurp(err_file);
+  return o;
+}
+
+std::string run_args(const std::string& device, const std::string& extra = "") {
+  return "run -m " + std::string(RINGLM_TEST_MODEL) + " -t 1 --temp 0 -n 32 --ignore-eos -p 'The capital of France is' " +
+         "--device " + device + " --plugin-dir " + plugin_dir() + " " + extra;
+}
+
+TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpu) {
+  const Output cpu = run_ringlm(run_args("cpu", "--compute fp32"));
+  const Output device = run_ringlm(run_args("opencl"));
+  ASSERT_EQ(cpu.status, 0) << cpu.err;
+  ASSERT_EQ(device.status, 0) << device.err;
+  EXPECT_GT(cpu.out.size(), 40u);
+  EXPECT_EQ(device.out, cpu.out);
+}
+
+TEST(DeviceCli, MissingDeviceIndexIsAClearError) {
+  const Output o = run_ringlm(run_args("opencl:7"));
+  EXPECT_NE(o.status, 0);
+  EXPECT_THAT(o.err, HasSubstr("opencl"));
+  EXPECT_THAT(o.err, HasSubstr("7"));
+  EXPECT_EQ(o.out, "");
+}
+
+TEST(DeviceCli, UnknownPluginIsAClearError) {
+  const Output o = run_ringlm(run_args("vulkan"));
+  EXPECT_NE(o.status, 0);
+  EXPECT_THAT(o.err, HasSubstr("vulkan"));
+  EXPECT_THAT(o.err, HasSubstr("opencl"));  // what was found instead
+}
+
+TEST(DeviceCli, MalformedDeviceIsAClearError) {
+  const Output o = run_ringlm(run_args("opencl:x"));
+  EXPECT_NE(o.status, 0);
+  EXPECT_THAT(o.err, HasSubstr("opencl:x"));
+}
+
+// Without a GPU (here PoCL's CPU device is the only OpenCL device), auto keeps the native CPU
+// path, says why in one line, and still answers; with one, it takes it without a notice.
+TEST(DeviceCli, AutoTakesAGpuOrFallsBackToTheCpuWithANotice) {
+  bool has_gpu = false;
+  for (const auto& plugin : scan_plugins(plugin_search_dirs(plugin_dir())).loaded) {
+    for (const ringlm_device_info& info : plugin->devices()) has_gpu = has_gpu || info.type == RINGLM_DEVICE_GPU;
+  }
+  const Output o = run_ringlm(run_args("auto"));
+  ASSERT_EQ(o.status, 0) << o.err;
+  EXPECT_THAT(o.out, HasSubstr("Paris"));
+  if (has_gpu) {
+    EXPECT_THAT(o.err, Not(HasSubstr("--device auto")));
+  } else {
+    EXPECT_THAT(o.err, HasSubstr("--device auto: no GPU"));
+  }
+}
+
+}  // namespace
+}  // namespace ringlm
