@@ -51,6 +51,11 @@ struct MatmulInput {
   float rms_eps = 0.0f;
 };
 
+// Row m of `in` as the products see it: RMS-normalised and scaled into `out` ([cols]) when the
+// input asks for it (returns out), else the row itself (returns in.x + m * cols, out untouched).
+// Every backend normalises through this one function, so they agree on the rounding.
+const float* normalized_input_row(const MatmulInput& in, int64_t m, int64_t cols, float* out);
+
 class Backend {
  public:
   virtual ~Backend() = default;

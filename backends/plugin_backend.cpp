@@ -300,14 +300,7 @@ class PluginBackend final : public Backend, public DeviceAttention {
     if (in.rms_weight == nullptr) return in.x;
     const size_t n = static_cast<size_t>(in.n_tokens * cols);
     if (normed_.size() < n) normed_.resize(n);
-    for (int64_t m = 0; m < in.n_tokens; ++m) {
-      const float* x = in.x + m * cols;
-      double sum_sq = 0;
-      for (int64_t i = 0; i < cols; ++i) sum_sq += static_cast<double>(x[i]) * x[i];
-      const float scale = static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(cols) + in.rms_eps));
-      float* dst = normed_.data() + m * cols;
-      for (int64_t i = 0; i < cols; ++i) dst[i] = x[i] * scale * in.rms_weight[i];
-    }
+    for (int64_t m = 0; m < in.n_tokens; ++m) normalized_input_row(in, m, cols, normed_.data() + m * cols);
     return normed_.data();
   }
 

@@ -103,23 +103,6 @@ Range share(int64_t units, int t, int n) { return {units * t / n, units * (t + 1
 // small matrices still split evenly over a few threads, capped to keep the tile in L2.
 int64_t sgemm_tile_rows(int64_t rows) { return std::min(kMaxTileRows, std::max<int64_t>(8, (rows + 63) / 64 * 8)); }
 
-// 1 / RMS of a row: the factor RMSNorm applies before its weight.
-float inverse_rms(const float* x, int64_t n, float eps) {
-  double sum_sq = 0;
-  for (int64_t i = 0; i < n; ++i) sum_sq += static_cast<double>(x[i]) * x[i];
-  return static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(n) + eps));
-}
-
-// One input row as the kernels should see it: normalised into `scratch` when the input asks for
-// RMSNorm, else the row itself.
-const float* input_row(const MatmulInput& in, int64_t m, int64_t cols, float* scratch) {
-  const float* x = in.x + m * cols;
-  if (in.rms_weight == nullptr) return x;
-  const float scale = inverse_rms(x, cols, in.rms_eps);
-  for (int64_t i = 0; i < cols; ++i) scratch[i] = x[i] * scale * in.rms_weight[i];
-  return scratch;
-}
-
 class CpuBackend final : public Backend {
  public:
   // A fixed crossover > 0 holds for every weight; 0 leaves each to `table`. A table measured
@@ -279,7 +262,7 @@ class CpuBackend final : public Backend {
 #pragma omp parallel for num_threads(n_threads_) schedule(static) if (in.n_tokens > 1)
     for (int64_t m = 0; m < in.n_tokens; ++m) {
       float* dst = normed_.data() + m * cols;
-      const float* src = input_row(in, m, cols, dst);
+      const float* src = normalized_input_row(in, m, cols, dst);
       if (src != dst) std::copy_n(src, cols, dst);
     }
     return normed_.data();
@@ -291,7 +274,7 @@ class CpuBackend final : public Backend {
     reserve(in.n_tokens, cols, 0);
     act_k_ = cols;
     const auto quantize_rows = [&](int64_t m_begin, int64_t m_end, float* scratch) {
-      for (int64_t m = m_begin; m < m_end; ++m) cpu::quantize_acts(input_row(in, m, cols, scratch), 0, 1, acts_row(m));
+      for (int64_t m = m_begin; m < m_end; ++m) cpu::quantize_acts(normalized_input_row(in, m, cols, scratch), 0, 1, acts_row(m));
     };
     // Quantizing a few rows is cheaper than waking the threads for it.
     if (in.n_tokens <= kPreparedTokens) return quantize_rows(0, in.n_tokens, per_thread_[0].row.data());

@@ -197,6 +197,11 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
     for (size_t i = 0; i < factors.size(); ++i) rope_inv_freq_[i] /= factors[i];
   }
 
+  if (device_ != nullptr) {  // asked once here: attends_on_device() runs for every sequence of every layer
+    device_attends_f16_ = device_->supports(hp_.n_head, hp_.n_head_kv, hp_.head_dim, true);
+    device_attends_f32_ = device_->supports(hp_.n_head, hp_.n_head_kv, hp_.head_dim, false);
+  }
+
   scratch_ = std::make_unique<Scratch>();
   const auto M = static_cast<size_t>(max_batch_);
   scratch_->x.resize(M * d);
@@ -284,8 +289,7 @@ void LlamaModel::shift_context(KvCache& cache) const {
 }
 
 bool LlamaModel::attends_on_device(const KvCache& cache) const {
-  return device_ != nullptr && cache.prefix() == nullptr &&
-         device_->supports(hp_.n_head, hp_.n_head_kv, hp_.head_dim, cache.type() == KvType::kF16);
+  return cache.prefix() == nullptr && (cache.type() == KvType::kF16 ? device_attends_f16_ : device_attends_f32_);
 }
 
 void LlamaModel::sync_device_copy(KvCache& cache) {

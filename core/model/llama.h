@@ -118,6 +118,8 @@ class LlamaModel {
   LlamaHparams hp_;
   Backend& backend_;
   DeviceAttention* device_ = nullptr;  // the backend's, or nullptr: attention on the CPU
+  bool device_attends_f16_ = false;    // device_ runs this model's attention over fp16 caches
+  bool device_attends_f32_ = false;    // ... over fp32 caches
   const GgufTensorInfo* token_embd_ = nullptr;
   std::vector<Layer> layers_;
   std::vector<float> output_norm_;
