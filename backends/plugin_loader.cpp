@@ -51,13 +51,18 @@ std::string without_path_prefix(std::string text, const std::string& path) {
   return text;
 }
 
-// The table fields the loader itself calls or prints; a NULL one would crash ringlm later.
+// Every function of the table: the loader calls some, the plugin backend the others; a NULL one
+// would crash ringlm later instead of being refused here.
 void check_required_fields(const ringlm_plugin& api, const fs::path& library) {
   if (api.name == nullptr || *api.name == '\0') throw PluginLoadError(library, "plugin table has no name");
   const std::pair<const char*, bool> functions[] = {
       {"last_error", api.last_error != nullptr}, {"device_count", api.device_count != nullptr},
       {"device_info", api.device_info != nullptr}, {"open", api.open != nullptr},
-      {"close", api.close != nullptr},
+      {"close", api.close != nullptr}, {"alloc", api.alloc != nullptr},
+      {"free", api.free != nullptr}, {"upload", api.upload != nullptr},
+      {"download", api.download != nullptr}, {"supports", api.supports != nullptr},
+      {"matmul", api.matmul != nullptr}, {"attention", api.attention != nullptr},
+      {"rope_shift", api.rope_shift != nullptr},
   };
   for (const auto& [field, present] : functions) {
     if (!present) throw PluginLoadError(library, std::string("plugin table has no '") + field + "' function");

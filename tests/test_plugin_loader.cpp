@@ -166,6 +166,11 @@ TEST(LoadPlugin, NullTableIsNamed) {
   EXPECT_EQ(load_error(library), library.string() + ": ringlm_plugin_entry returned NULL");
 }
 
+TEST(LoadPlugin, MissingFunctionInTheTableIsNamed) {
+  const fs::path library = fs::path(RINGLM_TEST_PLUGIN_DIR) / "no_matmul" / "libringlm-nomatmul.so";
+  EXPECT_EQ(load_error(library), library.string() + ": plugin table has no 'matmul' function");
+}
+
 TEST(LoadPlugin, TooSmallTableSaysBothSizes) {
   const fs::path library = broken_dir() / "libringlm-small.so";
   EXPECT_THAT(load_error(library),

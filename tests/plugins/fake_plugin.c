@@ -10,6 +10,7 @@
  *   FAKE_CPU_ONLY           one CPU-type device instead of a GPU and a CPU
  *   FAKE_OPEN_FAILS         open returns NULL with a two-line "build log" as last_error
  *   FAKE_UNDEFINED_SYMBOL   calls a function nothing defines, so dlopen(RTLD_NOW) fails
+ *   FAKE_NULL_MATMUL        a table without its matmul function
  *
  * The working devices do trivial things: a context is a static object, buffers are malloc'd.
  */
@@ -142,7 +143,8 @@ static int32_t fake_supports(const ringlm_context* ctx, const ringlm_op_desc* de
   return 0;
 }
 
-static int32_t fake_matmul(ringlm_context* ctx, const ringlm_matmul_args* args) {
+/* unused in the FAKE_NULL_MATMUL build, whose table leaves it out */
+__attribute__((unused)) static int32_t fake_matmul(ringlm_context* ctx, const ringlm_matmul_args* args) {
   (void)ctx;
   (void)args;
   return RINGLM_ERROR_UNSUPPORTED;
@@ -176,7 +178,11 @@ static const ringlm_plugin fake_table __attribute__((unused)) = {
     .upload = fake_upload,
     .download = fake_download,
     .supports = fake_supports,
+#ifdef FAKE_NULL_MATMUL
+    .matmul = NULL,
+#else
     .matmul = fake_matmul,
+#endif
     .attention = fake_attention,
     .rope_shift = fake_rope_shift,
 };
