@@ -7,7 +7,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <cstdio>
@@ -73,14 +75,15 @@ std::map<std::string, std::string> texts_by_id(const std::vector<json>& recs) {
   return m;
 }
 
-// Prompts of different lengths, so sequences finish at different steps and others join.
-std::string eight_prompts(int max_tokens) {
+// Prompts of different lengths with max_tokens, max_tokens - shorter_by, ...: sequences finish at
+// different steps and others join.
+std::string eight_prompts(int max_tokens, int shorter_by = 3) {
   const char* prompts[] = {"The capital of France is", "Once upon a time", "The best way to learn to cook is",
                            "In 1969, astronauts", "A recipe for bread: first,", "The three primary colours are",
                            "Write a haiku about the sea:", "def fibonacci(n):"};
   std::string s;
   for (int i = 0; i < 8; ++i) {
-    json line = {{"prompt", prompts[i]}, {"max_tokens", max_tokens - 3 * i}};
+    json line = {{"prompt", prompts[i]}, {"max_tokens", max_tokens - shorter_by * i}};
     line["id"] = std::string("p").append(std::to_string(i));
     s.append(line.dump()).append("\n");
   }
@@ -141,6 +144,24 @@ TEST(BatchCli, GreedyOutputsDoNotDependOnParallel) {
       EXPECT_EQ(texts, reference) << "--parallel " << parallel;
     }
   }
+}
+
+// Short prompts join together: eight prompts of a few tokens fit one step's prompt budget
+// (--prefill-chunk 64), so all eight are prefilled in the first step and each sequence then
+// takes a step per token. One prompt per step would take 7 more steps before the last one
+// starts.
+TEST(BatchCli, ShortPromptsArePrefilledInOneStep) {
+  const BatchRunResult r = run_batch("join", eight_prompts(12, 0), "--parallel 8");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  int most_tokens = 0;
+  for (const json& j : records(work_dir() + "/join.out")) most_tokens = std::max(most_tokens, j["tokens"].get<int>());
+  ASSERT_GT(most_tokens, 0) << r.err;
+  const size_t at = r.err.find("(--parallel 8, ");
+  ASSERT_NE(at, std::string::npos) << r.err;
+  const int steps = std::stoi(r.err.substr(at + std::strlen("(--parallel 8, ")));
+  // Step 1 prefills every prompt and gives each its first token; a sequence that ends by
+  // end-of-generation needs one step more than its tokens.
+  EXPECT_LE(steps, most_tokens + 1) << r.err;
 }
 
 TEST(BatchCli, KilledRunResumesAndLosesNothing) {

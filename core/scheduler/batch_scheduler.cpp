@@ -136,23 +136,26 @@ bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) 
   admit();
   if (idle()) return false;
 
-  // The pass: every decoding sequence's pending token, then the next chunk of one prompt.
+  // The pass: every decoding sequence's pending token, then the next chunks of joining prompts,
+  // up to prefill_chunk prompt tokens in all. A prompt's chunks are fixed (prefill_chunk tokens
+  // from its start), so a chunk that does not fit what is left of the step waits for the next
+  // one; the first chunk of the step always goes in.
   std::vector<LlamaModel::SequenceTokens> batch;
   std::vector<Slot*> in_batch;
-  Slot* prefilling = nullptr;
   for (auto& s : slots_) {
-    if (s->state == Slot::State::kDecode) {
-      batch.push_back({std::span<const int32_t>(&s->next_token, 1), &s->cache, s->logits.data()});
-      in_batch.push_back(s.get());
-    } else if (s->state == Slot::State::kPrefill && prefilling == nullptr) {
-      prefilling = s.get();
-    }
+    if (s->state != Slot::State::kDecode) continue;
+    batch.push_back({std::span<const int32_t>(&s->next_token, 1), &s->cache, s->logits.data()});
+    in_batch.push_back(s.get());
   }
   const auto now = Clock::now();
-  if (prefilling != nullptr) {
-    Slot& s = *prefilling;
-    if (s.prefilled == 0) s.started = now;
+  size_t prompt_budget = static_cast<size_t>(options_.prefill_chunk);
+  for (auto& slot : slots_) {
+    Slot& s = *slot;
+    if (s.state != Slot::State::kPrefill) continue;
     const size_t n = std::min(static_cast<size_t>(options_.prefill_chunk), s.request.prompt.size() - s.prefilled);
+    if (n > prompt_budget) continue;
+    prompt_budget -= n;
+    if (s.prefilled == 0) s.started = now;
     const bool last = s.prefilled + n == s.request.prompt.size();
     batch.push_back({std::span<const int32_t>(s.request.prompt).subspan(s.prefilled, n), &s.cache,
                      last ? s.logits.data() : nullptr});

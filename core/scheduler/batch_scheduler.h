@@ -1,7 +1,8 @@
 // Continuous batching (iteration-level scheduling, as in Orca): up to n_parallel sequences
-// advance together, one forward pass per step with a row for every decoding sequence plus at
-// most one chunk of a joining prompt. A sequence that finishes leaves at once and a waiting
-// request takes its slot in the same step.
+// advance together, one forward pass per step with a row for every decoding sequence plus
+// chunks of joining prompts, at most prefill_chunk prompt tokens per step (several short
+// prompts join in one step; a long one is spread over several). A sequence that finishes leaves
+// at once and a waiting request takes its slot in the same step.
 //
 // Every prompt is prefilled in the same fixed chunks (prefill_chunk tokens from its start)
 // whatever else runs, and a row's result does not depend on the other rows of a pass
@@ -54,7 +55,7 @@ struct GenerationResult {
 struct BatchOptions {
   int n_parallel = 4;
   int n_ctx = 2048;        // per sequence: prompt + generated tokens
-  int prefill_chunk = 64;  // prompt tokens per chunk
+  int prefill_chunk = 64;  // prompt tokens per chunk, and per step
   KvType cache_type = KvType::kF16;
   // false: n samples are n independent sequences, each prefilling and holding the prompt (the
   // baseline that the segment cache is measured against).
