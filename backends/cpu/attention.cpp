@@ -68,110 +68,135 @@ float ExpBlockRow(float* s, int64_t n, float phi, float* block_max) {
   return ExpShiftedRow(s, n, phi);
 }
 
-// dst[j][0 .. n) = src[j * src_stride + 0 .. n) as fp32, for j < rows: a block of fp16 keys or
-// values of one head, converted once for all the query rows that meet it.
-void F16RowsToF32(const uint16_t* src, int64_t src_stride, int rows, int n, float* dst) {
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
-  const int lanes = static_cast<int>(hn::Lanes(df));
-  for (int j = 0; j < rows; ++j) {
-    const auto* in = reinterpret_cast<const hwy::float16_t*>(src + j * src_stride);
-    float* o = dst + static_cast<int64_t>(j) * n;
-    int c = 0;
-    for (; c + lanes <= n; c += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in + c)), df, o + c);
-    for (; c < n; ++c) o[c] = fp16_to_fp32(src[j * src_stride + c]);
-  }
-}
-
-// One key's or value's hd elements as fp32: an fp32 row as it is; an fp16 row converted into
-// `buf` (hd floats, in L1), once for all the query rows that meet it.
-HWY_INLINE const float* RowAsF32(const float* row, int /*hd*/, float* /*buf*/) { return row; }
-HWY_INLINE const float* RowAsF32(const uint16_t* row, int hd, float* buf) {
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
-  const int lanes = static_cast<int>(hn::Lanes(df));
-  const auto* in = reinterpret_cast<const hwy::float16_t*>(row);
-  int c = 0;
-  for (; c + lanes <= hd; c += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in + c)), df, buf + c);
-  for (; c < hd; ++c) buf[c] = fp16_to_fp32(row[c]);
-  return buf;
-}
-
-// Keys (values) a direct kernel asks for ahead of the one it multiplies. A sequence's head is a
+// Keys (values) a conversion asks for ahead of the one it converts. A sequence's head is a
 // short strided stream (tens of keys, a few hundred bytes apart) that the hardware prefetcher
 // barely starts on before it ends, and that the weights streamed through since the last step
-// have pushed out of the caches.
-constexpr int kPrefetchKeys = 4;
+// have pushed out of the caches: a miss costs about as much as converting 10-20 keys.
+constexpr int kPrefetchKeys = 16;
 
-template <typename T>
-HWY_INLINE void PrefetchRow(const T* row, int hd) {
+// One fp16 row of n elements as fp32.
+HWY_INLINE void F16RowToF32(const uint16_t* src, int n, float* dst) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  const auto* in = reinterpret_cast<const hwy::float16_t*>(src);
+  int c = 0;
+  for (; c + lanes <= n; c += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in + c)), df, dst + c);
+  for (; c < n; ++c) dst[c] = fp16_to_fp32(src[c]);
+}
+
+HWY_INLINE void PrefetchRow(const uint16_t* row, int n) {
   const auto* bytes = reinterpret_cast<const char*>(row);
-  for (size_t line = 0; line < hd * sizeof(T); line += 64) hwy::Prefetch(bytes + line);
+  for (size_t line = 0; line < n * sizeof(uint16_t); line += 64) hwy::Prefetch(bytes + line);
 }
 
-// scores[r][j] = q[r] · k[j] for rows r < n_rows of q ([n_rows][hd]) and keys j < n_keys (k_ld
-// elements apart, fp32 or fp16): the score block of a few query rows (decode), where sgemm's
-// packing of its operands costs more than the products, and fp16 keys are read in place.
-template <typename K>
-HWY_INLINE void ScoreRowsOf(const float* q, int n_rows, int hd, const K* k, int64_t k_ld, int n_keys, float* scores,
-                            int scores_ld) {
-  const hn::ScalableTag<float> d;
-  const int lanes = static_cast<int>(hn::Lanes(d));
-  HWY_ALIGN float row_buf[kMaxDirectHeadDim];
-  for (int j = 0; j < n_keys; ++j) {
-    if (j + kPrefetchKeys < n_keys) PrefetchRow(k + (j + kPrefetchKeys) * k_ld, hd);
-    const float* kj = RowAsF32(k + j * k_ld, hd, row_buf);
-    for (int r = 0; r < n_rows; ++r) {
-      const float* qr = q + r * hd;
-      auto sum = hn::Zero(d);
-      int c = 0;
-      for (; c + lanes <= hd; c += lanes) sum = hn::MulAdd(hn::LoadU(d, qr + c), hn::LoadU(d, kj + c), sum);
-      float dot = hn::GetLane(hn::SumOfLanes(d, sum));
-      for (; c < hd; ++c) dot += qr[c] * kj[c];
-      scores[r * scores_ld + j] = dot;
-    }
+// k_out[j][0 .. n) = k[j * stride + 0 .. n) as fp32 for j < rows, and the same for v: a block
+// of fp16 keys and values of one head, converted once for all the query rows that meet it.
+// Both streams are prefetched from the start, so the values are on their way while the keys
+// are converted.
+void F16KvRowsToF32(const uint16_t* k, const uint16_t* v, int64_t stride, int rows, int n, float* k_out,
+                    float* v_out) {
+  for (int j = 0; j < std::min(rows, kPrefetchKeys); ++j) {
+    PrefetchRow(k + j * stride, n);
+    PrefetchRow(v + j * stride, n);
   }
+  for (int j = 0; j < rows; ++j) {
+    if (j + kPrefetchKeys < rows) {
+      PrefetchRow(k + (j + kPrefetchKeys) * stride, n);
+      PrefetchRow(v + (j + kPrefetchKeys) * stride, n);
+    }
+    F16RowToF32(k + j * stride, n, k_out + static_cast<int64_t>(j) * n);
+  }
+  for (int j = 0; j < rows; ++j) F16RowToF32(v + j * stride, n, v_out + static_cast<int64_t>(j) * n);
 }
+
+// scores[r][j] = q[r] · k[j] for rows r < n_rows of q ([n_rows][hd]) and keys j < n_keys (fp32,
+// k_ld elements apart): the score block of a few query rows (decode), where sgemm's packing of
+// its operands costs more than the products. Eight keys at a time, each with its own
+// accumulator: one dot product is a chain of hd / lanes dependent FMAs, eight of them keep the
+// FMA units busy. A key's sum is the same whichever group of eight it falls in.
 void ScoreRows(const float* q, int n_rows, int hd, const float* k, int64_t k_ld, int n_keys, float* scores,
                int scores_ld) {
-  ScoreRowsOf(q, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
-}
-void ScoreRowsF16(const float* q, int n_rows, int hd, const uint16_t* k, int64_t k_ld, int n_keys, float* scores,
-                  int scores_ld) {
-  ScoreRowsOf(q, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
-}
-
-// acc[r] += sum_j p[r][j] * v[j] for rows r < n_rows: the value side of ScoreRows.
-template <typename V>
-HWY_INLINE void AccumulateRowsOf(const float* p, int n_rows, int p_ld, const V* v, int64_t v_ld, int n_keys, int hd,
-                                 float* acc) {
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
-  HWY_ALIGN float row_buf[kMaxDirectHeadDim];
-  for (int j = 0; j < n_keys; ++j) {
-    if (j + kPrefetchKeys < n_keys) PrefetchRow(v + (j + kPrefetchKeys) * v_ld, hd);
-    bool any = false;  // masked keys (weight 0 in every row) are skipped, fp16 ones unconverted
-    for (int r = 0; r < n_rows; ++r) any |= p[r * p_ld + j] != 0.0f;
-    if (!any) continue;
-    const float* vj = RowAsF32(v + j * v_ld, hd, row_buf);
+  const int vec_end = hd / lanes * lanes;
+  for (int j0 = 0; j0 < n_keys; j0 += 8) {
+    const int nk = std::min(8, n_keys - j0);
+    // Past the last key, the group repeats it: the work is thrown away, the loads stay valid.
+    const float* kr[8];
+    for (int i = 0; i < 8; ++i) kr[i] = k + (j0 + std::min(i, nk - 1)) * k_ld;
     for (int r = 0; r < n_rows; ++r) {
-      const float w = p[r * p_ld + j];
-      if (w == 0.0f) continue;
-      float* ar = acc + r * hd;
-      const auto vw = hn::Set(d, w);
-      int c = 0;
-      for (; c + lanes <= hd; c += lanes) hn::StoreU(hn::MulAdd(vw, hn::LoadU(d, vj + c), hn::LoadU(d, ar + c)), d, ar + c);
-      for (; c < hd; ++c) ar[c] += w * vj[c];
+      const float* qr = q + r * hd;
+      auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
+      auto a4 = hn::Zero(d), a5 = hn::Zero(d), a6 = hn::Zero(d), a7 = hn::Zero(d);
+      for (int c = 0; c < vec_end; c += lanes) {
+        const auto qv = hn::LoadU(d, qr + c);
+        a0 = hn::MulAdd(qv, hn::LoadU(d, kr[0] + c), a0);
+        a1 = hn::MulAdd(qv, hn::LoadU(d, kr[1] + c), a1);
+        a2 = hn::MulAdd(qv, hn::LoadU(d, kr[2] + c), a2);
+        a3 = hn::MulAdd(qv, hn::LoadU(d, kr[3] + c), a3);
+        a4 = hn::MulAdd(qv, hn::LoadU(d, kr[4] + c), a4);
+        a5 = hn::MulAdd(qv, hn::LoadU(d, kr[5] + c), a5);
+        a6 = hn::MulAdd(qv, hn::LoadU(d, kr[6] + c), a6);
+        a7 = hn::MulAdd(qv, hn::LoadU(d, kr[7] + c), a7);
+      }
+      const auto sum = [d](auto v) { return hn::GetLane(hn::SumOfLanes(d, v)); };
+      float dots[8] = {sum(a0), sum(a1), sum(a2), sum(a3), sum(a4), sum(a5), sum(a6), sum(a7)};
+      for (int c = vec_end; c < hd; ++c) {
+        for (int i = 0; i < 8; ++i) dots[i] += qr[c] * kr[i][c];
+      }
+      std::copy_n(dots, nk, scores + r * scores_ld + j0);
     }
   }
 }
+
+// acc[r][c0 .. c0 + 4 lanes) += sum_j p[r][j] * v[j][c0 ..) over the keys j < n_keys with a
+// non-zero weight: four columns of vectors held in registers across all the keys.
+template <class D>
+HWY_INLINE void AccumulateColumns4(D d, const float* pr, int n_keys, const float* v, int64_t v_ld, float* ar) {
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  auto a0 = hn::LoadU(d, ar), a1 = hn::LoadU(d, ar + lanes), a2 = hn::LoadU(d, ar + 2 * lanes),
+       a3 = hn::LoadU(d, ar + 3 * lanes);
+  for (int j = 0; j < n_keys; ++j) {
+    if (pr[j] == 0.0f) continue;  // masked keys
+    const auto w = hn::Set(d, pr[j]);
+    const float* vj = v + j * v_ld;
+    a0 = hn::MulAdd(w, hn::LoadU(d, vj), a0);
+    a1 = hn::MulAdd(w, hn::LoadU(d, vj + lanes), a1);
+    a2 = hn::MulAdd(w, hn::LoadU(d, vj + 2 * lanes), a2);
+    a3 = hn::MulAdd(w, hn::LoadU(d, vj + 3 * lanes), a3);
+  }
+  hn::StoreU(a0, d, ar);
+  hn::StoreU(a1, d, ar + lanes);
+  hn::StoreU(a2, d, ar + 2 * lanes);
+  hn::StoreU(a3, d, ar + 3 * lanes);
+}
+
+// acc[r] += sum_j p[r][j] * v[j] for rows r < n_rows (fp32 values, v_ld apart): the value side
+// of ScoreRows. Every element sums its keys in key order, so the result is the same for any cut
+// of the keys into calls.
 void AccumulateRows(const float* p, int n_rows, int p_ld, const float* v, int64_t v_ld, int n_keys, int hd,
                     float* acc) {
-  AccumulateRowsOf(p, n_rows, p_ld, v, v_ld, n_keys, hd, acc);
-}
-void AccumulateRowsF16(const float* p, int n_rows, int p_ld, const uint16_t* v, int64_t v_ld, int n_keys, int hd,
-                       float* acc) {
-  AccumulateRowsOf(p, n_rows, p_ld, v, v_ld, n_keys, hd, acc);
+  const hn::ScalableTag<float> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  for (int r = 0; r < n_rows; ++r) {
+    const float* pr = p + r * p_ld;
+    float* ar = acc + r * hd;
+    int c = 0;
+    for (; c + 4 * lanes <= hd; c += 4 * lanes) AccumulateColumns4(d, pr, n_keys, v + c, v_ld, ar + c);
+    for (; c + lanes <= hd; c += lanes) {
+      auto a = hn::LoadU(d, ar + c);
+      for (int j = 0; j < n_keys; ++j) {
+        if (pr[j] != 0.0f) a = hn::MulAdd(hn::Set(d, pr[j]), hn::LoadU(d, v + j * v_ld + c), a);
+      }
+      hn::StoreU(a, d, ar + c);
+    }
+    for (; c < hd; ++c) {
+      for (int j = 0; j < n_keys; ++j) {
+        if (pr[j] != 0.0f) ar[c] += pr[j] * v[j * v_ld + c];
+      }
+    }
+  }
 }
 
 }  // namespace HWY_NAMESPACE
@@ -185,12 +210,10 @@ HWY_AFTER_NAMESPACE();
 namespace ringlm::cpu {
 
 HWY_EXPORT(SoftmaxBlockRow);
-HWY_EXPORT(F16RowsToF32);
+HWY_EXPORT(F16KvRowsToF32);
 HWY_EXPORT(ExpBlockRow);
 HWY_EXPORT(ScoreRows);
-HWY_EXPORT(ScoreRowsF16);
 HWY_EXPORT(AccumulateRows);
-HWY_EXPORT(AccumulateRowsF16);
 
 namespace {
 
@@ -230,28 +253,21 @@ struct UnitBuffers {
   float* vbuf;    // [kKeyBlock][hd]
 };
 
-// Slots [j0, j0 + nb) of one KV head as fp32 rows written into `buf` (hd apart), whatever the
-// cache's type (a block whose slots come from two runs is gathered piece by piece).
-void gather_block(const void* base, const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* buf) {
+// Slots [j0, j0 + nb) of one KV head's keys and values as fp32 rows written into kbuf and vbuf
+// (hd apart), whatever the cache's type (a block whose slots come from two runs is gathered
+// piece by piece).
+void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* kbuf, float* vbuf) {
   const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
   if (kv.f16) {
-    HWY_DYNAMIC_DISPATCH(F16RowsToF32)(static_cast<const uint16_t*>(base) + offset, kv.row_stride, nb, hd, buf);
+    HWY_DYNAMIC_DISPATCH(F16KvRowsToF32)(static_cast<const uint16_t*>(kv.keys) + offset,
+                                          static_cast<const uint16_t*>(kv.values) + offset, kv.row_stride, nb, hd,
+                                          kbuf, vbuf);
     return;
   }
-  for (int j = 0; j < nb; ++j) std::copy_n(static_cast<const float*>(base) + offset + j * kv.row_stride, hd, buf + j * hd);
-}
-
-// Slots [j0, j0 + nb) of one KV head as fp32 rows: in place (fp32 cache, `ld` apart) or
-// converted into `buf` (hd apart).
-const float* head_block(const void* base, const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* buf,
-                        int64_t* ld) {
-  if (!kv.f16) {
-    *ld = kv.row_stride;
-    return static_cast<const float*>(base) + j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
+  for (int j = 0; j < nb; ++j) {
+    std::copy_n(static_cast<const float*>(kv.keys) + offset + j * kv.row_stride, hd, kbuf + j * hd);
+    std::copy_n(static_cast<const float*>(kv.values) + offset + j * kv.row_stride, hd, vbuf + j * hd);
   }
-  gather_block(base, kv, kv_head, hd, j0, nb, buf);
-  *ld = hd;
-  return buf;
 }
 
 // Runs one unit: gathers its query rows (pre-scaled by 1/sqrt(d)), then meets the slots a block
@@ -310,40 +326,30 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
       all_visible &= pos[j] >= 0 && pos[j] <= first_pos;
     }
     if (!any_visible) return true;
-    // A few rows (decode) multiply directly, a piece at a time, reading fp16 keys and values
-    // where they are (the products go key by key, so pieces change nothing); more rows go
-    // through sgemm, on the block in fp32 (converted or gathered into the unit's buffers).
-    const bool direct = rows <= kDirectRows && hd <= kMaxDirectHeadDim;
-    const auto head_offset = [&](const Piece& p) {
-      return p.slot * p.run->row_stride + static_cast<int64_t>(u.kv_head) * hd;
-    };
+    // The block's keys and values as fp32 rows: in place (an fp32 cache, one run) or converted
+    // and gathered into the unit's buffers, piece by piece.
     int64_t ldk = 0, ldv = 0;
     const float* k = nullptr;
     const float* v = nullptr;
-    if (!direct) {
-      if (n_pieces == 1) {
-        k = head_block(pieces[0].run->keys, *pieces[0].run, u.kv_head, hd, pieces[0].slot, nb, buf.kbuf, &ldk);
-        v = head_block(pieces[0].run->values, *pieces[0].run, u.kv_head, hd, pieces[0].slot, nb, buf.vbuf, &ldv);
-      } else {
-        for (const Piece& p : pieces) {
-          gather_block(p.run->keys, *p.run, u.kv_head, hd, p.slot, p.count, buf.kbuf + p.column * hd);
-          gather_block(p.run->values, *p.run, u.kv_head, hd, p.slot, p.count, buf.vbuf + p.column * hd);
-        }
-        k = buf.kbuf, v = buf.vbuf, ldk = ldv = hd;
-      }
-    }
-    // scores[rows][nb] = qt · Kᵀ
-    if (direct) {
+    if (n_pieces == 1 && !pieces[0].run->f16) {
+      const KvLayer& run = *pieces[0].run;
+      const int64_t offset = pieces[0].slot * run.row_stride + static_cast<int64_t>(u.kv_head) * hd;
+      k = static_cast<const float*>(run.keys) + offset;
+      v = static_cast<const float*>(run.values) + offset;
+      ldk = ldv = run.row_stride;
+    } else {
       for (int i = 0; i < n_pieces; ++i) {
         const Piece& p = pieces[i];
-        if (p.run->f16) {
-          HWY_DYNAMIC_DISPATCH(ScoreRowsF16)(qt, rows, hd, static_cast<const uint16_t*>(p.run->keys) + head_offset(p),
-                                             p.run->row_stride, p.count, scores + p.column, kKeyBlock);
-        } else {
-          HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, static_cast<const float*>(p.run->keys) + head_offset(p),
-                                          p.run->row_stride, p.count, scores + p.column, kKeyBlock);
-        }
+        gather_block(*p.run, u.kv_head, hd, p.slot, p.count, buf.kbuf + p.column * hd, buf.vbuf + p.column * hd);
       }
+      k = buf.kbuf, v = buf.vbuf, ldk = ldv = hd;
+    }
+    // A few rows (decode) multiply directly; more go through sgemm, whose packing of its
+    // operands pays off only then.
+    const bool direct = rows <= kDirectRows;
+    // scores[rows][nb] = qt · Kᵀ
+    if (direct) {
+      HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, k, ldk, nb, scores, kKeyBlock);
     } else {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nb, hd, 1.0f, qt, hd, k, static_cast<int>(ldk), 0.0f,
                   scores, kKeyBlock);
@@ -377,18 +383,7 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
     }
     // acc[rows][hd] += P · V
     if (direct) {
-      for (int i = 0; i < n_pieces; ++i) {
-        const Piece& p = pieces[i];
-        if (p.run->f16) {
-          HWY_DYNAMIC_DISPATCH(AccumulateRowsF16)(scores + p.column, rows, kKeyBlock,
-                                                  static_cast<const uint16_t*>(p.run->values) + head_offset(p),
-                                                  p.run->row_stride, p.count, hd, st.acc);
-        } else {
-          HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores + p.column, rows, kKeyBlock,
-                                               static_cast<const float*>(p.run->values) + head_offset(p),
-                                               p.run->row_stride, p.count, hd, st.acc);
-        }
-      }
+      HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores, rows, kKeyBlock, v, ldv, nb, hd, st.acc);
     } else {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, nb, 1.0f, scores, kKeyBlock, v,
                   static_cast<int>(ldv), 1.0f, st.acc, hd);

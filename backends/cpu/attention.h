@@ -13,10 +13,6 @@
 
 namespace ringlm::cpu {
 
-// Largest head_dim whose decode attention reads fp16 keys and values in place (a row is
-// converted on the stack); larger heads go through converted blocks.
-constexpr int kMaxDirectHeadDim = 256;
-
 struct AttentionShape {
   int n_head = 0;     // query heads
   int n_head_kv = 0;  // key/value heads; query head h reads KV head h / (n_head / n_head_kv)
