@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include "backends/cpu/attention.h"
+#include "backends/cpu/kv_rows.h"
 
 #include <algorithm>
 #include <cmath>
@@ -57,12 +58,9 @@ std::vector<float> load_vector(const GgufFile& gguf, const std::string& name, in
 }
 
 
-void fp16_to_fp32_row(const uint16_t* src, float* dst, int n) {
-  for (int i = 0; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
-}
-
-void fp32_to_fp16_row(const float* src, uint16_t* dst, int n) {
-  for (int i = 0; i < n; ++i) dst[i] = fp32_to_fp16(src[i]);
+// The pair layout of the model's RoPE, as the kernels name it.
+cpu::RopePairs rope_pairs(RopeStyle style) {
+  return style == RopeStyle::kAdjacentPairs ? cpu::RopePairs::kAdjacent : cpu::RopePairs::kHalves;
 }
 
 }  // namespace
@@ -142,7 +140,8 @@ struct LlamaModel::Layer {
 // Activations for one chunk of up to max_batch tokens, allocated once.
 struct LlamaModel::Scratch {
   std::vector<float> x, xn, q, k, v, attn, gate;
-  std::vector<float> rope_cos, rope_sin;  // [tokens][n_rot / 2]
+  std::vector<float> rope_cos, rope_sin;  // [tokens][n_rot]: per row, cpu::expand_rope_angles tables
+  std::vector<float> angle_cos, angle_sin;  // [n_rot / 2]: one position's, before expansion
   cpu::AttentionScratch attention;
   std::vector<cpu::AttentionJob> attention_jobs;  // attention()'s lists, reused
   std::vector<cpu::KvLayer> attention_prefixes;
@@ -211,8 +210,10 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   scratch_->v.resize(M * kv_dim);
   scratch_->attn.resize(M * q_dim);
   scratch_->gate.resize(M * hp_.n_ff);
-  scratch_->rope_cos.resize(M * static_cast<size_t>(hp_.n_rot / 2));
-  scratch_->rope_sin.resize(M * static_cast<size_t>(hp_.n_rot / 2));
+  scratch_->rope_cos.resize(M * static_cast<size_t>(hp_.n_rot));
+  scratch_->rope_sin.resize(M * static_cast<size_t>(hp_.n_rot));
+  scratch_->angle_cos.resize(static_cast<size_t>(hp_.n_rot / 2));
+  scratch_->angle_sin.resize(static_cast<size_t>(hp_.n_rot / 2));
 }
 
 LlamaModel::~LlamaModel() = default;
@@ -258,6 +259,8 @@ void LlamaModel::shift_context(KvCache& cache) const {
     cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
     sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
   }
+  std::vector<float> cos_x(static_cast<size_t>(hp_.n_rot)), sin_x(static_cast<size_t>(hp_.n_rot));
+  cpu::expand_rope_angles(cos.data(), sin.data(), hp_.n_rot, rope_pairs(hp_.rope_style), cos_x.data(), sin_x.data());
   const int width = cache.row_width();
   const bool f16 = cache.type() == KvType::kF16;
 #pragma omp parallel
@@ -268,13 +271,14 @@ void LlamaModel::shift_context(KvCache& cache) const {
       for (size_t m = 0; m < moved.size(); ++m) {
         void* key = cache.key(il, moved[m]);
         if (f16) {
-          fp16_to_fp32_row(static_cast<const uint16_t*>(key), row.data(), width);
+          cpu::fp16_to_fp32_row(static_cast<const uint16_t*>(key), row.data(), width);
         } else {
           std::copy_n(static_cast<const float*>(key), width, row.data());
         }
-        rotate_heads(row.data(), hp_.n_head_kv, cos.data(), sin.data());
+        cpu::rotate_heads(row.data(), hp_.n_head_kv, hp_.head_dim, hp_.n_rot, rope_pairs(hp_.rope_style), cos_x.data(),
+                          sin_x.data());
         if (f16) {
-          fp32_to_fp16_row(row.data(), static_cast<uint16_t*>(key), width);
+          cpu::fp32_to_fp16_row(row.data(), static_cast<uint16_t*>(key), width);
         } else {
           std::copy_n(row.data(), width, static_cast<float*>(key));
         }
@@ -314,8 +318,8 @@ void LlamaModel::sync_device_copy(KvCache& cache) {
 void LlamaModel::store_kv(KvCache& cache, int layer, int slot, const float* k, const float* v) const {
   const int width = cache.row_width();
   if (cache.type() == KvType::kF16) {
-    fp32_to_fp16_row(k, static_cast<uint16_t*>(cache.key(layer, slot)), width);
-    fp32_to_fp16_row(v, static_cast<uint16_t*>(cache.value(layer, slot)), width);
+    cpu::fp32_to_fp16_row(k, static_cast<uint16_t*>(cache.key(layer, slot)), width);
+    cpu::fp32_to_fp16_row(v, static_cast<uint16_t*>(cache.value(layer, slot)), width);
   } else {
     std::copy_n(k, width, static_cast<float*>(cache.key(layer, slot)));
     std::copy_n(v, width, static_cast<float*>(cache.value(layer, slot)));
@@ -331,41 +335,30 @@ void LlamaModel::embed(std::span<const int32_t> tokens, float* out) const {
 }
 
 // cos and sin of every rotation angle of the chunk's positions, computed once per chunk for
-// all layers (in double: positions reach millions, where float angles lose digits).
+// all layers (in double: positions reach millions, where float angles lose digits), expanded
+// to the rotary elements (cpu::expand_rope_angles).
 void LlamaModel::rope_angles(int row0, int64_t pos0, int n_tokens) {
   const int half = hp_.n_rot / 2;
+  std::vector<float>& cos = scratch_->angle_cos;
+  std::vector<float>& sin = scratch_->angle_sin;
   for (int t = 0; t < n_tokens; ++t) {
     const double p = static_cast<double>(pos0 + t) / hp_.rope_scale;
-    const size_t at = static_cast<size_t>(row0 + t) * static_cast<size_t>(half);
     for (int i = 0; i < half; ++i) {
       const double theta = p * rope_inv_freq_[static_cast<size_t>(i)];
-      scratch_->rope_cos[at + static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
-      scratch_->rope_sin[at + static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
+      cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
+      sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
     }
+    const size_t at = static_cast<size_t>(row0 + t) * static_cast<size_t>(hp_.n_rot);
+    cpu::expand_rope_angles(cos.data(), sin.data(), hp_.n_rot, rope_pairs(hp_.rope_style), &scratch_->rope_cos[at],
+                            &scratch_->rope_sin[at]);
   }
 }
 
 // Rotates the n_heads vectors of activation row `row` by its angles (rope_angles).
 void LlamaModel::apply_rope(float* vec, int n_heads, int row) const {
-  const size_t at = static_cast<size_t>(row) * static_cast<size_t>(hp_.n_rot / 2);
-  rotate_heads(vec, n_heads, &scratch_->rope_cos[at], &scratch_->rope_sin[at]);
-}
-
-// Rotates every rotary pair i of n_heads vectors by the angle whose cosine and sine are
-// cos[i], sin[i], in the pair layout this architecture uses.
-void LlamaModel::rotate_heads(float* vec, int n_heads, const float* cos, const float* sin) const {
-  const int half = hp_.n_rot / 2;
-  const bool adjacent = hp_.rope_style == RopeStyle::kAdjacentPairs;
-  for (int h = 0; h < n_heads; ++h) {
-    float* x = vec + static_cast<size_t>(h) * hp_.head_dim;
-    for (int i = 0; i < half; ++i) {
-      const int a = adjacent ? 2 * i : i;
-      const int b = adjacent ? 2 * i + 1 : i + half;
-      const float x0 = x[a], x1 = x[b];
-      x[a] = x0 * cos[i] - x1 * sin[i];
-      x[b] = x0 * sin[i] + x1 * cos[i];
-    }
-  }
+  const size_t at = static_cast<size_t>(row) * static_cast<size_t>(hp_.n_rot);
+  cpu::rotate_heads(vec, n_heads, hp_.head_dim, hp_.n_rot, rope_pairs(hp_.rope_style), &scratch_->rope_cos[at],
+                    &scratch_->rope_sin[at]);
 }
 
 // Causal attention of every sequence's queries over its own cache, in one batch: query i sees

@@ -107,7 +107,6 @@ class LlamaModel {
   // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0...
   void rope_angles(int row0, int64_t pos0, int n_tokens);
   void apply_rope(float* vec, int n_heads, int row) const;
-  void rotate_heads(float* vec, int n_heads, const float* cos, const float* sin) const;
   void store_kv(KvCache& cache, int layer, int slot, const float* k, const float* v) const;
   // Whether `cache`'s attention runs on the backend's device (DeviceAttention).
   bool attends_on_device(const KvCache& cache) const;

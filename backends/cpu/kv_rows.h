@@ -1,0 +1,29 @@
+// What the model does to key and value rows on their way into (and inside) a KV cache: the RoPE
+// rotation and fp16 storage, vectorized per Highway target.
+#pragma once
+
+#include <cstdint>
+
+namespace ringlm::cpu {
+
+// How a head's rotary elements pair up: element 2i with 2i + 1 (llama.cpp's GGUF Llama layout),
+// or i with i + n_rot / 2 (NeoX).
+enum class RopePairs { kAdjacent, kHalves };
+
+// The rotation tables of one angle set, expanded to one entry per rotary element e < n_rot so
+// that every element is rotated alike: for the pair (a, b) at angle θ, a' = a cos θ - b sin θ
+// and b' = a sin θ + b cos θ, i.e. x'[e] = x[e] * cos_x[e] + x[partner(e)] * sin_x[e] with
+// cos_x = cos θ at both, sin_x = -sin θ at a and +sin θ at b.
+void expand_rope_angles(const float* cos, const float* sin, int n_rot, RopePairs pairs, float* cos_x,
+                        float* sin_x);
+
+// Rotates the first n_rot elements of each of n_heads vectors (head_dim apart) in place by the
+// expanded tables. Per element, the same two products and one sum as the scalar formula.
+void rotate_heads(float* vec, int n_heads, int head_dim, int n_rot, RopePairs pairs, const float* cos_x,
+                  const float* sin_x);
+
+// dst[i] = fp16(src[i]) (round to nearest even) and back, for i < n.
+void fp32_to_fp16_row(const float* src, uint16_t* dst, int64_t n);
+void fp16_to_fp32_row(const uint16_t* src, float* dst, int64_t n);
+
+}  // namespace ringlm::cpu

@@ -1,0 +1,126 @@
+// The vectorized RoPE rotation and fp16 rows (backends/cpu/kv_rows.h) against independent
+// references: the scalar IEEE conversions of quant/formats.h, every fp16 bit pattern, and the
+// rotation computed in double from the angles.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "backends/cpu/kv_rows.h"
+#include "quant/formats.h"
+
+namespace {
+
+using ringlm::cpu::RopePairs;
+
+bool is_f16_nan(uint16_t h) { return (h & 0x7C00u) == 0x7C00u && (h & 0x03FFu) != 0; }
+
+TEST(Fp16Rows, EveryHalfConvertsToItsExactFloat) {
+  std::vector<uint16_t> all(65536);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
+  std::vector<float> out(all.size());
+  ringlm::cpu::fp16_to_fp32_row(all.data(), out.data(), static_cast<int64_t>(all.size()));
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (is_f16_nan(all[i])) {
+      EXPECT_TRUE(std::isnan(out[i])) << i;
+      continue;
+    }
+    ASSERT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(ringlm::fp16_to_fp32(all[i]))) << i;
+  }
+}
+
+// Floats spread over the whole fp16 range and past it, rounding halfway cases, subnormals,
+// infinities; a length that leaves a scalar tail.
+TEST(Fp16Rows, FloatsRoundToNearestEvenAsTheScalarConversion) {
+  std::vector<float> in;
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int i = 0; i < 20000; ++i) {
+    // A random 24-bit significand at exponents a half can hold (and a few past its limits).
+    const float significand = 1.0f + static_cast<float>(bits(rng) & 0x7FFFFFu) / 8388608.0f;
+    const int e = static_cast<int>(rng() % 44) - 28;
+    in.push_back(std::ldexp(significand, e) * (rng() % 2 ? 1.0f : -1.0f));
+  }
+  // Exactly halfway between two halves (ties to even, both ways) and the edges of the range.
+  for (uint32_t h : {0x3C00u, 0x3C01u, 0x0001u, 0x03FFu, 0x0400u, 0x7BFFu}) {
+    const float lo = ringlm::fp16_to_fp32(static_cast<uint16_t>(h));
+    const float hi = ringlm::fp16_to_fp32(static_cast<uint16_t>(h + 1));
+    in.push_back((lo + hi) / 2);
+    in.push_back(-(lo + hi) / 2);
+  }
+  for (float f : {0.0f, -0.0f, 65504.0f, 65520.0f, 1e6f, -1e6f, 1e-9f, INFINITY, -INFINITY}) in.push_back(f);
+  in.push_back(1.0f);  // an odd count: the last elements take the scalar tail
+  std::vector<uint16_t> out(in.size());
+  ringlm::cpu::fp32_to_fp16_row(in.data(), out.data(), static_cast<int64_t>(in.size()));
+  for (size_t i = 0; i < in.size(); ++i) {
+    ASSERT_EQ(out[i], ringlm::fp32_to_fp16(in[i])) << "float " << in[i] << " at " << i;
+  }
+  const float nan = NAN;
+  uint16_t h = 0;
+  ringlm::cpu::fp32_to_fp16_row(&nan, &h, 1);
+  EXPECT_TRUE(is_f16_nan(h));
+}
+
+struct RopeCase {
+  RopePairs pairs;
+  int head_dim, n_rot, n_heads;
+};
+
+class Rope : public testing::TestWithParam<RopeCase> {};
+
+// Pair (a, b) of element indices for rotary pair i.
+std::pair<int, int> pair_of(RopePairs pairs, int i, int n_rot) {
+  return pairs == RopePairs::kAdjacent ? std::pair{2 * i, 2 * i + 1} : std::pair{i, i + n_rot / 2};
+}
+
+TEST_P(Rope, RotatesEveryPairByItsAngleAndNothingElse) {
+  const RopeCase c = GetParam();
+  const int half = c.n_rot / 2;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal;
+  std::vector<double> theta(static_cast<size_t>(half));
+  std::vector<float> cos(static_cast<size_t>(half)), sin(static_cast<size_t>(half));
+  for (int i = 0; i < half; ++i) {
+    theta[i] = 1234.0 * std::pow(10000.0, -2.0 * i / c.n_rot);
+    cos[i] = static_cast<float>(std::cos(theta[i]));
+    sin[i] = static_cast<float>(std::sin(theta[i]));
+  }
+  std::vector<float> cos_x(static_cast<size_t>(c.n_rot)), sin_x(static_cast<size_t>(c.n_rot));
+  ringlm::cpu::expand_rope_angles(cos.data(), sin.data(), c.n_rot, c.pairs, cos_x.data(), sin_x.data());
+
+  std::vector<float> x(static_cast<size_t>(c.n_heads * c.head_dim));
+  for (float& v : x) v = normal(rng);
+  const std::vector<float> before = x;
+  ringlm::cpu::rotate_heads(x.data(), c.n_heads, c.head_dim, c.n_rot, c.pairs, cos_x.data(), sin_x.data());
+  for (int h = 0; h < c.n_heads; ++h) {
+    const float* in = &before[static_cast<size_t>(h * c.head_dim)];
+    const float* out = &x[static_cast<size_t>(h * c.head_dim)];
+    for (int i = 0; i < half; ++i) {
+      const auto [a, b] = pair_of(c.pairs, i, c.n_rot);
+      // The rotation of the float pair by the float cos and sin, in double.
+      const double ra = double{in[a]} * cos[i] - double{in[b]} * sin[i];
+      const double rb = double{in[a]} * sin[i] + double{in[b]} * cos[i];
+      const double tol = 4e-7 * (std::fabs(in[a]) + std::fabs(in[b]));
+      EXPECT_NEAR(out[a], ra, tol) << "head " << h << " pair " << i;
+      EXPECT_NEAR(out[b], rb, tol) << "head " << h << " pair " << i;
+    }
+    for (int e = c.n_rot; e < c.head_dim; ++e) EXPECT_EQ(out[e], in[e]) << "head " << h << " element " << e;
+  }
+
+  // The rotation by -theta undoes it.
+  for (int i = 0; i < half; ++i) sin[i] = -sin[i];
+  ringlm::cpu::expand_rope_angles(cos.data(), sin.data(), c.n_rot, c.pairs, cos_x.data(), sin_x.data());
+  ringlm::cpu::rotate_heads(x.data(), c.n_heads, c.head_dim, c.n_rot, c.pairs, cos_x.data(), sin_x.data());
+  for (size_t e = 0; e < x.size(); ++e) EXPECT_NEAR(x[e], before[e], 1e-5 * (1 + std::fabs(before[e]))) << e;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, Rope,
+                         testing::Values(RopeCase{RopePairs::kAdjacent, 64, 64, 3}, RopeCase{RopePairs::kHalves, 64, 64, 3},
+                                         RopeCase{RopePairs::kAdjacent, 128, 128, 1},
+                                         RopeCase{RopePairs::kAdjacent, 64, 32, 5}, RopeCase{RopePairs::kHalves, 64, 32, 5},
+                                         RopeCase{RopePairs::kAdjacent, 6, 6, 7}, RopeCase{RopePairs::kHalves, 10, 10, 2}));
+
+}  // namespace
