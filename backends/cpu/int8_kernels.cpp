@@ -38,9 +38,9 @@ namespace hn = hwy::HWY_NAMESPACE;
 void QuantizeActs(const float* x, int64_t m_begin, int64_t m_end, const QuantizedActs& out) {
   const hn::CappedTag<float, kActBlock> df;  // at most one block per vector, so N divides 32
   const hn::RebindToSigned<decltype(df)> di;
+  const hn::Rebind<int8_t, decltype(df)> d8;
   const int64_t n_lanes = static_cast<int64_t>(hn::Lanes(df));
   const int64_t k = out.k, nb = out.blocks();
-  HWY_ALIGN int32_t rounded[kActBlock];
   for (int64_t m = m_begin; m < m_end; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * k + b * kActBlock;
@@ -48,15 +48,14 @@ void QuantizeActs(const float* x, int64_t m_begin, int64_t m_end, const Quantize
       for (int64_t i = 0; i < kActBlock; i += n_lanes) vmax = hn::Max(vmax, hn::Abs(hn::LoadU(df, xb + i)));
       const float amax = hn::GetLane(hn::MaxOfLanes(df, vmax));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int64_t i = 0; i < kActBlock; i += n_lanes) {
-        hn::Store(hn::NearestInt(hn::Mul(hn::LoadU(df, xb + i), hn::Set(df, inv))), di, rounded + i);
-      }
       int8_t* qb = out.q + m * k + b * kActBlock;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kActBlock; ++i) {
-        qb[i] = static_cast<int8_t>(rounded[i]);
-        sum += rounded[i];
+      auto vsum = hn::Zero(di);  // |q| <= 127: the integer sum is exact in any order
+      for (int64_t i = 0; i < kActBlock; i += n_lanes) {
+        const auto rounded = hn::NearestInt(hn::Mul(hn::LoadU(df, xb + i), hn::Set(df, inv)));
+        hn::StoreU(hn::DemoteTo(d8, rounded), d8, qb + i);
+        vsum = hn::Add(vsum, rounded);
       }
+      const int32_t sum = hn::GetLane(hn::SumOfLanes(di, vsum));
       const float d = amax / 127.0f;
       out.d[m * nb + b] = d;
       out.s[m * nb + b] = d * static_cast<float>(sum);
