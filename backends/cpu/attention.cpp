@@ -74,16 +74,7 @@ float ExpBlockRow(float* s, int64_t n, float phi, float* block_max) {
 // have pushed out of the caches: a miss costs about as much as converting 10-20 keys.
 constexpr int kPrefetchKeys = 16;
 
-// One fp16 row of n elements as fp32.
-HWY_INLINE void F16RowToF32(const uint16_t* src, int n, float* dst) {
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
-  const int lanes = static_cast<int>(hn::Lanes(df));
-  const auto* in = reinterpret_cast<const hwy::float16_t*>(src);
-  int c = 0;
-  for (; c + lanes <= n; c += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in + c)), df, dst + c);
-  for (; c < n; ++c) dst[c] = fp16_to_fp32(src[c]);
-}
+#include "backends/cpu/f16_rows-inl.h"  // IWYU pragma: keep
 
 HWY_INLINE void PrefetchRow(const uint16_t* row, int n) {
   const auto* bytes = reinterpret_cast<const char*>(row);

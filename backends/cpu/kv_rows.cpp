@@ -11,6 +11,7 @@ HWY_BEFORE_NAMESPACE();
 namespace ringlm::cpu {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
+#include "backends/cpu/f16_rows-inl.h"  // IWYU pragma: keep
 
 // x[e] * cos_x[e] + partner[e] * sin_x[e] for one vector of elements: a Mul and an Add, never a
 // fused multiply-add, so that every target rounds as the scalar tail does.
@@ -73,15 +74,7 @@ void Fp32ToFp16Row(const float* src, uint16_t* dst, int64_t n) {
 }
 #endif
 
-void Fp16ToFp32Row(const uint16_t* src, float* dst, int64_t n) {
-  const hn::ScalableTag<float> df;
-  const hn::Rebind<hwy::float16_t, decltype(df)> dh;
-  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
-  const auto* in = reinterpret_cast<const hwy::float16_t*>(src);
-  int64_t i = 0;
-  for (; i + lanes <= n; i += lanes) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, in + i)), df, dst + i);
-  for (; i < n; ++i) dst[i] = fp16_to_fp32(src[i]);
-}
+void Fp16ToFp32Row(const uint16_t* src, float* dst, int64_t n) { F16RowToF32(src, n, dst); }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace ringlm::cpu
