@@ -18,7 +18,7 @@ void expand_rope_angles(const float* cos, const float* sin, int n_rot, RopePairs
                         float* sin_x);
 
 // Rotates the first n_rot elements of each of n_heads vectors (head_dim apart) in place by the
-// expanded tables. Per element, the same two products and one sum as the scalar formula.
+// expanded tables: per element, two products and one sum (fused where the target has FMA).
 void rotate_heads(float* vec, int n_heads, int head_dim, int n_rot, RopePairs pairs, const float* cos_x,
                   const float* sin_x);
 
