@@ -85,9 +85,20 @@ struct Fmt {
   static constexpr packed::Layout kLayout{G, Asym, Bytes, S};
 };
 
-// Up to this many tokens share one pass over a group's codes (their registers: one int sum and
-// one float accumulator each).
+// Up to this many tokens share one pass over a group's codes (their registers: one int sum per
+// group and token; the float accumulators of a pair of groups partly live on the stack).
 constexpr int kMaxTile = 4;
+
+// Bytes of the next groups that a tile pass asks for, spread over its sub-blocks. With several
+// passes over the same groups, only the first reads memory; asking for the next groups' bytes
+// a share per pass keeps memory busy through the later ones, and the next first pass finds its
+// bytes in cache. begin null: one pass (decode's GEMV), which prefetches its own bytes
+// kPrefetchBytes ahead instead.
+struct Prefetch {
+  const uint8_t* begin = nullptr;
+  const uint8_t* end = nullptr;
+  int lines_per_sub = 0;
+};
 
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 // ---------------------------------------------------------------------------------------------
@@ -137,32 +148,51 @@ HWY_INLINE __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
 // several tokens needs more registers than there are and spills most of them.
 HWY_INLINE void KeepChain(__m256i& v) { asm("" : "+x"(v)); }
 
-// The integer dots of one sub-block of the 8 rows with MT tokens (q[t]: token t's 32
-// activations of the sub-block). Chunks outside, tokens inside: each chunk is unpacked once.
-template <class F, int MT>
-HWY_INLINE void SubDots(const uint8_t* codes, const int8_t* const* q, __m256i* dot) {
-  for (int t = 0; t < MT; ++t) dot[t] = _mm256_setzero_si256();
+// The integer dots of one sub-block of NG consecutive 8-row groups with MT tokens (codes[g]:
+// group g's sub-block; q[t]: token t's 32 activations of the sub-block). Chunks outside, tokens
+// inside: each chunk is unpacked once per pass. Groups innermost, so that an activation
+// broadcast serves 16 rows: on Zen 3 a broadcast from memory takes a vector-pipe slot, not only
+// a load (a broadcast + maddubs + add loop runs at 1.4 per cycle where maddubs alone runs at 2).
+template <class F, int MT, int NG>
+HWY_INLINE void SubDots(const uint8_t* const* codes, const int8_t* const* q, __m256i (*dot)[MT]) {
+  for (int g = 0; g < NG; ++g) {
+    for (int t = 0; t < MT; ++t) dot[g][t] = _mm256_setzero_si256();
+  }
   if constexpr (!F::kBytes) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
-      const __m256i lo = _mm256_and_si256(v, mask);                         // weights 8c .. 8c+3
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);  // weights 8c+4 .. 8c+7
+      __m256i lo[NG], hi[NG];
+      for (int g = 0; g < NG; ++g) {
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[g] + 32 * c));
+        lo[g] = _mm256_and_si256(v, mask);                         // weights 8c .. 8c+3
+        hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);  // weights 8c+4 .. 8c+7
+      }
       for (int t = 0; t < MT; ++t) {
-        dot[t] = DotNibbles(dot[t], lo, Broadcast4(q[t] + 8 * c));
-        dot[t] = DotNibbles(dot[t], hi, Broadcast4(q[t] + 8 * c + 4));
-        if constexpr (MT > 1) KeepChain(dot[t]);
+        const __m256i x_lo = Broadcast4(q[t] + 8 * c), x_hi = Broadcast4(q[t] + 8 * c + 4);
+        for (int g = 0; g < NG; ++g) {
+          dot[g][t] = DotNibbles(dot[g][t], lo[g], x_lo);
+          dot[g][t] = DotNibbles(dot[g][t], hi[g], x_hi);
+          if constexpr (MT * NG > 1) KeepChain(dot[g][t]);
+        }
       }
     }
-    for (int t = 0; t < MT; ++t) dot[t] = WidenNibbles(dot[t]);
+    for (int g = 0; g < NG; ++g) {
+      for (int t = 0; t < MT; ++t) dot[g][t] = WidenNibbles(dot[g][t]);
+    }
   } else {
     // Signed weights through |w| * (x with w's sign); activations are never -128.
     for (int c = 0; c < 8; ++c) {
-      const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
-      const __m256i u = _mm256_sign_epi8(v, v);
+      __m256i v[NG], u[NG];
+      for (int g = 0; g < NG; ++g) {
+        v[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[g] + 32 * c));
+        u[g] = _mm256_sign_epi8(v[g], v[g]);
+      }
       for (int t = 0; t < MT; ++t) {
-        dot[t] = DotBytes(dot[t], u, _mm256_sign_epi8(Broadcast4(q[t] + 4 * c), v));
-        if constexpr (MT > 1) KeepChain(dot[t]);
+        const __m256i x = Broadcast4(q[t] + 4 * c);
+        for (int g = 0; g < NG; ++g) {
+          dot[g][t] = DotBytes(dot[g][t], u[g], _mm256_sign_epi8(x, v[g]));
+          if constexpr (MT * NG > 1) KeepChain(dot[g][t]);
+        }
       }
     }
   }
@@ -200,44 +230,66 @@ HWY_INLINE void PrefetchAhead(const uint8_t* codes, size_t sub_bytes) {
   }
 }
 
-// One 8-row group (`group`: its packed bytes) against tokens [m0, m0 + MT): y[t][r] for the
-// first `stored` rows r, y pointing at the group's first output of token m0.
-template <class F, int MT>
-HWY_NOINLINE void GroupTile(const uint8_t* group, const QuantizedActs& x, int64_t m0, float* y, int64_t ldy,
-                            int64_t stored) {
+// NG consecutive 8-row groups (`group`: the first one's packed bytes, `group_bytes` apart)
+// against tokens [m0, m0 + MT): y[t][r] for the first `stored` rows r (at most 8 NG), y pointing
+// at the first group's first output of token m0.
+template <class F, int MT, int NG>
+HWY_NOINLINE void GroupTile(const uint8_t* group, size_t group_bytes, const QuantizedActs& x, int64_t m0, float* y,
+                            int64_t ldy, int64_t stored, const Prefetch& pf) {
   constexpr packed::Layout L = F::kLayout;
+  const uint8_t* pf_next = pf.begin;
   const int64_t nb = x.blocks();
-  const uint8_t* codes = group;
-  const uint8_t* scales = group + L.codes_bytes(x.k);
+  const uint8_t* codes[NG];
+  const uint8_t* scales[NG];
+  for (int g = 0; g < NG; ++g) {
+    codes[g] = group + group_bytes * static_cast<size_t>(g);
+    scales[g] = codes[g] + L.codes_bytes(x.k);
+  }
   const int8_t* q[MT];
   const float *d[MT], *s[MT];
-  __m256 acc[MT];
+  __m256 acc[NG][MT];
   for (int t = 0; t < MT; ++t) {
     q[t] = x.q + (m0 + t) * x.k;
     d[t] = x.d + (m0 + t) * nb;
     s[t] = x.s + (m0 + t) * nb;
-    acc[t] = _mm256_setzero_ps();
+    for (int g = 0; g < NG; ++g) acc[g][t] = _mm256_setzero_ps();
   }
-  for (int64_t b = 0; b < nb; b += F::kSubs, scales += L.block_scale_bytes()) {
-    const __m256 dw = LoadScales<F::kScale>(scales);
-    const __m256 mv = F::kMin ? LoadScales<F::kScale>(scales + L.block_scale_bytes() / 2) : dw;
-    for (int sub = 0; sub < F::kSubs; ++sub, codes += L.sub_bytes()) {
-      PrefetchAhead(codes, L.sub_bytes());
+  for (int64_t b = 0; b < nb; b += F::kSubs) {
+    __m256 dw[NG], mv[NG];
+    for (int g = 0; g < NG; ++g) {
+      dw[g] = LoadScales<F::kScale>(scales[g]);
+      mv[g] = F::kMin ? LoadScales<F::kScale>(scales[g] + L.block_scale_bytes() / 2) : dw[g];
+      scales[g] += L.block_scale_bytes();
+    }
+    for (int sub = 0; sub < F::kSubs; ++sub) {
+      if (pf.begin == nullptr) {
+        for (int g = 0; g < NG; ++g) PrefetchAhead(codes[g], L.sub_bytes());
+      } else {
+        for (int i = 0; i < pf.lines_per_sub && pf_next < pf.end; ++i, pf_next += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf_next), _MM_HINT_T0);
+        }
+      }
       const int8_t* qb[MT];
       for (int t = 0; t < MT; ++t) qb[t] = q[t] + (b + sub) * kActBlock;
-      __m256i dot[MT];
-      SubDots<F, MT>(codes, qb, dot);
-      for (int t = 0; t < MT; ++t) Accumulate<F>(dot[t], d[t][b + sub], s[t][b + sub], dw, mv, acc[t]);
+      __m256i dot[NG][MT];
+      SubDots<F, MT, NG>(codes, qb, dot);
+      for (int g = 0; g < NG; ++g) {
+        for (int t = 0; t < MT; ++t) Accumulate<F>(dot[g][t], d[t][b + sub], s[t][b + sub], dw[g], mv[g], acc[g][t]);
+        codes[g] += L.sub_bytes();
+      }
     }
   }
-  for (int t = 0; t < MT; ++t) {
-    float* out = y + t * ldy;
-    if (stored == kPackRows) {
-      _mm256_storeu_ps(out, acc[t]);
-    } else {
-      alignas(32) float lanes[kPackRows];
-      _mm256_store_ps(lanes, acc[t]);
-      std::copy(lanes, lanes + stored, out);
+  for (int g = 0; g < NG; ++g) {
+    const int64_t rows = std::min<int64_t>(kPackRows, stored - kPackRows * g);
+    for (int t = 0; t < MT; ++t) {
+      float* out = y + t * ldy + kPackRows * g;
+      if (rows == kPackRows) {
+        _mm256_storeu_ps(out, acc[g][t]);
+      } else {
+        alignas(32) float lanes[kPackRows];
+        _mm256_store_ps(lanes, acc[g][t]);
+        std::copy(lanes, lanes + rows, out);
+      }
     }
   }
 }
@@ -271,15 +323,17 @@ HWY_INLINE int CodeAt(const uint8_t* codes, int r, int i) {
   }
 }
 
-template <class F, int MT>
-HWY_NOINLINE void GroupTile(const uint8_t* group, const QuantizedActs& x, int64_t m0, float* y, int64_t ldy,
-                            int64_t stored) {
+template <class F, int MT, int NG>
+HWY_NOINLINE void GroupTile(const uint8_t* groups, size_t group_bytes, const QuantizedActs& x, int64_t m0, float* y,
+                            int64_t ldy, int64_t stored, const Prefetch&) {
   constexpr packed::Layout L = F::kLayout;
   const int64_t nb = x.blocks();
-  for (int t = 0; t < MT; ++t) {
-    const int8_t* q = x.q + (m0 + t) * x.k;
-    const float *d = x.d + (m0 + t) * nb, *s = x.s + (m0 + t) * nb;
-    for (int r = 0; r < stored; ++r) {
+  for (int64_t row = 0; row < stored; ++row) {
+    const uint8_t* group = groups + group_bytes * static_cast<size_t>(row / kPackRows);
+    const int r = static_cast<int>(row % kPackRows);
+    for (int t = 0; t < MT; ++t) {
+      const int8_t* q = x.q + (m0 + t) * x.k;
+      const float *d = x.d + (m0 + t) * nb, *s = x.s + (m0 + t) * nb;
       const uint8_t* codes = group;
       const uint8_t* scales = group + L.codes_bytes(x.k);
       float acc = 0.0f;
@@ -299,32 +353,62 @@ HWY_NOINLINE void GroupTile(const uint8_t* group, const QuantizedActs& x, int64_
           }
         }
       }
-      y[t * ldy + r] = acc;
+      y[t * ldy + row] = acc;
     }
   }
 }
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Groups of 8 rows, each against the tokens in tiles of up to kMaxTile: a group's codes (18 KiB
-// for Q4_0 at K = 4096) stay in L1/L2 while the tiles pass over them, so memory gives each
-// weight byte once per call. An output's sum depends on its row and token only.
+// Groups of 8 rows, in pairs when there are several tokens, each against the tokens in tiles of
+// up to kMaxTile: a group's codes (18 KiB for Q4_0 at K = 4096) stay in L1/L2 while the tiles
+// pass over them, so memory gives each weight byte once per call. An output's sum depends on its
+// row and token only, not on the pairing or the tiling.
+
+// NG groups from `group` (rows from the output column y points at; `stored` of them) against
+// every token, a tile at a time.
+template <class F, int NG>
+void TokenTiles(const uint8_t* group, size_t group_bytes, const QuantizedActs& x, int64_t n_tokens, float* y,
+                int64_t ldy, int64_t stored) {
+  const int64_t tiles = (n_tokens + kMaxTile - 1) / kMaxTile;
+  const size_t span = group_bytes * NG, subs = static_cast<size_t>(x.k / kActBlock);
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t m0 = i * kMaxTile;
+    Prefetch pf;
+    if (tiles > 1) {
+      const size_t share = (span + tiles - 1) / tiles;
+      pf.begin = group + span + share * static_cast<size_t>(i);
+      pf.end = pf.begin + share;
+      pf.lines_per_sub = static_cast<int>((share / 64 + subs) / subs);
+    }
+    float* out = y + m0 * ldy;
+    switch (std::min<int64_t>(kMaxTile, n_tokens - m0)) {
+      case 1: GroupTile<F, 1, NG>(group, group_bytes, x, m0, out, ldy, stored, pf); break;
+      case 2: GroupTile<F, 2, NG>(group, group_bytes, x, m0, out, ldy, stored, pf); break;
+      case 3: GroupTile<F, 3, NG>(group, group_bytes, x, m0, out, ldy, stored, pf); break;
+      default: GroupTile<F, 4, NG>(group, group_bytes, x, m0, out, ldy, stored, pf); break;
+    }
+  }
+}
 
 template <class F>
 void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const QuantizedActs& x, int64_t n_tokens,
              float* y, int64_t ldy) {
-  for (int64_t n = n_begin; n < n_end; n += kPackRows) {
+  // One token (decode's GEMV) streams one group at a time: it is bound by memory, not by the
+  // broadcasts that a pair shares. Q8_0's bytes take twice the registers per chunk and a sign
+  // per group and token, which leave a pair of groups nothing to gain (measured).
+  for (int64_t n = n_begin; n < n_end;) {
     const uint8_t* group = w.group(n / kPackRows);
-    const int64_t stored = std::min(kPackRows, n_end - n);
-    for (int64_t m0 = 0; m0 < n_tokens; m0 += kMaxTile) {
-      float* out = y + m0 * ldy + n;
-      switch (std::min<int64_t>(kMaxTile, n_tokens - m0)) {
-        case 1: GroupTile<F, 1>(group, x, m0, out, ldy, stored); break;
-        case 2: GroupTile<F, 2>(group, x, m0, out, ldy, stored); break;
-        case 3: GroupTile<F, 3>(group, x, m0, out, ldy, stored); break;
-        default: GroupTile<F, 4>(group, x, m0, out, ldy, stored); break;
+    const int64_t left = n_end - n;
+    if constexpr (!F::kBytes) {
+      if (n_tokens > 1 && left > kPackRows) {
+        TokenTiles<F, 2>(group, w.group_bytes, x, n_tokens, y + n, ldy, std::min(2 * kPackRows, left));
+        n += 2 * kPackRows;
+        continue;
       }
     }
+    TokenTiles<F, 1>(group, w.group_bytes, x, n_tokens, y + n, ldy, std::min(kPackRows, left));
+    n += kPackRows;
   }
 }
 
