@@ -2,7 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <map>
+#include <random>
 #include <vector>
 
 #include "core/sampling/sampler.h"
@@ -48,6 +50,23 @@ TEST(Sampler, ZeroTemperatureIsArgmax) {
 TEST(Sampler, ArgmaxPicksLowestIndexAmongTies) {
   const std::vector<float> logits = {1.0f, 3.0f, 3.0f};
   EXPECT_EQ(argmax(logits), 1);
+}
+
+// The definition: std::max_element's first largest element, over random vocabularies with
+// repeated values (ties), infinities and NaNs anywhere.
+TEST(Sampler, ArgmaxMatchesMaxElement) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 400; ++trial) {
+    const size_t n = 1 + rng() % 300;
+    std::vector<float> logits(n);
+    for (float& v : logits) v = static_cast<float>(static_cast<int>(rng() % 40) - 20) / 4.0f;  // many ties
+    if (trial % 4 == 1) logits[rng() % n] = INFINITY;
+    if (trial % 4 == 2) logits[rng() % n] = NAN;
+    if (trial % 8 == 3) logits[0] = NAN;
+    if (trial % 8 == 7) std::fill(logits.begin(), logits.end(), -INFINITY);
+    const auto expected = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    ASSERT_EQ(argmax(logits), expected) << "trial " << trial << " n " << n;
+  }
 }
 
 TEST(Sampler, SameSeedSameTokensDifferentSeedDifferentTokens) {

@@ -129,6 +129,7 @@ class LlamaModel {
   std::unique_ptr<Scratch> scratch_;
   std::vector<Rows> batch_rows_;       // forward_batch's, reused
   std::vector<float> batch_logits_;    // forward_batch's logits of every sequence, reused
+  std::vector<float*> batch_logits_out_;  // where forward_batch copies them, reused
   size_t weight_bytes_ = 0;
   int64_t n_params_ = 0;
 };

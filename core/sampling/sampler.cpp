@@ -8,7 +8,24 @@
 namespace ringlm {
 
 int32_t argmax(std::span<const float> logits) {
-  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  // Two passes that the compiler vectorizes (a max with an index in one loop does not): the
+  // largest value, then the first block that holds it, then its first index there. Greedy
+  // decoding runs this over the whole vocabulary for every sequence at every step.
+  if (logits.empty()) return 0;
+  float best = logits[0];
+  for (float v : logits) best = v > best ? v : best;
+  if (best != best) return 0;  // a NaN first: std::max_element's answer (NaNs never win later)
+  constexpr size_t kBlock = 64;
+  for (size_t b = 0; b < logits.size(); b += kBlock) {
+    const size_t end = std::min(logits.size(), b + kBlock);
+    bool found = false;
+    for (size_t i = b; i < end; ++i) found |= logits[i] == best;
+    if (!found) continue;
+    for (size_t i = b; i < end; ++i) {
+      if (logits[i] == best) return static_cast<int32_t>(i);
+    }
+  }
+  return 0;  // not reached: best is one of the logits
 }
 
 Sampler::Sampler(const SamplingParams& params, int n_vocab) : params_(params) {

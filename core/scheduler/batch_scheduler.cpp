@@ -1,6 +1,7 @@
 #include "core/scheduler/batch_scheduler.h"
 
 #include <algorithm>
+#include <span>
 #include <stdexcept>
 
 #include "core/model/llama.h"
@@ -41,7 +42,8 @@ struct BatchScheduler::Slot {
   std::unique_ptr<Sampler> sampler;
   std::vector<int32_t> history;  // prompt + generated: the repetition penalty's window
   size_t prefilled = 0;          // prompt tokens in the cache
-  int32_t next_token = -1;       // sampled, to be evaluated in the next step
+  int32_t drawn = -1;            // sampled from the latest logits, not yet taken
+  int32_t next_token = -1;       // taken, to be evaluated in the next step
   GenerationResult result;
   Utf8StreamDecoder utf8;
   Clock::time_point submitted, started, first_token;
@@ -164,6 +166,9 @@ bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) 
   model_.forward_batch(batch);
   ++steps_;
 
+  // Slots with fresh logits. A prompt's samples take a copy of its logits here, before its own
+  // draw changes them.
+  std::vector<Slot*> fresh;
   for (size_t i = 0; i < in_batch.size(); ++i) {
     Slot& s = *in_batch[i];
     if (s.state == Slot::State::kPrefill) {
@@ -172,8 +177,10 @@ bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) 
       s.state = Slot::State::kDecode;
       if (s.request.n_samples > 1) share_prompt(s, on_done);
     }
-    advance(s, on_done);
+    fresh.push_back(&s);
   }
+  draw_tokens(fresh);
+  for (Slot* s : fresh) take_token(*s, on_done);
   account_memory();
   return true;
 }
@@ -214,14 +221,41 @@ void BatchScheduler::account_memory() {
   peak_kv_bytes_unshared_ = std::max(peak_kv_bytes_unshared_, unshared);
 }
 
+namespace {
+
+// Whether a slot with fresh logits draws a token from them (else it ends on its length).
+bool wants_token(const GenerationRequest& request, const GenerationResult& result) {
+  return result.n_tokens < request.max_tokens;
+}
+
+}  // namespace
+
 bool BatchScheduler::advance(Slot& s, const std::function<void(GenerationResult)>& on_done) {
+  Slot* const one[] = {&s};
+  draw_tokens(one);
+  return take_token(s, on_done);
+}
+
+void BatchScheduler::draw_tokens(std::span<Slot* const> slots) {
+  // Each slot draws with its own sampler from its own logits, so the draws are independent and
+  // their order changes nothing. Sixteen argmaxes (or top-k sorts) over a 49152-token vocabulary
+  // are the largest serial work of a step after the products: the threads share them.
+  const auto n = static_cast<int64_t>(slots.size());
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    Slot& s = *slots[static_cast<size_t>(i)];
+    s.drawn = wants_token(s.request, s.result) ? s.sampler->sample(s.logits, s.history) : -1;
+  }
+}
+
+bool BatchScheduler::take_token(Slot& s, const std::function<void(GenerationResult)>& on_done) {
   const auto now = Clock::now();
   if (s.result.n_tokens == 0) s.first_token = now;
-  if (s.result.n_tokens >= s.request.max_tokens) {
+  if (!wants_token(s.request, s.result)) {
     finish(s, "length", on_done);
     return false;
   }
-  const int32_t token = s.sampler->sample(s.logits, s.history);
+  const int32_t token = s.drawn;
   if (tokenizer_.is_end_of_generation(token)) {
     finish(s, "stop", on_done);
     return false;

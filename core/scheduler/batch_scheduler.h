@@ -102,6 +102,10 @@ class BatchScheduler {
               bool flush_text = true);
   // Samples the next token of a slot whose logits are fresh; false once it has finished.
   bool advance(Slot& slot, const std::function<void(GenerationResult)>& on_done);
+  // advance() split in two: draw_tokens samples every slot's token at once, in parallel;
+  // take_token then ends the slot or queues its drawn token, one slot at a time.
+  static void draw_tokens(std::span<Slot* const> slots);
+  bool take_token(Slot& slot, const std::function<void(GenerationResult)>& on_done);
   // The prompt that `owner` prefilled becomes the shared prefix of every one of its samples.
   void share_prompt(Slot& owner, const std::function<void(GenerationResult)>& on_done);
   void account_memory();
