@@ -11,9 +11,10 @@
 // machine (tuning.h), looked up once at prepare.
 // F32, F16, BF16, Q4_K and Q6_K weights always take an fp32 path.
 //
-// Fusion: matmul_many prepares its input once (RMSNorm applied row by row as it is quantized)
-// and covers all its weights in one parallel region (the QKV projection); matmul_swiglu has
-// each thread apply silu(gate) * up to the outputs it has just computed.
+// Fusion: matmul_many prepares its input once (RMSNorm applied row by row as it is quantized,
+// the rows shared among the threads of the product's own parallel region) and covers all its
+// weights in that region (the QKV projection); matmul_swiglu has each thread apply
+// silu(gate) * up to the outputs it has just computed.
 //
 // Threads: one OpenMP parallel region per call splits the weight rows N. Each output element
 // is computed by one thread, in an order fixed by the shape alone, so results do not depend on
@@ -46,6 +47,8 @@ namespace {
 constexpr int64_t kSgemmMinTokens = 16;
 // Token rows the activation buffer holds from prepare on (decode batches: flat GEMM sizes).
 constexpr int64_t kPreparedTokens = 16;
+// From this many input rows the threads share their quantization (with_quantized_input).
+constexpr int64_t kSharedQuantizeTokens = 4;
 // Largest tile of weight rows dequantized for one sgemm call.
 constexpr int64_t kMaxTileRows = 128;
 
@@ -165,8 +168,7 @@ class CpuBackend final : public Backend {
       matmul_fp32(w, x32, in.n_tokens, ys[i]);
     }
     if (int8_weights.empty()) return;
-    quantize_input(in, cols);
-    matmul_int8(int8_weights, int8_ys, in.n_tokens);
+    matmul_int8(int8_weights, int8_ys, in, cols);
   }
 
   void matmul_swiglu(const PreparedWeight& gate_w, const PreparedWeight& up_w, const MatmulInput& in,
@@ -183,13 +185,10 @@ class CpuBackend final : public Backend {
     if (takes_int8(gate, n) && takes_int8(up, n)) {
       // Each thread computes the same rows of gate and up, then applies silu(g) * u to the
       // outputs it just wrote, while they are still in its cache.
-      quantize_input(in, gate.cols());
       const int64_t units = row_units(ff);
-      const int64_t chunk = std::max<int64_t>(1, units / (n_threads_ * kChunksPerThread));
+      const int64_t chunk = std::max<int64_t>(2, units / (n_threads_ * kChunksPerThread) / 2 * 2);  // see matmul_int8
       const int64_t n_chunks = (units + chunk - 1) / chunk;
-#pragma omp parallel num_threads(n_threads_)
-      {
-        const cpu::QuantizedActs xq = acts();
+      with_quantized_input(in, gate.cols(), [&](const cpu::QuantizedActs& xq) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < n_chunks; ++c) {
           const int64_t n0 = c * chunk * kUnitRows, n1 = std::min(ff, (c + 1) * chunk * kUnitRows);
@@ -197,7 +196,7 @@ class CpuBackend final : public Backend {
           gemm_int8_rows(up, n0, n1, xq, n, up_y);
           for (int64_t m = 0; m < n; ++m) cpu::silu_mul(out + m * ff + n0, up_y + m * ff + n0, n1 - n0);
         }
-      }
+      });
       return;
     }
     const PreparedWeight* weights[] = {&gate, &up};
@@ -268,37 +267,48 @@ class CpuBackend final : public Backend {
     return normed_.data();
   }
 
-  // Normalises (when asked) and quantizes the input rows into the activation buffers, a row at
-  // a time through a per-thread row buffer: the normalised row never leaves the L1 cache.
-  void quantize_input(const MatmulInput& in, int64_t cols) {
+  // Normalises (when asked) and quantizes the input rows into the activation buffers, then runs
+  // body(activations) on every thread of one parallel region (body holds an orphaned `omp for`).
+  // A row at a time goes through a per-thread row buffer: the normalised row never leaves the L1
+  // cache. From kSharedQuantizeTokens rows the threads quantize a share each and meet at a
+  // barrier, which costs less than the idle threads waiting for one to do it all; below, the
+  // calling thread quantizes before the region.
+  template <class Body>
+  void with_quantized_input(const MatmulInput& in, int64_t cols, Body&& body) {
     reserve(in.n_tokens, cols, 0);
     act_k_ = cols;
     const auto quantize_rows = [&](int64_t m_begin, int64_t m_end, float* scratch) {
       for (int64_t m = m_begin; m < m_end; ++m) cpu::quantize_acts(normalized_input_row(in, m, cols, scratch), 0, 1, acts_row(m));
     };
-    // Quantizing a few rows is cheaper than waking the threads for it.
-    if (in.n_tokens <= kPreparedTokens) return quantize_rows(0, in.n_tokens, per_thread_[0].row.data());
+    const bool shared = in.n_tokens >= kSharedQuantizeTokens;
+    if (!shared) quantize_rows(0, in.n_tokens, per_thread_[0].row.data());
 #pragma omp parallel num_threads(n_threads_)
     {
-      const int t = omp_get_thread_num();
-      const Range r = share(in.n_tokens, t, omp_get_num_threads());
-      quantize_rows(r.begin, r.end, per_thread_[static_cast<size_t>(t)].row.data());
+      if (shared) {  // the same for every thread: all or none meet the barrier
+        const int t = omp_get_thread_num();
+        const Range r = share(in.n_tokens, t, omp_get_num_threads());
+        quantize_rows(r.begin, r.end, per_thread_[static_cast<size_t>(t)].row.data());
+#pragma omp barrier
+      }
+      body(acts());
     }
   }
 
-  // Products of the quantized input with several weights in one parallel region: the 8-row
-  // kernel units of all the weights are numbered in sequence and handed out in chunks, a chunk
-  // to whichever thread is free (cores of a shared machine do not run at one speed; an even
-  // split leaves the faster one waiting at the end). Each output is computed by one thread
-  // whichever it is, in the same order.
-  void matmul_int8(std::span<const CpuWeight* const> weights, std::span<float* const> ys, int64_t n_tokens) {
+  // Products of the input with several weights in one parallel region: the 8-row kernel units
+  // of all the weights are numbered in sequence and handed out in chunks, a chunk to whichever
+  // thread is free (cores of a shared machine do not run at one speed; an even split leaves the
+  // faster one waiting at the end). Each output is computed by one thread whichever it is, in
+  // the same order.
+  void matmul_int8(std::span<const CpuWeight* const> weights, std::span<float* const> ys, const MatmulInput& in,
+                   int64_t cols) {
+    const int64_t n_tokens = in.n_tokens;
     int64_t total_units = 0;
     for (const CpuWeight* w : weights) total_units += row_units(w->rows());
-    const int64_t chunk = std::max<int64_t>(1, total_units / (n_threads_ * kChunksPerThread));
+    // An even number of units: the 4-bit kernels take groups in pairs (the weights' own unit
+    // counts are even for any row count that is a multiple of 16).
+    const int64_t chunk = std::max<int64_t>(2, total_units / (n_threads_ * kChunksPerThread) / 2 * 2);
     const int64_t n_chunks = (total_units + chunk - 1) / chunk;
-#pragma omp parallel num_threads(n_threads_)
-    {
-      const cpu::QuantizedActs xq = acts();
+    with_quantized_input(in, cols, [&](const cpu::QuantizedActs& xq) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t c = 0; c < n_chunks; ++c) {
         const Range r{c * chunk, std::min(total_units, (c + 1) * chunk)};
@@ -312,7 +322,7 @@ class CpuBackend final : public Backend {
           first_unit += units;
         }
       }
-    }
+    });
   }
 
   void matmul_fp32(const CpuWeight& w, const float* x, int64_t n_tokens, float* y) {

@@ -11,18 +11,23 @@ int32_t argmax(std::span<const float> logits) {
   // Two passes that the compiler vectorizes (a max with an index in one loop does not): the
   // largest value, then the first block that holds it, then its first index there. Greedy
   // decoding runs this over the whole vocabulary for every sequence at every step.
-  if (logits.empty()) return 0;
-  float best = logits[0];
-  for (float v : logits) best = v > best ? v : best;
-  if (best != best) return 0;  // a NaN first: std::max_element's answer (NaNs never win later)
+  // (The simd pragmas let the compiler reorder the reductions, which IEEE comparisons with NaN
+  // would otherwise forbid; NaNs never compare greater, so they are skipped in any order.)
+  if (logits.empty() || std::isnan(logits[0])) return 0;  // a NaN first: std::max_element's answer
+  const float* x = logits.data();
+  const size_t n = logits.size();
+  float best = -INFINITY;
+#pragma omp simd reduction(max : best)
+  for (size_t i = 0; i < n; ++i) best = x[i] > best ? x[i] : best;
   constexpr size_t kBlock = 64;
-  for (size_t b = 0; b < logits.size(); b += kBlock) {
-    const size_t end = std::min(logits.size(), b + kBlock);
-    bool found = false;
-    for (size_t i = b; i < end; ++i) found |= logits[i] == best;
+  for (size_t b = 0; b < n; b += kBlock) {
+    const size_t end = std::min(n, b + kBlock);
+    int found = 0;
+#pragma omp simd reduction(| : found)
+    for (size_t i = b; i < end; ++i) found |= x[i] == best;
     if (!found) continue;
     for (size_t i = b; i < end; ++i) {
-      if (logits[i] == best) return static_cast<int32_t>(i);
+      if (x[i] == best) return static_cast<int32_t>(i);
     }
   }
   return 0;  // not reached: best is one of the logits
