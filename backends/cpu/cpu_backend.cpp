@@ -71,8 +71,14 @@ class CpuWeight final : public PreparedWeight {
   cpu::PackedWeight packed;
 };
 
-// Chunks of work per thread the int8 products are cut into, handed out as threads come free.
-constexpr int64_t kChunksPerThread = 8;
+// Rows of work the int8 products hand out at a time, at least: two 8-row units, so that the 4-bit
+// kernels' pairs of groups are never split (any weight whose row count is a multiple of 16 has an
+// even number of units). OpenMP's guided schedule hands out shrinking runs of these: large
+// first, a single one at the end, so that the threads finish together even when one core of a
+// shared machine runs slower. With fixed chunks (1/16 of the work, handed out dynamically) the
+// waits at the end of each product cost a --parallel 16 step about a tenth of its time: 8
+// paired runs, median ratio 1.12 (bench/README.md).
+constexpr int64_t kPieceUnits = 2;
 
 // Rows the int8 kernels take as one unit of work (threads split N on these boundaries).
 constexpr int64_t kUnitRows = cpu::kPackRows;
@@ -185,13 +191,11 @@ class CpuBackend final : public Backend {
     if (takes_int8(gate, n) && takes_int8(up, n)) {
       // Each thread computes the same rows of gate and up, then applies silu(g) * u to the
       // outputs it just wrote, while they are still in its cache.
-      const int64_t units = row_units(ff);
-      const int64_t chunk = std::max<int64_t>(2, units / (n_threads_ * kChunksPerThread) / 2 * 2);  // see matmul_int8
-      const int64_t n_chunks = (units + chunk - 1) / chunk;
+      const int64_t pieces = (row_units(ff) + kPieceUnits - 1) / kPieceUnits;
       with_quantized_input(in, gate.cols(), [&](const cpu::QuantizedActs& xq) {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < n_chunks; ++c) {
-          const int64_t n0 = c * chunk * kUnitRows, n1 = std::min(ff, (c + 1) * chunk * kUnitRows);
+#pragma omp for schedule(guided)
+        for (int64_t c = 0; c < pieces; ++c) {
+          const int64_t n0 = c * kPieceUnits * kUnitRows, n1 = std::min(ff, (c + 1) * kPieceUnits * kUnitRows);
           gemm_int8_rows(gate, n0, n1, xq, n, out);
           gemm_int8_rows(up, n0, n1, xq, n, up_y);
           for (int64_t m = 0; m < n; ++m) cpu::silu_mul(out + m * ff + n0, up_y + m * ff + n0, n1 - n0);
@@ -295,23 +299,19 @@ class CpuBackend final : public Backend {
   }
 
   // Products of the input with several weights in one parallel region: the 8-row kernel units
-  // of all the weights are numbered in sequence and handed out in chunks, a chunk to whichever
-  // thread is free (cores of a shared machine do not run at one speed; an even split leaves the
-  // faster one waiting at the end). Each output is computed by one thread whichever it is, in
-  // the same order.
+  // of all the weights are numbered in sequence and handed out in pieces of kPieceUnits, in
+  // guided runs, to whichever thread is free. Each output is computed by one thread whichever it
+  // is, in the same order.
   void matmul_int8(std::span<const CpuWeight* const> weights, std::span<float* const> ys, const MatmulInput& in,
                    int64_t cols) {
     const int64_t n_tokens = in.n_tokens;
     int64_t total_units = 0;
     for (const CpuWeight* w : weights) total_units += row_units(w->rows());
-    // An even number of units: the 4-bit kernels take groups in pairs (the weights' own unit
-    // counts are even for any row count that is a multiple of 16).
-    const int64_t chunk = std::max<int64_t>(2, total_units / (n_threads_ * kChunksPerThread) / 2 * 2);
-    const int64_t n_chunks = (total_units + chunk - 1) / chunk;
+    const int64_t pieces = (total_units + kPieceUnits - 1) / kPieceUnits;
     with_quantized_input(in, cols, [&](const cpu::QuantizedActs& xq) {
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t c = 0; c < n_chunks; ++c) {
-        const Range r{c * chunk, std::min(total_units, (c + 1) * chunk)};
+#pragma omp for schedule(guided)
+      for (int64_t c = 0; c < pieces; ++c) {
+        const Range r{c * kPieceUnits, std::min(total_units, (c + 1) * kPieceUnits)};
         int64_t first_unit = 0;  // of the current weight, in the joint numbering
         for (size_t i = 0; i < weights.size() && first_unit < r.end; ++i) {
           const CpuWeight& w = *weights[i];
