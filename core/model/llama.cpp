@@ -422,13 +422,20 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     const PreparedWeight* qkv[] = {L.wq.get(), L.wk.get(), L.wv.get()};
     float* const qkv_out[] = {s.q.data(), s.k.data(), s.v.data()};
     backend_.matmul_many(qkv, MatmulInput{s.x.data(), n, L.attn_norm.data(), hp_.rms_eps}, qkv_out);
-    for (const Rows& r : rows) {
+    // Rows are independent (each writes its own cache slot): the threads share them when there
+    // are several sequences' worth, as in a batch step.
+    const auto n_seqs = static_cast<int64_t>(rows.size());
+#pragma omp parallel for schedule(static) if (n_seqs >= 4)
+    for (int64_t ri = 0; ri < n_seqs; ++ri) {
+      const Rows& r = rows[static_cast<size_t>(ri)];
       for (int t = 0; t < static_cast<int>(r.tokens.size()); ++t) {
         const size_t i = static_cast<size_t>(r.row0 + t);
         apply_rope(&s.q[i * q_dim], hp_.n_head, r.row0 + t);
         apply_rope(&s.k[i * kv_dim], hp_.n_head_kv, r.row0 + t);
         store_kv(*r.cache, il, r.first_slot + t, &s.k[i * kv_dim], &s.v[i * kv_dim]);
       }
+    }
+    for (const Rows& r : rows) {
       if (DeviceKvCache* copy = r.cache->device_copy()) {
         device_->store(*copy, il, r.first_slot, static_cast<int>(r.tokens.size()), r.cache->key(il, r.first_slot),
                        r.cache->value(il, r.first_slot));
