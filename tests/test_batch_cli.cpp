@@ -21,6 +21,8 @@
 #include <utility>
 #include <vector>
 
+#include "tests/command_runner.h"
+
 namespace ringlm {
 namespace {
 
@@ -28,16 +30,8 @@ using ::testing::HasSubstr;
 using json = nlohmann::json;
 using namespace std::chrono_literals;
 
-std::string work_dir() {
-  const std::string dir = std::string(RINGLM_TEST_WORK_DIR) + "/test_batch_cli";
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
+std::string work_dir() { return test::work_dir_for("test_batch_cli"); }
+using test::slurp;
 
 std::vector<json> records(const std::string& path) {
   std::vector<json> out;
@@ -52,18 +46,14 @@ std::string batch_command(const std::string& in, const std::string& out, const s
          extra;
 }
 
-struct BatchRunResult {
-  int exit_code = -1;
-  std::string err;
-};
+// The run's exit code and stderr (the results go to its output file).
+using BatchRunResult = test::CommandResult;
 
 BatchRunResult run_batch(const std::string& name, const std::string& input, const std::string& extra, bool fresh = true) {
-  const std::string in = work_dir() + "/" + name + ".in", out = work_dir() + "/" + name + ".out",
-                    err = work_dir() + "/" + name + ".err";
+  const std::string in = work_dir() + "/" + name + ".in", out = work_dir() + "/" + name + ".out";
   std::ofstream(in) << input;
   if (fresh) std::filesystem::remove(out);
-  const int status = std::system(("timeout 300 " + batch_command(in, out, extra) + " 2> " + err).c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(err)};
+  return test::run_command(batch_command(in, out, extra), work_dir(), 300);
 }
 
 // id (as JSON text) -> text, for results without a sample index.
@@ -290,11 +280,10 @@ TEST(BatchCli, PromptLongerThanTheContextIsAnErrorRecord) {
 }
 
 TEST(BatchCli, MissingInputFileIsAClearError) {
-  const int status = std::system((batch_command(work_dir() + "/no-such.jsonl", work_dir() + "/x.out", "") + " 2> " +
-                                  work_dir() + "/missing.err")
-                                     .c_str());
-  EXPECT_NE(WEXITSTATUS(status), 0);
-  EXPECT_THAT(slurp(work_dir() + "/missing.err"), HasSubstr("cannot read input file"));
+  const test::CommandResult r =
+      test::run_command(batch_command(work_dir() + "/no-such.jsonl", work_dir() + "/x.out", ""), work_dir(), 300);
+  EXPECT_GT(r.exit_code, 0);  // an error exit, not a signal
+  EXPECT_THAT(r.err, HasSubstr("cannot read input file"));
 }
 
 }  // namespace

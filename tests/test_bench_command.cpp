@@ -1,46 +1,20 @@
 // `ringlm bench` end to end on the real model with tiny test sizes: llama-bench's JSON fields and
 // markdown columns are there, the numbers are consistent, and bad lists are one-line errors.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
+
+#include "tests/command_runner.h"
 
 namespace ringlm {
 namespace {
 
-struct Result {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string work_dir() {
-  const std::string dir = std::string(RINGLM_TEST_WORK_DIR) + "/test_bench_command";
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+using Result = test::CommandResult;
 
 Result bench(const std::string& args, const std::string& model = RINGLM_TEST_MODEL) {
-  // Files named after the running test: CTest runs the tests of this file in parallel.
-  const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  const std::string out = work_dir() + "/" + name + ".stdout", err = work_dir() + "/" + name + ".stderr";
-  const std::string line = "timeout 600 " + std::string(RINGLM_BINARY) + " bench -m " + model + " " + args +
-                           " >" + out + " 2>" + err + " </dev/null";
-  const int status = std::system(line.c_str());
-  Result r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
+  return test::run_command(std::string(RINGLM_BINARY) + " bench -m " + model + " " + args,
+                           test::work_dir_for("test_bench_command"));
 }
 
 TEST(BenchCommand, JsonHasLlamaBenchFieldsForEachTest) {

@@ -26,6 +26,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/command_runner.h"
+
 extern char** environ;
 
 namespace ringlm {
@@ -36,11 +38,7 @@ using ::testing::Not;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-std::string work_dir() {
-  const std::string dir = std::string(RINGLM_TEST_WORK_DIR) + "/test_chat_cli";
-  std::filesystem::create_directories(dir);
-  return dir;
-}
+std::string work_dir() { return test::work_dir_for("test_chat_cli"); }
 
 // Our environment plus what every chat child gets: its own history file, a known terminal type.
 std::vector<std::string> chat_environment(const std::string& history) {
@@ -189,25 +187,15 @@ nlohmann::json stats_of(PtyChat& chat) {
   return nlohmann::json::parse(out.substr(open, close - open + 1));
 }
 
-struct PipeResult {
-  int exit_code = -1;
-  std::string out, err;
-};
+using PipeResult = test::CommandResult;
 
 // ringlm chat with `input` on a pipe (not a terminal), stdout and stderr captured.
 PipeResult chat_through_pipe(const std::string& input, std::vector<std::string> extra, const std::string& name) {
-  const std::string in = work_dir() + "/" + name + ".in", out = work_dir() + "/" + name + ".out",
-                    err = work_dir() + "/" + name + ".err";
+  const std::string in = work_dir() + "/" + name + ".in";
   std::ofstream(in) << input;
   std::string command = "env RINGLM_CHAT_HISTORY= ";
   for (const std::string& a : chat_args(std::move(extra))) command += "'" + a + "' ";
-  command += "< '" + in + "' > '" + out + "' 2> '" + err + "'";
-  const int status = std::system(("timeout 300 " + command).c_str());
-  auto slurp = [](const std::string& path) {
-    std::ifstream f(path);
-    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-  };
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out), slurp(err)};
+  return test::run_command(command, work_dir(), 300, in);
 }
 
 const char kFirstTurn[] = "Hi, I am Bob and I live in Paris.";

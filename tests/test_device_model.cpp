@@ -13,16 +13,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
 #include "backends/plugin_backend.h"
 #include "core/model/loader.h"
+#include "tests/command_runner.h"
 
 namespace ringlm {
 namespace {
@@ -31,11 +28,7 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 std::string plugin_dir() { return std::filesystem::path(RINGLM_BINARY).parent_path().string(); }
-std::string work_dir() {
-  const std::string dir = std::string(RINGLM_TEST_WORK_DIR) + "/test_device_model";
-  std::filesystem::create_directories(dir);
-  return dir;
-}
+std::string work_dir() { return test::work_dir_for("test_device_model"); }
 
 std::unique_ptr<Backend> opencl_backend() {
   BackendChoice choice;
@@ -171,28 +164,9 @@ TEST_F(DeviceModel, PrefixCachesFallBackToTheCpuCorrectly) {
 
 // --- The command line --------------------------------------------------------------------------
 
-struct Output {
-  int status = -1;
-  std::string out, err;
-};
+using Output = test::CommandResult;
 
-Output run_ringlm(const std::string& args) {
-  // CTest runs each test in its own process, several at once: files of their own.
-  const std::string stem = work_dir() + "/" + std::to_string(::getpid());
-  const std::string out_file = stem + ".stdout", err_file = stem + ".stderr";
-  const std::string command = std::string(RINGLM_BINARY) + " " + args + " </dev/null >" + out_file + " 2>" + err_file;
-  Output o;
-  o.status = std::system(command.c_str());
-  const auto slurp = [](const std::string& path) {
-    std::ifstream in(path);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-  };
-  o.out = slurp(out_file);
-  o.err = slurp(err_file);
-  return o;
-}
+Output run_ringlm(const std::string& args) { return test::run_command(std::string(RINGLM_BINARY) + " " + args, work_dir()); }
 
 std::string run_args(const std::string& device, const std::string& extra = "") {
   return "run -m " + std::string(RINGLM_TEST_MODEL) + " -t 1 --temp 0 -n 32 --ignore-eos -p 'The capital of France is' " +
@@ -202,15 +176,15 @@ std::string run_args(const std::string& device, const std::string& extra = "") {
 TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpu) {
   const Output cpu = run_ringlm(run_args("cpu", "--compute fp32"));
   const Output device = run_ringlm(run_args("opencl"));
-  ASSERT_EQ(cpu.status, 0) << cpu.err;
-  ASSERT_EQ(device.status, 0) << device.err;
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  ASSERT_EQ(device.exit_code, 0) << device.err;
   EXPECT_GT(cpu.out.size(), 40u);
   EXPECT_EQ(device.out, cpu.out);
 }
 
 TEST(DeviceCli, MissingDeviceIndexIsAClearError) {
   const Output o = run_ringlm(run_args("opencl:7"));
-  EXPECT_NE(o.status, 0);
+  EXPECT_NE(o.exit_code, 0);
   EXPECT_THAT(o.err, HasSubstr("opencl"));
   EXPECT_THAT(o.err, HasSubstr("7"));
   EXPECT_EQ(o.out, "");
@@ -218,14 +192,14 @@ TEST(DeviceCli, MissingDeviceIndexIsAClearError) {
 
 TEST(DeviceCli, UnknownPluginIsAClearError) {
   const Output o = run_ringlm(run_args("vulkan"));
-  EXPECT_NE(o.status, 0);
+  EXPECT_NE(o.exit_code, 0);
   EXPECT_THAT(o.err, HasSubstr("vulkan"));
   EXPECT_THAT(o.err, HasSubstr("opencl"));  // what was found instead
 }
 
 TEST(DeviceCli, MalformedDeviceIsAClearError) {
   const Output o = run_ringlm(run_args("opencl:x"));
-  EXPECT_NE(o.status, 0);
+  EXPECT_NE(o.exit_code, 0);
   EXPECT_THAT(o.err, HasSubstr("opencl:x"));
 }
 
@@ -237,7 +211,7 @@ TEST(DeviceCli, AutoTakesAGpuOrFallsBackToTheCpuWithANotice) {
     for (const ringlm_device_info& info : plugin->devices()) has_gpu = has_gpu || info.type == RINGLM_DEVICE_GPU;
   }
   const Output o = run_ringlm(run_args("auto"));
-  ASSERT_EQ(o.status, 0) << o.err;
+  ASSERT_EQ(o.exit_code, 0) << o.err;
   EXPECT_THAT(o.out, HasSubstr("Paris"));
   if (has_gpu) {
     EXPECT_THAT(o.err, Not(HasSubstr("--device auto")));

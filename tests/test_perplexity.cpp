@@ -1,54 +1,29 @@
 // `ringlm perplexity` end to end on the real model: the figure is sane, it matches the numpy
 // reference's perplexity of the same chunk, and bad input gives a one-line error.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <string>
 #include <string_view>
 
 #include "core/gguf/gguf.h"
 #include "core/tokenizer/tokenizer.h"
+#include "tests/command_runner.h"
 
 namespace ringlm {
 namespace {
 
 const std::string kText = std::string(RINGLM_SHARED_DATA) + "/text/kjv-pentateuch.txt";
 
-struct Result {
-  int exit_code = -1;
-  std::string out, err;
-};
+using Result = test::CommandResult;
+using test::slurp;
 
-std::string work_dir() {
-  const std::string dir = std::string(RINGLM_TEST_WORK_DIR) + "/test_perplexity";
-  std::filesystem::create_directories(dir);
-  return dir;
-}
+std::string work_dir() { return test::work_dir_for("test_perplexity"); }
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-// Runs a shell command under a time limit, capturing stdout and stderr apart.
-Result run(const std::string& command, int timeout_s = 600) {
-  // Files named after the running test: CTest runs the tests of this file in parallel.
-  const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  const std::string out = work_dir() + "/" + name + ".stdout", err = work_dir() + "/" + name + ".stderr";
-  const std::string line = "timeout " + std::to_string(timeout_s) + " " + command + " >" + out + " 2>" + err + " </dev/null";
-  const int status = std::system(line.c_str());
-  Result r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
-}
+Result run(const std::string& command, int timeout_s = 600) { return test::run_command(command, work_dir(), timeout_s); }
 
 std::string ringlm(const std::string& args) { return std::string(RINGLM_BINARY) + " perplexity " + args; }
 

@@ -7,7 +7,6 @@
 // away. GGML's types are compared byte for byte with the `gguf` Python package's quantizer, and
 // the writer's files are read back by ringlm's reader and by gguf.GGUFReader.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,7 +17,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -29,44 +27,22 @@
 #include "quant/formats.h"
 #include "quant/int4.h"
 #include "quant/quantize.h"
+#include "tests/command_runner.h"
 
 namespace ringlm {
 namespace {
 
 // --- Helpers ----------------------------------------------------------------------------------
 
-struct Result {
-  int exit_code = -1;
-  std::string out, err;
-};
+using Result = test::CommandResult;
+using test::slurp;
 
-std::string work_dir() {
-  const std::string dir = std::string(RINGLM_TEST_WORK_DIR) + "/test_quantize";
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+std::string work_dir() { return test::work_dir_for("test_quantize"); }
 
 // A file name of this process's own: ctest -j runs the cases of this file as parallel processes.
 std::string own_file(const std::string& name) { return work_dir() + "/" + std::to_string(::getpid()) + "." + name; }
 
-// Runs a shell command under a time limit, capturing stdout and stderr apart.
-Result run(const std::string& command, int timeout_s = 300) {
-  const std::string out = own_file("stdout.txt"), err = own_file("stderr.txt");
-  const std::string line = "timeout " + std::to_string(timeout_s) + " " + command + " >" + out + " 2>" + err + " </dev/null";
-  const int status = std::system(line.c_str());
-  Result r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  std::filesystem::remove(out);
-  std::filesystem::remove(err);
-  return r;
-}
+Result run(const std::string& command, int timeout_s = 300) { return test::run_command(command, work_dir(), timeout_s); }
 
 const std::string kGgufTool = std::string("python3 ") + RINGLM_SOURCE_DIR + "/tests/reference/gguf_tool.py";
 

@@ -2,14 +2,12 @@
 // failure modes, where it is found, that the CPU backend follows it (the int8 and sgemm paths
 // round differently, so which one ran shows in the last bits), and `ringlm tune` end to end.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -23,6 +21,7 @@
 #include "backends/cpu/tuning.h"
 #include "core/gguf/gguf.h"
 #include "core/model/loader.h"
+#include "tests/command_runner.h"
 
 namespace ringlm {
 namespace {
@@ -30,16 +29,8 @@ namespace {
 constexpr int64_t kNever = KernelTable::kNever;
 constexpr int64_t kDefault = KernelTable::kDefaultCrossover;
 
-std::string work_dir() {
-  const std::string dir = std::string(RINGLM_TEST_WORK_DIR) + "/test_tuning";
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+std::string work_dir() { return test::work_dir_for("test_tuning"); }
+using test::slurp;
 
 void write_file(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
@@ -406,23 +397,11 @@ TEST(KernelTableModel, LoadModelUsesTheTable) {
 
 // --- ringlm tune ---------------------------------------------------------------------------------
 
-struct Result {
-  int exit_code = -1;
-  std::string out, err;
-};
+using Result = test::CommandResult;
 
+// `env`: a prefix such as "env -u RINGLM_TUNING ..." that sets the command's environment.
 Result ringlm_tune(const std::string& args, const std::string& env = "") {
-  // Files named after the running test: CTest runs the tests of this file in parallel.
-  const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  const std::string out = work_dir() + "/" + name + ".stdout", err = work_dir() + "/" + name + ".stderr";
-  const std::string line = env + " timeout 600 " + std::string(RINGLM_BINARY) + " tune " + args + " >" + out + " 2>" +
-                           err + " </dev/null";
-  const int status = std::system(line.c_str());
-  Result r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
+  return test::run_command(env + " " + std::string(RINGLM_BINARY) + " tune " + args, work_dir());
 }
 
 // The (type, N, K) the int8 kernels would run in a model file, read from the GGUF directly.
