@@ -29,9 +29,16 @@ inline std::string slurp(const std::string& path) {
 }
 
 struct CommandResult {
-  int exit_code = -1;  // -1: killed by a signal
+  int exit_code = -1;  // -1: the shell itself was killed by a signal
   std::string out, err;
 };
+
+// Whether the command failed the way a program reports an error: an exit code of its own,
+// 1..123. Not success, not the timeout (124, or 125 when `timeout` itself failed), not a command
+// that could not run (126, 127), and not a crash: the shell and `timeout` report a command ended
+// by signal N as exit code 128 + N (a segfault reads 139), which a bare "non-zero" check would
+// take for an error exit.
+inline bool exited_with_error(const CommandResult& r) { return r.exit_code >= 1 && r.exit_code <= 123; }
 
 // Runs `command` through the shell with stdin from `stdin_path`, ended by `timeout` after
 // timeout_s (exit code 124), and returns its exit code, stdout and stderr. The captures are files

@@ -282,7 +282,7 @@ TEST(BatchCli, PromptLongerThanTheContextIsAnErrorRecord) {
 TEST(BatchCli, MissingInputFileIsAClearError) {
   const test::CommandResult r =
       test::run_command(batch_command(work_dir() + "/no-such.jsonl", work_dir() + "/x.out", ""), work_dir(), 300);
-  EXPECT_GT(r.exit_code, 0);  // an error exit, not a signal
+  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
   EXPECT_THAT(r.err, HasSubstr("cannot read input file"));
 }
 
