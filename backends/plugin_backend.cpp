@@ -107,6 +107,8 @@ class PluginKvCache final : public DeviceKvCache {
   size_t row_bytes, layer_bytes;
   DeviceBuffer keys, values, positions;
   int n_slots = 0;  // slots whose positions were set
+  // What the device's `positions` holds, slot for slot (each slot ever uploaded): a forward
+  // pass uploads only the slots that changed since.
   std::vector<int32_t> host_positions;
 };
 
@@ -207,16 +209,34 @@ class PluginBackend final : public Backend, public DeviceAttention {
     c.values.upload(at, values, bytes);
   }
 
+  // Called before every forward pass: a decode step changes one slot (a context shift, the
+  // ring's slots), so only the span from the first changed slot to the last goes to the device.
   void set_positions(DeviceKvCache& kv, std::span<const int64_t> positions) override {
     PluginKvCache& c = static_cast<PluginKvCache&>(kv);
-    c.host_positions.resize(positions.size());
-    for (size_t j = 0; j < positions.size(); ++j) {
-      // Positions stay below the context size plus what a sequence generates; a ring shifts
-      // them back. 2^31 tokens in one sequence is not a case to serve.
-      if (positions[j] > INT32_MAX) throw std::length_error("device attention: position beyond 2^31");
-      c.host_positions[j] = static_cast<int32_t>(positions[j]);
+    // Positions stay below the context size plus what a sequence generates; a ring shifts them
+    // back. 2^31 tokens in one sequence is not a case to serve.
+    for (const int64_t p : positions) {
+      if (p > INT32_MAX) throw std::length_error("device attention: position beyond 2^31");
     }
-    if (!positions.empty()) c.positions.upload(0, c.host_positions.data(), positions.size() * sizeof(int32_t));
+    const size_t known = c.host_positions.size();  // slots the device holds a position for
+    if (known < positions.size()) c.host_positions.resize(positions.size());
+    size_t first = positions.size(), end = 0;  // the changed span
+    for (size_t j = 0; j < positions.size(); ++j) {
+      const auto p = static_cast<int32_t>(positions[j]);
+      if (j >= known || c.host_positions[j] != p) {
+        c.host_positions[j] = p;
+        first = std::min(first, j);
+        end = j + 1;
+      }
+    }
+    if (first < end) {
+      try {
+        c.positions.upload(first * sizeof(int32_t), &c.host_positions[first], (end - first) * sizeof(int32_t));
+      } catch (...) {
+        c.host_positions.clear();  // the device's copy is unknown now: the next call uploads it all
+        throw;
+      }
+    }
     c.n_slots = static_cast<int>(positions.size());
   }
 
