@@ -57,6 +57,10 @@ def main():
             with open(out) as f:
                 texts[p] = {json.loads(l)["id"]: json.loads(l)["text"] for l in f}
     base = statistics.median(rates[values[0]])
+    # The ratio depends on the CPU's int8 instructions (AVX2 or AVX-512 VNNI): say which ran.
+    devices = subprocess.run([args.binary, "devices"], capture_output=True, text=True).stdout
+    cpu = next((l.split(None, 1)[1] for l in devices.splitlines() if l.startswith("cpu ")), "unknown")
+    print(f"cpu: {cpu}")
     print(f"{args.prompts} prompts x {args.max_tokens} tokens, {args.threads} threads, {args.rounds} rounds")
     print("| --parallel | tokens/s (each round) | median | vs --parallel %d |" % values[0])
     print("|---:|---|---:|---:|")
