@@ -37,8 +37,17 @@ struct CommandResult {
 // 1..123. Not success, not the timeout (124, or 125 when `timeout` itself failed), not a command
 // that could not run (126, 127), and not a crash: the shell and `timeout` report a command ended
 // by signal N as exit code 128 + N (a segfault reads 139), which a bare "non-zero" check would
-// take for an error exit.
-inline bool exited_with_error(const CommandResult& r) { return r.exit_code >= 1 && r.exit_code <= 123; }
+// take for an error exit. A failed check says which of these it was.
+inline ::testing::AssertionResult exited_with_error(const CommandResult& r) {
+  const int code = r.exit_code;
+  if (code >= 1 && code <= 123) return ::testing::AssertionSuccess() << "exit code " << code;
+  const std::string why = code == 0                  ? "success"
+                          : code == 124 || code == 125 ? "the time limit"
+                          : code == 126 || code == 127 ? "the command could not run"
+                          : code >= 128                ? "signal " + std::to_string(code - 128)
+                                                       : "the shell was killed by a signal";
+  return ::testing::AssertionFailure() << "exit code " << code << ": " << why;
+}
 
 // Runs `command` through the shell with stdin from `stdin_path`, ended by `timeout` after
 // timeout_s (exit code 124), and returns its exit code, stdout and stderr. The captures are files

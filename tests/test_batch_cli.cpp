@@ -282,7 +282,7 @@ TEST(BatchCli, PromptLongerThanTheContextIsAnErrorRecord) {
 TEST(BatchCli, MissingInputFileIsAClearError) {
   const test::CommandResult r =
       test::run_command(batch_command(work_dir() + "/no-such.jsonl", work_dir() + "/x.out", ""), work_dir(), 300);
-  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
+  EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_THAT(r.err, HasSubstr("cannot read input file"));
 }
 

@@ -408,7 +408,7 @@ TEST(ChatPipe, BadFilesAndMessagesAreReportedAndTheChatGoesOn) {
 
 TEST(ChatPipe, UnknownChatTemplateNameIsAFlagError) {
   const PipeResult r = chat_through_pipe("hi\n", {"--chat-template", "klingon"}, "bad_template_flag");
-  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
+  EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_THAT(r.err, HasSubstr("--chat-template"));
   EXPECT_THAT(r.err, HasSubstr("klingon"));
 }

@@ -42,7 +42,7 @@ double final_ppl(const std::string& out) {
 
 TEST(Perplexity, MissingTextFileIsAClearError) {
   const Result r = run(ringlm("-m " + std::string(RINGLM_TEST_MODEL) + " -f " + work_dir() + "/no-such-file.txt"));
-  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
+  EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_NE(r.err.find("cannot read text file"), std::string::npos) << r.err;
 }
 
@@ -50,13 +50,13 @@ TEST(Perplexity, TextShorterThanTwoChunksIsAClearError) {
   const std::string path = work_dir() + "/short.txt";
   std::ofstream(path) << "In the beginning God created the heaven and the earth.";
   const Result r = run(ringlm("-m " + std::string(RINGLM_TEST_MODEL) + " -f " + path + " -c 128"));
-  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
+  EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_NE(r.err.find("needs at least 256 tokens, has "), std::string::npos) << r.err;
 }
 
 TEST(Perplexity, MissingFileFlagIsAUsageError) {
   const Result r = run(ringlm("-c 128"));
-  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
+  EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_NE(r.err.find("--file"), std::string::npos) << r.err;
 }
 
@@ -142,13 +142,13 @@ TEST(Perplexity, StreamWithoutShiftsEqualsSlidingWindowOverTheWholeText) {
 
 TEST(Perplexity, StreamPastTheContextWithoutShiftIsAClearError) {
   const Result r = run(ringlm("-m " + std::string(RINGLM_TEST_MODEL) + " -f " + kText + " --stream 64 -c 32 --no-context-shift"));
-  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
+  EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_NE(r.err.find("--no-context-shift"), std::string::npos) << r.err;
 }
 
 TEST(Perplexity, SlidingWindowNeedsStream) {
   const Result r = run(ringlm("-f " + kText + " --sliding-window"));
-  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
+  EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_NE(r.err.find("--stream"), std::string::npos) << r.err;
 }
 

@@ -720,7 +720,7 @@ TEST_F(QuantizeCommand, RowsThatDoNotSplitIntoGroupsFallBackWithANotice) {
 }
 
 void expect_one_error_line(const Result& r) {
-  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
+  EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_EQ(r.err.rfind("ringlm: error: ", 0), 0u) << r.err;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }

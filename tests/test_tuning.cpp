@@ -466,12 +466,12 @@ TEST(TuneCommand, DefaultOutputIsTheCacheDirectory) {
 
 TEST(TuneCommand, ErrorsAreOneLine) {
   Result r = ringlm_tune("-m " + work_dir() + "/no_such_model.gguf -o " + work_dir() + "/unused.json");
-  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
+  EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_EQ(r.err.rfind("ringlm: error: ", 0), 0u) << r.err;
   EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << r.err;
   // A model without Q4_0 / Q4_1 / Q8_0 weights has nothing to tune.
   r = ringlm_tune("-m " + std::string(RINGLM_TEST_WORK_DIR) + "/tiny_f32_untied.gguf -o " + work_dir() + "/unused.json");
-  EXPECT_TRUE(test::exited_with_error(r)) << "exit code " << r.exit_code;
+  EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_NE(r.err.find("nothing to tune"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(work_dir() + "/unused.json"));
 }
