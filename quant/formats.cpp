@@ -22,18 +22,31 @@ std::optional<TypeTraits> type_traits(uint32_t type_id) {
     case TensorType::BF16: return TypeTraits{"BF16", 1, 2, true};
     case TensorType::Q4_0: return TypeTraits{"Q4_0", kQK4_0, sizeof(BlockQ4_0), true};
     case TensorType::Q4_1: return TypeTraits{"Q4_1", kQK4_1, sizeof(BlockQ4_1), true};
+    case TensorType::Q5_0: return TypeTraits{"Q5_0", kQK5_0, sizeof(BlockQ5_0), true};
+    case TensorType::Q5_1: return TypeTraits{"Q5_1", kQK5_1, sizeof(BlockQ5_1), true};
     case TensorType::Q8_0: return TypeTraits{"Q8_0", kQK8_0, sizeof(BlockQ8_0), true};
+    // Two fp16 + 32 int8 as ggml's block_q8_1 (gguf-py 0.19.0's table still says 40 bytes).
     case TensorType::Q8_1: return TypeTraits{"Q8_1", 32, 36, false};
+    case TensorType::Q2_K: return TypeTraits{"Q2_K", kQK_K, sizeof(BlockQ2_K), true};
+    case TensorType::Q3_K: return TypeTraits{"Q3_K", kQK_K, sizeof(BlockQ3_K), true};
     case TensorType::Q4_K: return TypeTraits{"Q4_K", kQK_K, sizeof(BlockQ4_K), true};
+    case TensorType::Q5_K: return TypeTraits{"Q5_K", kQK_K, sizeof(BlockQ5_K), true};
     case TensorType::Q6_K: return TypeTraits{"Q6_K", kQK_K, sizeof(BlockQ6_K), true};
+    case TensorType::IQ4_NL: return TypeTraits{"IQ4_NL", kQK4_NL, sizeof(BlockIQ4_NL), true};
+    case TensorType::IQ4_XS: return TypeTraits{"IQ4_XS", kQK_K, sizeof(BlockIQ4_XS), true};
   }
-  // GGML ids that exist but ringlm does not read (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ*, I8..I64, F64, ...).
-  // Their sizes are still known so a file using them fails with the type named, not a size error.
+  // GGML ids that exist but ringlm does not read: the grid-based IQ types (IQ2_*, IQ3_*, IQ1_*),
+  // the ternary TQ types, the FP4 types, Q8_K (a dot-product intermediate, never in model files)
+  // and the plain integer/F64 types. Their sizes are still known so a file using them fails with
+  // the type named, not a size error. Ids and sizes: gguf-py's GGML_QUANT_SIZES (ggml.h for Q2_0,
+  // which is newer than gguf 0.19.0); 4, 5, 31..33 and 36..38 were removed from GGML.
   struct Other { uint32_t id; std::string_view name; int64_t elems; size_t bytes; };
   static constexpr Other kOthers[] = {
-      {6, "Q5_0", 32, 22},   {7, "Q5_1", 32, 24},   {10, "Q2_K", 256, 84}, {11, "Q3_K", 256, 110},
-      {13, "Q5_K", 256, 176}, {15, "Q8_K", 256, 292}, {24, "I8", 1, 1},      {25, "I16", 1, 2},
-      {26, "I32", 1, 4},      {27, "I64", 1, 8},      {28, "F64", 1, 8},
+      {15, "Q8_K", 256, 292},    {16, "IQ2_XXS", 256, 66}, {17, "IQ2_XS", 256, 74}, {18, "IQ3_XXS", 256, 98},
+      {19, "IQ1_S", 256, 50},    {21, "IQ3_S", 256, 110},  {22, "IQ2_S", 256, 82},  {24, "I8", 1, 1},
+      {25, "I16", 1, 2},         {26, "I32", 1, 4},        {27, "I64", 1, 8},       {28, "F64", 1, 8},
+      {29, "IQ1_M", 256, 56},    {34, "TQ1_0", 256, 54},   {35, "TQ2_0", 256, 66},  {39, "MXFP4", 32, 17},
+      {40, "NVFP4", 64, 36},     {41, "Q1_0", 128, 18},    {42, "Q2_0", 64, 18},
   };
   for (const Other& o : kOthers) {
     if (o.id == type_id) return TypeTraits{o.name, o.elems, o.bytes, false};
@@ -114,6 +127,39 @@ void dequantize_q4_1(const BlockQ4_1* blocks, float* dst, int64_t n_blocks) {
   }
 }
 
+// The fifth bit of every element of a Q5_0 / Q5_1 block: element j's is bit j.
+uint32_t load_le32(const uint8_t* p) {
+  return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 | static_cast<uint32_t>(p[2]) << 16 |
+         static_cast<uint32_t>(p[3]) << 24;
+}
+
+void dequantize_q5_0(const BlockQ5_0* blocks, float* dst, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK5_0) {
+    const float d = fp16_to_fp32(blocks[b].d);
+    const uint32_t qh = load_le32(blocks[b].qh);
+    for (int j = 0; j < kQK5_0 / 2; ++j) {
+      const int lo = (blocks[b].qs[j] & 0x0F) | ((qh >> j) & 1) << 4;
+      const int hi = (blocks[b].qs[j] >> 4) | ((qh >> (j + kQK5_0 / 2)) & 1) << 4;
+      dst[j] = d * (lo - 16);
+      dst[j + kQK5_0 / 2] = d * (hi - 16);
+    }
+  }
+}
+
+void dequantize_q5_1(const BlockQ5_1* blocks, float* dst, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK5_1) {
+    const float d = fp16_to_fp32(blocks[b].d);
+    const float m = fp16_to_fp32(blocks[b].m);
+    const uint32_t qh = load_le32(blocks[b].qh);
+    for (int j = 0; j < kQK5_1 / 2; ++j) {
+      const int lo = (blocks[b].qs[j] & 0x0F) | ((qh >> j) & 1) << 4;
+      const int hi = (blocks[b].qs[j] >> 4) | ((qh >> (j + kQK5_1 / 2)) & 1) << 4;
+      dst[j] = d * lo + m;
+      dst[j + kQK5_1 / 2] = d * hi + m;
+    }
+  }
+}
+
 void dequantize_q8_0(const BlockQ8_0* blocks, float* dst, int64_t n_blocks) {
   for (int64_t b = 0; b < n_blocks; ++b, dst += kQK8_0) {
     const float d = fp16_to_fp32(blocks[b].d);
@@ -121,7 +167,48 @@ void dequantize_q8_0(const BlockQ8_0* blocks, float* dst, int64_t n_blocks) {
   }
 }
 
-// Q4_K packs eight 6-bit scales and eight 6-bit mins into 12 bytes.
+// The 2-bit code of element e of a Q2_K / Q3_K block: e = 128 h + 32 k + l is bits 2k..2k+1 of
+// qs[32 h + l], so each byte of a 32-byte run serves four runs of 32 elements.
+int q2_code(const uint8_t* qs, int e) { return (qs[32 * (e / 128) + e % 32] >> (2 * (e / 32 % 4))) & 3; }
+
+void dequantize_q2_k(const BlockQ2_K* blocks, float* dst, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK_K) {
+    const BlockQ2_K& x = blocks[b];
+    const float d = fp16_to_fp32(x.d);
+    const float dmin = fp16_to_fp32(x.dmin);
+    // Sub-block j of 16: scale in the low nibble of scales[j], min in the high nibble.
+    for (int j = 0; j < kQK_K / 16; ++j) {
+      const float dl = d * (x.scales[j] & 0x0F), ml = dmin * (x.scales[j] >> 4);
+      for (int e = 16 * j; e < 16 * j + 16; ++e) dst[e] = dl * q2_code(x.qs, e) - ml;
+    }
+  }
+}
+
+// Q3_K's sixteen 6-bit scales (stored + 32): the low 4 bits of scale j are nibble j / 8 of byte
+// j % 8, its high 2 bits are bits 2 (j / 4)..2 (j / 4) + 1 of byte 8 + j % 4.
+int q3_k_scale(const uint8_t* s, int j) {
+  const int lo = (s[j % 8] >> (4 * (j / 8))) & 0x0F;
+  const int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+  return (lo | hi << 4) - 32;
+}
+
+void dequantize_q3_k(const BlockQ3_K* blocks, float* dst, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK_K) {
+    const BlockQ3_K& x = blocks[b];
+    const float d = fp16_to_fp32(x.d);
+    for (int j = 0; j < kQK_K / 16; ++j) {
+      const float dl = d * q3_k_scale(x.scales, j);
+      for (int e = 16 * j; e < 16 * j + 16; ++e) {
+        // The high bit of element e = 32 i + l is bit i of hmask[l]; a CLEAR bit subtracts 4
+        // (q in -4..3), so an all-ones hmask is the unsigned 0..3 case.
+        const bool high = (x.hmask[e % 32] >> (e / 32)) & 1;
+        dst[e] = dl * (q2_code(x.qs, e) - (high ? 0 : 4));
+      }
+    }
+  }
+}
+
+// Q4_K and Q5_K pack eight 6-bit scales and eight 6-bit mins into 12 bytes.
 void unpack_q4_k_scale_min(int j, const uint8_t* q, uint8_t* scale, uint8_t* min) {
   if (j < 4) {
     *scale = q[j] & 63;
@@ -150,6 +237,26 @@ void dequantize_q4_k(const BlockQ4_K* blocks, float* dst, int64_t n_blocks) {
   }
 }
 
+void dequantize_q5_k(const BlockQ5_K* blocks, float* dst, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const float d = fp16_to_fp32(blocks[b].d);
+    const float dmin = fp16_to_fp32(blocks[b].dmin);
+    const uint8_t* q = blocks[b].qs;
+    const uint8_t* qh = blocks[b].qh;
+    // As Q4_K; sub-block s (elements 32 s + l) takes its fifth bit from bit s of qh[l].
+    for (int chunk = 0; chunk < kQK_K / 64; ++chunk, q += 32) {
+      const int s_lo = 2 * chunk, s_hi = 2 * chunk + 1;
+      uint8_t sc, mn;
+      unpack_q4_k_scale_min(s_lo, blocks[b].scales, &sc, &mn);
+      const float d_lo = d * sc, m_lo = dmin * mn;
+      unpack_q4_k_scale_min(s_hi, blocks[b].scales, &sc, &mn);
+      const float d_hi = d * sc, m_hi = dmin * mn;
+      for (int l = 0; l < 32; ++l) *dst++ = d_lo * ((q[l] & 0x0F) | ((qh[l] >> s_lo) & 1) << 4) - m_lo;
+      for (int l = 0; l < 32; ++l) *dst++ = d_hi * ((q[l] >> 4) | ((qh[l] >> s_hi) & 1) << 4) - m_hi;
+    }
+  }
+}
+
 void dequantize_q6_k(const BlockQ6_K* blocks, float* dst, int64_t n_blocks) {
   for (int64_t b = 0; b < n_blocks; ++b) {
     const float d = fp16_to_fp32(blocks[b].d);
@@ -168,6 +275,33 @@ void dequantize_q6_k(const BlockQ6_K* blocks, float* dst, int64_t n_blocks) {
         dst[l + 32] = d * sc[is + 2] * q2;
         dst[l + 64] = d * sc[is + 4] * q3;
         dst[l + 96] = d * sc[is + 6] * q4;
+      }
+    }
+  }
+}
+
+void dequantize_iq4_nl(const BlockIQ4_NL* blocks, float* dst, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, dst += kQK4_NL) {
+    const float d = fp16_to_fp32(blocks[b].d);
+    for (int j = 0; j < kQK4_NL / 2; ++j) {
+      dst[j] = d * kIq4nlValues[blocks[b].qs[j] & 0x0F];
+      dst[j + kQK4_NL / 2] = d * kIq4nlValues[blocks[b].qs[j] >> 4];
+    }
+  }
+}
+
+void dequantize_iq4_xs(const BlockIQ4_XS* blocks, float* dst, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const BlockIQ4_XS& x = blocks[b];
+    const float d = fp16_to_fp32(x.d);
+    // Eight sub-blocks of 32, each an IQ4_NL block whose scale is d * (6-bit s - 32).
+    for (int j = 0; j < kQK_K / 32; ++j, dst += 32) {
+      const int s = ((x.scales_l[j / 2] >> (4 * (j % 2))) & 0x0F) | ((x.scales_h >> (2 * j)) & 3) << 4;
+      const float dl = d * (s - 32);
+      const uint8_t* qs = x.qs + 16 * j;
+      for (int l = 0; l < 16; ++l) {
+        dst[l] = dl * kIq4nlValues[qs[l] & 0x0F];
+        dst[l + 16] = dl * kIq4nlValues[qs[l] >> 4];
       }
     }
   }
@@ -235,9 +369,16 @@ void dequantize_row(TensorType type, const void* src, float* dst, int64_t n) {
     }
     case TensorType::Q4_0: return dequantize_q4_0(static_cast<const BlockQ4_0*>(src), dst, n / kQK4_0);
     case TensorType::Q4_1: return dequantize_q4_1(static_cast<const BlockQ4_1*>(src), dst, n / kQK4_1);
+    case TensorType::Q5_0: return dequantize_q5_0(static_cast<const BlockQ5_0*>(src), dst, n / kQK5_0);
+    case TensorType::Q5_1: return dequantize_q5_1(static_cast<const BlockQ5_1*>(src), dst, n / kQK5_1);
     case TensorType::Q8_0: return dequantize_q8_0(static_cast<const BlockQ8_0*>(src), dst, n / kQK8_0);
+    case TensorType::Q2_K: return dequantize_q2_k(static_cast<const BlockQ2_K*>(src), dst, n / kQK_K);
+    case TensorType::Q3_K: return dequantize_q3_k(static_cast<const BlockQ3_K*>(src), dst, n / kQK_K);
     case TensorType::Q4_K: return dequantize_q4_k(static_cast<const BlockQ4_K*>(src), dst, n / kQK_K);
+    case TensorType::Q5_K: return dequantize_q5_k(static_cast<const BlockQ5_K*>(src), dst, n / kQK_K);
     case TensorType::Q6_K: return dequantize_q6_k(static_cast<const BlockQ6_K*>(src), dst, n / kQK_K);
+    case TensorType::IQ4_NL: return dequantize_iq4_nl(static_cast<const BlockIQ4_NL*>(src), dst, n / kQK4_NL);
+    case TensorType::IQ4_XS: return dequantize_iq4_xs(static_cast<const BlockIQ4_XS*>(src), dst, n / kQK_K);
     case TensorType::Q8_1: break;
   }
   throw std::invalid_argument("dequantize_row: unsupported tensor type");

@@ -30,6 +30,8 @@ inline constexpr uint32_t kU8 = 0, kI8 = 1, kU16 = 2, kI16 = 3, kU32 = 4, kI32 =
 namespace ggml_type {
 inline constexpr uint32_t kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
                           kBF16 = 30;
+// A known GGML type that ringlm does not read (256 weights in 66 bytes): the tests' "unsupported type".
+inline constexpr uint32_t kIQ2_XXS = 16;
 }  // namespace ggml_type
 
 inline constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF" read as a little-endian u32

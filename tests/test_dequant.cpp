@@ -4,19 +4,39 @@
 #include <gtest/gtest.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
+#include <limits>
 #include <random>
+#include <set>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/gguf/gguf.h"
 #include "quant/formats.h"
+#include "quant/int4.h"
 
 namespace ringlm {
 namespace {
 
 const std::string kVectorsPath = std::string(RINGLM_TEST_WORK_DIR) + "/dequant_vectors.gguf";
+
+// Every type ringlm reads, by its GGML name; each has vectors in the file.
+const std::vector<std::string> kReadableTypes = {"F32",  "F16",  "BF16", "Q8_0", "Q4_0", "Q4_1",   "Q5_0",  "Q5_1",
+                                                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"};
+
+// The distance in representable floats (0 for equal values, +0 and -0 included).
+int64_t ulps_apart(float a, float b) {
+  auto ordered = [](float f) {
+    const auto i = static_cast<int64_t>(std::bit_cast<int32_t>(f));
+    return i < 0 ? std::numeric_limits<int32_t>::min() - i : i;
+  };
+  return std::abs(ordered(a) - ordered(b));
+}
 
 class DequantAgainstGguf : public ::testing::TestWithParam<std::string> {};
 
@@ -31,6 +51,11 @@ TEST_P(DequantAgainstGguf, MatchesPythonDequantizer) {
   ASSERT_EQ(q->n_elements(), ref->n_elements());
   EXPECT_EQ(type_traits(static_cast<uint32_t>(q->type))->name, type);
 
+  // The results must be the same numbers, not merely close. dequantize_row() does gguf's float32
+  // operations in gguf's order (make_dequant_vectors.py lists it and proves it), and the order of
+  // the multiplications does not even matter: an fp16 scale has 11 significant bits and the
+  // integers multiplying it at most 12 bits between them, so every product is exact in float32;
+  // the one rounding is the final "+ m" / "- dmin * m", which an FMA would not change either.
   const int64_t cols = q->cols();
   const size_t stride = row_bytes(q->type, cols);
   std::vector<float> row(static_cast<size_t>(cols));
@@ -39,18 +64,17 @@ TEST_P(DequantAgainstGguf, MatchesPythonDequantizer) {
   for (int64_t r = 0; r < q->rows(); ++r) {
     dequantize_row(q->type, q->data + r * stride, row.data(), cols);
     for (int64_t c = 0; c < cols; ++c) {
-      const float want = expected[r * cols + c];
-      const float tol = 1e-6f * std::max(1.0f, std::fabs(want));
-      if (!(std::fabs(row[static_cast<size_t>(c)] - want) <= tol) && mismatches++ < 5) {
-        ADD_FAILURE() << type << " row " << r << " col " << c << ": got " << row[static_cast<size_t>(c)] << ", want " << want;
+      const float got = row[static_cast<size_t>(c)], want = expected[r * cols + c];
+      if (!(got == want) && mismatches++ < 5) {
+        ADD_FAILURE() << type << " row " << r << " col " << c << ": got " << got << ", want " << want << " ("
+                      << ulps_apart(got, want) << " ulp apart)";
       }
     }
   }
   EXPECT_EQ(mismatches, 0) << type;
 }
 
-INSTANTIATE_TEST_SUITE_P(AllReadableTypes, DequantAgainstGguf,
-                         ::testing::Values("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"));
+INSTANTIATE_TEST_SUITE_P(AllReadableTypes, DequantAgainstGguf, ::testing::ValuesIn(kReadableTypes));
 
 TEST(Fp16, EveryHalfRoundTripsThroughFloat) {
   for (uint32_t h = 0; h < 65536; ++h) {
@@ -101,9 +125,63 @@ TEST(Bf16, TruncatesWithRoundToNearestEven) {
 TEST(TypeTraits, KnownSizesAndUnknownIds) {
   EXPECT_EQ(type_traits(2)->block_bytes, 18u);   // Q4_0
   EXPECT_EQ(type_traits(12)->block_elems, 256);  // Q4_K
-  EXPECT_FALSE(type_traits(13)->readable);       // Q5_K: known, not read
+  EXPECT_TRUE(type_traits(13)->readable);        // Q5_K
   EXPECT_FALSE(type_traits(999).has_value());
+  EXPECT_FALSE(type_traits(4).has_value());      // Q4_2, removed from GGML
   EXPECT_EQ(row_bytes(TensorType::Q4_1, 64), 40u);
+  EXPECT_EQ(row_bytes(TensorType::IQ4_XS, 512), 272u);
+  // Known but not read: the name is there for the error message, and the size for the reader.
+  for (const auto& [id, name] : {std::pair<uint32_t, std::string_view>{16, "IQ2_XXS"}, {34, "TQ1_0"}, {28, "F64"}}) {
+    const std::optional<TypeTraits> t = type_traits(id);
+    ASSERT_TRUE(t.has_value()) << name;
+    EXPECT_EQ(t->name, name);
+    EXPECT_FALSE(t->readable) << name;
+  }
+  EXPECT_EQ(type_traits(16)->block_bytes, 66u);
+}
+
+// ringlm's table of GGML type ids against gguf's own (make_dequant_vectors.py copies it into the
+// vectors file): every id gguf knows is known here with the same name and block size, and the
+// readable ones are exactly those the dequantization test above covers.
+TEST(TypeTraits, AgreeWithTheGgufPackage) {
+  const auto file = GgufFile::open(kVectorsPath);
+  const auto* ids = file->get_int_array("ggml.types.id");
+  const auto* names = file->get_string_array("ggml.types.name");
+  const auto* elems = file->get_int_array("ggml.types.block_elems");
+  const auto* bytes = file->get_int_array("ggml.types.block_bytes");
+  ASSERT_TRUE(ids && names && elems && bytes);
+  ASSERT_EQ(names->size(), ids->size());
+  ASSERT_EQ(elems->size(), ids->size());
+  ASSERT_EQ(bytes->size(), ids->size());
+  ASSERT_GE(ids->size(), 30u);
+
+  std::set<uint32_t> in_gguf;
+  for (size_t i = 0; i < ids->size(); ++i) {
+    const auto id = static_cast<uint32_t>((*ids)[i]);
+    const std::string_view name = (*names)[i];
+    SCOPED_TRACE(std::string(name));
+    in_gguf.insert(id);
+    const std::optional<TypeTraits> t = type_traits(id);
+    ASSERT_TRUE(t.has_value());
+    EXPECT_EQ(t->name, name);
+    EXPECT_EQ(t->block_elems, (*elems)[i]);
+    if (name == "Q8_1") {
+      // gguf-py 0.19.0 still lists 40 bytes (two fp32, an old layout); ggml's block_q8_1 is two
+      // fp16 and 32 int8. No model file carries Q8_1 (it is a dot-product intermediate).
+      EXPECT_EQ(t->block_bytes, 36u);
+    } else {
+      EXPECT_EQ(t->block_bytes, static_cast<size_t>((*bytes)[i]));
+    }
+    const bool covered = std::find(kReadableTypes.begin(), kReadableTypes.end(), name) != kReadableTypes.end();
+    EXPECT_EQ(t->readable, covered) << "a readable type must have dequantization vectors, and the reverse";
+  }
+  // Nothing below ringlm's own INT4 ids is known that gguf does not know, but Q2_0: ggml.h has it
+  // (id 42, 64 weights in 18 bytes), gguf 0.19.0 not yet.
+  for (uint32_t id = 0; id < kInt4TypeBase; ++id) {
+    if (type_traits(id).has_value() && in_gguf.count(id) == 0) {
+      EXPECT_EQ(id, 42u) << type_traits(id)->name;
+    }
+  }
 }
 
 }  // namespace

@@ -529,20 +529,20 @@ TEST(GgufTensor, UnknownTypeId) {
 }
 
 TEST(GgufTensor, KnownButUnsupportedTypeIsAcceptedByTheReader) {
-  // The reader knows Q5_K's block size, so it can check the data range; rejecting it is the
+  // The reader knows IQ2_XXS's block size, so it can check the data range; rejecting it is the
   // model's job (see test_model_load.cpp), which then names the tensor and the type.
-  const Parsed p = parse(one_tensor({"w", {256, 2}, tt::kQ5_K, pattern(2 * 176, 3), std::nullopt}));
+  const Parsed p = parse(one_tensor({"w", {256, 2}, tt::kIQ2_XXS, pattern(2 * 66, 3), std::nullopt}));
   const GgufTensorInfo* w = p.file->find_tensor("w");
   ASSERT_NE(w, nullptr);
-  EXPECT_EQ(static_cast<uint32_t>(w->type), tt::kQ5_K);
-  EXPECT_EQ(w->n_bytes, 2u * 176u);
-  const auto traits = type_traits(tt::kQ5_K);
+  EXPECT_EQ(static_cast<uint32_t>(w->type), tt::kIQ2_XXS);
+  EXPECT_EQ(w->n_bytes, 2u * 66u);
+  const auto traits = type_traits(tt::kIQ2_XXS);
   ASSERT_TRUE(traits.has_value());
-  EXPECT_EQ(traits->name, "Q5_K");
+  EXPECT_EQ(traits->name, "IQ2_XXS");
   EXPECT_FALSE(traits->readable);
   // The block size is still enforced for it.
-  EXPECT_THAT(parse_error(one_tensor({"w", {128}, tt::kQ5_K, pattern(176, 3), std::nullopt})),
-              ErrorNaming("tensor 'w'", "Q5_K block size 256"));
+  EXPECT_THAT(parse_error(one_tensor({"w", {128}, tt::kIQ2_XXS, pattern(66, 3), std::nullopt})),
+              ErrorNaming("tensor 'w'", "IQ2_XXS block size 256"));
 }
 
 TEST(GgufTensor, RowLengthNotAMultipleOfTheBlockSize) {

@@ -244,11 +244,11 @@ TEST(ModelLoad, TensorWithTheWrongShape) {
 }
 
 TEST(ModelLoad, TensorOfAnUnsupportedType) {
-  // Q5_K needs rows that are a multiple of 256, so this model is wider.
+  // IQ2_XXS needs rows that are a multiple of 256, so this model is wider.
   LlamaSpec s;
   s.n_embd = 256;
-  s.types["blk.0.ffn_gate.weight"] = tt::kQ5_K;
-  EXPECT_THAT(load_error(s), ErrorNaming("tensor 'blk.0.ffn_gate.weight'", "Q5_K", "not supported"));
+  s.types["blk.0.ffn_gate.weight"] = tt::kIQ2_XXS;
+  EXPECT_THAT(load_error(s), ErrorNaming("tensor 'blk.0.ffn_gate.weight'", "IQ2_XXS", "not supported"));
   // The same spec with a supported quantized type loads, so it is the type that was rejected.
   s.types["blk.0.ffn_gate.weight"] = tt::kQ8_0;
   EXPECT_EQ(load_error(s), "(loaded)");
@@ -281,12 +281,12 @@ TEST(ModelLoad, CpuBackendAlsoRejectsAnUnsupportedWeight) {
   // The model checks types before it calls the backend; the backend checks again on its own,
   // for callers that hand it weights directly.
   auto backend = make_cpu_backend(1);
-  const std::vector<uint8_t> data(2 * 176);
+  const std::vector<uint8_t> data(2 * 66);
   try {
-    backend->prepare(WeightView{"w.q5k", TensorType(tt::kQ5_K), 2, 256, data.data()});
-    ADD_FAILURE() << "the CPU backend prepared a Q5_K weight";
+    backend->prepare(WeightView{"w.iq2", TensorType(tt::kIQ2_XXS), 2, 256, data.data()});
+    ADD_FAILURE() << "the CPU backend prepared an IQ2_XXS weight";
   } catch (const std::runtime_error& e) {
-    EXPECT_THAT(e.what(), AllOf(HasSubstr("'w.q5k'"), HasSubstr("Q5_K")));
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("'w.iq2'"), HasSubstr("IQ2_XXS"), HasSubstr("not supported")));
   }
 }
 
