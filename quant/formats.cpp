@@ -393,7 +393,9 @@ struct NamedType {
 };
 std::vector<NamedType> quantize_types() {
   std::vector<NamedType> types = {{"F32", TensorType::F32}, {"F16", TensorType::F16}, {"BF16", TensorType::BF16},
-                                  {"Q8_0", TensorType::Q8_0}, {"Q4_0", TensorType::Q4_0}, {"Q4_1", TensorType::Q4_1}};
+                                  {"Q8_0", TensorType::Q8_0}, {"Q4_0", TensorType::Q4_0}, {"Q4_1", TensorType::Q4_1},
+                                  {"Q5_0", TensorType::Q5_0}, {"Q5_1", TensorType::Q5_1}, {"Q4_K", TensorType::Q4_K},
+                                  {"Q5_K", TensorType::Q5_K}, {"Q6_K", TensorType::Q6_K}};
   for (uint32_t id = kInt4TypeBase; id < kInt4TypeBase + std::size(kInt4TypeNames); ++id) {
     types.push_back({kInt4TypeNames[id - kInt4TypeBase], static_cast<TensorType>(id)});
   }

@@ -166,8 +166,8 @@ size_t row_bytes(TensorType type, int64_t n);
 void dequantize_row(TensorType type, const void* src, float* dst, int64_t n);
 
 // The type a name stands for, as `ringlm quantize --type` takes it (case-insensitive): F32, F16,
-// BF16, Q8_0, Q4_0, Q4_1 and ringlm's twelve INT4 types (quant/int4.h; the default fp16 scale may
-// also be spelled out, as in "i4s-g128-f16"). nullopt for any other name.
+// BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and ringlm's twelve INT4 types (quant/int4.h;
+// the default fp16 scale may also be spelled out, as in "i4s-g128-f16"). nullopt for any other name.
 std::optional<TensorType> parse_quantize_type(std::string_view name);
 // The names parse_quantize_type() accepts, in their canonical spelling (for error messages).
 const std::vector<std::string_view>& quantize_type_names();

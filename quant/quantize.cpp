@@ -70,6 +70,53 @@ void quantize_q8_0(const float* x, BlockQ8_0* y, int64_t n_blocks) {
   }
 }
 
+// Q5_0 and Q5_1: 32 5-bit codes, the low 4 bits as Q4_0's nibbles (code j and code j + 16 share
+// byte j), the fifth bit of code j in bit j of qh (a little-endian 32-bit word).
+void pack_q5_codes(const uint8_t* q, uint8_t* qh, uint8_t* qs) {
+  uint32_t high = 0;
+  for (int j = 0; j < 16; ++j) qs[j] = static_cast<uint8_t>((q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4));
+  for (int j = 0; j < 32; ++j) high |= static_cast<uint32_t>(q[j] >> 4) << j;
+  for (int k = 0; k < 4; ++k) qh[k] = static_cast<uint8_t>(high >> (8 * k));
+}
+
+void quantize_q5_0(const float* x, BlockQ5_0* y, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, x += kQK5_0) {
+    // As Q4_0 with twice the steps: the weight of largest magnitude maps to q = 0, i.e. to -16 steps.
+    float amax = 0, max = 0;
+    for (int j = 0; j < kQK5_0; ++j) {
+      if (amax < std::fabs(x[j])) {
+        amax = std::fabs(x[j]);
+        max = x[j];
+      }
+    }
+    const float d = max / -16;
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    y[b].d = fp32_to_fp16(d);
+    // x/d lies in [-16, 16]: truncating x/d + 16.5 rounds it to nearest; only 32 needs clamping.
+    uint8_t q[kQK5_0];
+    for (int j = 0; j < kQK5_0; ++j) q[j] = static_cast<uint8_t>(std::min(31, static_cast<int>(x[j] * id + 16.5f)));
+    pack_q5_codes(q, y[b].qh, y[b].qs);
+  }
+}
+
+void quantize_q5_1(const float* x, BlockQ5_1* y, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, x += kQK5_1) {
+    float min = FLT_MAX, max = -FLT_MAX;
+    for (int j = 0; j < kQK5_1; ++j) {
+      min = x[j] < min ? x[j] : min;
+      max = x[j] > max ? x[j] : max;
+    }
+    const float d = (max - min) / 31;
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    y[b].d = fp32_to_fp16(d);
+    y[b].m = fp32_to_fp16(min);
+    // (x - min)/d lies in [0, 31] up to a few ulps; the clamp never changes a code GGML writes.
+    uint8_t q[kQK5_1];
+    for (int j = 0; j < kQK5_1; ++j) q[j] = static_cast<uint8_t>(std::min(31, static_cast<int>((x[j] - min) * id + 0.5f)));
+    pack_q5_codes(q, y[b].qh, y[b].qs);
+  }
+}
+
 // --- ringlm's INT4 types ----------------------------------------------------------------------
 
 enum class Rounding { kNearest, kDown, kUp };
@@ -238,12 +285,293 @@ void quantize_int4_row(Int4Format f, const float* x, void* y, int64_t n, bool cl
                       : quantize_int4_scaled<32, false>(f.scale, x, y, n_blocks, clip);
 }
 
+// --- K-quants: Q4_K, Q5_K, Q6_K ----------------------------------------------------------------
+//
+// Any bytes of these layouts are a valid block, so ringlm's bytes need not be GGML's; the method is
+// the one of GGML's reference quantizers (ggml-quants.c). Each sub-block's grid is searched for the
+// smallest squared error weighted towards the larger weights: several step sizes around the one that
+// spans the sub-block are tried, each giving codes to which the best scale (and offset) is fitted by
+// weighted least squares. The sub-block scales (and offsets) are then stored as codes of the super-
+// block's fp16 scale; where rounding a code to nearest is not the best choice, a neighbouring code
+// is taken. The weights finally round to nearest on the grid as stored, so every weight lands on the
+// nearest value the dequantizer can produce from its block.
+
+// Round to nearest (half to even) into [lo, hi]; NaN gives lo.
+int round_clamp(float v, int lo, int hi) {
+  const float r = round_nearest(v);
+  return r >= static_cast<float>(hi) ? hi : r > static_cast<float>(lo) ? static_cast<int>(r) : lo;
+}
+
+// Below this magnitude a sub-block counts as all zeros (as GGML's GROUP_MAX_EPS).
+constexpr float kNegligible = 1e-15f;
+
+// --- Q4_K and Q5_K: w = step * q - offset, q in [0, nmax], per sub-block of 32 -------------------
+
+constexpr int kAffineSub = 32;                   // weights per sub-block
+constexpr int kAffineSubs = kQK_K / kAffineSub;  // sub-blocks per super-block
+constexpr int kCodeMax = 63;                     // 6-bit codes of the sub-block step and offset
+
+// A sub-block's grid: w = step * q - offset, offset >= 0 (the format stores it as an unsigned code).
+struct AffineGrid {
+  float step = 0, offset = 0;
+};
+
+// The code of w on a grid: nearest, clamped to [0, nmax].
+int affine_code(float w, const AffineGrid& g, int nmax) {
+  return g.step > 0 ? round_clamp((w + g.offset) / g.step, 0, nmax) : 0;
+}
+
+// The weighted squared error of x on a grid, every weight on its nearest code; `step * q - offset` is
+// the dequantizer's own float expression.
+float affine_error(const float* x, const float* importance, int nmax, const AffineGrid& g) {
+  float error = 0;
+  for (int i = 0; i < kAffineSub; ++i) {
+    const float e = g.step * static_cast<float>(affine_code(x[i], g, nmax)) - g.offset - x[i];
+    error += importance[i] * e * e;
+  }
+  return error;
+}
+
+// The step sizes a search tries: the one spanning the sub-block times (nmax + first + k * delta) / nmax,
+// k = 0..count-1 (GGML's choices: Q4_K -1, 0.1, 21 tries; Q5_K -0.5, 0.1, 16).
+struct StepSearch {
+  float first, delta;
+  int count;
+};
+
+// The least-squares grid of one sub-block (in the format's convention, offset >= 0, so the grid's
+// lowest value is <= 0 and a sub-block of positive weights has its grid start at 0).
+AffineGrid fit_affine(const float* x, const float* importance, int nmax, const StepSearch& search) {
+  float lo = std::min(0.0f, x[0]), hi = x[0];
+  for (int i = 1; i < kAffineSub; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  if (!(hi > lo)) return {0, -lo};  // constant: every weight on the offset
+  // Round to nearest on the grid spanning [lo, hi] is the first candidate.
+  AffineGrid best{(hi - lo) / static_cast<float>(nmax), -lo};
+  float best_error = affine_error(x, importance, nmax, best);
+  for (int k = 0; k < search.count; ++k) {
+    const float inv_step = (static_cast<float>(nmax) + search.first + search.delta * static_cast<float>(k)) / (hi - lo);
+    // Codes on this trial grid, then the step and offset that fit those codes best.
+    float sw = 0, sq = 0, sqq = 0, sx = 0, sqx = 0;
+    for (int i = 0; i < kAffineSub; ++i) {
+      const float q = static_cast<float>(round_clamp(inv_step * (x[i] - lo), 0, nmax));
+      const float w = importance[i];
+      sw += w;
+      sq += w * q;
+      sqq += w * q * q;
+      sx += w * x[i];
+      sqx += w * q * x[i];
+    }
+    const float det = sw * sqq - sq * sq;
+    if (!(det > 0)) continue;
+    AffineGrid g{(sw * sqx - sq * sx) / det, -(sqq * sx - sq * sqx) / det};
+    if (g.offset < 0) g = {sqx / sqq, 0};  // the format cannot raise the grid above 0: fit the step alone
+    if (!(g.step > 0)) continue;
+    const float error = affine_error(x, importance, nmax, g);
+    if (error < best_error) {
+      best = g;
+      best_error = error;
+    }
+  }
+  return best;
+}
+
+// Q4_K's and Q5_K's 12 bytes of eight 6-bit step codes and eight 6-bit offset codes: codes 0..3 in the
+// low 6 bits of bytes 0..3 (steps) and 4..7 (offsets); codes 4..7 as nibbles of bytes 8..11 (step
+// low, offset high) with their top 2 bits in the top bits of bytes 0..3 (steps) and 4..7 (offsets).
+void pack_k_codes(const uint8_t* step, const uint8_t* offset, uint8_t* bytes) {
+  for (int j = 0; j < 4; ++j) {
+    bytes[j] = static_cast<uint8_t>(step[j] | ((step[j + 4] >> 4) << 6));
+    bytes[j + 4] = static_cast<uint8_t>(offset[j] | ((offset[j + 4] >> 4) << 6));
+    bytes[j + 8] = static_cast<uint8_t>((step[j + 4] & 0x0F) | ((offset[j + 4] & 0x0F) << 4));
+  }
+}
+
+// One super-block of Q4_K / Q5_K (nmax 15 / 31): the fp16 scale of the steps and of the offsets, the
+// codes, and each weight's q in element order.
+struct AffineSuperBlock {
+  f16_bits d = 0, dmin = 0;
+  uint8_t step_code[kAffineSubs] = {}, offset_code[kAffineSubs] = {};
+  uint8_t q[kQK_K] = {};
+};
+
+AffineSuperBlock quantize_affine_super_block(const float* x, int nmax, const StepSearch& search) {
+  AffineSuperBlock out;
+  float importance[kQK_K];
+  AffineGrid fits[kAffineSubs];
+  float max_step = 0, max_offset = 0;
+  for (int s = 0; s < kAffineSubs; ++s) {
+    const float* xs = x + s * kAffineSub;
+    // GGML's weighting: the sub-block's RMS plus the weight's own magnitude.
+    float sum_sq = 0;
+    for (int i = 0; i < kAffineSub; ++i) sum_sq += xs[i] * xs[i];
+    const float rms = std::sqrt(sum_sq / kAffineSub);
+    for (int i = 0; i < kAffineSub; ++i) importance[s * kAffineSub + i] = rms + std::fabs(xs[i]);
+    fits[s] = fit_affine(xs, importance + s * kAffineSub, nmax, search);
+    max_step = std::max(max_step, fits[s].step);
+    max_offset = std::max(max_offset, fits[s].offset);
+  }
+  // The largest step and offset take code 63.
+  out.d = fp32_to_fp16(max_step / kCodeMax);
+  out.dmin = fp32_to_fp16(max_offset / kCodeMax);
+  const float d = fp16_to_fp32(out.d), dmin = fp16_to_fp32(out.dmin);
+  for (int s = 0; s < kAffineSubs; ++s) {
+    const float* xs = x + s * kAffineSub;
+    const float* ws = importance + s * kAffineSub;
+    const int sc0 = d > 0 ? round_clamp(fits[s].step / d, 0, kCodeMax) : 0;
+    const int m0 = dmin > 0 ? round_clamp(fits[s].offset / dmin, 0, kCodeMax) : 0;
+    // The nearest codes, or a neighbour of them whose grid fits the sub-block better.
+    int best_sc = sc0, best_m = m0;
+    float best_error = affine_error(xs, ws, nmax, {d * static_cast<float>(sc0), dmin * static_cast<float>(m0)});
+    for (int sc = std::max(0, sc0 - 1); sc <= std::min(kCodeMax, sc0 + 1); ++sc) {
+      for (int m = std::max(0, m0 - 1); m <= std::min(kCodeMax, m0 + 1); ++m) {
+        const float error = affine_error(xs, ws, nmax, {d * static_cast<float>(sc), dmin * static_cast<float>(m)});
+        if (error < best_error) {
+          best_sc = sc;
+          best_m = m;
+          best_error = error;
+        }
+      }
+    }
+    out.step_code[s] = static_cast<uint8_t>(best_sc);
+    out.offset_code[s] = static_cast<uint8_t>(best_m);
+    const AffineGrid stored{d * static_cast<float>(best_sc), dmin * static_cast<float>(best_m)};
+    for (int i = 0; i < kAffineSub; ++i) out.q[s * kAffineSub + i] = static_cast<uint8_t>(affine_code(xs[i], stored, nmax));
+  }
+  return out;
+}
+
+void quantize_q4_k(const float* x, BlockQ4_K* y, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, x += kQK_K) {
+    const AffineSuperBlock sb = quantize_affine_super_block(x, 15, {-1.0f, 0.1f, 21});
+    y[b].d = sb.d;
+    y[b].dmin = sb.dmin;
+    pack_k_codes(sb.step_code, sb.offset_code, y[b].scales);
+    // Each 32 bytes hold two sub-blocks: the first in the low nibbles, the second in the high.
+    for (int c = 0; c < kQK_K / 64; ++c) {
+      for (int l = 0; l < 32; ++l) y[b].qs[32 * c + l] = static_cast<uint8_t>(sb.q[64 * c + l] | (sb.q[64 * c + 32 + l] << 4));
+    }
+  }
+}
+
+void quantize_q5_k(const float* x, BlockQ5_K* y, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, x += kQK_K) {
+    const AffineSuperBlock sb = quantize_affine_super_block(x, 31, {-0.5f, 0.1f, 16});
+    y[b].d = sb.d;
+    y[b].dmin = sb.dmin;
+    pack_k_codes(sb.step_code, sb.offset_code, y[b].scales);
+    // The low 4 bits as Q4_K's nibbles; the fifth bit of element 32 s + l in bit s of qh[l].
+    std::memset(y[b].qh, 0, sizeof y[b].qh);
+    for (int c = 0; c < kQK_K / 64; ++c) {
+      for (int l = 0; l < 32; ++l) {
+        const int lo = sb.q[64 * c + l], hi = sb.q[64 * c + 32 + l];
+        y[b].qs[32 * c + l] = static_cast<uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
+      }
+    }
+    for (int e = 0; e < kQK_K; ++e) y[b].qh[e % 32] |= static_cast<uint8_t>((sb.q[e] >> 4) << (e / 32));
+  }
+}
+
+// --- Q6_K: w = d * scale_s * l, l in [-32, 31], per sub-block of 16 --------------------------------
+
+constexpr int kSymSub = 16;
+constexpr int kSymSubs = kQK_K / kSymSub;
+
+int symmetric_code(float w, float step) { return step != 0 ? round_clamp(w / step, -32, 31) : 0; }
+
+float symmetric_error(const float* x, const float* importance, float step) {
+  float error = 0;
+  for (int i = 0; i < kSymSub; ++i) {
+    const float e = step * static_cast<float>(symmetric_code(x[i], step)) - x[i];
+    error += importance[i] * e * e;
+  }
+  return error;
+}
+
+// The least-squares step of one sub-block. The weight of largest magnitude maps to -32 steps (the
+// code range's long end) times (32 + k/10)/32, k = -9..9; each trial's codes get the step that fits
+// them best, sum(w x l) / sum(w l^2), and the trial whose fit leaves the least error wins (for a
+// fitted step that error is sum(w x^2) - sum(w x l)^2 / sum(w l^2), so the largest quotient wins).
+float fit_symmetric(const float* x, const float* importance) {
+  float extreme = 0;
+  for (int i = 0; i < kSymSub; ++i) {
+    if (std::fabs(x[i]) > std::fabs(extreme)) extreme = x[i];
+  }
+  if (std::fabs(extreme) < kNegligible) return 0;
+  float best_step = 0, best_quotient = 0;
+  for (int k = -9; k <= 9; ++k) {
+    const float inv_step = -(32.0f + 0.1f * static_cast<float>(k)) / extreme;
+    float sxl = 0, sll = 0;
+    for (int i = 0; i < kSymSub; ++i) {
+      const float l = static_cast<float>(round_clamp(inv_step * x[i], -32, 31));
+      sxl += importance[i] * x[i] * l;
+      sll += importance[i] * l * l;
+    }
+    if (sll > 0 && sxl * sxl / sll > best_quotient) {
+      best_quotient = sxl * sxl / sll;
+      best_step = sxl / sll;
+    }
+  }
+  return best_step;
+}
+
+void quantize_q6_k(const float* x, BlockQ6_K* y, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, x += kQK_K) {
+    // GGML's weighting for Q6_K: the square of each weight.
+    float importance[kQK_K];
+    for (int i = 0; i < kQK_K; ++i) importance[i] = x[i] * x[i];
+    float steps[kSymSubs];
+    float extreme = 0;  // the step of largest magnitude, sign kept
+    for (int s = 0; s < kSymSubs; ++s) {
+      steps[s] = fit_symmetric(x + s * kSymSub, importance + s * kSymSub);
+      if (std::fabs(steps[s]) > std::fabs(extreme)) extreme = steps[s];
+    }
+    // The step of largest magnitude takes code -128, the long end of int8.
+    y[b].d = std::fabs(extreme) < kNegligible ? f16_bits{0} : fp32_to_fp16(extreme / -128);
+    const float d = fp16_to_fp32(y[b].d);
+    int8_t l[kQK_K];
+    for (int s = 0; s < kSymSubs; ++s) {
+      const float* xs = x + s * kSymSub;
+      const float* ws = importance + s * kSymSub;
+      const int c0 = d != 0 ? round_clamp(steps[s] / d, -128, 127) : 0;
+      int best = c0;
+      float best_error = symmetric_error(xs, ws, d * static_cast<float>(c0));
+      for (int c = std::max(-128, c0 - 1); c <= std::min(127, c0 + 1); ++c) {
+        const float error = symmetric_error(xs, ws, d * static_cast<float>(c));
+        if (error < best_error) {
+          best = c;
+          best_error = error;
+        }
+      }
+      y[b].scales[s] = static_cast<int8_t>(best);
+      for (int i = 0; i < kSymSub; ++i) l[s * kSymSub + i] = static_cast<int8_t>(symmetric_code(xs[i], d * static_cast<float>(best)));
+    }
+    // Two halves of 128; in each, element 32 k + j (k = 0..3) has its low 4 bits in ql[j] (k = 0, 2:
+    // low / high nibble) or ql[32 + j] (k = 1, 3) and its top 2 bits at bit 2k of qh[j].
+    for (int h = 0; h < 2; ++h) {
+      uint8_t* ql = y[b].ql + 64 * h;
+      uint8_t* qh = y[b].qh + 32 * h;
+      const int8_t* lh = l + 128 * h;
+      for (int j = 0; j < 32; ++j) {
+        int q[4];
+        for (int k = 0; k < 4; ++k) q[k] = lh[32 * k + j] + 32;
+        ql[j] = static_cast<uint8_t>((q[0] & 0x0F) | ((q[2] & 0x0F) << 4));
+        ql[32 + j] = static_cast<uint8_t>((q[1] & 0x0F) | ((q[3] & 0x0F) << 4));
+        qh[j] = static_cast<uint8_t>((q[0] >> 4) | ((q[1] >> 4) << 2) | ((q[2] >> 4) << 4) | ((q[3] >> 4) << 6));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 bool can_quantize(TensorType type) {
   switch (type) {
     case TensorType::F32: case TensorType::F16: case TensorType::BF16:
-    case TensorType::Q8_0: case TensorType::Q4_0: case TensorType::Q4_1:
+    case TensorType::Q8_0: case TensorType::Q4_0: case TensorType::Q4_1: case TensorType::Q5_0:
+    case TensorType::Q5_1: case TensorType::Q4_K: case TensorType::Q5_K: case TensorType::Q6_K:
       return true;
     default:
       return is_int4_type(type);
@@ -280,6 +608,11 @@ void quantize_row(TensorType type, const float* src, void* dst, int64_t n, const
     case TensorType::Q8_0: return quantize_q8_0(src, static_cast<BlockQ8_0*>(dst), n / kQK8_0);
     case TensorType::Q4_0: return quantize_q4_0(src, static_cast<BlockQ4_0*>(dst), n / kQK4_0);
     case TensorType::Q4_1: return quantize_q4_1(src, static_cast<BlockQ4_1*>(dst), n / kQK4_1);
+    case TensorType::Q5_0: return quantize_q5_0(src, static_cast<BlockQ5_0*>(dst), n / kQK5_0);
+    case TensorType::Q5_1: return quantize_q5_1(src, static_cast<BlockQ5_1*>(dst), n / kQK5_1);
+    case TensorType::Q4_K: return quantize_q4_k(src, static_cast<BlockQ4_K*>(dst), n / kQK_K);
+    case TensorType::Q5_K: return quantize_q5_k(src, static_cast<BlockQ5_K*>(dst), n / kQK_K);
+    case TensorType::Q6_K: return quantize_q6_k(src, static_cast<BlockQ6_K*>(dst), n / kQK_K);
     default: break;
   }
 }

@@ -1,8 +1,14 @@
 // Quantization: one row of fp32 weights to a stored type.
 //
-// GGML's Q4_0, Q4_1 and Q8_0 follow GGML's reference quantizer bit for bit (ggml-quants.c's
-// quantize_row_*_ref, the same rounding as the `gguf` Python package), so a file ringlm writes
-// in those types is the file llama.cpp would write from the same weights.
+// GGML's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 follow GGML's reference quantizer bit for bit
+// (ggml-quants.c's quantize_row_*_ref, the same rounding as the `gguf` Python package), so a file
+// ringlm writes in those types is the file llama.cpp would write from the same weights.
+//
+// The K-quants Q4_K, Q5_K and Q6_K use the method of GGML's reference quantizers, in ringlm's own
+// code (the bytes may differ from llama.cpp's; both are valid blocks): per sub-block, a search over
+// step sizes for the scale (and min) with the least weighted squared error, the sub-block scales
+// stored as codes of the super-block scale (a neighbouring code where it fits better), then every
+// weight rounded to the nearest value of its grid as stored.
 //
 // ringlm's INT4 types (quant/int4.h) are quantized group by group: round to nearest on a grid
 // whose scale (and min) is chosen per group, optionally by a clipping search (see QuantizeOptions).
@@ -26,7 +32,8 @@ struct QuantizeOptions {
   bool clip_search = true;
 };
 
-// Whether quantize_row() can produce `type`: F32, F16, BF16, Q8_0, Q4_0, Q4_1 and the INT4 types.
+// Whether quantize_row() can produce `type`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+// Q5_K, Q6_K and the INT4 types.
 bool can_quantize(TensorType type);
 
 // Quantizes n weights (n a multiple of the type's block size) into row_bytes(type, n) bytes at dst.

@@ -17,9 +17,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/gguf/gguf.h"
@@ -196,10 +198,20 @@ TEST(QuantizeTypeNames, GgmlNamesParseCaseInsensitivelyAndOthersDoNot) {
   EXPECT_EQ(parse_quantize_type("f16"), TensorType::F16);
   EXPECT_EQ(parse_quantize_type("Bf16"), TensorType::BF16);
   EXPECT_EQ(parse_quantize_type("F32"), TensorType::F32);
-  for (const char* bad : {"", "Q4_K", "Q6_K", "i4s", "i4s-g64", "i4x-g32", "i4s-g32-f16-f16", "q4_0 ", "Q8_0-f16"}) {
+  EXPECT_EQ(parse_quantize_type("Q5_0"), TensorType::Q5_0);
+  EXPECT_EQ(parse_quantize_type("q5_1"), TensorType::Q5_1);
+  EXPECT_EQ(parse_quantize_type("Q4_K"), TensorType::Q4_K);
+  EXPECT_EQ(parse_quantize_type("q5_k"), TensorType::Q5_K);
+  EXPECT_EQ(parse_quantize_type("Q6_K"), TensorType::Q6_K);
+  // Mixes are the command's business, not tensor types; Q3_K, Q8_K and the IQ types have no quantizer.
+  for (const char* bad : {"", "Q4_K_M", "Q5_K_S", "Q3_K", "Q8_K", "IQ4_NL", "i4s", "i4s-g64", "i4x-g32",
+                          "i4s-g32-f16-f16", "q4_0 ", "Q8_0-f16", "Q4_K-f16"}) {
     EXPECT_FALSE(parse_quantize_type(bad).has_value()) << "'" << bad << "'";
   }
-  EXPECT_EQ(quantize_type_names().size(), 18u);
+  EXPECT_EQ(quantize_type_names().size(), 23u);
+  for (const std::string_view name : quantize_type_names()) {
+    EXPECT_TRUE(can_quantize(*parse_quantize_type(name))) << name;
+  }
 }
 
 // --- INT4 types: quantization error -------------------------------------------------------------
@@ -344,13 +356,17 @@ TEST_P(GgmlQuantizer, MatchesTheGgufPackageByteForByte) {
   constexpr int kRowsG = 12, kColsG = 256;
   std::vector<float> w = gaussian_rows(kRowsG, kColsG, 21);
   // Edge rows: all zeros; all equal; values on Q4_0's half-steps (x/d + 8.5 exactly integral);
-  // a negative extreme; ties in magnitude between a positive and a negative weight.
+  // a negative extreme; ties in magnitude between a positive and a negative weight; values on
+  // Q5_0's half-steps (extreme -1, d = 1/16, x/d + 16.5 integral).
   std::fill(w.begin(), w.begin() + kColsG, 0.0f);
   std::fill(w.begin() + kColsG, w.begin() + 2 * kColsG, 0.75f);
   for (int c = 0; c < kColsG; ++c) w[2 * kColsG + c] = 0.125f * static_cast<float>((c % 17) - 8) - 0.0625f;
   w[3 * kColsG + 3] = -40.0f;
   w[4 * kColsG + 1] = 2.5f;
   w[4 * kColsG + 2] = -2.5f;
+  for (int c = 0; c < kColsG; ++c) {
+    w[5 * kColsG + c] = c % 32 == 7 ? -1.0f : 0.0625f * (static_cast<float>(c % 32 - 16) + 0.5f);
+  }
 
   const std::string in = work_dir() + "/ggml_" + type_name + ".f32", ref = work_dir() + "/ggml_" + type_name + ".ref";
   std::ofstream(in, std::ios::binary).write(reinterpret_cast<const char*>(w.data()), static_cast<std::streamsize>(w.size() * 4));
@@ -367,7 +383,186 @@ TEST_P(GgmlQuantizer, MatchesTheGgufPackageByteForByte) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ggml, GgmlQuantizer, ::testing::Values("Q4_0", "Q4_1", "Q8_0"));
+std::string param_name(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
+
+INSTANTIATE_TEST_SUITE_P(Ggml, GgmlQuantizer, ::testing::Values("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"), param_name);
+
+// --- K-quants: Q4_K, Q5_K, Q6_K ------------------------------------------------------------------
+//
+// Any bytes of these layouts are valid, so ringlm's quantizer is judged by what its bytes mean:
+// each sub-block's grid is read from the block by this test's own reading of the layout
+// (quant/formats.h), and every weight must sit on the grid point nearest to it. How good the grids
+// are is judged against the legacy types of about the same size.
+
+// One sub-block's grid as stored: the values step * q - offset, q in [q_lo, q_hi], computed as the
+// dequantizer computes them ((d * code) * q - (dmin * code)). `unit` is one code of the step.
+struct KGrid {
+  float step = 0, offset = 0, unit = 0;
+  int q_lo = 0, q_hi = 0;
+
+  float point(int q) const { return step * static_cast<float>(q) - offset; }
+  float lo() const { return std::min(point(q_lo), point(q_hi)); }
+  float hi() const { return std::max(point(q_lo), point(q_hi)); }
+  double distance(float w) const {
+    double best = INFINITY;
+    for (int q = q_lo; q <= q_hi; ++q) best = std::min(best, std::fabs(static_cast<double>(w) - point(q)));
+    return best;
+  }
+  double slack() const { return 1e-6 * (std::fabs(step) * 64 + std::fabs(offset)) + 1e-30; }
+};
+
+struct KLayout {
+  int sub;  // weights per sub-block
+  size_t block_bytes;
+};
+
+KLayout k_layout(TensorType type) {
+  if (type == TensorType::Q6_K) return {16, 210};
+  return {32, type == TensorType::Q4_K ? size_t{144} : size_t{176}};
+}
+
+float read_half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return fp16_to_fp32(bits);
+}
+
+// The 16 sub-block grids of a Q6_K block or the 8 of a Q4_K / Q5_K block.
+std::vector<KGrid> read_k_grids(TensorType type, const uint8_t* block) {
+  std::vector<KGrid> grids;
+  if (type == TensorType::Q6_K) {
+    // ql[128], qh[64], int8 scales[16], fp16 d: w = d * scale * (q - 32), q in [0, 63].
+    const float d = read_half(block + 208);
+    for (int s = 0; s < 16; ++s) {
+      const float step = d * static_cast<float>(static_cast<int8_t>(block[192 + s]));
+      grids.push_back({step, 32 * step, std::fabs(d), 0, 63});
+    }
+    return grids;
+  }
+  // fp16 d, fp16 dmin, 12 bytes of 6-bit codes: w = d * sc * q - dmin * m.
+  const float d = read_half(block), dmin = read_half(block + 2);
+  const uint8_t* c = block + 4;
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? c[j] & 63 : (c[j + 4] & 15) | ((c[j - 4] >> 6) << 4);
+    const int m = j < 4 ? c[j + 4] & 63 : (c[j + 4] >> 4) | ((c[j] >> 6) << 4);
+    grids.push_back({d * static_cast<float>(sc), dmin * static_cast<float>(m), d, 0, type == TensorType::Q4_K ? 15 : 31});
+  }
+  return grids;
+}
+
+class KQuant : public ::testing::TestWithParam<std::string> {
+ protected:
+  TensorType type() const { return *parse_quantize_type(GetParam()); }
+};
+
+// Round to nearest on the stored grid: a weight inside the grid's span is at most half a step
+// away, and no other value of the block's grid is nearer. The search may clip a sub-block's ends
+// (its trial steps reach (nmax + 1)/nmax of the spanning one: about one step clipped), and the
+// step's code rounding moves the ends by less than another step: a clipped weight is within two
+// steps of its grid, and clipped weights are few.
+TEST_P(KQuant, EveryWeightIsOnTheNearestPointOfItsStoredGrid) {
+  const TensorType t = type();
+  const KLayout layout = k_layout(t);
+  const std::vector<float> w = gaussian_rows(kRows, kCols, 7);
+  const std::vector<uint8_t> q = quantize(t, w, kCols, false);
+  const std::vector<float> back = dequantize(t, q.data(), kRows, kCols);
+  ASSERT_EQ(row_bytes(t, kCols), layout.block_bytes * kCols / 256);
+  int failures = 0, clipped = 0;
+  for (int r = 0; r < kRows; ++r) {
+    for (int b = 0; b < kCols / 256; ++b) {
+      const uint8_t* block = q.data() + static_cast<size_t>(r) * row_bytes(t, kCols) + static_cast<size_t>(b) * layout.block_bytes;
+      const std::vector<KGrid> grids = read_k_grids(t, block);
+      for (int e = 0; e < 256; ++e) {
+        const KGrid& g = grids[static_cast<size_t>(e / layout.sub)];
+        const size_t i = static_cast<size_t>(r * kCols + b * 256 + e);
+        const double err = std::fabs(static_cast<double>(w[i]) - back[i]);
+        const bool inside = w[i] >= g.lo() - g.slack() && w[i] <= g.hi() + g.slack();
+        clipped += !inside;
+        const double bound = inside ? std::fabs(g.step) / 2.0 : 2.0 * std::max(std::fabs(g.step), std::fabs(g.unit));
+        if (!(err <= g.distance(w[i]) + g.slack() && err <= bound + g.slack()) && failures++ < 5) {
+          ADD_FAILURE() << GetParam() << " row " << r << " col " << b * 256 + e << ": " << w[i] << " became " << back[i]
+                        << "; nearest grid point " << g.distance(w[i]) << " away, bound " << bound << " (step "
+                        << g.step << ", offset " << g.offset << (inside ? ", inside" : ", clipped") << ")";
+        }
+      }
+    }
+  }
+  EXPECT_LT(clipped, kRows * kCols / 20) << "too many weights outside their sub-block's grid";
+}
+
+double squared_error(TensorType t, const std::vector<float>& w) {
+  const std::vector<float> back = dequantize(t, quantize(t, w, kCols, false).data(), kRows, kCols);
+  double sum = 0;
+  for (size_t i = 0; i < w.size(); ++i) sum += (static_cast<double>(w[i]) - back[i]) * (static_cast<double>(w[i]) - back[i]);
+  return sum;
+}
+
+// What the search buys, against legacy types of more bits per weight: Q4_K (4.5) against Q4_1 (5),
+// Q5_K (5.5) and Q6_K (6.56) against Q5_1 (6). Ratios of squared error on this data (deterministic:
+// the same float operations on every machine): ringlm 0.832 / 0.788 / 0.226; without the step
+// search 0.867 / 0.906 / 0.235; without trying neighbouring codes 0.877 / 0.866 / 0.229; with
+// neither (round to nearest on the spanning grid) 1.008 / 1.016 / 0.245. The limits sit between.
+TEST_P(KQuant, ErrorIsBelowALegacyTypeOfMoreBits) {
+  const std::vector<float> w = gaussian_rows(kRows, kCols, 11);
+  const TensorType t = type();
+  const TensorType legacy = t == TensorType::Q4_K ? TensorType::Q4_1 : TensorType::Q5_1;
+  const double limit = t == TensorType::Q4_K ? 0.85 : t == TensorType::Q5_K ? 0.83 : 0.23;
+  const double ratio = squared_error(t, w) / squared_error(legacy, w);
+  EXPECT_LT(ratio, limit) << GetParam() << "'s squared error is " << ratio << " of " << type_traits(static_cast<uint32_t>(legacy))->name << "'s";
+}
+
+// Weights already on a grid a block can store come back exactly: the super-block scales and codes
+// are chosen so that every product is exact in float, each sub-block holds its grid's lowest and
+// highest code (Q6_K: the code -32, its longest step), and the largest code is taken.
+TEST_P(KQuant, ValuesOnTheGridRoundTripExactly) {
+  const TensorType t = type();
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> pick(1, 1 << 20);
+  std::vector<float> w(static_cast<size_t>(kRows * kCols));
+  for (size_t b0 = 0; b0 < w.size(); b0 += 256) {
+    float* x = w.data() + b0;
+    if (t == TensorType::Q6_K) {
+      const float d = static_cast<float>(pick(rng) % 64 + 1) / 2048;
+      for (int s = 0; s < 16; ++s) {
+        int sc = s == 0 ? -128 : pick(rng) % 255 - 127;
+        if (sc == 0) sc = 1;
+        for (int j = 0; j < 16; ++j) {
+          const int l = j == 2 ? -32 : pick(rng) % 63 - 31;
+          x[16 * s + j] = (d * static_cast<float>(sc)) * static_cast<float>(l);
+        }
+      }
+    } else {
+      const int nmax = t == TensorType::Q4_K ? 15 : 31;
+      const float d = static_cast<float>(pick(rng) % 64 + 1) / 1024, dmin = static_cast<float>(pick(rng) % 64 + 1) / 1024;
+      for (int s = 0; s < 8; ++s) {
+        const int sc = s == 0 ? 63 : pick(rng) % 63 + 1, m = s == 1 ? 63 : pick(rng) % 64;
+        for (int j = 0; j < 32; ++j) {
+          const int q = j == 3 ? 0 : j == 7 ? nmax : pick(rng) % (nmax + 1);
+          x[32 * s + j] = (d * static_cast<float>(sc)) * static_cast<float>(q) - dmin * static_cast<float>(m);
+        }
+      }
+    }
+  }
+  const std::vector<float> back = dequantize(t, quantize(t, w, kCols, false).data(), kRows, kCols);
+  int mismatches = 0;
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (back[i] != w[i] && mismatches++ < 5) ADD_FAILURE() << GetParam() << " [" << i << "]: " << w[i] << " -> " << back[i];
+  }
+}
+
+TEST_P(KQuant, ZeroConstantAndTinyRowsStayFinite) {
+  const TensorType t = type();
+  const std::vector<float> zeros(kCols, 0.0f), constant(kCols, -0.3f), positive(kCols, 0.7f), tiny(kCols, 1e-20f);
+  for (const float v : dequantize(t, quantize(t, zeros, kCols, false).data(), 1, kCols)) ASSERT_EQ(v, 0.0f);
+  for (const float v : dequantize(t, quantize(t, constant, kCols, false).data(), 1, kCols)) ASSERT_NEAR(v, -0.3f, 0.3f / 64);
+  for (const float v : dequantize(t, quantize(t, positive, kCols, false).data(), 1, kCols)) ASSERT_NEAR(v, 0.7f, 0.7f / 64);
+  for (const float v : dequantize(t, quantize(t, tiny, kCols, false).data(), 1, kCols)) {
+    ASSERT_TRUE(std::isfinite(v));
+    ASSERT_LE(std::fabs(v), 1e-19f);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(KQuants, KQuant, ::testing::Values("Q4_K", "Q5_K", "Q6_K"), param_name);
 
 // --- GGUF writer ---------------------------------------------------------------------------------
 
@@ -739,7 +934,8 @@ TEST_F(QuantizeCommand, UnknownTypeNamesTheValidOnes) {
   EXPECT_NE(r.err.find("'q3_k'"), std::string::npos) << r.err;
   for (const char* name : {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "i4s-g32", "i4s-g32-bf16", "i4s-g32-f32",
                            "i4a-g32", "i4a-g32-bf16", "i4a-g32-f32", "i4s-g128", "i4s-g128-bf16", "i4s-g128-f32",
-                           "i4a-g128", "i4a-g128-bf16", "i4a-g128-f32"}) {
+                           "i4a-g128", "i4a-g128-bf16", "i4a-g128-f32", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                           "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M"}) {
     EXPECT_NE(r.err.find(name), std::string::npos) << name << " missing from: " << r.err;
   }
 }
@@ -750,6 +946,283 @@ TEST_F(QuantizeCommand, UnwritableOutputIsAClearErrorAndLeavesNothing) {
   expect_one_error_line(r);
   EXPECT_NE(r.err.find("no-such-dir/out.gguf"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(out));
+}
+
+// --- ringlm quantize: K-quants and llama.cpp's mixes ----------------------------------------------
+
+// A Llama-shaped F32 model for the mix rules, written with ringlm's writer: the names, row lengths
+// and layer count of a real one, but only 4 rows per matrix and a vocabulary of 8 (the rules read
+// nothing else; the command never loads the model).
+struct LlamaShape {
+  int n_layer = 16, n_embd = 64, n_ff = 256, n_head = 4, n_head_kv = 2;
+  bool untied = false;
+  int n_expert = 0;  // written as llama.expert_count when set
+};
+
+std::string write_llama_shaped(const std::string& name, const LlamaShape& s) {
+  const std::string path = own_file(name);
+  GgufWriter w(path);
+  w.set_string("general.architecture", "llama");
+  w.set_uint32("llama.block_count", static_cast<uint32_t>(s.n_layer));
+  w.set_uint32("llama.context_length", 256);
+  w.set_uint32("llama.embedding_length", static_cast<uint32_t>(s.n_embd));
+  w.set_uint32("llama.feed_forward_length", static_cast<uint32_t>(s.n_ff));
+  w.set_uint32("llama.attention.head_count", static_cast<uint32_t>(s.n_head));
+  w.set_uint32("llama.attention.head_count_kv", static_cast<uint32_t>(s.n_head_kv));
+  w.set_float("llama.attention.layer_norm_rms_epsilon", GgufValueType::FLOAT32, 1e-5);
+  w.set_uint32("general.file_type", 0);
+  if (s.n_expert > 0) w.set_uint32("llama.expert_count", static_cast<uint32_t>(s.n_expert));
+  std::vector<std::pair<std::string, std::vector<int64_t>>> tensors = {{"token_embd.weight", {s.n_embd, 8}},
+                                                                       {"output_norm.weight", {s.n_embd}}};
+  if (s.untied) tensors.push_back({"output.weight", {s.n_embd, 8}});
+  for (int l = 0; l < s.n_layer; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    for (const char* m : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"}) {
+      tensors.push_back({b + m + ".weight", {s.n_embd, 4}});
+    }
+    tensors.push_back({b + "ffn_down.weight", {s.n_ff, 4}});
+    tensors.push_back({b + "attn_norm.weight", {s.n_embd}});
+    tensors.push_back({b + "ffn_norm.weight", {s.n_embd}});
+  }
+  for (const auto& [n, shape] : tensors) w.add_tensor(n, shape, TensorType::F32);
+  w.write_header();
+  uint32_t seed = 1;
+  for (const auto& [n, shape] : tensors) {
+    const int cols = static_cast<int>(shape[0]), rows = shape.size() > 1 ? static_cast<int>(shape[1]) : 1;
+    const std::vector<float> v = gaussian_rows(rows, cols, seed++);
+    w.write_data(v.data(), v.size() * sizeof(float));
+  }
+  w.finish();
+  return path;
+}
+
+// llama.cpp's use_more_bits layers of a 16-layer model (i < 2, i >= 14, (i - 2) % 3 == 2), one
+// character per layer.
+constexpr std::string_view kMoreBits16 = "MM..M..M..M..MMM";
+
+// The type of every matrix of a 16-layer model: `by_kind` maps "attn_v" / "ffn_down" to the type in
+// the more_bits layers and in the others ("Q6_K/Q4_K"), or to one type for all layers; other
+// layer matrices get `rest`.
+std::map<std::string, std::string> expected_types(const std::string& token_embd, const std::string& output,
+                                                  const std::string& rest,
+                                                  const std::map<std::string, std::vector<std::string>>& by_layer) {
+  std::map<std::string, std::string> e = {{"token_embd.weight", token_embd}, {"output_norm.weight", "F32"}};
+  if (!output.empty()) e["output.weight"] = output;
+  for (int l = 0; l < 16; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    for (const char* m : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}) {
+      const auto it = by_layer.find(m);
+      e[b + m + ".weight"] = it == by_layer.end() ? rest : it->second[static_cast<size_t>(l)];
+    }
+    e[b + "attn_norm.weight"] = "F32";
+    e[b + "ffn_norm.weight"] = "F32";
+  }
+  return e;
+}
+
+// Per layer: `more` in the more_bits layers, `other` elsewhere.
+std::vector<std::string> by_more_bits(const std::string& more, const std::string& other) {
+  std::vector<std::string> v;
+  for (const char c : kMoreBits16) v.push_back(c == 'M' ? more : other);
+  return v;
+}
+
+// Per layer: `first` in the first n layers, `other` after.
+std::vector<std::string> first_layers(int n, const std::string& first, const std::string& other) {
+  std::vector<std::string> v;
+  for (int l = 0; l < 16; ++l) v.push_back(l < n ? first : other);
+  return v;
+}
+
+struct QuantizedModel {
+  std::string path;
+  Result result;
+};
+
+QuantizedModel quantize_model(const std::string& in, const std::string& args, const std::string& name) {
+  QuantizedModel q{own_file(name), {}};
+  std::filesystem::remove(q.path);
+  q.result = run(quantize_cmd(in + " " + q.path + " " + args + " -t 2"));
+  return q;
+}
+
+// Every tensor's type as ringlm's reader and as the gguf package read the file, against `expected`.
+void check_types(const std::string& path, const std::map<std::string, std::string>& expected) {
+  const auto f = GgufFile::open(path);
+  ASSERT_EQ(f->tensors().size(), expected.size());
+  for (const GgufTensorInfo& t : f->tensors()) {
+    ASSERT_TRUE(expected.contains(t.name)) << t.name;
+    EXPECT_EQ(type_traits(static_cast<uint32_t>(t.type))->name, expected.at(t.name)) << t.name;
+  }
+  const Result r = run(kGgufTool + " dump " + path + " --no-data");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json dump = nlohmann::json::parse(r.out);
+  ASSERT_EQ(dump["tensors"].size(), expected.size());
+  for (const nlohmann::json& t : dump["tensors"]) {
+    EXPECT_EQ(t["type"], expected.at(t["name"].get<std::string>())) << t["name"];
+  }
+}
+
+uint64_t file_type_of(const std::string& path) { return GgufFile::open(path)->get_uint("general.file_type").value_or(999); }
+
+// A tied model whose 64-wide rows do not split into blocks of 256 (as SmolLM2's 576): llama-quantize's
+// Q4_K_M falls back to Q5_0 (Q4_K) and Q8_0 (Q6_K) there, and gives the tied embeddings Q8_0.
+// llama-quantize (llama.cpp from llama-cpp-python 0.3.36) writes these same types for this file.
+TEST(QuantizeMix, Q4_K_MOnRowsThatDoNotSplitInto256FallsBackAsLlamaCpp) {
+  const std::string in = write_llama_shaped("mix64.gguf", {});
+  const QuantizedModel q = quantize_model(in, "--type Q4_K_M", "mix64.Q4_K_M.gguf");
+  ASSERT_EQ(q.result.exit_code, 0) << q.result.err;
+  check_types(q.path, expected_types("Q8_0", "", "Q5_0",
+                                     {{"attn_v", by_more_bits("Q8_0", "Q5_0")}, {"ffn_down", by_more_bits("Q6_K", "Q4_K")}}));
+  EXPECT_EQ(file_type_of(q.path), 15u);  // LLAMA_FTYPE_MOSTLY_Q4_K_M
+  EXPECT_EQ(GgufFile::open(q.path)->get_string("ringlm.quantization"), "Q4_K_M");
+  EXPECT_NE(q.result.err.find("blk.0.attn_q.weight: row length 64 is not a multiple of the Q4_K block size 256; using Q5_0"),
+            std::string::npos)
+      << q.result.err;
+  EXPECT_NE(q.result.err.find("blk.0.attn_v.weight: row length 64 is not a multiple of the Q6_K block size 256; using Q8_0"),
+            std::string::npos)
+      << q.result.err;
+}
+
+// An untied 256-wide model: every mix's own choices, no fallback.
+TEST(QuantizeMix, EachMixGivesLlamaCppsTypePerTensor) {
+  const std::string in = write_llama_shaped("mix256.gguf", {.n_embd = 256, .n_ff = 512, .untied = true});
+  struct Case {
+    const char* mix;
+    uint64_t file_type;
+    std::map<std::string, std::string> types;
+  };
+  const Case cases[] = {
+      {"Q4_K_M", 15, expected_types("Q4_K", "Q6_K", "Q4_K", {{"attn_v", by_more_bits("Q6_K", "Q4_K")},
+                                                            {"ffn_down", by_more_bits("Q6_K", "Q4_K")}})},
+      {"q5_k_m", 17, expected_types("Q5_K", "Q6_K", "Q5_K", {{"attn_v", by_more_bits("Q6_K", "Q5_K")},
+                                                            {"ffn_down", by_more_bits("Q6_K", "Q5_K")}})},
+      // Q4_K_S: Q5_K for the first four attn_v and the first eighth of ffn_down.
+      {"Q4_K_S", 14, expected_types("Q4_K", "Q6_K", "Q4_K", {{"attn_v", first_layers(4, "Q5_K", "Q4_K")},
+                                                            {"ffn_down", first_layers(2, "Q5_K", "Q4_K")}})},
+      {"Q5_K_S", 16, expected_types("Q5_K", "Q6_K", "Q5_K", {})},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.mix);
+    const QuantizedModel q = quantize_model(in, std::string("--type ") + c.mix, std::string("mix256.") + c.mix + ".gguf");
+    ASSERT_EQ(q.result.exit_code, 0) << q.result.err;
+    EXPECT_EQ(q.result.err.find("note:"), std::string::npos) << q.result.err;
+    check_types(q.path, c.types);
+    EXPECT_EQ(file_type_of(q.path), c.file_type);
+  }
+}
+
+// llama.cpp's 70B rule: a llama of 80 layers with grouped-query attention gets Q5_K instead of Q4_K
+// for attn_v; with as many KV heads as query heads (a 65B) it does not.
+TEST(QuantizeMix, SeventyBGetsQ5_KForAttnVOutsideTheMoreBitsLayers) {
+  for (const int n_head_kv : {2, 4}) {
+    SCOPED_TRACE(n_head_kv);
+    const std::string in = write_llama_shaped("mix80.gguf", {.n_layer = 80, .n_embd = 256, .n_head_kv = n_head_kv});
+    const QuantizedModel q = quantize_model(in, "--type Q4_K_M", "mix80.Q4_K_M.gguf");
+    ASSERT_EQ(q.result.exit_code, 0) << q.result.err;
+    const auto f = GgufFile::open(q.path);
+    const auto type_of = [&](const std::string& n) { return f->find_tensor(n)->type; };
+    // more_bits(i, 80): i < 10, i >= 70, (i - 10) % 3 == 2.
+    EXPECT_EQ(type_of("blk.10.attn_v.weight"), n_head_kv == 2 ? TensorType::Q5_K : TensorType::Q4_K);
+    EXPECT_EQ(type_of("blk.12.attn_v.weight"), TensorType::Q6_K);
+    EXPECT_EQ(type_of("blk.10.ffn_down.weight"), TensorType::Q4_K);
+    EXPECT_EQ(type_of("blk.10.attn_q.weight"), TensorType::Q4_K);
+  }
+}
+
+// --embd-type and --keep-8bit-embeddings override the mix for token_embd and output, as
+// llama-quantize's --token-embedding-type and --output-tensor-type do.
+TEST(QuantizeMix, EmbeddingFlagsOverrideTheMix) {
+  const std::string in = write_llama_shaped("mix256e.gguf", {.n_embd = 256, .n_ff = 512, .untied = true});
+  const QuantizedModel q = quantize_model(in, "--type Q4_K_M --keep-8bit-embeddings", "mix256e.gguf.out");
+  ASSERT_EQ(q.result.exit_code, 0) << q.result.err;
+  const auto f = GgufFile::open(q.path);
+  EXPECT_EQ(f->find_tensor("token_embd.weight")->type, TensorType::Q8_0);
+  EXPECT_EQ(f->find_tensor("output.weight")->type, TensorType::Q8_0);
+  EXPECT_EQ(f->find_tensor("blk.0.attn_v.weight")->type, TensorType::Q6_K);
+}
+
+// llama.cpp's rules for models with experts are not implemented: a mix refuses them, plainly.
+TEST(QuantizeMix, MixOfAModelWithExpertsIsAClearError) {
+  const std::string in = write_llama_shaped("experts.gguf", {.n_layer = 2, .n_expert = 8});
+  const QuantizedModel q = quantize_model(in, "--type Q4_K_M", "experts.out.gguf");
+  expect_one_error_line(q.result);
+  EXPECT_NE(q.result.err.find("experts"), std::string::npos) << q.result.err;
+  EXPECT_FALSE(std::filesystem::exists(q.path));
+  EXPECT_EQ(quantize_model(in, "--type Q4_K", "experts.out.gguf").result.exit_code, 0);
+}
+
+// Plain K-quant types on rows that do not split into 256: llama-quantize's fallbacks, or
+// --fallback-type when given; and every plain type's general.file_type.
+TEST(QuantizeMix, PlainTypesFallBackAsLlamaCppAndNameTheirFileType) {
+  const std::string in = write_llama_shaped("plain64.gguf", {.n_layer = 2});
+  struct Case {
+    std::string args, matrices, ffn_down;
+    uint64_t file_type;
+  };
+  const Case cases[] = {
+      {"--type Q4_K", "Q5_0", "Q4_K", 15}, {"--type Q5_K", "Q5_1", "Q5_K", 17},
+      {"--type Q6_K", "Q8_0", "Q6_K", 18}, {"--type Q4_K --fallback-type Q8_0", "Q8_0", "Q4_K", 15},
+      {"--type Q5_0", "Q5_0", "Q5_0", 8},  {"--type Q5_1", "Q5_1", "Q5_1", 9},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    const QuantizedModel q = quantize_model(in, c.args, "plain64.out.gguf");
+    ASSERT_EQ(q.result.exit_code, 0) << q.result.err;
+    const auto f = GgufFile::open(q.path);
+    EXPECT_EQ(type_traits(static_cast<uint32_t>(f->find_tensor("blk.1.attn_q.weight")->type))->name, c.matrices);
+    EXPECT_EQ(type_traits(static_cast<uint32_t>(f->find_tensor("token_embd.weight")->type))->name, c.matrices);
+    EXPECT_EQ(type_traits(static_cast<uint32_t>(f->find_tensor("blk.1.ffn_down.weight")->type))->name, c.ffn_down);
+    EXPECT_EQ(f->get_uint("general.file_type"), c.file_type);
+  }
+}
+
+// The files ringlm writes in the new types, read by the gguf package: its dequantizer on the
+// written bytes gives what ringlm's dequantize_row gives, and those bytes are quantize_row's of the
+// input rows (the command puts each tensor's data where its info says).
+TEST(QuantizeMix, NewTypesAreReadByTheGgufPackageAsRinglmReadsThem) {
+  const std::string in64 = write_llama_shaped("read64.gguf", {.n_layer = 2});
+  const std::string in256 = write_llama_shaped("read256.gguf", {.n_layer = 2, .n_embd = 256, .n_ff = 512, .untied = true});
+  const auto source64 = GgufFile::open(in64), source256 = GgufFile::open(in256);
+  int checked[64] = {};
+  for (const auto& [in, source, type] : {std::tuple{in64, source64.get(), "Q4_K_M"}, std::tuple{in256, source256.get(), "Q5_K_M"},
+                                         std::tuple{in64, source64.get(), "Q5_1"}, std::tuple{in256, source256.get(), "Q5_K"}}) {
+    SCOPED_TRACE(type);
+    const QuantizedModel q = quantize_model(in, std::string("--type ") + type, "read.out.gguf");
+    ASSERT_EQ(q.result.exit_code, 0) << q.result.err;
+    const std::string dir = own_file("dequantized");
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    const Result r = run(kGgufTool + " dequantize " + q.path + " " + dir);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto f = GgufFile::open(q.path);
+    for (const GgufTensorInfo& t : f->tensors()) {
+      SCOPED_TRACE(t.name);
+      const std::string theirs = slurp(dir + "/" + t.name + ".f32");
+      ASSERT_EQ(theirs.size(), static_cast<size_t>(t.n_elements()) * 4);
+      const std::vector<float> ours = dequantize(t.type, t.data, t.rows(), t.cols());
+      int mismatches = 0;
+      for (size_t i = 0; i < ours.size(); ++i) {
+        float want;
+        std::memcpy(&want, theirs.data() + 4 * i, 4);
+        if (!(std::fabs(ours[i] - want) <= 1e-6f * std::max(1.0f, std::fabs(want))) && mismatches++ < 3) {
+          ADD_FAILURE() << "[" << i << "] ringlm " << ours[i] << ", gguf " << want;
+        }
+      }
+      const GgufTensorInfo* src = source->find_tensor(t.name);
+      ASSERT_NE(src, nullptr);
+      if (t.type != TensorType::F32) {
+        const auto* x = reinterpret_cast<const float*>(src->data);
+        const std::vector<uint8_t> expected =
+            quantize(t.type, std::vector<float>(x, x + src->n_elements()), static_cast<int>(src->cols()), false);
+        EXPECT_TRUE(std::equal(expected.begin(), expected.end(), t.data, t.data + t.n_bytes)) << "bytes differ from quantize_row's";
+        ++checked[static_cast<int>(t.type) % 64];
+      }
+    }
+  }
+  for (const TensorType t : {TensorType::Q5_0, TensorType::Q5_1, TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::Q8_0}) {
+    EXPECT_GT(checked[static_cast<int>(t)], 0) << type_traits(static_cast<uint32_t>(t))->name << " not covered";
+  }
 }
 
 }  // namespace

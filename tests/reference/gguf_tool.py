@@ -9,6 +9,10 @@
     gguf_tool.py quantize TYPE IN.f32 COLS OUT.bin
         Reads rows of COLS float32 values from IN.f32 and writes
         gguf.quants.quantize(rows, GGMLQuantizationType[TYPE]) to OUT.bin: the reference bytes.
+
+    gguf_tool.py dequantize FILE OUT_DIR
+        Writes every tensor of FILE, as gguf.GGUFReader reads it and gguf.quants.dequantize
+        dequantizes it, to OUT_DIR/<tensor name>.f32 (float32, row after row).
 """
 
 from __future__ import annotations
@@ -53,11 +57,19 @@ def quantize(type_name: str, src: str, cols: int, out: str) -> None:
     gguf.quants.quantize(rows, gguf.GGMLQuantizationType[type_name]).tofile(out)
 
 
+def dequantize(path: str, out_dir: str) -> None:
+    for t in gguf.GGUFReader(path).tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        np.ascontiguousarray(values, dtype=np.float32).tofile(f"{out_dir}/{t.name}.f32")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "dump":
         dump(argv[1], "--no-data" not in argv[2:])
     elif len(argv) == 5 and argv[0] == "quantize":
         quantize(argv[1], argv[2], int(argv[3]), argv[4])
+    elif len(argv) == 3 and argv[0] == "dequantize":
+        dequantize(argv[1], argv[2])
     else:
         print(__doc__, file=sys.stderr)
         return 2
