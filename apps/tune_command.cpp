@@ -27,7 +27,7 @@
 
 #include "apps/common_options.h"
 #include "backends/cpu/cpu_backend.h"
-#include "backends/cpu/int8_kernels.h"
+#include "backends/cpu/kernel_packed.h"
 #include "backends/cpu/tuning.h"
 #include "core/gguf/gguf.h"
 
@@ -68,7 +68,7 @@ std::vector<Shape> tunable_shapes(const GgufFile& gguf) {
   const bool embd_multiplied = gguf.find_tensor("output.weight") == nullptr;
   std::vector<Shape> shapes;
   for (const GgufTensorInfo& t : gguf.tensors()) {
-    if (t.shape.size() != 2 || !cpu::int8_supported(t.type)) continue;
+    if (t.shape.size() != 2 || !cpu::packed_supported(t.type, t.cols())) continue;
     if (t.name == "token_embd.weight" && !embd_multiplied) continue;
     const WeightView w{t.name, t.type, t.rows(), t.cols(), t.data};
     const bool seen = std::any_of(shapes.begin(), shapes.end(), [&](const Shape& s) {
@@ -160,7 +160,7 @@ void tune(const TuneOptions& o) {
   const std::unique_ptr<GgufFile> gguf = GgufFile::open(resolve_model_path(o.model_path));
   const std::vector<Shape> shapes = tunable_shapes(*gguf);
   if (shapes.empty()) {
-    throw std::runtime_error(gguf->path() + ": no weights the int8 kernels run (Q4_0, Q4_1, Q8_0, INT4): nothing to tune");
+    throw std::runtime_error(gguf->path() + ": no weight matrices the packed kernels run: nothing to tune");
   }
   std::vector<int64_t> ms;
   for (const int64_t m : kTokenCounts) {

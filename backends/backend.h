@@ -25,6 +25,9 @@ struct WeightView {
   int64_t rows = 0;
   int64_t cols = 0;
   const uint8_t* data = nullptr;
+  // `data` lies in a read-only file mapping: a backend that keeps its own copy may give the
+  // mapping's pages back (they are re-read from the file if touched again).
+  bool mapped = false;
 };
 
 // A weight after the backend prepared it. Opaque to the model except for its shape.

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "backends/cpu/cpu_backend.h"
-#include "backends/cpu/int8_kernels.h"
+#include "backends/cpu/kernel_packed.h"
 #include "backends/cpu/tuning.h"
 #include "core/gguf/gguf.h"
 #include "core/model/loader.h"
@@ -410,7 +410,7 @@ std::set<std::tuple<uint32_t, int64_t, int64_t>> int8_shapes(const std::string& 
   const bool tied = gguf->find_tensor("output.weight") == nullptr;
   std::set<std::tuple<uint32_t, int64_t, int64_t>> shapes;
   for (const GgufTensorInfo& t : gguf->tensors()) {
-    if (t.shape.size() == 2 && cpu::int8_supported(t.type) && (tied || t.name != "token_embd.weight")) {
+    if (t.shape.size() == 2 && cpu::packed_supported(t.type, t.shape[0]) && (tied || t.name != "token_embd.weight")) {
       shapes.insert({static_cast<uint32_t>(t.type), t.shape[1], t.shape[0]});
     }
   }
@@ -469,8 +469,9 @@ TEST(TuneCommand, ErrorsAreOneLine) {
   EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_EQ(r.err.rfind("ringlm: error: ", 0), 0u) << r.err;
   EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << r.err;
-  // A model without Q4_0 / Q4_1 / Q8_0 weights has nothing to tune.
-  r = ringlm_tune("-m " + std::string(RINGLM_TEST_WORK_DIR) + "/tiny_f32_untied.gguf -o " + work_dir() + "/unused.json");
+  // A file without weight matrices (a vocabulary-only GGUF) has nothing to tune.
+  std::filesystem::remove(work_dir() + "/unused.json");
+  r = ringlm_tune("-m " + std::string(RINGLM_SHARED_DATA) + "/vocab/ggml-vocab-starcoder.gguf -o " + work_dir() + "/unused.json");
   EXPECT_TRUE(test::exited_with_error(r));
   EXPECT_NE(r.err.find("nothing to tune"), std::string::npos) << r.err;
   EXPECT_FALSE(std::filesystem::exists(work_dir() + "/unused.json"));

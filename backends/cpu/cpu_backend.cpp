@@ -1,15 +1,18 @@
 // CPU backend. Three ways to a product, chosen per call:
-//  - int8 (ComputeType::kInt8, Q4_0/Q4_1/Q8_0 and INT4 weights, M below the weight's
-//    crossover): activations quantized once per call, integer kernels on the weights repacked
-//    8 rows at a time at prepare (kernel_packed.h).
-//  - fp32 rows (small M): each weight row is dequantized to fp32 once per call and multiplied
-//    with every token's activations: the reference path.
-//  - fp32 sgemm (M >= kSgemmMinTokens, or the weight's crossover on int8 compute, where it is
-//    the faster prefill GEMM): fixed tiles of weight rows are dequantized to fp32 and
-//    multiplied by OpenBLAS sgemm.
+//  - packed (ComputeType::kInt8, every type of packed_format.h, M below the weight's crossover):
+//    the weights copied 16 rows interleaved at prepare (kernel_packed.h); activations quantized
+//    once per call in the form the weights' formats need (int8 per 32 or per 256), or read as
+//    fp32 rows by the F32/F16/BF16 kernels.
+//  - fp32 rows (fp32 compute, small M): each weight row is dequantized to fp32 once per call
+//    and multiplied with every token's activations: the reference path.
+//  - fp32 sgemm (M >= kSgemmMinTokens on fp32 compute, or the weight's crossover on int8
+//    compute, where it is the faster prefill GEMM): fixed tiles of weight rows are dequantized
+//    to fp32 (from the packed copy when there is one) and multiplied by OpenBLAS sgemm.
 // The crossover is per weight shape, from the tuning table `ringlm tune` measured on this
 // machine (tuning.h), looked up once at prepare.
-// F32, F16, BF16, Q4_K and Q6_K weights always take an fp32 path.
+//
+// Memory: once a weight is packed, the pages of the file that held it are given back to the
+// kernel (madvise), so the model's weights are resident once, not twice.
 //
 // Fusion: matmul_many prepares its input once (RMSNorm applied row by row as it is quantized,
 // the rows shared among the threads of the product's own parallel region) and covers all its
@@ -27,6 +30,8 @@
 
 #include <cblas.h>
 #include <omp.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,8 +40,8 @@
 #include <vector>
 
 #include "backends/cpu/activation.h"
-#include "backends/cpu/int8_kernels.h"
 #include "backends/cpu/kernel_packed.h"
+#include "backends/cpu/quantize_acts.h"
 
 namespace ringlm {
 namespace {
@@ -63,31 +68,40 @@ class CpuWeight final : public PreparedWeight {
   TensorType type;
   const uint8_t* data;
   size_t row_stride;
-  // Calls with fewer tokens take the int8 kernels: the crossover of this weight's shape, or 0
-  // when the int8 kernels never run it (fp32 compute, other formats). One comparison per call.
+  // Calls with fewer tokens take the packed kernels: the crossover of this weight's shape, or 0
+  // when they never run it (fp32 compute). One comparison per call.
   int64_t int8_below;
-  // The weights interleaved 8 rows at a time for the int8 kernels (kernel_packed.h), made once
-  // here; the mmap'd original stays for the sgemm prefill path.
+  // The weights interleaved 16 rows at a time (kernel_packed.h), made once here; the sgemm
+  // prefill path dequantizes from it too. Empty on fp32 compute.
   cpu::PackedWeight packed;
+  cpu::ActKind acts = cpu::ActKind::kFloat;  // what the packed kernels read
 };
 
-// Rows of work the int8 products hand out at a time, at least: two 8-row units, so that the 4-bit
-// kernels' pairs of groups are never split (any weight whose row count is a multiple of 16 has an
-// even number of units). OpenMP's guided schedule hands out shrinking runs of these: large
-// first, a single one at the end, so that the threads finish together even when one core of a
-// shared machine runs slower. With fixed chunks (1/16 of the work, handed out dynamically) the
-// waits at the end of each product cost a --parallel 16 step about a tenth of its time: 8
-// paired runs, median ratio 1.12 (bench/README.md).
-constexpr int64_t kPieceUnits = 2;
+// Rows of work the packed products hand out at a time, at least: one 16-row group. OpenMP's
+// guided schedule hands out shrinking runs of these: large first, a single one at the end, so
+// that the threads finish together even when one core of a shared machine runs slower. With
+// fixed chunks (1/16 of the work, handed out dynamically) the waits at the end of each product
+// cost a --parallel 16 step about a tenth of its time: 8 paired runs, median ratio 1.12
+// (bench/README.md).
+constexpr int64_t kPieceUnits = 1;
 
-// Rows the int8 kernels take as one unit of work (threads split N on these boundaries).
+// Rows the packed kernels take as one unit of work (threads split N on these boundaries).
 constexpr int64_t kUnitRows = cpu::kPackRows;
 int64_t row_units(int64_t rows) { return (rows + kUnitRows - 1) / kUnitRows; }
 
-// The int8 product of rows [n0, n1) of w: the packed kernel (n0 a multiple of kUnitRows).
-void gemm_int8_rows(const CpuWeight& w, int64_t n0, int64_t n1, const cpu::QuantizedActs& xq, int64_t n_tokens,
-                    float* y) {
-  cpu::gemm_int8_packed(w.packed, n0, n1, xq, n_tokens, y, w.rows());
+// The packed product of rows [n0, n1) of w (n0 a multiple of kUnitRows).
+void gemm_packed_rows(const CpuWeight& w, int64_t n0, int64_t n1, const cpu::PackedInput& x, int64_t n_tokens,
+                      float* y) {
+  cpu::gemm_packed(w.packed, n0, n1, x, n_tokens, y, w.rows());
+}
+
+// Gives the kernel back the whole pages of a file mapping that lie inside [data, data + bytes):
+// they are re-read from the file if anything touches them again.
+void release_mapped_pages(const uint8_t* data, size_t bytes) {
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) / page * page;
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
 // Eight independent partial sums let the compiler keep a vector register per lane.
@@ -138,13 +152,14 @@ class CpuBackend final : public Backend {
       throw std::runtime_error("weight '" + w.name + "': row length " + std::to_string(w.cols) +
                                " is not a multiple of the block size " + std::to_string(traits->block_elems));
     }
-    const bool int8 = compute_ == ComputeType::kInt8 && cpu::int8_supported(w.type);
-    reserve(int8 ? kPreparedTokens : 0, w.cols, sgemm_tile_rows(w.rows));
-    auto prepared = std::make_unique<CpuWeight>(w, int8 ? crossover(w) : 0);
-    if (int8) prepared->packed = cpu::pack_int8(w.type, w.data, prepared->row_stride, w.rows, w.cols, &arena_);
-    if (int8 && prepared->packed.data == nullptr) {
-      throw std::runtime_error("weight '" + w.name + "': could not be packed for the int8 kernels");
-    }
+    const bool packed = compute_ == ComputeType::kInt8 && cpu::packed_supported(w.type, w.cols);
+    reserve(packed ? kPreparedTokens : 0, w.cols, sgemm_tile_rows(w.rows));
+    auto prepared = std::make_unique<CpuWeight>(w, packed ? crossover(w) : 0);
+    if (!packed) return prepared;
+    prepared->packed = cpu::pack_weight(w.type, w.data, prepared->row_stride, w.rows, w.cols, &arena_);
+    if (prepared->packed.data == nullptr) throw std::runtime_error("weight '" + w.name + "': could not be packed");
+    prepared->acts = cpu::packed_format(w.type)->acts;
+    if (w.mapped) release_mapped_pages(w.data, prepared->row_stride * static_cast<size_t>(w.rows));
     return prepared;
   }
 
@@ -158,23 +173,23 @@ class CpuBackend final : public Backend {
                    std::span<float* const> ys) override {
     if (in.n_tokens <= 0 || weights.empty()) return;
     const int64_t cols = common_cols(weights);
-    std::vector<const CpuWeight*>& int8_weights = int8_batch_;
-    std::vector<float*>& int8_ys = int8_batch_ys_;
-    int8_weights.clear();
-    int8_ys.clear();
+    std::vector<const CpuWeight*>& packed_weights = packed_batch_;
+    std::vector<float*>& packed_ys = packed_batch_ys_;
+    packed_weights.clear();
+    packed_ys.clear();
     const float* x32 = nullptr;
     for (size_t i = 0; i < weights.size(); ++i) {
       const auto& w = static_cast<const CpuWeight&>(*weights[i]);
-      if (takes_int8(w, in.n_tokens)) {
-        int8_weights.push_back(&w);
-        int8_ys.push_back(ys[i]);
+      if (takes_packed(w, in.n_tokens)) {
+        packed_weights.push_back(&w);
+        packed_ys.push_back(ys[i]);
         continue;
       }
       if (x32 == nullptr) x32 = fp32_input(in, cols);
       matmul_fp32(w, x32, in.n_tokens, ys[i]);
     }
-    if (int8_weights.empty()) return;
-    matmul_int8(int8_weights, int8_ys, in, cols);
+    if (packed_weights.empty()) return;
+    matmul_packed(packed_weights, packed_ys, in, cols);
   }
 
   void matmul_swiglu(const PreparedWeight& gate_w, const PreparedWeight& up_w, const MatmulInput& in,
@@ -188,16 +203,17 @@ class CpuBackend final : public Backend {
     if (n <= 0) return;
     grow(up_out_, n * ff);
     float* up_y = up_out_.data();
-    if (takes_int8(gate, n) && takes_int8(up, n)) {
+    if (takes_packed(gate, n) && takes_packed(up, n)) {
       // Each thread computes the same rows of gate and up, then applies silu(g) * u to the
       // outputs it just wrote, while they are still in its cache.
       const int64_t pieces = (row_units(ff) + kPieceUnits - 1) / kPieceUnits;
-      with_quantized_input(in, gate.cols(), [&](const cpu::QuantizedActs& xq) {
+      const CpuWeight* both[] = {&gate, &up};
+      with_prepared_input(in, gate.cols(), needed_inputs(both), [&](const cpu::PackedInput& x) {
 #pragma omp for schedule(guided)
         for (int64_t c = 0; c < pieces; ++c) {
           const int64_t n0 = c * kPieceUnits * kUnitRows, n1 = std::min(ff, (c + 1) * kPieceUnits * kUnitRows);
-          gemm_int8_rows(gate, n0, n1, xq, n, out);
-          gemm_int8_rows(up, n0, n1, xq, n, up_y);
+          gemm_packed_rows(gate, n0, n1, x, n, out);
+          gemm_packed_rows(up, n0, n1, x, n, up_y);
           for (int64_t m = 0; m < n; ++m) cpu::silu_mul(out + m * ff + n0, up_y + m * ff + n0, n1 - n0);
         }
       });
@@ -218,6 +234,10 @@ class CpuBackend final : public Backend {
     std::vector<float> row;   // one dequantized weight row, or one normalised input row (K)
     std::vector<float> tile;  // one dequantized sgemm tile (tile rows x K)
   };
+  // The forms of the input some weight of a call reads (cpu::ActKind).
+  struct Needs {
+    bool block = false, super = false, f32 = false;
+  };
 
   template <class V>
   static void grow(V& v, int64_t n) {
@@ -232,30 +252,49 @@ class CpuBackend final : public Backend {
     return cols;
   }
 
-  static bool takes_int8(const CpuWeight& w, int64_t n_tokens) { return n_tokens < w.int8_below; }
+  static Needs needed_inputs(std::span<const CpuWeight* const> weights) {
+    Needs n;
+    for (const CpuWeight* w : weights) {
+      n.block |= w->acts == cpu::ActKind::kBlock32;
+      n.super |= w->acts == cpu::ActKind::kSuper256;
+      n.f32 |= w->acts == cpu::ActKind::kFloat;
+    }
+    return n;
+  }
 
-  // Tokens from which sgemm beats the int8 kernels on this weight.
+  static bool takes_packed(const CpuWeight& w, int64_t n_tokens) { return n_tokens < w.int8_below; }
+
+  // Tokens from which sgemm beats the packed kernels on this weight.
   int64_t crossover(const WeightView& w) const {
     return fixed_crossover_ > 0 ? fixed_crossover_ : table_.crossover(w.type, w.rows, w.cols);
   }
 
-  // Grows the buffers to hold `tokens` quantized activation rows of `cols` and, per thread, a
-  // row and a tile of `tile_rows` rows. Never shrinks, so steady-state calls allocate nothing.
+  // Grows the buffers to hold `tokens` input rows of `cols` in every prepared form and, per
+  // thread, a row and a tile of `tile_rows` rows. Never shrinks, so steady-state calls
+  // allocate nothing.
   void reserve(int64_t tokens, int64_t cols, int64_t tile_rows) {
     grow(act_q_, tokens * cols);
     grow(act_d_, tokens * cols / cpu::kActBlock);
     grow(act_s_, tokens * cols / cpu::kActBlock);
+    grow(super_q_, tokens * cols);
+    grow(super_d_, tokens * cols / cpu::kSuperBlock);
+    grow(super_sum16_, tokens * cols / 16);
+    grow(super_sum32_, tokens * cols / 32);
+    grow(normed_, tokens * cols);
     for (ThreadBuffers& b : per_thread_) {
       grow(b.row, cols);
       grow(b.tile, tile_rows * cols);
     }
   }
 
-  cpu::QuantizedActs acts() { return {act_q_.data(), act_d_.data(), act_s_.data(), act_k_}; }
-  // The quantized activation row m as a one-row QuantizedActs.
-  cpu::QuantizedActs acts_row(int64_t m) {
-    const int64_t blocks = act_k_ / cpu::kActBlock;
-    return {act_q_.data() + m * act_k_, act_d_.data() + m * blocks, act_s_.data() + m * blocks, act_k_};
+  // The prepared input buffers for rows of `cols`, from row m on.
+  cpu::QuantizedActs block_acts(int64_t cols, int64_t m = 0) {
+    const int64_t blocks = cols / cpu::kActBlock;
+    return {act_q_.data() + m * cols, act_d_.data() + m * blocks, act_s_.data() + m * blocks, cols};
+  }
+  cpu::SuperActs super_acts(int64_t cols, int64_t m = 0) {
+    return {super_q_.data() + m * cols, super_d_.data() + m * (cols / cpu::kSuperBlock),
+            super_sum16_.data() + m * (cols / 16), super_sum32_.data() + m * (cols / 32), cols};
   }
 
   // The input as fp32 rows: itself, or normalised into a backend buffer.
@@ -271,44 +310,57 @@ class CpuBackend final : public Backend {
     return normed_.data();
   }
 
-  // Normalises (when asked) and quantizes the input rows into the activation buffers, then runs
-  // body(activations) on every thread of one parallel region (body holds an orphaned `omp for`).
-  // A row at a time goes through a per-thread row buffer: the normalised row never leaves the L1
-  // cache. From kSharedQuantizeTokens rows the threads quantize a share each and meet at a
+  // Row m of the input in every form `needs` asks for (`scratch`: a row buffer of this thread).
+  void prepare_row(const MatmulInput& in, int64_t m, int64_t cols, const Needs& needs, float* scratch) {
+    float* dst = needs.f32 && in.rms_weight != nullptr ? normed_.data() + m * cols : scratch;
+    const float* row = normalized_input_row(in, m, cols, dst);
+    if (needs.block) cpu::quantize_acts(row, 0, 1, block_acts(cols, m));
+    if (needs.super) cpu::quantize_acts_super(row, 0, 1, super_acts(cols, m));
+  }
+
+  // Normalises (when asked) and prepares the input rows in the forms the weights need, then runs
+  // body(input) on every thread of one parallel region (body holds an orphaned `omp for`). A row
+  // at a time goes through a per-thread row buffer: the normalised row never leaves the L1
+  // cache. From kSharedQuantizeTokens rows the threads prepare a share each and meet at a
   // barrier, which costs less than the idle threads waiting for one to do it all; below, the
-  // calling thread quantizes before the region.
+  // calling thread prepares them before the region.
   template <class Body>
-  void with_quantized_input(const MatmulInput& in, int64_t cols, Body&& body) {
+  void with_prepared_input(const MatmulInput& in, int64_t cols, const Needs& needs, Body&& body) {
     reserve(in.n_tokens, cols, 0);
-    act_k_ = cols;
-    const auto quantize_rows = [&](int64_t m_begin, int64_t m_end, float* scratch) {
-      for (int64_t m = m_begin; m < m_end; ++m) cpu::quantize_acts(normalized_input_row(in, m, cols, scratch), 0, 1, acts_row(m));
+    const bool super = needs.super && cols % cpu::kSuperBlock == 0;
+    const Needs n{needs.block, super, needs.f32};
+    const auto prepare_rows = [&](int64_t m_begin, int64_t m_end, float* scratch) {
+      for (int64_t m = m_begin; m < m_end; ++m) prepare_row(in, m, cols, n, scratch);
     };
     const bool shared = in.n_tokens >= kSharedQuantizeTokens;
-    if (!shared) quantize_rows(0, in.n_tokens, per_thread_[0].row.data());
+    if (!shared) prepare_rows(0, in.n_tokens, per_thread_[0].row.data());
+    cpu::PackedInput x;
+    x.block = block_acts(cols);
+    x.super = super_acts(cols);
+    x.f32 = in.rms_weight != nullptr ? normed_.data() : in.x;
 #pragma omp parallel num_threads(n_threads_)
     {
       if (shared) {  // the same for every thread: all or none meet the barrier
         const int t = omp_get_thread_num();
         const Range r = share(in.n_tokens, t, omp_get_num_threads());
-        quantize_rows(r.begin, r.end, per_thread_[static_cast<size_t>(t)].row.data());
+        prepare_rows(r.begin, r.end, per_thread_[static_cast<size_t>(t)].row.data());
 #pragma omp barrier
       }
-      body(acts());
+      body(x);
     }
   }
 
-  // Products of the input with several weights in one parallel region: the 8-row kernel units
+  // Products of the input with several weights in one parallel region: the 16-row kernel units
   // of all the weights are numbered in sequence and handed out in pieces of kPieceUnits, in
   // guided runs, to whichever thread is free. Each output is computed by one thread whichever it
   // is, in the same order.
-  void matmul_int8(std::span<const CpuWeight* const> weights, std::span<float* const> ys, const MatmulInput& in,
-                   int64_t cols) {
+  void matmul_packed(std::span<const CpuWeight* const> weights, std::span<float* const> ys, const MatmulInput& in,
+                     int64_t cols) {
     const int64_t n_tokens = in.n_tokens;
     int64_t total_units = 0;
     for (const CpuWeight* w : weights) total_units += row_units(w->rows());
     const int64_t pieces = (total_units + kPieceUnits - 1) / kPieceUnits;
-    with_quantized_input(in, cols, [&](const cpu::QuantizedActs& xq) {
+    with_prepared_input(in, cols, needed_inputs(weights), [&](const cpu::PackedInput& x) {
 #pragma omp for schedule(guided)
       for (int64_t c = 0; c < pieces; ++c) {
         const Range r{c * kPieceUnits, std::min(total_units, (c + 1) * kPieceUnits)};
@@ -318,7 +370,7 @@ class CpuBackend final : public Backend {
           const int64_t units = row_units(w.rows());
           const int64_t u0 = std::max(r.begin, first_unit) - first_unit;
           const int64_t u1 = std::min(r.end, first_unit + units) - first_unit;
-          if (u0 < u1) gemm_int8_rows(w, u0 * kUnitRows, std::min(w.rows(), u1 * kUnitRows), xq, n_tokens, ys[i]);
+          if (u0 < u1) gemm_packed_rows(w, u0 * kUnitRows, std::min(w.rows(), u1 * kUnitRows), x, n_tokens, ys[i]);
           first_unit += units;
         }
       }
@@ -342,14 +394,21 @@ class CpuBackend final : public Backend {
       float* tile = per_thread_[static_cast<size_t>(t)].tile.data();
       for (int64_t i = r.begin; i < r.end; ++i) {
         const int64_t n0 = i * tile_rows, nr = std::min(tile_rows, rows - n0);
-        for (int64_t n = 0; n < nr; ++n) {
-          dequantize_row(w.type, w.data + static_cast<size_t>(n0 + n) * w.row_stride, tile + n * cols, cols);
-        }
+        dequantize_rows(w, n0, n0 + nr, tile);
         // y[:, n0:n0+nr] = x [n_tokens x K] * tile^T [K x nr]
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(n_tokens), static_cast<int>(nr),
                     static_cast<int>(cols), 1.0f, x, static_cast<int>(cols), tile, static_cast<int>(cols), 0.0f,
                     y + n0, static_cast<int>(rows));
       }
+    }
+  }
+
+  // Rows [n0, n1) of w in fp32 into out: from the packed copy when there is one (the file's
+  // pages are gone), else from the file.
+  static void dequantize_rows(const CpuWeight& w, int64_t n0, int64_t n1, float* out) {
+    if (w.packed.data != nullptr) return cpu::dequantize_packed(w.packed, n0, n1, out);
+    for (int64_t n = n0; n < n1; ++n) {
+      dequantize_row(w.type, w.data + static_cast<size_t>(n) * w.row_stride, out + (n - n0) * w.cols(), w.cols());
     }
   }
 
@@ -362,7 +421,7 @@ class CpuBackend final : public Backend {
       const Range r = share(rows, t, omp_get_num_threads());
       float* row = per_thread_[static_cast<size_t>(t)].row.data();
       for (int64_t n = r.begin; n < r.end; ++n) {
-        dequantize_row(w.type, w.data + static_cast<size_t>(n) * w.row_stride, row, cols);
+        dequantize_rows(w, n, n + 1, row);
         for (int64_t m = 0; m < n_tokens; ++m) y[m * rows + n] = dot_f32(x + m * cols, row, cols);
       }
     }
@@ -372,13 +431,15 @@ class CpuBackend final : public Backend {
   ComputeType compute_;
   int64_t fixed_crossover_;  // > 0: every weight's crossover, else table_'s
   KernelTable table_;
-  int64_t act_k_ = 0;  // row length of the quantized activations now in the buffers
-  std::vector<int8_t> act_q_;
+  std::vector<int8_t> act_q_;  // the input quantized per 32 (block formats)
   std::vector<float> act_d_, act_s_;
-  std::vector<float> normed_;  // normalised fp32 input rows (fp32 paths with RMSNorm)
+  std::vector<int8_t> super_q_;  // ... per 256 (super formats)
+  std::vector<float> super_d_;
+  std::vector<int32_t> super_sum16_, super_sum32_;
+  std::vector<float> normed_;  // normalised fp32 input rows (float formats and fp32 paths with RMSNorm)
   std::vector<float> up_out_;  // the up projection's outputs inside matmul_swiglu
-  std::vector<const CpuWeight*> int8_batch_;  // reused lists: no allocation per call
-  std::vector<float*> int8_batch_ys_;
+  std::vector<const CpuWeight*> packed_batch_;  // reused lists: no allocation per call
+  std::vector<float*> packed_batch_ys_;
   std::vector<ThreadBuffers> per_thread_;
   cpu::WeightArena arena_;  // the packed weights, in the order the model prepares them
 };

@@ -1,6 +1,7 @@
-// The int8 kernels on row-interleaved weights (see kernel_packed.h for the layout and why).
-// This file is compiled once per Highway target through foreach_target.h; HWY_ONCE holds the
-// packing and the dispatching entry point.
+// The products on packed weights (kernel_packed.h; the layout: packed_format.h). Compiled once
+// per Highway target through foreach_target.h: AVX-512 targets hold a chunk of 16 rows in one
+// 512-bit register, AVX2 in two 256-bit ones, other targets run the same sums in scalar code.
+// HWY_ONCE holds the dispatching entry point.
 
 // Also build the AVX-512 VNNI target (Highway 1.0.3 only does so on request).
 #ifndef HWY_WANT_AVX3_DL
@@ -13,427 +14,732 @@
 
 #include <algorithm>
 #include <bit>
-#include <cstdlib>
 #include <cstring>
-#include <new>
-#include <optional>
+#include <utility>
 
-#include "backends/cpu/kernel_fp16_table.h"
 #include "backends/cpu/kernel_packed.h"
+#include "backends/cpu/packed_format.h"
 #include "hwy/highway.h"
-#include "quant/int4.h"
-
-// What every target shares: the packed layout of a type.
-#ifndef RINGLM_KERNEL_PACKED_LAYOUT
-#define RINGLM_KERNEL_PACKED_LAYOUT
-namespace ringlm::cpu::packed {
-
-struct Layout {
-  int group = 32;       // weights per scale (a block of the source format): 32 or 128
-  bool asym = false;    // w = d * q + m (mins follow the scales)
-  bool bytes = false;   // Q8_0: a signed byte per weight (else 4-bit codes)
-  ScaleType scale = ScaleType::kF16;
-
-  constexpr size_t scale_bytes() const { return scale == ScaleType::kF32 ? 4 : 2; }
-  // Source: one block of one row.
-  constexpr size_t source_block_bytes() const {
-    return scale_bytes() * (asym ? 2 : 1) + static_cast<size_t>(bytes ? group : group / 2);
-  }
-  // Packed: one 32-weight sub-block's codes of 8 rows, and one block's scales (and mins) of 8 rows.
-  constexpr size_t sub_bytes() const { return static_cast<size_t>(kPackRows) * (bytes ? 32 : 16); }
-  constexpr size_t block_scale_bytes() const { return static_cast<size_t>(kPackRows) * scale_bytes() * (asym ? 2 : 1); }
-  constexpr size_t codes_bytes(int64_t cols) const { return static_cast<size_t>(cols / kActBlock) * sub_bytes(); }
-  constexpr size_t group_bytes(int64_t cols) const {
-    const size_t raw = codes_bytes(cols) + static_cast<size_t>(cols / group) * block_scale_bytes();
-    return (raw + 63) / 64 * 64;
-  }
-};
-
-inline std::optional<Layout> layout_of(TensorType type) {
-  switch (type) {
-    case TensorType::Q4_0: return Layout{32, false, false, ScaleType::kF16};
-    case TensorType::Q4_1: return Layout{32, true, false, ScaleType::kF16};
-    case TensorType::Q8_0: return Layout{32, false, true, ScaleType::kF16};
-    default: break;
-  }
-  const std::optional<Int4Format> f = int4_format(static_cast<uint32_t>(type));
-  if (!f) return std::nullopt;
-  return Layout{f->group, f->asymmetric, false, f->scale};
-}
-
-}  // namespace ringlm::cpu::packed
-#endif  // RINGLM_KERNEL_PACKED_LAYOUT
 
 HWY_BEFORE_NAMESPACE();
-// The AVX3_DL target (AVX-512 with VNNI) multiplies bytes with vpdpbusd (evex_dpbusd-inl.h).
-#if HWY_TARGET == HWY_AVX3_DL
-#define RINGLM_VNNI 1
-#else
-#define RINGLM_VNNI 0
-#endif
 namespace ringlm::cpu {
 namespace HWY_NAMESPACE {
-#include "backends/cpu/evex_dpbusd-inl.h"  // IWYU pragma: keep
 
-// A packed format as a kernel instantiation.
-template <int G, bool Asym, bool Bytes, ScaleType S>
-struct Fmt {
-  static constexpr int kSubs = G / static_cast<int>(kActBlock);  // 32-weight sub-blocks per scale
-  static constexpr bool kMin = Asym;
-  static constexpr bool kBytes = Bytes;
-  static constexpr ScaleType kScale = S;
-  static constexpr packed::Layout kLayout{G, Asym, Bytes, S};
-};
+// Bytes of its own stream a single pass over a group asks for ahead of what it multiplies. The
+// hardware prefetcher alone keeps too few lines in flight for one core to read at the memory's
+// speed (the out-of-order window covers about 2 KB of a group), and it stops at every page.
+// Measured on a 2-core AMD EPYC (Zen 5) with a Llama-2-7B decode step (bench_gemv_roofline):
+// see bench/README.md.
+constexpr size_t kPrefetchBytes = 16384;
 
-// Up to this many tokens share one pass over a group's codes (their registers: one int sum per
-// group and token; the float accumulators of a pair of groups partly live on the stack).
-constexpr int kMaxTile = 4;
-
-// Bytes of the next groups that a tile pass asks for, spread over its sub-blocks. With several
-// passes over the same groups, only the first reads memory; asking for the next groups' bytes
-// a share per pass keeps memory busy through the later ones, and the next first pass finds its
-// bytes in cache. begin null: one pass (decode's GEMV), which prefetches its own bytes
-// kPrefetchBytes ahead instead.
+// Several passes over the same group (several token tiles) share the prefetching of the next
+// group instead: each asks for its share, spread over its sub-blocks. begin null: a single pass.
 struct Prefetch {
   const uint8_t* begin = nullptr;
   const uint8_t* end = nullptr;
   int lines_per_sub = 0;
 };
 
+// A format as a kernel instantiation.
+template <TensorType T>
+struct Fmt {
+  static constexpr PackedFormat F = *packed_format(T);
+  // Weights that are signed values (Q8_0's bytes, IQ4's code book) rather than unsigned codes.
+  static constexpr bool kSignedValues = F.codes == Codes::kBytes || F.codebook;
+  // The largest unsigned code, for the int16 sums of vpmaddubsw.
+  static constexpr int kMaxCode = F.codes == Codes::kNib4Hb1     ? 31
+                                  : F.codes == Codes::kNib4Hb2   ? 63
+                                  : F.codes == Codes::kCrumb2    ? 3
+                                  : F.codes == Codes::kCrumb2Hb1 ? 7
+                                                                 : 15;
+};
+
+// Up to this many tokens share one pass over a group's codes.
+constexpr int kMaxTile = 4;
+
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-// ---------------------------------------------------------------------------------------------
-// x86: 256-bit vectors, lane r = row r of the group.
+// =============================================================================================
+// x86: a "vector" is the 16 rows' lanes, one 512-bit register or two 256-bit ones.
 
 #define RINGLM_INLINE __attribute__((always_inline))
 
-// The 8 rows' scales (or mins) of a block, in fp32: one conversion for 8 rows.
-template <ScaleType S>
-HWY_INLINE __m256 LoadScales(const uint8_t* p) {
-  if constexpr (S == ScaleType::kF32) {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-  } else {
-    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (S == ScaleType::kF16) return _mm256_cvtph_ps(bits);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));  // bf16: the top half of fp32
-  }
-}
-
-// 4 activation bytes in every lane: what each row's 4 code bytes of a chunk meet.
-HWY_INLINE __m256i Broadcast4(const int8_t* q) {
-  int32_t v;
-  std::memcpy(&v, q, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// Lane sums of unsigned codes times signed activations, byte quads to lanes. 4-bit codes: on
-// AVX2 the sums stay int16 until the end of the sub-block: a vpmaddubsw pair is at most
-// 2 * 15 * 127 = 3810, the sub-block's 8 of them at most 30480 < 2^15, so nothing saturates.
-#if RINGLM_VNNI
-HWY_INLINE __m256i DotNibbles(__m256i acc, __m256i u, __m256i s) { return DpbusdEvex(acc, u, s); }
-HWY_INLINE __m256i WidenNibbles(__m256i acc) { return acc; }
-HWY_INLINE __m256i DotBytes(__m256i acc, __m256i u, __m256i s) { return DpbusdEvex(acc, u, s); }
+#if HWY_TARGET == HWY_AVX3_DL
+#define RINGLM_VNNI 1
 #else
-HWY_INLINE __m256i DotNibbles(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+#define RINGLM_VNNI 0
+#endif
+
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+struct VI {
+  __m512i v;
+};
+struct VF {
+  __m512 v;
+};
+HWY_INLINE VI LoadI(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+HWY_INLINE VI ZeroI() { return {_mm512_setzero_si512()}; }
+HWY_INLINE VI Set8(char c) { return {_mm512_set1_epi8(c)}; }
+HWY_INLINE VI Set32(int32_t c) { return {_mm512_set1_epi32(c)}; }
+HWY_INLINE VI And(VI a, VI b) { return {_mm512_and_si512(a.v, b.v)}; }
+HWY_INLINE VI Or(VI a, VI b) { return {_mm512_or_si512(a.v, b.v)}; }
+HWY_INLINE VI Xor(VI a, VI b) { return {_mm512_xor_si512(a.v, b.v)}; }
+HWY_INLINE VI Add32(VI a, VI b) { return {_mm512_add_epi32(a.v, b.v)}; }
+HWY_INLINE VI Sub32(VI a, VI b) { return {_mm512_sub_epi32(a.v, b.v)}; }
+HWY_INLINE VI MulLo32(VI a, VI b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
+template <int N>
+HWY_INLINE VI Srli32(VI a) {
+  return {_mm512_srli_epi32(a.v, N)};
 }
-HWY_INLINE __m256i WidenNibbles(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
-// Q8_0's |w| <= 128 makes a pair up to 32512: each goes to int32 at once.
-HWY_INLINE __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+// Shifts the 16-bit lanes left by N (right by -N); callers mask the bits they keep.
+template <int N>
+HWY_INLINE VI Shift16(VI a) {
+  if constexpr (N > 0) return {_mm512_slli_epi16(a.v, N)};
+  if constexpr (N < 0) return {_mm512_srli_epi16(a.v, -N)};
+  return a;
+}
+// 16 bytes of a 16-row field as int32 lanes.
+HWY_INLINE VI LoadU8I32(const uint8_t* p) { return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+HWY_INLINE VI LoadS8I32(const uint8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+// Bytes looked up in a 16-entry table (the table repeated in every 128-bit lane).
+HWY_INLINE VI LoadTable(const int8_t* t) {
+  return {_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)))};
+}
+HWY_INLINE VI Lookup(VI table, VI idx) { return {_mm512_shuffle_epi8(table.v, idx.v)}; }
+#if RINGLM_VNNI
+// int32 lanes += the sum over each lane's 4 bytes of u (unsigned) * s (signed). In asm: Highway
+// 1.0.3's AVX3_DL target enables GCC's "avxvnni" (the VEX form) but not "avx512vnni", so the
+// intrinsic does not compile there; the 512-bit form only exists as EVEX, which Zen 4, Ice Lake
+// and later run.
+HWY_INLINE VI DotU(VI acc, VI u, VI s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc.v) : "v"(u.v), "v"(s.v));
+  return acc;
+}
+HWY_INLINE VI WidenU(VI acc) { return acc; }
+#else
+// int16 lanes += pairs of u * s; WidenU sums the pairs into int32 lanes.
+HWY_INLINE VI DotU(VI acc, VI u, VI s) { return {_mm512_add_epi16(acc.v, _mm512_maddubs_epi16(u.v, s.v))}; }
+HWY_INLINE VI WidenU(VI acc) { return {_mm512_madd_epi16(acc.v, _mm512_set1_epi16(1))}; }
+// int32 lanes += signed w * signed x through |w| * (x with w's sign); x is never -128.
+HWY_INLINE VI DotS(VI acc, VI w, VI x) {
+  const __m512i s = _mm512_mask_sub_epi8(x.v, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), x.v);
+  const __m512i pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(w.v), s);
+  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
 }
 #endif
+HWY_INLINE VF ZeroF() { return {_mm512_setzero_ps()}; }
+HWY_INLINE VF Set1F(float f) { return {_mm512_set1_ps(f)}; }
+HWY_INLINE VF Cvt(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
+HWY_INLINE VF Mul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+HWY_INLINE VF AddF(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
+HWY_INLINE VF Fma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+HWY_INLINE VF LoadHalf(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+HWY_INLINE VF LoadBf16(const uint8_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};  // bf16 is the top half of fp32
+}
+HWY_INLINE VF LoadF32(const uint8_t* p) { return {_mm512_loadu_ps(p)}; }
+HWY_INLINE void StoreF(float* p, VF v, int64_t n) {
+  if (n >= 16) {
+    _mm512_storeu_ps(p, v.v);
+  } else {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v.v);
+  }
+}
+#else  // AVX2: lanes 0-7 (rows 0-7) in a, lanes 8-15 in b
+struct VI {
+  __m256i a, b;
+};
+struct VF {
+  __m256 a, b;
+};
+HWY_INLINE VI LoadI(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+HWY_INLINE VI ZeroI() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+HWY_INLINE VI Set8(char c) { return {_mm256_set1_epi8(c), _mm256_set1_epi8(c)}; }
+HWY_INLINE VI Set32(int32_t c) { return {_mm256_set1_epi32(c), _mm256_set1_epi32(c)}; }
+HWY_INLINE VI And(VI x, VI y) { return {_mm256_and_si256(x.a, y.a), _mm256_and_si256(x.b, y.b)}; }
+HWY_INLINE VI Or(VI x, VI y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
+HWY_INLINE VI Xor(VI x, VI y) { return {_mm256_xor_si256(x.a, y.a), _mm256_xor_si256(x.b, y.b)}; }
+HWY_INLINE VI Add32(VI x, VI y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
+HWY_INLINE VI Sub32(VI x, VI y) { return {_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
+HWY_INLINE VI MulLo32(VI x, VI y) { return {_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
+template <int N>
+HWY_INLINE VI Srli32(VI x) {
+  return {_mm256_srli_epi32(x.a, N), _mm256_srli_epi32(x.b, N)};
+}
+template <int N>
+HWY_INLINE VI Shift16(VI x) {
+  if constexpr (N > 0) return {_mm256_slli_epi16(x.a, N), _mm256_slli_epi16(x.b, N)};
+  if constexpr (N < 0) return {_mm256_srli_epi16(x.a, -N), _mm256_srli_epi16(x.b, -N)};
+  return x;
+}
+HWY_INLINE __m128i Load8Bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+HWY_INLINE VI LoadU8I32(const uint8_t* p) { return {_mm256_cvtepu8_epi32(Load8Bytes(p)), _mm256_cvtepu8_epi32(Load8Bytes(p + 8))}; }
+HWY_INLINE VI LoadS8I32(const uint8_t* p) { return {_mm256_cvtepi8_epi32(Load8Bytes(p)), _mm256_cvtepi8_epi32(Load8Bytes(p + 8))}; }
+HWY_INLINE VI LoadTable(const int8_t* t) {
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+  return {v, v};
+}
+HWY_INLINE VI Lookup(VI table, VI idx) { return {_mm256_shuffle_epi8(table.a, idx.a), _mm256_shuffle_epi8(table.b, idx.b)}; }
+// int16 lanes += pairs of u * s; WidenU sums the pairs into int32 lanes.
+HWY_INLINE VI DotU(VI acc, VI u, VI s) {
+  return {_mm256_add_epi16(acc.a, _mm256_maddubs_epi16(u.a, s.a)), _mm256_add_epi16(acc.b, _mm256_maddubs_epi16(u.b, s.b))};
+}
+HWY_INLINE VI WidenU(VI acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(acc.a, ones), _mm256_madd_epi16(acc.b, ones)};
+}
+// int32 lanes += signed w * signed x through |w| * (x with w's sign); x is never -128.
+HWY_INLINE __m256i DotS1(__m256i acc, __m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+HWY_INLINE VI DotS(VI acc, VI w, VI x) { return {DotS1(acc.a, w.a, x.a), DotS1(acc.b, w.b, x.b)}; }
+HWY_INLINE VF ZeroF() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+HWY_INLINE VF Set1F(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+HWY_INLINE VF Cvt(VI x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+HWY_INLINE VF Mul(VF x, VF y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+HWY_INLINE VF AddF(VF x, VF y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+HWY_INLINE VF Fma(VF x, VF y, VF z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+HWY_INLINE VF LoadHalf(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+HWY_INLINE __m256 Bf16x8(const uint8_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // bf16 is the top half of fp32
+}
+HWY_INLINE VF LoadBf16(const uint8_t* p) { return {Bf16x8(p), Bf16x8(p + 16)}; }
+HWY_INLINE VF LoadF32(const uint8_t* p) {
+  return {_mm256_loadu_ps(reinterpret_cast<const float*>(p)), _mm256_loadu_ps(reinterpret_cast<const float*>(p + 32))};
+}
+HWY_INLINE void StoreF(float* p, VF v, int64_t n) {
+  if (n >= 16) {
+    _mm256_storeu_ps(p, v.a);
+    _mm256_storeu_ps(p + 8, v.b);
+    return;
+  }
+  alignas(32) float lanes[16];
+  _mm256_store_ps(lanes, v.a);
+  _mm256_store_ps(lanes + 8, v.b);
+  std::copy(lanes, lanes + n, p);
+}
+#endif
+
+// 4 activation bytes in every lane: what each row's 4 codes of a quad meet.
+HWY_INLINE VI Bcast4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return Set32(v);
+}
+
+// A block's scales (or mins) of the 16 rows in fp32.
+template <ScaleType S>
+HWY_INLINE VF LoadScales(const uint8_t* p) {
+  if constexpr (S == ScaleType::kF32) return LoadF32(p);
+  if constexpr (S == ScaleType::kBF16) return LoadBf16(p);
+  return LoadHalf(p);
+}
 
 // Ends the compiler's freedom to reassociate a running integer sum: GCC otherwise turns a
 // sub-block's chain of additions per token into a tree over all the products at once, which for
 // several tokens needs more registers than there are and spills most of them.
-HWY_INLINE void KeepChain(__m256i& v) { asm("" : "+x"(v)); }
-
-// The integer dots of one sub-block of NG consecutive 8-row groups with MT tokens (codes[g]:
-// group g's sub-block; q[t]: token t's 32 activations of the sub-block). Chunks outside, tokens
-// inside: each chunk is unpacked once per pass. Groups innermost, so that an activation
-// broadcast serves 16 rows: on Zen 3 a broadcast from memory takes a vector-pipe slot, not only
-// a load (a broadcast + maddubs + add loop runs at 1.4 per cycle where maddubs alone runs at 2).
-template <class F, int MT, int NG>
-HWY_INLINE void SubDots(const uint8_t* const* codes, const int8_t* const* q, __m256i (*dot)[MT]) {
-  for (int g = 0; g < NG; ++g) {
-    for (int t = 0; t < MT; ++t) dot[g][t] = _mm256_setzero_si256();
-  }
-  if constexpr (!F::kBytes) {
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    for (int c = 0; c < 4; ++c) {
-      __m256i lo[NG], hi[NG];
-      for (int g = 0; g < NG; ++g) {
-        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[g] + 32 * c));
-        lo[g] = _mm256_and_si256(v, mask);                         // weights 8c .. 8c+3
-        hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);  // weights 8c+4 .. 8c+7
-      }
-      for (int t = 0; t < MT; ++t) {
-        const __m256i x_lo = Broadcast4(q[t] + 8 * c), x_hi = Broadcast4(q[t] + 8 * c + 4);
-        for (int g = 0; g < NG; ++g) {
-          dot[g][t] = DotNibbles(dot[g][t], lo[g], x_lo);
-          dot[g][t] = DotNibbles(dot[g][t], hi[g], x_hi);
-          if constexpr (MT * NG > 1) KeepChain(dot[g][t]);
-        }
-      }
-    }
-    for (int g = 0; g < NG; ++g) {
-      for (int t = 0; t < MT; ++t) dot[g][t] = WidenNibbles(dot[g][t]);
-    }
-  } else {
-    // Signed weights through |w| * (x with w's sign); activations are never -128.
-    for (int c = 0; c < 8; ++c) {
-      __m256i v[NG], u[NG];
-      for (int g = 0; g < NG; ++g) {
-        v[g] = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[g] + 32 * c));
-        u[g] = _mm256_sign_epi8(v[g], v[g]);
-      }
-      for (int t = 0; t < MT; ++t) {
-        const __m256i x = Broadcast4(q[t] + 4 * c);
-        for (int g = 0; g < NG; ++g) {
-          dot[g][t] = DotBytes(dot[g][t], u[g], _mm256_sign_epi8(x, v[g]));
-          if constexpr (MT * NG > 1) KeepChain(dot[g][t]);
-        }
-      }
-    }
-  }
-}
-
-// acc += dw * dx * dot with the block's offset: the codes are used unsigned, so a symmetric
-// block adds dw * (-8 * s) (s = dx * sum of the activations; -8 s is exact) and an asymmetric
-// one m * s.
-template <class F>
-HWY_INLINE void Accumulate(__m256i dot, float dx, float s, __m256 dw, __m256 mv, __m256& acc) {
-  const __m256 dotf = _mm256_cvtepi32_ps(dot);
-  if constexpr (F::kBytes) {
-    (void)s, (void)mv;
-    acc = _mm256_fmadd_ps(dw, _mm256_mul_ps(dotf, _mm256_set1_ps(dx)), acc);
-  } else if constexpr (F::kMin) {
-    acc = _mm256_fmadd_ps(dw, _mm256_mul_ps(dotf, _mm256_set1_ps(dx)), acc);
-    acc = _mm256_fmadd_ps(mv, _mm256_set1_ps(s), acc);
-  } else {
-    (void)mv;
-    acc = _mm256_fmadd_ps(dw, _mm256_fmadd_ps(dotf, _mm256_set1_ps(dx), _mm256_set1_ps(-8.0f * s)), acc);
-  }
-}
-
-// How far ahead of the sub-block being multiplied the kernel asks for weight bytes. The hardware
-// prefetcher stops at every 4 KiB page and needs a few misses to start again, which a decode step
-// of many small matrices pays over and over; measured on SmolLM2 (matrices of 70-550 KB) and a
-// 1B model, 1 KiB ahead beat 0.5, 1.5, 2 and 3 KiB (bench/README.md).
-constexpr size_t kPrefetchBytes = 1024;
-
-// Prefetches the sub-block's worth of bytes kPrefetchBytes ahead (past the end of the matrix is
-// harmless: a prefetch never faults).
-HWY_INLINE void PrefetchAhead(const uint8_t* codes, size_t sub_bytes) {
-  for (size_t line = 0; line < sub_bytes; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + kPrefetchBytes + line), _MM_HINT_T0);
-  }
-}
-
-// NG consecutive 8-row groups (`group`: the first one's packed bytes, `group_bytes` apart)
-// against tokens [m0, m0 + MT): y[t][r] for the first `stored` rows r (at most 8 NG), y pointing
-// at the first group's first output of token m0.
-template <class F, int MT, int NG>
-HWY_NOINLINE void GroupTile(const uint8_t* group, size_t group_bytes, const QuantizedActs& x, int64_t m0, float* y,
-                            int64_t ldy, int64_t stored, const Prefetch& pf) {
-  constexpr packed::Layout L = F::kLayout;
-  const uint8_t* pf_next = pf.begin;
-  const int64_t nb = x.blocks();
-  const uint8_t* codes[NG];
-  const uint8_t* scales[NG];
-  for (int g = 0; g < NG; ++g) {
-    codes[g] = group + group_bytes * static_cast<size_t>(g);
-    scales[g] = codes[g] + L.codes_bytes(x.k);
-  }
-  const int8_t* q[MT];
-  const float *d[MT], *s[MT];
-  __m256 acc[NG][MT];
-  for (int t = 0; t < MT; ++t) {
-    q[t] = x.q + (m0 + t) * x.k;
-    d[t] = x.d + (m0 + t) * nb;
-    s[t] = x.s + (m0 + t) * nb;
-    for (int g = 0; g < NG; ++g) acc[g][t] = _mm256_setzero_ps();
-  }
-  for (int64_t b = 0; b < nb; b += F::kSubs) {
-    __m256 dw[NG], mv[NG];
-    for (int g = 0; g < NG; ++g) {
-      dw[g] = LoadScales<F::kScale>(scales[g]);
-      mv[g] = F::kMin ? LoadScales<F::kScale>(scales[g] + L.block_scale_bytes() / 2) : dw[g];
-      scales[g] += L.block_scale_bytes();
-    }
-    for (int sub = 0; sub < F::kSubs; ++sub) {
-      if (pf.begin == nullptr) {
-        for (int g = 0; g < NG; ++g) PrefetchAhead(codes[g], L.sub_bytes());
-      } else {
-        for (int i = 0; i < pf.lines_per_sub && pf_next < pf.end; ++i, pf_next += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(pf_next), _MM_HINT_T0);
-        }
-      }
-      const int8_t* qb[MT];
-      for (int t = 0; t < MT; ++t) qb[t] = q[t] + (b + sub) * kActBlock;
-      __m256i dot[NG][MT];
-      SubDots<F, MT, NG>(codes, qb, dot);
-      for (int g = 0; g < NG; ++g) {
-        for (int t = 0; t < MT; ++t) Accumulate<F>(dot[g][t], d[t][b + sub], s[t][b + sub], dw[g], mv[g], acc[g][t]);
-        codes[g] += L.sub_bytes();
-      }
-    }
-  }
-  for (int g = 0; g < NG; ++g) {
-    const int64_t rows = std::min<int64_t>(kPackRows, stored - kPackRows * g);
-    for (int t = 0; t < MT; ++t) {
-      float* out = y + t * ldy + kPackRows * g;
-      if (rows == kPackRows) {
-        _mm256_storeu_ps(out, acc[g][t]);
-      } else {
-        alignas(32) float lanes[kPackRows];
-        _mm256_store_ps(lanes, acc[g][t]);
-        std::copy(lanes, lanes + rows, out);
-      }
-    }
-  }
-}
-
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+HWY_INLINE void KeepChain(VI& x) { asm("" : "+v"(x.v)); }
 #else
-// ---------------------------------------------------------------------------------------------
-// Portable fallback (SSE4, SSSE3, emulation, other architectures): the same sums in scalar code.
+HWY_INLINE void KeepChain(VI& x) { asm("" : "+x"(x.a), "+x"(x.b)); }
+#endif
 
-template <ScaleType S>
-HWY_INLINE float ScaleAt(const uint8_t* p, int r) {
-  if constexpr (S == ScaleType::kF32) {
-    float v;
-    std::memcpy(&v, p + 4 * r, 4);
-    return v;
-  } else {
-    uint16_t bits;
-    std::memcpy(&bits, p + 2 * r, 2);
-    if constexpr (S == ScaleType::kF16) return fp16_table()[bits];
-    return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+// The bits of a code plane moved to bit position `To` from `From`, masked to `Bits` bits.
+template <int From, int To, int Bits>
+HWY_INLINE VI PlaneBits(VI plane) {
+  return And(Shift16<To - From>(plane), Set8(static_cast<char>(((1 << Bits) - 1) << To)));
+}
+
+// The codes of quads 2P and 2P+1 of a sub-block, as the bytes the dot products take: unsigned
+// codes, or for signed values (Q8_0, IQ4) their bytes, made unsigned (+128) on VNNI.
+template <class Fm, int P>
+HWY_INLINE void DecodePair(const uint8_t* sub, VI table, VI& q0, VI& q1) {
+  constexpr PackedFormat F = Fm::F;
+  constexpr Codes C = F.codes;
+  if constexpr (C == Codes::kNib4 || C == Codes::kNib4Hb1 || C == Codes::kNib4Hb2) {
+    const VI v = LoadI(sub + kChunkBytes * P);
+    q0 = And(v, Set8(0x0F));
+    q1 = And(Shift16<-4>(v), Set8(0x0F));
+    if constexpr (C == Codes::kNib4Hb1) {  // bit 2c+h of the fifth-bit plane is quad 2c+h's bit 4
+      const VI hb = LoadI(sub + 4 * kChunkBytes);
+      q0 = Or(q0, PlaneBits<2 * P, 4, 1>(hb));
+      q1 = Or(q1, PlaneBits<2 * P + 1, 4, 1>(hb));
+    }
+    if constexpr (C == Codes::kNib4Hb2) {  // bits 2k, 2k+1 of plane e are quad 4e+k's bits 4-5
+      const VI hb = LoadI(sub + (4 + P / 2) * kChunkBytes);
+      q0 = Or(q0, PlaneBits<2 * ((2 * P) % 4), 4, 2>(hb));
+      q1 = Or(q1, PlaneBits<2 * ((2 * P + 1) % 4), 4, 2>(hb));
+    }
+    if constexpr (F.codebook) {
+      q0 = Lookup(table, q0);
+      q1 = Lookup(table, q1);
+    }
+  } else if constexpr (C == Codes::kCrumb2 || C == Codes::kCrumb2Hb1) {
+    const VI v = LoadI(sub + kChunkBytes * (P / 2));
+    constexpr int k0 = 2 * (P % 2);  // quads 4c+k, k = k0, k0+1
+    q0 = PlaneBits<2 * k0, 0, 2>(v);
+    q1 = PlaneBits<2 * k0 + 2, 0, 2>(v);
+    if constexpr (C == Codes::kCrumb2Hb1) {  // bit i of the third-bit plane is quad i's bit 2
+      const VI hb = LoadI(sub + 2 * kChunkBytes);
+      q0 = Or(q0, PlaneBits<2 * P, 2, 1>(hb));
+      q1 = Or(q1, PlaneBits<2 * P + 1, 2, 1>(hb));
+    }
+  } else {  // Q8_0's signed bytes
+    q0 = LoadI(sub + kChunkBytes * (2 * P));
+    q1 = LoadI(sub + kChunkBytes * (2 * P + 1));
+#if RINGLM_VNNI
+    q0 = Xor(q0, Set8(static_cast<char>(0x80)));
+    q1 = Xor(q1, Set8(static_cast<char>(0x80)));
+#endif
   }
 }
 
-// Integer weight i (0..31) of row r in a packed sub-block: unsigned code, or Q8_0's signed byte.
-template <class F>
-HWY_INLINE int CodeAt(const uint8_t* codes, int r, int i) {
-  if constexpr (F::kBytes) {
-    return static_cast<int8_t>(codes[32 * (i / 4) + 4 * r + i % 4]);
-  } else {
-    const uint8_t byte = codes[32 * (i / 8) + 4 * r + i % 4];
-    return i % 8 < 4 ? (byte & 0x0F) : (byte >> 4);
+// The table a code book format looks its codes up in: the values, or on VNNI the values + 128
+// (unsigned bytes for vpdpbusd, the 128 taken off with the activation sums).
+template <class Fm>
+HWY_INLINE VI CodeTable() {
+  if constexpr (Fm::F.codebook) {
+    alignas(16) int8_t t[16];
+    for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(RINGLM_VNNI ? kIq4nlValues[i] + 128 : kIq4nlValues[i]);
+    return LoadTable(t);
   }
+  return ZeroI();
 }
 
-template <class F, int MT, int NG>
-HWY_NOINLINE void GroupTile(const uint8_t* groups, size_t group_bytes, const QuantizedActs& x, int64_t m0, float* y,
-                            int64_t ldy, int64_t stored, const Prefetch&) {
-  constexpr packed::Layout L = F::kLayout;
-  const int64_t nb = x.blocks();
-  for (int64_t row = 0; row < stored; ++row) {
-    const uint8_t* group = groups + group_bytes * static_cast<size_t>(row / kPackRows);
-    const int r = static_cast<int>(row % kPackRows);
+// What the kernel subtracts per unit of activation sum: the code offset, or 128 where signed
+// values were made unsigned for vpdpbusd.
+template <class Fm>
+constexpr int kOffset = (Fm::kSignedValues && RINGLM_VNNI) ? 128 : Fm::F.offset;
+// Whether the products use the sign trick on signed values (not VNNI) rather than unsigned codes.
+template <class Fm>
+constexpr bool kSignTrick = Fm::kSignedValues && !RINGLM_VNNI;
+
+// Quads whose vpmaddubsw pairs an int16 lane can sum before widening: each pair is at most
+// 2 * 127 * max code. A power of two dividing 4 where sub-blocks are 16 weights.
+template <class Fm>
+constexpr int kWidenEvery = [] {
+  if (RINGLM_VNNI) return Fm::F.sub == 16 ? 4 : 8;
+  int n = 8;
+  while (n > 1 && n * 2 * 127 * Fm::kMaxCode > 32767) n /= 2;
+  return Fm::F.sub == 16 ? std::min(n, 4) : n;
+}();
+
+// The integer dots of one sub-block of 32 weights (16 rows) with MT tokens (q[t]: token t's 32
+// activations). idot[t][h]: the dot of half h (weights 16h..16h+15) for formats whose sub-block
+// scales cover 16 weights, else idot[t][0] over all 32. Quads outside, tokens inside: each code
+// vector is decoded once for all the tokens.
+template <class Fm, int MT>
+HWY_INLINE void SubDots(const uint8_t* sub, const int8_t* const* q, VI table, VI (*idot)[2]) {
+  constexpr int kWiden = kWidenEvery<Fm>;
+  VI acc[MT];
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = ZeroI();
+    idot[t][0] = ZeroI();
+    idot[t][1] = ZeroI();
+  }
+  const auto pair = [&]<int P>(std::integral_constant<int, P>) RINGLM_INLINE {
+    VI c0, c1;
+    DecodePair<Fm, P>(sub, table, c0, c1);
     for (int t = 0; t < MT; ++t) {
-      const int8_t* q = x.q + (m0 + t) * x.k;
-      const float *d = x.d + (m0 + t) * nb, *s = x.s + (m0 + t) * nb;
-      const uint8_t* codes = group;
-      const uint8_t* scales = group + L.codes_bytes(x.k);
-      float acc = 0.0f;
-      for (int64_t b = 0; b < nb; b += F::kSubs, scales += L.block_scale_bytes()) {
-        const float dw = ScaleAt<F::kScale>(scales, r);
-        const float mv = F::kMin ? ScaleAt<F::kScale>(scales + L.block_scale_bytes() / 2, r) : 0.0f;
-        for (int sub = 0; sub < F::kSubs; ++sub, codes += L.sub_bytes()) {
-          int32_t dot = 0;
-          for (int i = 0; i < kActBlock; ++i) dot += CodeAt<F>(codes, r, i) * q[(b + sub) * kActBlock + i];
-          const float dx = d[b + sub], sum = s[b + sub];
-          if constexpr (F::kBytes) {
-            acc += dw * (static_cast<float>(dot) * dx);
-          } else if constexpr (F::kMin) {
-            acc += dw * (static_cast<float>(dot) * dx) + mv * sum;
+      const VI x0 = Bcast4(q[t] + 8 * P), x1 = Bcast4(q[t] + 8 * P + 4);
+      if constexpr (kSignTrick<Fm>) {
+        acc[t] = DotS(DotS(acc[t], c0, x0), c1, x1);
+      } else {
+        acc[t] = DotU(DotU(acc[t], c0, x0), c1, x1);
+      }
+      if constexpr (MT > 1) KeepChain(acc[t]);
+    }
+    constexpr int done = 2 * P + 2;  // quads summed so far
+    if constexpr (done % kWiden == 0) {
+      constexpr int h = Fm::F.sub == 16 && done > 4 ? 1 : 0;
+      for (int t = 0; t < MT; ++t) {
+        idot[t][h] = Add32(idot[t][h], kSignTrick<Fm> ? acc[t] : WidenU(acc[t]));
+        acc[t] = ZeroI();
+      }
+    }
+  };
+  pair(std::integral_constant<int, 0>{});
+  pair(std::integral_constant<int, 1>{});
+  pair(std::integral_constant<int, 2>{});
+  pair(std::integral_constant<int, 3>{});
+}
+
+// Issues the software prefetches of a pass (see kPrefetchBytes and Prefetch).
+class Prefetcher {
+ public:
+  Prefetcher(const Prefetch& pf, const uint8_t* group) : pf_(pf), next_(pf.begin ? pf.begin : group + kPrefetchBytes) {}
+  // Called before each sub-block, `pos` the first byte after it.
+  HWY_INLINE void Advance(const uint8_t* pos) {
+    if (pf_.begin == nullptr) {
+      for (; next_ < pos + kPrefetchBytes; next_ += 64) _mm_prefetch(reinterpret_cast<const char*>(next_), _MM_HINT_T0);
+    } else {
+      for (int i = 0; i < pf_.lines_per_sub && next_ < pf_.end; ++i, next_ += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(next_), _MM_HINT_T0);
+      }
+    }
+  }
+
+ private:
+  const Prefetch& pf_;
+  const uint8_t* next_;
+};
+
+template <int MT>
+HWY_INLINE void StoreTile(const VF* acc, float* y, int64_t ldy, int64_t stored) {
+  for (int t = 0; t < MT; ++t) StoreF(y + t * ldy, acc[t], stored);
+}
+
+// One 16-row group of a block format against tokens [m0, m0 + MT): per sub-block of 32,
+// acc += dw * (dx * dot + offset term), the term -offset * s (symmetric) or min * s.
+template <class Fm, int MT>
+HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const QuantizedActs& x, int64_t m0, float* y,
+                            int64_t ldy, int64_t stored, const Prefetch& pf) {
+  constexpr PackedFormat F = Fm::F;
+  constexpr int kOff = kOffset<Fm>;
+  const int64_t nb = x.blocks();
+  const VI table = CodeTable<Fm>();
+  VF acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = ZeroF();
+  Prefetcher prefetch(pf, group);
+  const uint8_t* p = group;
+  for (int64_t k0 = 0; k0 < cols; k0 += F.kblock) {
+    const int64_t n = std::min<int64_t>(F.kblock, cols - k0);
+    const uint8_t* header = p;
+    p += F.header_bytes_for(n);
+    const int blocks = static_cast<int>(n / F.group);
+    for (int b = 0; b < blocks; ++b) {
+      const VF dw = LoadScales<F.scale>(header + static_cast<size_t>(b) * kPackRows * F.value_bytes());
+      VF mv = dw;
+      if constexpr (F.min) mv = LoadScales<F.scale>(header + static_cast<size_t>(blocks + b) * kPackRows * F.value_bytes());
+      for (int s = 0; s < F.group / static_cast<int>(kSubWeights); ++s, p += F.sub_code_bytes()) {
+        prefetch.Advance(p + F.sub_code_bytes());
+        const int64_t ab = (k0 + b * F.group) / kActBlock + s;  // activation block
+        const int8_t* q[MT];
+        for (int t = 0; t < MT; ++t) q[t] = x.q + (m0 + t) * x.k + ab * kActBlock;
+        VI idot[MT][2];
+        SubDots<Fm, MT>(p, q, table, idot);
+        for (int t = 0; t < MT; ++t) {
+          const float dx = x.d[(m0 + t) * nb + ab], sx = x.s[(m0 + t) * nb + ab];
+          const VF dot = Cvt(idot[t][0]);
+          if constexpr (F.min) {
+            acc[t] = Fma(dw, Mul(dot, Set1F(dx)), acc[t]);
+            acc[t] = Fma(mv, Set1F(sx), acc[t]);
+          } else if constexpr (kOff != 0) {
+            acc[t] = Fma(dw, Fma(dot, Set1F(dx), Set1F(-static_cast<float>(kOff) * sx)), acc[t]);
           } else {
-            acc += dw * (static_cast<float>(dot) * dx - 8.0f * sum);
+            acc[t] = Fma(dw, Mul(dot, Set1F(dx)), acc[t]);
           }
         }
       }
-      y[t * ldy + row] = acc;
+    }
+  }
+  StoreTile<MT>(acc, y, ldy, stored);
+}
+
+// One 16-row group of a super format (K-quants, IQ4_XS): per 256 weights, the sub-block scales
+// multiply the integer dots in integers, isum = sum_j sc_j * dot_j, and the mins (or the code
+// offset times the scales) meet the activations' integer sums, imin = sum_j m_j * sum_j(x);
+// then acc += d * dx * isum - dmin * dx * imin (offset formats: d * dx * (isum - offset * imin)).
+template <class Fm, int MT>
+HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs& x, int64_t m0, float* y,
+                            int64_t ldy, int64_t stored, const Prefetch& pf) {
+  constexpr PackedFormat F = Fm::F;
+  constexpr int kOff = kOffset<Fm>;
+  constexpr int kHalves = static_cast<int>(kSubWeights) / F.sub;  // sub-block scales per 32 weights
+  constexpr bool kSums = F.min || kOff != 0;                      // imin needed
+  const int64_t nb = x.blocks();
+  const VI table = CodeTable<Fm>();
+  VF acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = ZeroF();
+  Prefetcher prefetch(pf, group);
+  const uint8_t* p = group;
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const uint8_t* header = p;
+    p += F.header_bytes;
+    VI isum[MT], imin[MT];
+    for (int t = 0; t < MT; ++t) isum[t] = imin[t] = ZeroI();
+    for (int s = 0; s < 8; ++s, p += F.sub_code_bytes()) {
+      prefetch.Advance(p + F.sub_code_bytes());
+      const int8_t* q[MT];
+      for (int t = 0; t < MT; ++t) q[t] = x.q + (m0 + t) * x.k + kb * kSuperBlock + s * kSubWeights;
+      VI idot[MT][2];
+      SubDots<Fm, MT>(p, q, table, idot);
+      for (int h = 0; h < kHalves; ++h) {
+        const int j = s * kHalves + h;
+        const uint8_t* sc_bytes = header + F.scales_offset() + static_cast<size_t>(j) * kPackRows;
+        VI sc = F.signed_scales ? LoadS8I32(sc_bytes) : LoadU8I32(sc_bytes);
+        VI m = sc;
+        if constexpr (F.nibble_scale_min) {
+          m = Srli32<4>(sc);
+          sc = And(sc, Set32(0x0F));
+        } else if constexpr (F.min) {
+          m = LoadU8I32(header + F.mins_offset() + static_cast<size_t>(j) * kPackRows);
+        }
+        for (int t = 0; t < MT; ++t) {
+          isum[t] = Add32(isum[t], MulLo32(sc, idot[t][h]));
+          if constexpr (kSums) {
+            const int32_t* sums = F.sub == 16 ? x.sum16 + (m0 + t) * (x.k / 16) : x.sum32 + (m0 + t) * (x.k / 32);
+            imin[t] = Add32(imin[t], MulLo32(m, Set32(sums[kb * kHalves * 8 + j])));
+          }
+        }
+      }
+    }
+    const VF d = LoadHalf(header);
+    for (int t = 0; t < MT; ++t) {
+      const float dx = x.d[(m0 + t) * nb + kb];
+      if constexpr (F.min) {
+        const VF dmin = LoadHalf(header + 32);
+        acc[t] = Fma(Mul(d, Set1F(dx)), Cvt(isum[t]), acc[t]);
+        acc[t] = Fma(Mul(dmin, Set1F(-dx)), Cvt(imin[t]), acc[t]);
+      } else {
+        if constexpr (kOff != 0) isum[t] = Sub32(isum[t], MulLo32(imin[t], Set32(kOff)));
+        acc[t] = Fma(Mul(d, Set1F(dx)), Cvt(isum[t]), acc[t]);
+      }
+    }
+  }
+  StoreTile<MT>(acc, y, ldy, stored);
+}
+
+template <Codes C>
+HWY_INLINE VF LoadWeights(const uint8_t* p) {
+  if constexpr (C == Codes::kFloat) return LoadF32(p);
+  if constexpr (C == Codes::kBf16) return LoadBf16(p);
+  return LoadHalf(p);
+}
+
+// One 16-row group of F32/F16/BF16 weights against fp32 rows (x: cols apart): per weight k, the
+// 16 rows' values times x[k] broadcast, in two chains (even and odd k) so that the multiply-adds
+// of one token do not wait on each other.
+template <class Fm, int MT>
+HWY_NOINLINE void FloatTile(const uint8_t* group, int64_t cols, const float* x, int64_t m0, float* y, int64_t ldy,
+                            int64_t stored, const Prefetch& pf) {
+  constexpr PackedFormat F = Fm::F;
+  constexpr size_t kStride = kPackRows * (F.codes == Codes::kFloat ? 4 : 2);  // bytes per weight k
+  VF even[MT], odd[MT];
+  for (int t = 0; t < MT; ++t) even[t] = odd[t] = ZeroF();
+  Prefetcher prefetch(pf, group);
+  const uint8_t* p = group;
+  for (int64_t k = 0; k < cols; k += 2, p += 2 * kStride) {
+    if (k % kSubWeights == 0) prefetch.Advance(p + kSubWeights * kStride);
+    const VF w0 = LoadWeights<F.codes>(p), w1 = LoadWeights<F.codes>(p + kStride);
+    for (int t = 0; t < MT; ++t) {
+      const float* xt = x + (m0 + t) * cols + k;
+      even[t] = Fma(w0, Set1F(xt[0]), even[t]);
+      odd[t] = Fma(w1, Set1F(xt[1]), odd[t]);
+    }
+  }
+  for (int t = 0; t < MT; ++t) even[t] = AddF(even[t], odd[t]);
+  StoreTile<MT>(even, y, ldy, stored);
+}
+
+#else
+// =============================================================================================
+// Portable fallback (SSE4, SSSE3, emulation, other architectures): the same sums in scalar
+// code, read through packed_format.h's accessors.
+
+template <ScaleType S>
+HWY_INLINE float ScaleAt(const uint8_t* p, int r) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, p + (S == ScaleType::kF32 ? 4 : 2) * r, S == ScaleType::kF32 ? 4 : 2);
+  if constexpr (S == ScaleType::kF32) return std::bit_cast<float>(bits);
+  if constexpr (S == ScaleType::kBF16) return bf16_to_fp32(static_cast<bf16_bits>(bits));
+  return fp16_to_fp32(static_cast<f16_bits>(bits));
+}
+
+// The signed integer weight of a code: code - offset, Q8_0's byte, or the code book's value.
+template <class Fm>
+HWY_INLINE int WeightOf(int code) {
+  if constexpr (Fm::F.codes == Codes::kBytes) return static_cast<int8_t>(code);
+  if constexpr (Fm::F.codebook) return kIq4nlValues[code];
+  return code - Fm::F.offset;
+}
+
+// Integer dot of weights [i0, i0 + n) of row r's sub-block with the activations q.
+template <class Fm>
+HWY_INLINE int32_t SubDot(const uint8_t* sub, int r, const int8_t* q, int i0, int n) {
+  int32_t dot = 0;
+  for (int i = i0; i < i0 + n; ++i) dot += WeightOf<Fm>(code_at(Fm::F.codes, sub, r, i)) * q[i];
+  return dot;
+}
+
+template <class Fm, int MT>
+HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const QuantizedActs& x, int64_t m0, float* y,
+                            int64_t ldy, int64_t stored, const Prefetch&) {
+  constexpr PackedFormat F = Fm::F;
+  const int64_t nb = x.blocks();
+  for (int r = 0; r < stored; ++r) {
+    for (int t = 0; t < MT; ++t) {
+      float acc = 0.0f;
+      const uint8_t* p = group;
+      for (int64_t k0 = 0; k0 < cols; k0 += F.kblock) {
+        const int64_t n = std::min<int64_t>(F.kblock, cols - k0);
+        const uint8_t* header = p;
+        p += F.header_bytes_for(n);
+        const int blocks = static_cast<int>(n / F.group);
+        for (int b = 0; b < blocks; ++b) {
+          const float dw = ScaleAt<F.scale>(header + static_cast<size_t>(b) * kPackRows * F.value_bytes(), r);
+          float mv = 0.0f;
+          if constexpr (F.min) mv = ScaleAt<F.scale>(header + static_cast<size_t>(blocks + b) * kPackRows * F.value_bytes(), r);
+          for (int s = 0; s < F.group / static_cast<int>(kSubWeights); ++s, p += F.sub_code_bytes()) {
+            const int64_t ab = (k0 + b * F.group) / kActBlock + s;
+            const int32_t dot = SubDot<Fm>(p, r, x.q + (m0 + t) * x.k + ab * kActBlock, 0, 32);
+            const float dx = x.d[(m0 + t) * nb + ab];
+            acc += dw * (static_cast<float>(dot) * dx);
+            if constexpr (F.min) acc += mv * x.s[(m0 + t) * nb + ab];
+          }
+        }
+      }
+      y[t * ldy + r] = acc;
+    }
+  }
+}
+
+template <class Fm, int MT>
+HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs& x, int64_t m0, float* y,
+                            int64_t ldy, int64_t stored, const Prefetch&) {
+  constexpr PackedFormat F = Fm::F;
+  (void)cols;
+  const int64_t nb = x.blocks();
+  for (int r = 0; r < stored; ++r) {
+    for (int t = 0; t < MT; ++t) {
+      float acc = 0.0f;
+      const uint8_t* p = group;
+      for (int64_t kb = 0; kb < nb; ++kb) {
+        const uint8_t* header = p;
+        p += F.header_bytes;
+        int32_t isum = 0, imin = 0;
+        for (int s = 0; s < 8; ++s, p += F.sub_code_bytes()) {
+          const int8_t* q = x.q + (m0 + t) * x.k + kb * kSuperBlock + s * kSubWeights;
+          for (int h = 0; h < static_cast<int>(kSubWeights) / F.sub; ++h) {
+            const int j = s * (static_cast<int>(kSubWeights) / F.sub) + h;
+            const uint8_t byte = header[F.scales_offset() + static_cast<size_t>(j * kPackRows + r)];
+            int sc = F.signed_scales ? static_cast<int8_t>(byte) : byte, m = 0;
+            if (F.nibble_scale_min) {
+              m = byte >> 4;
+              sc = byte & 0x0F;
+            } else if (F.min) {
+              m = header[F.mins_offset() + static_cast<size_t>(j * kPackRows + r)];
+            }
+            isum += sc * SubDot<Fm>(p, r, q, h * F.sub, F.sub);
+            const int32_t sum = F.sub == 16 ? x.sum16[(m0 + t) * (x.k / 16) + kb * 16 + j]
+                                            : x.sum32[(m0 + t) * (x.k / 32) + kb * 8 + j];
+            imin += m * sum;
+          }
+        }
+        uint16_t d, dmin = 0;
+        std::memcpy(&d, header + 2 * r, 2);
+        if (F.min) std::memcpy(&dmin, header + 32 + 2 * r, 2);
+        const float dx = x.d[(m0 + t) * nb + kb];
+        acc += fp16_to_fp32(d) * dx * static_cast<float>(isum) - fp16_to_fp32(dmin) * dx * static_cast<float>(imin);
+      }
+      y[t * ldy + r] = acc;
+    }
+  }
+}
+
+template <class Fm, int MT>
+HWY_NOINLINE void FloatTile(const uint8_t* group, int64_t cols, const float* x, int64_t m0, float* y, int64_t ldy,
+                            int64_t stored, const Prefetch&) {
+  constexpr Codes C = Fm::F.codes;
+  constexpr size_t vb = C == Codes::kFloat ? 4 : 2;
+  for (int r = 0; r < stored; ++r) {
+    for (int t = 0; t < MT; ++t) {
+      float even = 0.0f, odd = 0.0f;
+      for (int64_t k = 0; k < cols; ++k) {
+        uint32_t bits = 0;
+        std::memcpy(&bits, group + (static_cast<size_t>(k) * kPackRows + static_cast<size_t>(r)) * vb, vb);
+        const float w = C == Codes::kFloat  ? std::bit_cast<float>(bits)
+                        : C == Codes::kHalf ? fp16_to_fp32(static_cast<f16_bits>(bits))
+                                            : bf16_to_fp32(static_cast<bf16_bits>(bits));
+        (k % 2 == 0 ? even : odd) += w * x[(m0 + t) * cols + k];
+      }
+      y[t * ldy + r] = even + odd;
     }
   }
 }
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Groups of 8 rows, in pairs when there are several tokens, each against the tokens in tiles of
-// up to kMaxTile: a group's codes (18 KiB for Q4_0 at K = 4096) stay in L1/L2 while the tiles
-// pass over them, so memory gives each weight byte once per call. An output's sum depends on its
-// row and token only, not on the pairing or the tiling.
+// Groups against every token, a tile of up to kMaxTile tokens per pass: a group's bytes (36 KiB
+// for Q4_0 at K = 4096) stay in L1/L2 while the tiles pass over them, so memory gives each
+// weight byte once per call. An output's sum depends on its row and token only, not on the tiling.
 
-// NG groups from `group` (rows from the output column y points at; `stored` of them) against
-// every token, a tile at a time.
-template <class F, int NG>
-void TokenTiles(const uint8_t* group, size_t group_bytes, const QuantizedActs& x, int64_t n_tokens, float* y,
-                int64_t ldy, int64_t stored) {
-  const int64_t tiles = (n_tokens + kMaxTile - 1) / kMaxTile;
-  const size_t span = group_bytes * NG, subs = static_cast<size_t>(x.k / kActBlock);
-  for (int64_t i = 0; i < tiles; ++i) {
-    const int64_t m0 = i * kMaxTile;
-    Prefetch pf;
-    if (tiles > 1) {
-      const size_t share = (span + tiles - 1) / tiles;
-      pf.begin = group + span + share * static_cast<size_t>(i);
-      pf.end = pf.begin + share;
-      pf.lines_per_sub = static_cast<int>((share / 64 + subs) / subs);
-    }
-    float* out = y + m0 * ldy;
-    switch (std::min<int64_t>(kMaxTile, n_tokens - m0)) {
-      case 1: GroupTile<F, 1, NG>(group, group_bytes, x, m0, out, ldy, stored, pf); break;
-      case 2: GroupTile<F, 2, NG>(group, group_bytes, x, m0, out, ldy, stored, pf); break;
-      case 3: GroupTile<F, 3, NG>(group, group_bytes, x, m0, out, ldy, stored, pf); break;
-      default: GroupTile<F, 4, NG>(group, group_bytes, x, m0, out, ldy, stored, pf); break;
-    }
+// The tile function of a format: one pass over a group for tokens [m0, m0 + MT).
+template <class Fm, int MT>
+HWY_INLINE void Tile(const uint8_t* group, int64_t cols, const PackedInput& x, int64_t m0, float* y, int64_t ldy,
+                     int64_t stored, const Prefetch& pf) {
+  if constexpr (Fm::F.acts == ActKind::kBlock32) {
+    BlockTile<Fm, MT>(group, cols, x.block, m0, y, ldy, stored, pf);
+  } else if constexpr (Fm::F.acts == ActKind::kSuper256) {
+    SuperTile<Fm, MT>(group, cols, x.super, m0, y, ldy, stored, pf);
+  } else {
+    FloatTile<Fm, MT>(group, cols, x.f32, m0, y, ldy, stored, pf);
   }
 }
 
-template <class F>
-void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const QuantizedActs& x, int64_t n_tokens,
-             float* y, int64_t ldy) {
-  // One token (decode's GEMV) streams one group at a time: it is bound by memory, not by the
-  // broadcasts that a pair shares. Q8_0's bytes take twice the registers per chunk and a sign
-  // per group and token, which leave a pair of groups nothing to gain (measured).
-  for (int64_t n = n_begin; n < n_end;) {
+template <class Fm>
+void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens, float* y,
+             int64_t ldy) {
+  const int64_t tiles = (n_tokens + kMaxTile - 1) / kMaxTile;
+  const size_t subs = static_cast<size_t>(std::max<int64_t>(1, w.cols / kSubWeights));
+  for (int64_t n = n_begin; n < n_end; n += kPackRows) {
     const uint8_t* group = w.group(n / kPackRows);
-    const int64_t left = n_end - n;
-    if constexpr (!F::kBytes) {
-      if (n_tokens > 1 && left > kPackRows) {
-        TokenTiles<F, 2>(group, w.group_bytes, x, n_tokens, y + n, ldy, std::min(2 * kPackRows, left));
-        n += 2 * kPackRows;
-        continue;
+    const int64_t stored = std::min(kPackRows, n_end - n);
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t m0 = i * kMaxTile;
+      Prefetch pf;
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+      if (tiles > 1) {  // the passes share the prefetching of the next group
+        const size_t share = (w.group_bytes + static_cast<size_t>(tiles) - 1) / static_cast<size_t>(tiles);
+        pf.begin = group + w.group_bytes + share * static_cast<size_t>(i);
+        pf.end = pf.begin + share;
+        pf.lines_per_sub = static_cast<int>((share / 64 + subs) / subs);
+      }
+#else
+      (void)subs;
+#endif
+      float* out = y + m0 * ldy + n;
+      switch (std::min<int64_t>(kMaxTile, n_tokens - m0)) {
+        case 1: Tile<Fm, 1>(group, w.cols, x, m0, out, ldy, stored, pf); break;
+        case 2: Tile<Fm, 2>(group, w.cols, x, m0, out, ldy, stored, pf); break;
+        case 3: Tile<Fm, 3>(group, w.cols, x, m0, out, ldy, stored, pf); break;
+        default: Tile<Fm, 4>(group, w.cols, x, m0, out, ldy, stored, pf); break;
       }
     }
-    TokenTiles<F, 1>(group, w.group_bytes, x, n_tokens, y + n, ldy, std::min(kPackRows, left));
-    n += kPackRows;
   }
 }
 
-template <int G, bool Asym>
-void GemmInt4(ScaleType scale, const PackedWeight& w, int64_t n_begin, int64_t n_end, const QuantizedActs& x,
+// Every type the packed kernels run, by id.
+template <TensorType... Ts>
+struct TypeList {};
+using AllTypes =
+    TypeList<TensorType::F32, TensorType::F16, TensorType::BF16, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q5_0,
+             TensorType::Q5_1, TensorType::Q8_0, TensorType::IQ4_NL, TensorType::Q2_K, TensorType::Q3_K,
+             TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::IQ4_XS,
+             static_cast<TensorType>(kInt4TypeBase + 0), static_cast<TensorType>(kInt4TypeBase + 1),
+             static_cast<TensorType>(kInt4TypeBase + 2), static_cast<TensorType>(kInt4TypeBase + 3),
+             static_cast<TensorType>(kInt4TypeBase + 4), static_cast<TensorType>(kInt4TypeBase + 5),
+             static_cast<TensorType>(kInt4TypeBase + 6), static_cast<TensorType>(kInt4TypeBase + 7),
+             static_cast<TensorType>(kInt4TypeBase + 8), static_cast<TensorType>(kInt4TypeBase + 9),
+             static_cast<TensorType>(kInt4TypeBase + 10), static_cast<TensorType>(kInt4TypeBase + 11)>;
+
+template <TensorType... Ts>
+void Dispatch(TypeList<Ts...>, const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x,
               int64_t n_tokens, float* y, int64_t ldy) {
-  switch (scale) {
-    case ScaleType::kF16:
-      return GemmFmt<Fmt<G, Asym, false, ScaleType::kF16>>(w, n_begin, n_end, x, n_tokens, y, ldy);
-    case ScaleType::kBF16:
-      return GemmFmt<Fmt<G, Asym, false, ScaleType::kBF16>>(w, n_begin, n_end, x, n_tokens, y, ldy);
-    case ScaleType::kF32:
-      return GemmFmt<Fmt<G, Asym, false, ScaleType::kF32>>(w, n_begin, n_end, x, n_tokens, y, ldy);
-  }
+  // Exactly one type matches; pack_weight made nothing else.
+  ((w.type == Ts ? GemmFmt<Fmt<Ts>>(w, n_begin, n_end, x, n_tokens, y, ldy) : void()), ...);
 }
 
-void GemmPacked(const PackedWeight& w, int64_t n_begin, int64_t n_end, const QuantizedActs& x, int64_t n_tokens,
+void GemmPacked(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
                 float* y, int64_t ldy) {
-  const std::optional<packed::Layout> l = packed::layout_of(w.type);
-  if (!l) return;  // pack_int8 made it: never
-  if (l->bytes) return GemmFmt<Fmt<32, false, true, ScaleType::kF16>>(w, n_begin, n_end, x, n_tokens, y, ldy);
-  if (l->group == 128 && l->asym) return GemmInt4<128, true>(l->scale, w, n_begin, n_end, x, n_tokens, y, ldy);
-  if (l->group == 128) return GemmInt4<128, false>(l->scale, w, n_begin, n_end, x, n_tokens, y, ldy);
-  if (l->asym) return GemmInt4<32, true>(l->scale, w, n_begin, n_end, x, n_tokens, y, ldy);
-  return GemmInt4<32, false>(l->scale, w, n_begin, n_end, x, n_tokens, y, ldy);
+  Dispatch(AllTypes{}, w, n_begin, n_end, x, n_tokens, y, ldy);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -447,97 +753,9 @@ namespace ringlm::cpu {
 
 HWY_EXPORT(GemmPacked);
 
-namespace {
-
-// One row's 32 nibble codes of a source sub-block (byte j: weight j low, weight j + 16 high)
-// into a packed sub-block: chunk c's bytes j = 0..3 of the row take weight 8c + j low and
-// 8c + 4 + j high. `dst` is the row's first byte in chunk 0; chunks are 32 bytes apart.
-// In 64-bit words of 8 source bytes, x = the low (or high) nibbles: chunk bytes = x's bytes
-// 0..3 with bytes 4..7 moved up a nibble, i.e. the low half of x | x >> 28 (x's top nibbles are 0).
-void pack_nibbles(const uint8_t* src, uint8_t* dst) {
-  constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0Full;
-  const auto chunk = [](uint64_t x) { return static_cast<uint32_t>(x | x >> 28); };
-  if constexpr (std::endian::native == std::endian::little) {
-    uint64_t a, b;  // source bytes 0..7 (weights 0..7 and 16..23), 8..15 (8..15 and 24..31)
-    std::memcpy(&a, src, 8);
-    std::memcpy(&b, src + 8, 8);
-    const uint32_t c[4] = {chunk(a & kLow), chunk(b & kLow), chunk(a >> 4 & kLow), chunk(b >> 4 & kLow)};
-    for (int i = 0; i < 4; ++i) std::memcpy(dst + 32 * i, &c[i], 4);
-  } else {
-    uint8_t code[kActBlock];
-    for (int j = 0; j < 16; ++j) {
-      code[j] = src[j] & 0x0F;
-      code[j + 16] = src[j] >> 4;
-    }
-    for (int c = 0; c < 4; ++c) {
-      for (int j = 0; j < 4; ++j) dst[32 * c + j] = static_cast<uint8_t>(code[8 * c + j] | code[8 * c + 4 + j] << 4);
-    }
-  }
-}
-
-// A scale's bits (2 or 4 bytes), with constant-size copies: a memcpy of a run-time size would
-// be a library call per block.
-void copy_scale(uint8_t* dst, const uint8_t* src, size_t bytes) {
-  if (bytes == 4) {
-    std::memcpy(dst, src, 4);
-  } else {
-    std::memcpy(dst, src, 2);
-  }
-}
-
-// Rows [8g, 8g + 8) into `dst` (group_bytes, zeroed: rows past the matrix stay zero, so their
-// scales are 0 and their outputs, never stored, are finite).
-void pack_group(const packed::Layout& l, const uint8_t* w, size_t row_stride, int64_t rows, int64_t cols, int64_t g,
-                uint8_t* dst) {
-  const size_t sb = l.scale_bytes();
-  const int subs = l.group / static_cast<int>(kActBlock);
-  uint8_t* scales = dst + l.codes_bytes(cols);
-  for (int r = 0; r < kPackRows && g * kPackRows + r < rows; ++r) {
-    const uint8_t* row = w + static_cast<size_t>(g * kPackRows + r) * row_stride;
-    for (int64_t blk = 0; blk < cols / l.group; ++blk) {
-      const uint8_t* src = row + static_cast<size_t>(blk) * l.source_block_bytes();
-      uint8_t* block_scales = scales + static_cast<size_t>(blk) * l.block_scale_bytes();
-      copy_scale(block_scales + sb * r, src, sb);
-      if (l.asym) copy_scale(block_scales + sb * (kPackRows + r), src + sb, sb);
-      const uint8_t* qs = src + sb * (l.asym ? 2 : 1);
-      for (int sub = 0; sub < subs; ++sub) {
-        uint8_t* codes = dst + static_cast<size_t>(blk * subs + sub) * l.sub_bytes() + 4 * r;
-        if (l.bytes) {
-          for (int c = 0; c < 8; ++c) std::memcpy(codes + 32 * c, qs + 4 * c, 4);
-        } else {
-          pack_nibbles(qs + sub * 16, codes);
-        }
-      }
-    }
-  }
-}
-
-}  // namespace
-
-PackedWeight pack_int8(TensorType type, const uint8_t* w, size_t row_stride, int64_t rows, int64_t cols,
-                       WeightArena* arena) {
-  PackedWeight p;
-  const std::optional<packed::Layout> l = packed::layout_of(type);
-  if (!l || rows <= 0 || cols <= 0 || cols % l->group != 0) return p;  // callers check int8_supported()
-  p.type = type;
-  p.rows = rows;
-  p.cols = cols;
-  p.group_bytes = l->group_bytes(cols);
-  p.data = arena != nullptr ? arena->allocate(p.bytes()) : allocate_weight_block(p.bytes());
-  const int64_t groups = p.groups();
-  uint8_t* base = p.data.get();
-#pragma omp parallel for schedule(static)
-  for (int64_t g = 0; g < groups; ++g) {
-    uint8_t* dst = base + p.group_bytes * static_cast<size_t>(g);
-    std::memset(dst, 0, p.group_bytes);
-    pack_group(*l, w, row_stride, rows, cols, g, dst);
-  }
-  return p;
-}
-
-void gemm_int8_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const QuantizedActs& xq,
-                      int64_t n_tokens, float* y, int64_t ldy) {
-  HWY_DYNAMIC_DISPATCH(GemmPacked)(w, n_begin, n_end, xq, n_tokens, y, ldy);
+void gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
+                 float* y, int64_t ldy) {
+  HWY_DYNAMIC_DISPATCH(GemmPacked)(w, n_begin, n_end, x, n_tokens, y, ldy);
 }
 
 }  // namespace ringlm::cpu

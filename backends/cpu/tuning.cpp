@@ -1,6 +1,6 @@
 #include "backends/cpu/tuning.h"
 
-// The int8 kernels build the AVX-512 VNNI target too (int8_kernels.cpp): ask for it here as
+// The int8 kernels build the AVX-512 VNNI target too (kernel_packed.cpp): ask for it here as
 // well so that HWY_TARGETS, and so the target named in the header, matches their dispatch.
 #ifndef HWY_WANT_AVX3_DL
 #define HWY_WANT_AVX3_DL

@@ -157,7 +157,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
     const GgufTensorInfo& t = expect_tensor(gguf, name, {cols, rows});
     weight_bytes_ += t.n_bytes;
     n_params_ += t.n_elements();
-    return backend_.prepare(WeightView{name, t.type, rows, cols, t.data});
+    return backend_.prepare(WeightView{name, t.type, rows, cols, t.data, true});
   };
 
   token_embd_ = &expect_tensor(gguf, "token_embd.weight", {d, hp_.n_vocab});
@@ -182,7 +182,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   if (gguf.find_tensor("output.weight") != nullptr) {
     output_ = prepare("output.weight", d, hp_.n_vocab);
   } else {  // tied embeddings: the output projection reuses token_embd
-    output_ = backend_.prepare(WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data});
+    output_ = backend_.prepare(WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data, true});
   }
 
   // RoPE frequencies: theta_i = pos * base^(-2i / n_rot), optionally divided by per-pair factors.

@@ -1,0 +1,50 @@
+// Activation quantization for the int8 kernels (kernel_packed.h): the rows a product reads,
+// turned into int8 with the scales and sums each weight format's arithmetic needs.
+//
+//   QuantizedActs (per block of 32): for the block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
+//     and ringlm's INT4 types), whose weights carry a float scale per block of 32 or 128. Per
+//     weight block the kernels add dw * dx * (integer dot) plus the block's offset or min times
+//     s = dx * (sum of the block's int8 values): the offset of unsigned codes (w = d (c - 8)) or
+//     the min (w = d c + m) costs one multiply-add per block, not a pass over it.
+//   SuperActs (per block of 256): for the super formats (K-quants, IQ4_XS), whose weights carry a
+//     float scale per 256 and small integer scales per sub-block of 16 or 32. With one activation
+//     scale per 256, the sub-block scales multiply the integer dots in integers and one float
+//     multiply-add per 256 remains; the integer sums per 16 and per 32 serve the integer mins
+//     and offsets. This is llama.cpp's Q8_K, so K-quant files compute as they do there.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ringlm::cpu {
+
+inline constexpr int64_t kActBlock = 32;    // QuantizedActs block
+inline constexpr int64_t kSuperBlock = 256;  // SuperActs block
+
+// M token rows of K activations, quantized per 32: row m's block b covers x[m][32b, 32b + 32).
+// Row-major so that a token's blocks are contiguous; the buffers belong to the caller.
+struct QuantizedActs {
+  int8_t* q = nullptr;  // [M][K] int8 values in [-127, 127]
+  float* d = nullptr;   // [M][K/32] block scale: max|x| / 127 (0 for an all-zero block)
+  float* s = nullptr;   // [M][K/32] d * (sum of the block's int8 values)
+  int64_t k = 0;        // row length K (a multiple of 32)
+  int64_t blocks() const { return k / kActBlock; }
+};
+
+// M token rows of K activations, quantized per 256 (K a multiple of 256).
+struct SuperActs {
+  int8_t* q = nullptr;        // [M][K] int8 values in [-127, 127]
+  float* d = nullptr;         // [M][K/256] block scale: max|x| / 127
+  int32_t* sum16 = nullptr;   // [M][K/16] integer sum of each 16 int8 values
+  int32_t* sum32 = nullptr;   // [M][K/32] integer sum of each 32
+  int64_t k = 0;
+  int64_t blocks() const { return k / kSuperBlock; }
+};
+
+// Quantizes rows [m_begin, m_end) of x ([M][K] fp32) into `out` (sized for them):
+// per block d = max|x| / 127, q = round-to-nearest-even(x * 127 / max|x|).
+void quantize_acts(const float* x, int64_t m_begin, int64_t m_end, const QuantizedActs& out);
+// The same per block of 256, with the integer sums.
+void quantize_acts_super(const float* x, int64_t m_begin, int64_t m_end, const SuperActs& out);
+
+}  // namespace ringlm::cpu
