@@ -50,7 +50,8 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 # Formats the reference promises to read. gguf.quants can dequantize more, but
 # these are the ones ringlm supports, and limiting the set keeps a model in an
 # unexpected format from being "verified" by accident.
-SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K}
+SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K,
+                   QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS}
 
 
 class GGUFModelError(RuntimeError):

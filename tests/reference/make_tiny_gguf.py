@@ -29,10 +29,14 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kquants  # noqa: E402
 
-TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
-K_TYPES = {"Q4_K", "Q6_K"}
-# general.file_type values (llama.cpp's LLAMA_FTYPE_*); informational only.
-FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "BF16": 32}
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+         "IQ4_NL", "IQ4_XS"]
+# Types with 256-value blocks: they need row lengths that are multiples of 256.
+K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+# general.file_type values (llama.cpp's LLAMA_FTYPE_*, the _M variant where there are several);
+# informational only.
+FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 12,
+             "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}
 
 
 def encode(name: str, w: np.ndarray, type_name: str):
@@ -46,11 +50,9 @@ def encode(name: str, w: np.ndarray, type_name: str):
         return w.astype(np.float32), None
     if type_name == "F16":
         return w.astype(np.float16), None
-    if type_name == "Q4_K":
-        return kquants.quantize_q4_k(w), qt
-    if type_name == "Q6_K":
-        return kquants.quantize_q6_k(w), qt
-    return gguf.quants.quantize(w.astype(np.float32), qt), qt   # BF16, Q8_0, Q4_0, Q4_1
+    if type_name in kquants.QUANTIZERS:                          # K-quants, IQ4_NL, IQ4_XS
+        return kquants.QUANTIZERS[type_name](w), qt
+    return gguf.quants.quantize(w.astype(np.float32), qt), qt   # BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, vocab_path: str) -> int:
@@ -82,8 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--untied", action="store_true", help="write a separate output.weight (default: tied)")
     ap.add_argument("--arch", default="llama", help="general.architecture value and key prefix")
     ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--n-embd", type=int, help="default 64, or 256 when a K-quant type is used")
-    ap.add_argument("--n-ff", type=int, help="default 128, or 512 when a K-quant type is used")
+    ap.add_argument("--n-embd", type=int, help="default 64, or 256 when a K-quant or IQ4_XS type is used")
+    ap.add_argument("--n-ff", type=int, help="default 128, or 512 when a K-quant or IQ4_XS type is used")
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-head-kv", type=int, default=2)
     ap.add_argument("--head-dim", type=int,
@@ -100,7 +102,12 @@ def main(argv=None) -> int:
 
     embd_type = args.embd_type or args.type
     out_type = args.output_type or args.type
-    uses_k = bool({args.type, embd_type, out_type if args.untied else None} & K_TYPES)
+    used = {args.type, embd_type, out_type if args.untied else None}
+    uses_k = bool(used & K_TYPES)
+    if used & set(kquants.QUANTIZERS):
+        # The packers' layout is proven against gguf's decoders (a few ms) every time they are
+        # used: a packer bug would otherwise only give other valid blocks, and no test would fail.
+        kquants.selfcheck()
     d = args.n_embd or (256 if uses_k else 64)
     ff = args.n_ff or (512 if uses_k else 128)
     if d % args.n_head or args.n_head % args.n_head_kv:
