@@ -1,222 +1,309 @@
 #!/usr/bin/env python3
-"""ringlm against llama.cpp on the same GGUF files, same threads, side by side in one run.
+"""ringlm against llama.cpp's own tools on the same GGUF files, same threads, side by side in one run.
 
-    python3 bench/compare_llamacpp.py MODEL.gguf [MODEL2.gguf ...] -p 512 -n 128 -t 2 -r 3 \
-        [--ringlm build/bin/ringlm] [--bandwidth build/bin/bench_bandwidth | --bandwidth-gbs 27] \
-        [--perplexity TEXT --ppl-ctx 512 --ppl-chunks N]
+    python3 bench/compare_llamacpp.py [MODEL.gguf ...] [-p 512] [-n 128] [-t 2] [-r 3] [--rounds 1]
+        [--ringlm build/bin/ringlm] [--llama-bench PATH] [--llama-perplexity PATH]
+        [--bandwidth build/bin/bench_bandwidth | --bandwidth-gbs GBS]
+        [--perplexity TEXT [-c 512] [--ppl-chunks N]] [--rss]
 
-llama.cpp runs in this process through the llama-cpp-python package (build it without AMX, which
-faults on this machine; see bench/README.md) and is timed by its own perf counters
-(llama_perf_context: t_p_eval_ms / t_eval_ms), not by Python timers. The method is llama-bench's,
-the same that `ringlm bench` follows: a warm-up, then R repetitions from an empty KV cache; pp =
-one prompt of p random tokens, tg = n single-token steps (BOS first when the model adds BOS, then
-random tokens); t/s per repetition, mean and sample standard deviation.
+Speed. For each model and test (ppP: one prompt of P tokens; tgN: N single-token steps) it runs
+`llama-bench -o json` and `ringlm bench -o json` with the same -p/-n/-t/-r, one right after the
+other (--rounds K repeats the pair K times, swapping who goes first each round, and pools the
+samples). Both follow llama-bench's method (a warm-up, then R repetitions from an empty KV cache)
+and print the same JSON fields (avg_ts, stddev_ts, samples_ts, n_prompt, n_gen). The table gives
+mean ± sample standard deviation of t/s for each, the ratio ringlm / llama.cpp, and for tg the
+fraction of the decode roofline each reaches: a decode step reads every weight once (an untied
+token-embedding table only one row), so the fastest tg possible is read bandwidth / bytes read
+per token. The bandwidth is the best variant of `bench_bandwidth --json` at the same thread
+count, measured at the start of this run (or --bandwidth-gbs).
 
-ringlm runs as `ringlm bench -o json` with the same -p/-n/-t/-r.
+--perplexity TEXT runs `llama-perplexity` and `ringlm perplexity` on every model with the same
+text, context (-c, default 512) and --ppl-chunks (llama-perplexity's --chunks), and prints both
+"Final estimate: PPL" values and their ratio.
 
-The roofline of decode is bandwidth / bytes per token: every weight is read once per generated
-token, so the best possible tg t/s is (measured read bandwidth) / (model weight bytes). The
-bandwidth comes from bench_bandwidth with the same thread count (or --bandwidth-gbs).
+--rss runs `llama-bench` and `ringlm bench` once more per model (same -p/-n/-t, -r 1) and prints
+each one's peak resident memory (`/usr/bin/time -f %M`, else the process's VmHWM polled; the
+model file's pages that a tool maps and touches count in it).
 
---perplexity TEXT also computes llama.cpp's perplexity of TEXT with llama-perplexity's method
-(non-overlapping chunks of --ppl-ctx tokens, BOS first when the model adds it, second half
-scored) and ringlm's with `ringlm perplexity`, for the first model.
-
-Not part of CI: it needs llama-cpp-python, which pip compiles from source.
+llama.cpp's tools come from ../shared/tools/build-llama-cpp.sh, built on this machine; the
+defaults are ${LLAMA_CPP_DIR:-~/.cache/llama.cpp-anchor}/build/bin/llama-bench and
+llama-perplexity. Without a MODEL, the default model that scripts/setup.sh installs
+($RINGLM_MODEL, else SmolLM2-135M-Instruct Q4_1 in the ringlm cache). Not part of CI.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
+import re
 import statistics
 import subprocess
 import sys
-
-import numpy as np
+import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_RINGLM = os.path.join(HERE, "..", "build", "bin", "ringlm")
 DEFAULT_BANDWIDTH = os.path.join(HERE, "..", "build", "bin", "bench_bandwidth")
+LLAMA_BIN = os.path.join(os.environ.get("LLAMA_CPP_DIR") or os.path.expanduser("~/.cache/llama.cpp-anchor"),
+                         "build", "bin")
+FINAL_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+)(?: \+/- ([0-9.]+))?")
+PPL_CHUNKS = re.compile(r"perplexity over (\d+) chunks")
 
 
-def stats(values):
-    mean = statistics.fmean(values)
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return mean, sd
+def default_model() -> str:
+    if os.environ.get("RINGLM_MODEL"):
+        return os.environ["RINGLM_MODEL"]
+    cache = os.environ.get("RINGLM_CACHE_DIR") or os.path.expanduser("~/.cache/ringlm")
+    return os.path.join(cache, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-# ---- llama.cpp ------------------------------------------------------------------------------
-class LlamaCpp:
-    """One model in llama.cpp, timed by its perf counters."""
-
-    def __init__(self, path: str, n_ctx: int, n_batch: int, threads: int, logits_all: bool = False):
-        import llama_cpp  # imported here so that --help works without the package
-        self.lib = llama_cpp
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512),
-                                   n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
-                                   verbose=False)
-        self.ctx = self.llm._ctx.ctx
-        vocab = llama_cpp.llama_model_get_vocab(self.llm._model.model)
-        self.n_vocab = self.llm.n_vocab()
-        self.bos = llama_cpp.llama_vocab_bos(vocab) if llama_cpp.llama_vocab_get_add_bos(vocab) else -1
-        self.rng = random.Random(1234)
-
-    def clear(self):
-        self.llm.reset()
-        mem_clear = getattr(self.lib, "llama_memory_clear", None)
-        if mem_clear is not None:
-            mem_clear(self.lib.llama_get_memory(self.ctx), True)
-        elif hasattr(self.lib, "llama_kv_self_clear"):
-            self.lib.llama_kv_self_clear(self.ctx)
-        else:
-            self.lib.llama_kv_cache_clear(self.ctx)
-        self.lib.llama_perf_context_reset(self.ctx)
-
-    def random_tokens(self, n: int, first_bos: bool):
-        toks = [self.rng.randrange(self.n_vocab) for _ in range(n)]
-        if first_bos and self.bos >= 0 and toks:
-            toks[0] = self.bos
-        return toks
-
-    def eval(self, tokens):
-        # llama.cpp books a decode's time into its perf counters only at the next synchronize,
-        # and books all tokens queued since the last one together: sync after every call so a
-        # prompt lands in t_p_eval and each single token in t_eval.
-        self.llm.eval(tokens)
-        self.lib.llama_synchronize(self.ctx)
-
-    def prompt(self, n: int):
-        self.eval(self.random_tokens(n, True))
-
-    def generate(self, n: int):
-        token = self.bos if self.bos >= 0 else self.rng.randrange(self.n_vocab)
-        for _ in range(n):
-            self.eval([token])
-            token = self.rng.randrange(self.n_vocab)
-
-    def perf_ms(self, prompt: bool) -> float:
-        d = self.lib.llama_perf_context(self.ctx)
-        return d.t_p_eval_ms if prompt else d.t_eval_ms
-
-    def bench(self, n_prompt: int, n_gen: int, reps: int):
-        """t/s samples of one test, as llama-bench takes them."""
-        self.clear()
-        if n_prompt > 0:
-            self.prompt(n_prompt)
-        else:
-            self.generate(1)
-        samples = []
-        for _ in range(reps):
-            self.clear()
-            if n_prompt > 0:
-                self.prompt(n_prompt)
-                ms = self.perf_ms(prompt=True)
-            else:
-                self.generate(n_gen)
-                ms = self.perf_ms(prompt=False)
-            samples.append(1000.0 * (n_prompt + n_gen) / ms)
-        return samples
-
-    def perplexity(self, text: str, n_ctx: int, max_chunks: int):
-        tokens = self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
-        n_chunks = len(tokens) // n_ctx if max_chunks < 0 else min(max_chunks, len(tokens) // n_ctx)
-        if len(tokens) < 2 * n_ctx:
-            raise SystemExit(f"perplexity needs at least {2 * n_ctx} tokens, has {len(tokens)}")
-        nll, nll2, count = 0.0, 0.0, 0
-        for i in range(n_chunks):
-            chunk = list(tokens[i * n_ctx:(i + 1) * n_ctx])
-            if self.bos >= 0:
-                chunk[0] = self.bos
-            self.clear()
-            self.eval(chunk)
-            logits = self.llm.scores[:n_ctx]  # every position's logits (logits_all)
-            for pos in range(n_ctx // 2, n_ctx - 1):
-                row = logits[pos].astype("float64")
-                m = row.max()
-                lp = (row[chunk[pos + 1]] - m) - math.log(float(np.exp(row - m).sum()))
-                nll -= lp
-                nll2 += lp * lp
-                count += 1
-            print(f"[{i + 1}]{math.exp(nll / count):.4f},", end="", file=sys.stderr, flush=True)
-        print(file=sys.stderr)
-        mean = nll / count
-        var = nll2 / count - mean * mean
-        ppl = math.exp(mean)
-        return ppl, (math.sqrt(var / (count - 1)) * ppl if var > 0 else float("nan")), n_chunks
+def run(cmd: list[str], hint: str = "") -> subprocess.CompletedProcess:
+    """Runs a tool; on failure, exits with its command line and the end of its output."""
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-15:])
+        raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}\n{tail}{hint}")
+    return p
 
 
-# ---- ringlm ---------------------------------------------------------------------------------
-def ringlm_bench(binary: str, path: str, n_prompt: int, n_gen: int, threads: int, reps: int):
-    out = subprocess.run([binary, "bench", "-m", path, "-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads),
-                          "-r", str(reps), "-o", "json"], check=True, capture_output=True, text=True).stdout
-    return {(t["n_prompt"], t["n_gen"]): t for t in json.loads(out)}
+def need_binary(path: str, what: str) -> str:
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise SystemExit(f"{what} not found at {path} (llama.cpp's tools: ../shared/tools/build-llama-cpp.sh; "
+                         "ringlm: cmake --build build)")
+    return path
 
 
-def ringlm_perplexity(binary: str, path: str, text: str, n_ctx: int, chunks: int, threads: int):
-    out = subprocess.run([binary, "perplexity", "-m", path, "-f", text, "-c", str(n_ctx), "--chunks", str(chunks),
-                          "-t", str(threads)], check=True, capture_output=True, text=True).stdout
-    return out.strip().splitlines()[-1]
+# ---- the machine ----------------------------------------------------------------------------
+def cpu_model() -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
-def measure_bandwidth(binary: str, threads: int) -> float:
-    out = subprocess.run([binary, "--threads", str(threads)], check=True, capture_output=True, text=True).stdout
-    return float(out.strip().splitlines()[-1].split()[1])
+def cpu_isa() -> str:
+    """The SIMD extensions that decide which kernels both tools run."""
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    wanted = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile"]
+    return " ".join(w for w in wanted if w in flags) or "no AVX2"
 
 
-# ---- report ---------------------------------------------------------------------------------
-def main(argv=None) -> int:
+def ringlm_cpu_line(ringlm: str) -> str:
+    """The `cpu` line of `ringlm devices`: the SIMD target Highway picked."""
+    out = run([ringlm, "devices"]).stdout
+    return next((line.strip() for line in out.splitlines() if line.startswith("cpu")), "cpu line not found")
+
+
+def measure_bandwidth(binary: str, threads: int) -> tuple[float, str]:
+    """Best read GB/s of bench_bandwidth's variants at this thread count, and that variant."""
+    hint = "\n(a bench_bandwidth older than --json? rebuild it, or give --bandwidth-gbs)"
+    rows = json.loads(run([need_binary(binary, "bench_bandwidth"), "--json", "--threads", str(threads)], hint).stdout)
+    row = next(r for r in rows if r["threads"] == threads)
+    return row["best_gbs"], row["best_variant"]
+
+
+# ---- the models -----------------------------------------------------------------------------
+def bytes_per_token(path: str, model_size: int) -> int:
+    """Weight bytes one decode step reads: all of them, except that a token-embedding table not
+    tied to the output is read one row per token. Needs the gguf package; else all weights."""
+    try:
+        import gguf  # optional: only refines the roofline
+    except ImportError:
+        return model_size
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    total = sum(sizes.values())
+    if "output.weight" in sizes:
+        total -= sizes.get("token_embd.weight", 0)
+    return total
+
+
+# ---- speed ----------------------------------------------------------------------------------
+def bench_args(n_prompt: int, n_gen: int, threads: int, reps: int) -> list[str]:
+    return ["-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads), "-r", str(reps), "-o", "json"]
+
+
+def llama_bench(binary: str, model: str, n_prompt: int, n_gen: int, threads: int, reps: int) -> dict:
+    return json.loads(run([binary, "-m", model] + bench_args(n_prompt, n_gen, threads, reps)).stdout)[0]
+
+
+def ringlm_bench(binary: str, model: str, n_prompt: int, n_gen: int, threads: int, reps: int) -> dict:
+    return json.loads(run([binary, "bench", "-m", model] + bench_args(n_prompt, n_gen, threads, reps)).stdout)[0]
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def run_test(args, model: str, n_prompt: int, n_gen: int) -> tuple[dict, list[float], list[float]]:
+    """Both tools on one test, alternating for --rounds rounds; returns llama.cpp's last JSON
+    row (for model_size) and the pooled t/s samples of each."""
+    tools = [("llama", llama_bench, args.llama_bench), ("ringlm", ringlm_bench, args.ringlm)]
+    samples = {"llama": [], "ringlm": []}
+    row = {}
+    for k in range(args.rounds):
+        for name, fn, binary in (tools if k % 2 == 0 else tools[::-1]):
+            r = fn(binary, model, n_prompt, n_gen, args.t, args.r)
+            samples[name] += r["samples_ts"]
+            if name == "llama":
+                row = r
+    return row, samples["llama"], samples["ringlm"]
+
+
+def speed_table(args, bw: float | None) -> None:
+    print("| model | weights MiB | test | llama.cpp t/s | ringlm t/s | ringlm / llama.cpp "
+          "| roofline t/s | llama.cpp % roofline | ringlm % roofline |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    tests = ([(args.p, 0)] if args.p > 0 else []) + ([(0, args.n)] if args.n > 0 else [])
+    notes = []
+    for model in args.models:
+        for n_prompt, n_gen in tests:
+            row, lc, rl = run_test(args, model, n_prompt, n_gen)
+            (lc_mean, lc_sd), (rl_mean, rl_sd) = mean_sd(lc), mean_sd(rl)
+            size = row["model_size"]
+            roof = " | | "  # pp: the roofline is decode's
+            if n_gen and bw:
+                per_token = bytes_per_token(model, size)
+                best = bw * 1e9 / per_token  # tokens/s if a step did nothing but stream its weights
+                roof = f"{best:.1f} | {100 * lc_mean / best:.0f}% | {100 * rl_mean / best:.0f}%"
+                if per_token != size:
+                    notes.append(f"{os.path.basename(model)}: {per_token / 2**20:.1f} MiB read per token "
+                                 "(the untied token-embedding table is read one row per token)")
+            test = f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
+            print(f"| {os.path.basename(model)} | {size / 2**20:.1f} | {test} | {lc_mean:.2f} ± {lc_sd:.2f} "
+                  f"| {rl_mean:.2f} ± {rl_sd:.2f} | {rl_mean / lc_mean:.2f}x | {roof} |", flush=True)
+    for note in notes:
+        print(note)
+
+
+# ---- perplexity -----------------------------------------------------------------------------
+def final_ppl(text: str, tool: str) -> tuple[float, str, str]:
+    """PPL, its ± (as printed) and the chunk count from a tool's 'Final estimate' output."""
+    m = FINAL_PPL.search(text)
+    if m is None:
+        raise SystemExit(f"{tool}: no 'Final estimate: PPL' line in its output")
+    chunks = PPL_CHUNKS.search(text)
+    return float(m.group(1)), m.group(2) or "?", chunks.group(1) if chunks else "?"
+
+
+def perplexity(args, model: str) -> None:
+    common = ["-m", model, "-f", args.perplexity, "-c", str(args.c), "-t", str(args.t)]
+    chunks = ["--chunks", str(args.ppl_chunks)] if args.ppl_chunks >= 0 else []
+    results = {}
+    for name, cmd in (("llama.cpp", [args.llama_perplexity] + common + chunks),
+                      ("ringlm", [args.ringlm, "perplexity"] + common + chunks)):
+        t0 = time.monotonic()
+        p = run(cmd)  # llama-perplexity logs its final line on stderr, ringlm prints it on stdout
+        results[name] = final_ppl(p.stdout + p.stderr, name) + (time.monotonic() - t0,)
+    print(f"\nperplexity of {os.path.basename(args.perplexity)}, {os.path.basename(model)}, -c {args.c}, "
+          f"-t {args.t}:")
+    for name, (ppl, err, n, secs) in results.items():
+        print(f"  {name:<10} PPL = {ppl:.4f} +/- {err}  ({n} chunks, {secs:.1f} s)")
+    print(f"  ringlm / llama.cpp = {results['ringlm'][0] / results['llama.cpp'][0]:.4f}")
+
+
+# ---- memory ---------------------------------------------------------------------------------
+def peak_rss_mib(cmd: list[str]) -> float:
+    """Peak resident memory of one run of cmd, in MiB.
+
+    Not ru_maxrss from wait4 on our own child: the child starts in this process's memory (a
+    fork's copy or vfork's share) and Linux carries that high-water RSS across exec into the
+    child's ru_maxrss (this script's 650 MiB, after reading the GGUFs, showed up as both tools'
+    peak). /usr/bin/time forks from its own small process; without it, the child's VmHWM (which
+    starts afresh at exec) is polled instead."""
+    if os.access("/usr/bin/time", os.X_OK):
+        with tempfile.NamedTemporaryFile(mode="r") as f:
+            run(["/usr/bin/time", "-f", "%M", "-o", f.name] + cmd)
+            return int(f.read().split()[-1]) / 1024  # KiB
+    return polled_hwm_mib(cmd)
+
+
+def polled_hwm_mib(cmd: list[str]) -> float:
+    """VmHWM of the child from /proc, read every 10 ms until it exits (a peak reached in its
+    last 10 ms can be missed)."""
+    hwm_kib = 0
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as p:
+        while p.poll() is None:
+            try:
+                with open(f"/proc/{p.pid}/status", encoding="utf-8") as f:
+                    hwm_kib = max([hwm_kib] + [int(l.split()[1]) for l in f if l.startswith("VmHWM:")])
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.01)
+    if p.returncode != 0:
+        raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}")
+    return hwm_kib / 1024
+
+
+def rss_table(args) -> None:
+    flags = bench_args(args.p, args.n, args.t, 1)
+    print(f"\npeak RSS, one run each of -p {args.p} -n {args.n} -t {args.t} -r 1:")
+    print("| model | llama-bench MiB | ringlm bench MiB | ringlm / llama.cpp |")
+    print("|---|---:|---:|---:|")
+    for model in args.models:
+        lc = peak_rss_mib([args.llama_bench, "-m", model] + flags)
+        rl = peak_rss_mib([args.ringlm, "bench", "-m", model] + flags)
+        print(f"| {os.path.basename(model)} | {lc:.1f} | {rl:.1f} | {rl / lc:.2f}x |", flush=True)
+
+
+# ---- main -----------------------------------------------------------------------------------
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("models", nargs="+")
-    ap.add_argument("-p", type=int, default=512)
-    ap.add_argument("-n", type=int, default=128)
-    ap.add_argument("-t", type=int, default=2)
-    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("models", nargs="*", help="GGUF files (default: the default model)")
+    ap.add_argument("-p", type=int, default=512, help="prompt tokens of the pp test (0: none)")
+    ap.add_argument("-n", type=int, default=128, help="generated tokens of the tg test (0: none)")
+    ap.add_argument("-t", type=int, default=2, help="threads, for every tool")
+    ap.add_argument("-r", type=int, default=3, help="repetitions per tool run")
+    ap.add_argument("--rounds", type=int, default=1, help="alternations of the two tools per test")
     ap.add_argument("--ringlm", default=DEFAULT_RINGLM)
+    ap.add_argument("--llama-bench", default=os.path.join(LLAMA_BIN, "llama-bench"))
+    ap.add_argument("--llama-perplexity", default=os.path.join(LLAMA_BIN, "llama-perplexity"))
     ap.add_argument("--bandwidth", default=DEFAULT_BANDWIDTH, help="bench_bandwidth binary")
-    ap.add_argument("--bandwidth-gbs", type=float, help="use this read bandwidth instead of measuring it")
-    ap.add_argument("--perplexity", metavar="TEXT", help="also compare perplexity on this text (first model)")
-    ap.add_argument("--ppl-ctx", type=int, default=512)
-    ap.add_argument("--ppl-chunks", type=int, default=-1)
+    ap.add_argument("--bandwidth-gbs", type=float, help="read bandwidth to use instead of measuring it")
+    ap.add_argument("--perplexity", metavar="TEXT", help="also compare perplexity on this text file")
+    ap.add_argument("-c", type=int, default=512, help="perplexity context (chunk) length")
+    ap.add_argument("--ppl-chunks", type=int, default=-1, help="score at most N chunks (-1: all)")
+    ap.add_argument("--rss", action="store_true", help="also compare peak resident memory")
     args = ap.parse_args(argv)
+    args.models = args.models or [default_model()]
+    args.rounds = max(1, args.rounds)
+    return args
 
-    bw = args.bandwidth_gbs if args.bandwidth_gbs else measure_bandwidth(args.bandwidth, args.t)
-    print(f"threads {args.t}, repetitions {args.r}, read bandwidth {bw:.2f} GB/s, load {os.getloadavg()[0]:.2f}")
-    print("| model | size | test | llama.cpp t/s | ringlm t/s | ringlm / llama.cpp | llama.cpp roofline | ringlm roofline |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
-    tests = [(args.p, 0)] if args.p > 0 else []
-    tests += [(0, args.n)] if args.n > 0 else []
-    for path in args.models:
-        rl = ringlm_bench(args.ringlm, path, args.p, args.n, args.t, args.r)
-        lc = LlamaCpp(path, n_ctx=args.p + args.n + 1, n_batch=max(args.p, 1), threads=args.t)
-        size = os.path.getsize(path)
-        for n_prompt, n_gen in tests:
-            lc_mean, lc_sd = stats(lc.bench(n_prompt, n_gen, args.r))
-            r = rl[(n_prompt, n_gen)]
-            name = f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
-            roof = ""
-            if n_gen:
-                # Weight bytes per token over bandwidth: the fastest decode the memory allows.
-                best = bw * 1e9 / r["model_size"]
-                roof = (f"| {100 * lc_mean / best:.0f}% | {100 * r['avg_ts'] / best:.0f}% ")
-            else:
-                roof = "| | "
-            print(f"| {os.path.basename(path)} | {size / 2**20:.1f} MiB | {name} | {lc_mean:.2f} ± {lc_sd:.2f} "
-                  f"| {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {r['avg_ts'] / lc_mean:.2f}x {roof}|", flush=True)
-        del lc
 
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    need_binary(args.ringlm, "ringlm")
+    need_binary(args.llama_bench, "llama-bench")
     if args.perplexity:
-        path = args.models[0]
-        lc = LlamaCpp(path, n_ctx=args.ppl_ctx, n_batch=args.ppl_ctx, threads=args.t, logits_all=True)
-        ppl, err, chunks = lc.perplexity(open(args.perplexity, encoding="utf-8").read(), args.ppl_ctx, args.ppl_chunks)
-        print(f"llama.cpp perplexity ({os.path.basename(path)}, c={args.ppl_ctx}, {chunks} chunks): "
-              f"PPL = {ppl:.4f} +/- {err:.5f}")
-        line = ringlm_perplexity(args.ringlm, path, args.perplexity, args.ppl_ctx, chunks, args.t)
-        print(f"ringlm    perplexity ({os.path.basename(path)}, c={args.ppl_ctx}, {chunks} chunks): {line}")
+        need_binary(args.llama_perplexity, "llama-perplexity")
+    for model in args.models:
+        if not os.path.isfile(model):
+            raise SystemExit(f"no such model file: {model}")
+
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs; {cpu_isa()})")
+    print(f"ringlm devices: {ringlm_cpu_line(args.ringlm)}")
+    print(f"threads {args.t}, repetitions {args.r}, rounds {args.rounds}, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    bw = None
+    if args.n > 0:
+        if args.bandwidth_gbs:
+            bw = args.bandwidth_gbs
+            print(f"read bandwidth {bw:.2f} GB/s (--bandwidth-gbs)")
+        else:
+            bw, variant = measure_bandwidth(args.bandwidth, args.t)
+            print(f"read bandwidth {bw:.2f} GB/s (bench_bandwidth --json, best of {args.t} threads: {variant})")
+    print(flush=True)
+    if args.p > 0 or args.n > 0:
+        speed_table(args, bw)
+    if args.perplexity:
+        for model in args.models:
+            perplexity(args, model)
+    if args.rss:
+        rss_table(args)
     return 0
 
 
