@@ -68,6 +68,11 @@ class Backend {
   // type or shape cannot be run.
   virtual std::unique_ptr<PreparedWeight> prepare(const WeightView& weight) = 0;
 
+  // out[i] = row ids[i] of the weight in fp32 ([ids.size()][cols]): the embedding lookup of a
+  // model whose output projection is its embedding table, read from the backend's own copy
+  // (the file's pages may be gone, see WeightView::mapped). ids must be valid rows.
+  virtual void rows(const PreparedWeight& weight, std::span<const int32_t> ids, float* out) = 0;
+
   // y[m][n] = sum_k x[m][k] * W[n][k] for m < n_tokens: x is [n_tokens][cols], y is [n_tokens][rows].
   virtual void matmul(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) = 0;
 

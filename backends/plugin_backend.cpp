@@ -85,6 +85,7 @@ class PluginWeight final : public PreparedWeight {
   PluginWeight(int64_t rows, int64_t cols) : PreparedWeight(rows, cols) {}
   bool on_device = false;
   TensorType type = TensorType::F32;
+  const uint8_t* source = nullptr;  // the weight as the model file holds it (rows())
   DeviceBuffer data;
   int64_t max_rows = 1;  // largest M one device call takes
   std::unique_ptr<PreparedWeight> cpu;
@@ -126,6 +127,7 @@ class PluginBackend final : public Backend, public DeviceAttention {
   std::unique_ptr<PreparedWeight> prepare(const WeightView& w) override {
     auto prepared = std::make_unique<PluginWeight>(w.rows, w.cols);
     prepared->type = w.type;
+    prepared->source = w.data;
     prepared->max_rows = device_rows_for(w);
     if (prepared->max_rows > 0) {
       prepared->on_device = true;
@@ -136,6 +138,17 @@ class PluginBackend final : public Backend, public DeviceAttention {
       prepared->cpu = cpu_->prepare(w);
     }
     return prepared;
+  }
+
+  void rows(const PreparedWeight& weight, std::span<const int32_t> ids, float* out) override {
+    const PluginWeight& w = as_plugin_weight(weight);
+    if (!w.on_device) return cpu_->rows(*w.cpu, ids, out);
+    // The device copy was uploaded whole; the file's pages are still mapped (only the CPU
+    // backend gives them back).
+    const size_t stride = row_bytes(w.type, w.cols());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      dequantize_row(w.type, w.source + static_cast<size_t>(ids[i]) * stride, out + static_cast<int64_t>(i) * w.cols(), w.cols());
+    }
   }
 
   void matmul(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) override {

@@ -30,8 +30,6 @@
 
 #include <cblas.h>
 #include <omp.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -95,14 +93,6 @@ void gemm_packed_rows(const CpuWeight& w, int64_t n0, int64_t n1, const cpu::Pac
   cpu::gemm_packed(w.packed, n0, n1, x, n_tokens, y, w.rows());
 }
 
-// Gives the kernel back the whole pages of a file mapping that lie inside [data, data + bytes):
-// they are re-read from the file if anything touches them again.
-void release_mapped_pages(const uint8_t* data, size_t bytes) {
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) / page * page;
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) / page * page;
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
-}
 
 // Eight independent partial sums let the compiler keep a vector register per lane.
 float dot_f32(const float* a, const float* b, int64_t n) {
@@ -156,11 +146,15 @@ class CpuBackend final : public Backend {
     reserve(packed ? kPreparedTokens : 0, w.cols, sgemm_tile_rows(w.rows));
     auto prepared = std::make_unique<CpuWeight>(w, packed ? crossover(w) : 0);
     if (!packed) return prepared;
-    prepared->packed = cpu::pack_weight(w.type, w.data, prepared->row_stride, w.rows, w.cols, &arena_);
+    prepared->packed = cpu::pack_weight(w.type, w.data, prepared->row_stride, w.rows, w.cols, &arena_, w.mapped);
     if (prepared->packed.data == nullptr) throw std::runtime_error("weight '" + w.name + "': could not be packed");
     prepared->acts = cpu::packed_format(w.type)->acts;
-    if (w.mapped) release_mapped_pages(w.data, prepared->row_stride * static_cast<size_t>(w.rows));
     return prepared;
+  }
+
+  void rows(const PreparedWeight& weight, std::span<const int32_t> ids, float* out) override {
+    const auto& w = static_cast<const CpuWeight&>(weight);
+    for (size_t i = 0; i < ids.size(); ++i) dequantize_rows(w, ids[i], ids[i] + 1, out + static_cast<int64_t>(i) * w.cols());
   }
 
   void matmul(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) override {

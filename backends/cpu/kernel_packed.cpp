@@ -32,12 +32,16 @@ namespace HWY_NAMESPACE {
 // see bench/README.md.
 constexpr size_t kPrefetchBytes = 16384;
 
-// Several passes over the same group (several token tiles) share the prefetching of the next
-// group instead: each asks for its share, spread over its sub-blocks. begin null: a single pass.
+// A single pass (one token tile) keeps a cursor kPrefetchBytes ahead of what it multiplies, in
+// the call's stream of groups: `ahead` is where the previous group left it (the first group
+// starts it at its own first byte, so a thread's first lines are asked for too). Several passes
+// over the same group (several token tiles) share the prefetching of the next group instead:
+// each asks for its share, spread over its sub-blocks (begin not null).
 struct Prefetch {
   const uint8_t* begin = nullptr;
   const uint8_t* end = nullptr;
   int lines_per_sub = 0;
+  const uint8_t** ahead = nullptr;
 };
 
 // A format as a kernel instantiation.
@@ -331,6 +335,39 @@ constexpr int kWidenEvery = [] {
   return Fm::F.sub == 16 ? std::min(n, 4) : n;
 }();
 
+// Independent chains of dot products per token: a chain of vpdpbusd (or vpmaddubsw + add)
+// waits on itself, about 4 cycles a step, so one token with one chain leaves the core mostly
+// idle; a pair of quads per chain at one token, and the tokens themselves as chains from 4 on.
+template <int MT>
+constexpr int kChains = MT >= 4 ? 1 : MT >= 2 ? 2 : 4;
+
+// DotU against the 4 activation bytes at q, broadcast to every lane. On VNNI the broadcast is
+// the instruction's own memory operand ({1to16}): one micro-op less per quad and token.
+HWY_INLINE VI DotUQuad(VI acc, VI u, const int8_t* q) {
+#if RINGLM_VNNI
+  using Quad = int32_t __attribute__((may_alias, aligned(1)));
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc.v) : "v"(u.v), "m"(*reinterpret_cast<const Quad*>(q)));
+  return acc;
+#else
+  return DotU(acc, u, Bcast4(q));
+#endif
+}
+
+// The sum of two partial dots as DotU / DotS left them (int16 pairs without VNNI, else int32).
+template <class Fm>
+HWY_INLINE VI AddDots(VI a, VI b) {
+#if RINGLM_VNNI
+  return Add32(a, b);
+#else
+  if constexpr (kSignTrick<Fm>) return Add32(a, b);
+#if HWY_TARGET == HWY_AVX3
+  return {_mm512_add_epi16(a.v, b.v)};
+#else
+  return {_mm256_add_epi16(a.a, b.a), _mm256_add_epi16(a.b, b.b)};
+#endif
+#endif
+}
+
 // The integer dots of one sub-block of 32 weights (16 rows) with MT tokens (q[t]: token t's 32
 // activations). idot[t][h]: the dot of half h (weights 16h..16h+15) for formats whose sub-block
 // scales cover 16 weights, else idot[t][0] over all 32. Quads outside, tokens inside: each code
@@ -338,30 +375,33 @@ constexpr int kWidenEvery = [] {
 template <class Fm, int MT>
 HWY_INLINE void SubDots(const uint8_t* sub, const int8_t* const* q, VI table, VI (*idot)[2]) {
   constexpr int kWiden = kWidenEvery<Fm>;
-  VI acc[MT];
+  constexpr int kC = kChains<MT>;
+  VI acc[kC][MT];
   for (int t = 0; t < MT; ++t) {
-    acc[t] = ZeroI();
+    for (int c = 0; c < kC; ++c) acc[c][t] = ZeroI();
     idot[t][0] = ZeroI();
     idot[t][1] = ZeroI();
   }
   const auto pair = [&]<int P>(std::integral_constant<int, P>) RINGLM_INLINE {
     VI c0, c1;
     DecodePair<Fm, P>(sub, table, c0, c1);
+    constexpr int c = P % kC;
     for (int t = 0; t < MT; ++t) {
-      const VI x0 = Bcast4(q[t] + 8 * P), x1 = Bcast4(q[t] + 8 * P + 4);
       if constexpr (kSignTrick<Fm>) {
-        acc[t] = DotS(DotS(acc[t], c0, x0), c1, x1);
+        acc[c][t] = DotS(DotS(acc[c][t], c0, Bcast4(q[t] + 8 * P)), c1, Bcast4(q[t] + 8 * P + 4));
       } else {
-        acc[t] = DotU(DotU(acc[t], c0, x0), c1, x1);
+        acc[c][t] = DotUQuad(DotUQuad(acc[c][t], c0, q[t] + 8 * P), c1, q[t] + 8 * P + 4);
       }
-      if constexpr (MT > 1) KeepChain(acc[t]);
+      if constexpr (MT > 1) KeepChain(acc[c][t]);
     }
     constexpr int done = 2 * P + 2;  // quads summed so far
-    if constexpr (done % kWiden == 0) {
+    if constexpr (done % kWiden == 0) {  // (the chains' int16 sums together stay within kWiden quads)
       constexpr int h = Fm::F.sub == 16 && done > 4 ? 1 : 0;
       for (int t = 0; t < MT; ++t) {
-        idot[t][h] = Add32(idot[t][h], kSignTrick<Fm> ? acc[t] : WidenU(acc[t]));
-        acc[t] = ZeroI();
+        VI sum = acc[0][t];
+        for (int k = 1; k < kC; ++k) sum = AddDots<Fm>(sum, acc[k][t]);
+        idot[t][h] = Add32(idot[t][h], kSignTrick<Fm> ? sum : WidenU(sum));
+        for (int k = 0; k < kC; ++k) acc[k][t] = ZeroI();
       }
     }
   };
@@ -374,7 +414,13 @@ HWY_INLINE void SubDots(const uint8_t* sub, const int8_t* const* q, VI table, VI
 // Issues the software prefetches of a pass (see kPrefetchBytes and Prefetch).
 class Prefetcher {
  public:
-  Prefetcher(const Prefetch& pf, const uint8_t* group) : pf_(pf), next_(pf.begin ? pf.begin : group + kPrefetchBytes) {}
+  Prefetcher(const Prefetch& pf, const uint8_t* group)
+      : pf_(pf), next_(pf.begin ? pf.begin : std::max(*pf.ahead, group)) {}
+  ~Prefetcher() {
+    if (pf_.begin == nullptr) *pf_.ahead = next_;
+  }
+  Prefetcher(const Prefetcher&) = delete;
+  Prefetcher& operator=(const Prefetcher&) = delete;
   // Called before each sub-block, `pos` the first byte after it.
   HWY_INLINE void Advance(const uint8_t* pos) {
     if (pf_.begin == nullptr) {
@@ -689,12 +735,14 @@ void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const Packed
              int64_t ldy) {
   const int64_t tiles = (n_tokens + kMaxTile - 1) / kMaxTile;
   const size_t subs = static_cast<size_t>(std::max<int64_t>(1, w.cols / kSubWeights));
+  const uint8_t* ahead = w.group(n_begin / kPackRows);  // single passes' prefetch cursor
   for (int64_t n = n_begin; n < n_end; n += kPackRows) {
     const uint8_t* group = w.group(n / kPackRows);
     const int64_t stored = std::min(kPackRows, n_end - n);
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t m0 = i * kMaxTile;
       Prefetch pf;
+      pf.ahead = &ahead;
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
       if (tiles > 1) {  // the passes share the prefetching of the next group
         const size_t share = (w.group_bytes + static_cast<size_t>(tiles) - 1) / static_cast<size_t>(tiles);

@@ -50,8 +50,13 @@ bool packed_supported(TensorType type, int64_t cols);
 // apart from `w`. Groups are packed in parallel over the OpenMP threads (a nested call runs
 // serially). The copy is cut from `arena` when given (weights packed in the order the model uses
 // them lie in that order), else allocated alone. Rows past `rows` in the last group are zero.
+// With release_source (the source lies in a read-only file mapping), the whole pages of the
+// source are given back to the kernel as they are read (re-read from the file if touched again).
 PackedWeight pack_weight(TensorType type, const uint8_t* w, size_t row_stride, int64_t rows, int64_t cols,
-                         WeightArena* arena = nullptr);
+                         WeightArena* arena = nullptr, bool release_source = false);
+
+// Gives the kernel back the whole pages of a file mapping that lie inside [data, data + bytes).
+void release_mapped_pages(const uint8_t* data, size_t bytes);
 
 // Rows [n0, n1) of the packed matrix in fp32, row-major into out ([n1 - n0][cols]): the weights
 // exactly as the file defines them (for the sgemm prefill path and the embedding lookup).

@@ -4,6 +4,8 @@
 // scale bits, the sub-block scales and mins), then those numbers are placed where the kernels
 // read them. The codes are the file's own: packing rearranges bits, it never requantizes.
 #include <omp.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
@@ -181,6 +183,42 @@ size_t source_block_bytes(TensorType type) {
 
 void put_value(uint8_t* dst, uint32_t bits, size_t bytes) { std::memcpy(dst, &bits, bytes); }
 
+// Row r's 32 codes of one sub-block into its bytes of the sub-block's chunks (packed_format.h):
+// put_code's placement, a byte at a time.
+void put_sub(Codes codes, const uint8_t* code, int r, uint8_t* sub) {
+  const auto byte = [&](size_t chunk, int j) -> uint8_t& { return sub[chunk * kChunkBytes + static_cast<size_t>(4 * r + j)]; };
+  // Bits `mask` of each quad's code (shifted down by `shift`) gathered into one byte per j.
+  const auto gather = [&](int j, int quads, int first_quad, int shift, int mask, int width) {
+    int b = 0;
+    for (int k = 0; k < quads; ++k) b |= ((code[4 * (first_quad + k) + j] >> shift) & mask) << (width * k);
+    return static_cast<uint8_t>(b);
+  };
+  for (int j = 0; j < 4; ++j) {
+    switch (codes) {
+      case Codes::kNib4:
+      case Codes::kNib4Hb1:
+      case Codes::kNib4Hb2:
+        for (int c = 0; c < 4; ++c) byte(static_cast<size_t>(c), j) = static_cast<uint8_t>((code[8 * c + j] & 0x0F) | (code[8 * c + 4 + j] & 0x0F) << 4);
+        if (codes == Codes::kNib4Hb1) byte(4, j) = gather(j, 8, 0, 4, 1, 1);
+        if (codes == Codes::kNib4Hb2) {
+          byte(4, j) = gather(j, 4, 0, 4, 3, 2);
+          byte(5, j) = gather(j, 4, 4, 4, 3, 2);
+        }
+        break;
+      case Codes::kCrumb2:
+      case Codes::kCrumb2Hb1:
+        byte(0, j) = gather(j, 4, 0, 0, 3, 2);
+        byte(1, j) = gather(j, 4, 4, 0, 3, 2);
+        if (codes == Codes::kCrumb2Hb1) byte(2, j) = gather(j, 8, 0, 2, 1, 1);
+        break;
+      case Codes::kBytes:
+        for (int c = 0; c < 8; ++c) byte(static_cast<size_t>(c), j) = code[4 * c + j];
+        break;
+      default: break;
+    }
+  }
+}
+
 // Row r of a group: every K-block's header fields and codes.
 void pack_row(const PackedFormat& f, const uint8_t* row, int r, int64_t cols, uint8_t* group) {
   if (f.floats()) {
@@ -215,10 +253,9 @@ void pack_row(const PackedFormat& f, const uint8_t* row, int r, int64_t cols, ui
           put_value(header + (static_cast<size_t>(blocks + b) * kPackRows + static_cast<size_t>(r)) * vb, dec.min_bits, vb);
         }
       }
-      for (int i = 0; i < f.group; ++i) {
-        const int64_t w = b * f.group + i;  // weight within the K-block
-        put_code(f.codes, codes + static_cast<size_t>(w / kSubWeights) * f.sub_code_bytes(), r,
-                 static_cast<int>(w % kSubWeights), dec.code[i]);
+      for (int i = 0; i < f.group; i += static_cast<int>(kSubWeights)) {
+        const int64_t sub = (b * f.group + i) / kSubWeights;  // within the K-block
+        put_sub(f.codes, dec.code + i, r, codes + static_cast<size_t>(sub) * f.sub_code_bytes());
       }
     }
     p = codes + static_cast<size_t>(n / kSubWeights) * f.sub_code_bytes();
@@ -227,8 +264,15 @@ void pack_row(const PackedFormat& f, const uint8_t* row, int r, int64_t cols, ui
 
 }  // namespace
 
+void release_mapped_pages(const uint8_t* data, size_t bytes) {
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) / page * page;
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 PackedWeight pack_weight(TensorType type, const uint8_t* w, size_t row_stride, int64_t rows, int64_t cols,
-                         WeightArena* arena) {
+                         WeightArena* arena, bool release_source) {
   PackedWeight p;
   const std::optional<PackedFormat> f = packed_format(type);
   if (!f || rows <= 0 || !packed_supported(type, cols)) return p;  // callers check packed_supported()
@@ -239,14 +283,29 @@ PackedWeight pack_weight(TensorType type, const uint8_t* w, size_t row_stride, i
   p.data = arena != nullptr ? arena->allocate(p.bytes()) : allocate_weight_block(p.bytes());
   const int64_t groups = p.groups();
   uint8_t* base = p.data.get();
-#pragma omp parallel for schedule(static)
-  for (int64_t g = 0; g < groups; ++g) {
-    uint8_t* dst = base + p.group_bytes * static_cast<size_t>(g);
-    std::memset(dst, 0, p.group_bytes);
-    for (int r = 0; r < kPackRows && g * kPackRows + r < rows; ++r) {
-      pack_row(*f, w + static_cast<size_t>(g * kPackRows + r) * row_stride, r, cols, dst);
+  // Each thread packs a contiguous run of groups and, asked to, gives back the source pages it
+  // has read every kReleaseGroups groups: the file's copy of a large matrix (a vocabulary
+  // projection) never sits in memory beside the whole packed one.
+  constexpr int64_t kReleaseGroups = 64;
+#pragma omp parallel
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+    const auto source_row = [&](int64_t g) { return w + static_cast<size_t>(std::min(rows, g * kPackRows)) * row_stride; };
+    int64_t released = g0;
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* dst = base + p.group_bytes * static_cast<size_t>(g);
+      std::memset(dst, 0, p.group_bytes);
+      for (int r = 0; r < kPackRows && g * kPackRows + r < rows; ++r) {
+        pack_row(*f, w + static_cast<size_t>(g * kPackRows + r) * row_stride, r, cols, dst);
+      }
+      if (release_source && g + 1 - released >= kReleaseGroups) {
+        release_mapped_pages(source_row(released), static_cast<size_t>(source_row(g + 1) - source_row(released)));
+        released = g + 1;
+      }
     }
   }
+  if (release_source) release_mapped_pages(w, row_stride * static_cast<size_t>(rows));
   return p;
 }
 

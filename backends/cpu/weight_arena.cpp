@@ -32,11 +32,21 @@ std::shared_ptr<uint8_t> allocate_weight_block(size_t bytes) {
   return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { std::free(q); });
 }
 
+// The slab's pages past its last block are never written, but a huge page is resident as a
+// whole once any byte of it is: give back the whole 4 KiB pages of the tail, which splits a
+// partly used huge page instead of keeping up to 2 MiB of nothing per slab.
+void WeightArena::release_tail() {
+  if (!slab_) return;
+  const size_t begin = round_up(used_, 4096);
+  if (begin < slab_size_) madvise(slab_.get() + begin, slab_size_ - begin, MADV_DONTNEED);
+}
+
 std::shared_ptr<uint8_t> WeightArena::allocate(size_t bytes) {
   bytes = round_up(std::max<size_t>(bytes, 64), 64);
   if (bytes > kMaxSlab / 2) return allocate_weight_block(bytes);
   const std::lock_guard<std::mutex> lock(mutex_);
   if (!slab_ || used_ + bytes > slab_size_) {
+    release_tail();
     slab_size_ = slab_ ? std::min(kMaxSlab, slab_size_ * 2) : kFirstSlab;
     slab_size_ = std::max(slab_size_, round_up(bytes, kHugePage));
     slab_ = allocate_huge(slab_size_);

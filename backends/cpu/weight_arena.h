@@ -25,6 +25,8 @@ class WeightArena {
   static constexpr size_t kMaxSlab = size_t{64} << 20;  // ... up to this (a larger block gets its own)
 
  private:
+  void release_tail();  // called with mutex_ held
+
   std::mutex mutex_;
   std::shared_ptr<uint8_t> slab_;  // the slab blocks are cut from now
   size_t slab_size_ = 0;

@@ -182,6 +182,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   if (gguf.find_tensor("output.weight") != nullptr) {
     output_ = prepare("output.weight", d, hp_.n_vocab);
   } else {  // tied embeddings: the output projection reuses token_embd
+    tied_output_ = true;
     output_ = backend_.prepare(WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data, true});
   }
 
@@ -326,7 +327,10 @@ void LlamaModel::store_kv(KvCache& cache, int layer, int slot, const float* k, c
   }
 }
 
-void LlamaModel::embed(std::span<const int32_t> tokens, float* out) const {
+void LlamaModel::embed(std::span<const int32_t> tokens, float* out) {
+  // Tied: the table is the output projection's weight, which the backend holds (and the file's
+  // pages of it may have been given back).
+  if (tied_output_) return backend_.rows(*output_, tokens, out);
   const size_t stride = row_bytes(token_embd_->type, hp_.n_embd);
   for (size_t i = 0; i < tokens.size(); ++i) {
     dequantize_row(token_embd_->type, token_embd_->data + static_cast<size_t>(tokens[i]) * stride,

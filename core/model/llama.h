@@ -102,7 +102,7 @@ class LlamaModel {
   // Final norm + vocabulary projection of n hidden-state rows starting at `row`, into `logits`.
   void project_logits(int row, int n, float* logits);
   void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits);
-  void embed(std::span<const int32_t> tokens, float* out) const;
+  void embed(std::span<const int32_t> tokens, float* out);
   void attention(int layer, std::span<const Rows> rows);
   // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0...
   void rope_angles(int row0, int64_t pos0, int n_tokens);
@@ -123,6 +123,7 @@ class LlamaModel {
   std::vector<Layer> layers_;
   std::vector<float> output_norm_;
   std::unique_ptr<PreparedWeight> output_;
+  bool tied_output_ = false;  // output_ is token_embd: embeddings are read through the backend
   std::vector<float> rope_inv_freq_;
   int max_batch_ = 512;
   bool async_softmax_ = true;
