@@ -9,11 +9,12 @@
 
 namespace ringlm {
 
-// How the CPU backend multiplies Q4_0, Q4_1 and Q8_0 weights:
-//  - kInt8: activations quantized to int8 per block of 32, integer dot products, one float
-//    multiply-add per block (fast; activations carry a rounding error of at most max|x|/254).
+// How the CPU backend multiplies weights:
+//  - kInt8: the packed kernels (kernel_packed.h): activations quantized to int8 per block of 32
+//    (per 256 for the K-quants and IQ4_XS) on the fly, integer dot products, one float
+//    multiply-add per block (fast; activations carry a rounding error of at most max|x|/254 of
+//    their block); F32/F16/BF16 weights multiply the fp32 activations.
 //  - kFp32: weights dequantized to fp32 and multiplied with the fp32 activations (reference).
-// F32, F16, BF16, Q4_K and Q6_K weights take the fp32 dequantize path under both.
 enum class ComputeType { kInt8, kFp32 };
 
 // `n_threads` OpenMP threads per matmul (0: OpenMP's default). Under kInt8, a call on a weight
