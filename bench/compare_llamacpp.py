@@ -15,7 +15,9 @@ mean ± sample standard deviation of t/s for each, the ratio ringlm / llama.cpp,
 fraction of the decode roofline each reaches: a decode step reads every weight once (an untied
 token-embedding table only one row), so the fastest tg possible is read bandwidth / bytes read
 per token. The bandwidth is the best variant of `bench_bandwidth --json` at the same thread
-count, measured at the start of this run (or --bandwidth-gbs).
+count, found at the start of this run and measured again just before every tg run of either
+tool (these VMs' memory changes speed from minute to minute: 50 or 85 GB/s with 2 threads), each
+tool's runs set against the median of its own probes (or --bandwidth-gbs for all).
 
 --perplexity TEXT runs `llama-perplexity` and `ringlm perplexity` on every model with the same
 text, context (-c, default 512) and --ppl-chunks (llama-perplexity's --chunks), and prints both
@@ -98,10 +100,16 @@ def ringlm_cpu_line(ringlm: str) -> str:
     return next((line.strip() for line in out.splitlines() if line.startswith("cpu")), "cpu line not found")
 
 
-def measure_bandwidth(binary: str, threads: int) -> tuple[float, str]:
-    """Best read GB/s of bench_bandwidth's variants at this thread count, and that variant."""
+def measure_bandwidth(binary: str, threads: int, variant: str | None = None) -> tuple[float, str]:
+    """Best read GB/s of bench_bandwidth's variants at this thread count, and that variant; with
+    `variant` (a name bench_bandwidth printed, e.g. avx512-s4-nta-1k), that one alone, quickly."""
     hint = "\n(a bench_bandwidth older than --json? rebuild it, or give --bandwidth-gbs)"
-    rows = json.loads(run([need_binary(binary, "bench_bandwidth"), "--json", "--threads", str(threads)], hint).stdout)
+    cmd = [need_binary(binary, "bench_bandwidth"), "--json", "--threads", str(threads)]
+    if variant:
+        loads, streams, *prefetch = variant.split("-")
+        cmd += ["--loads", loads, "--streams", streams[1:], "--prefetch", "-".join(prefetch) or "none",
+                "--runs", "3", "--size-mib", "512"]
+    rows = json.loads(run(cmd, hint).stdout)
     row = next(r for r in rows if r["threads"] == threads)
     return row["best_gbs"], row["best_variant"]
 
@@ -138,22 +146,30 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def run_test(args, model: str, n_prompt: int, n_gen: int) -> tuple[dict, list[float], list[float]]:
+def run_test(args, model: str, n_prompt: int, n_gen: int, probe=None):
     """Both tools on one test, alternating for --rounds rounds; returns llama.cpp's last JSON
-    row (for model_size) and the pooled t/s samples of each."""
+    row (for model_size), the pooled t/s samples of each, and per tool the read bandwidth that
+    `probe()` (when given) measured right before each of its runs."""
     tools = [("llama", llama_bench, args.llama_bench), ("ringlm", ringlm_bench, args.ringlm)]
     samples = {"llama": [], "ringlm": []}
+    probes = {"llama": [], "ringlm": []}
     row = {}
     for k in range(args.rounds):
         for name, fn, binary in (tools if k % 2 == 0 else tools[::-1]):
+            if probe:
+                probes[name].append(probe())
             r = fn(binary, model, n_prompt, n_gen, args.t, args.r)
             samples[name] += r["samples_ts"]
             if name == "llama":
                 row = r
-    return row, samples["llama"], samples["ringlm"]
+    return row, samples["llama"], samples["ringlm"], probes
 
 
-def speed_table(args, bw: float | None) -> None:
+def speed_table(args, bw: float | None, variant: str | None) -> None:
+    # The memory of these VMs changes speed from one minute to the next (two vCPUs on one CCD or
+    # on two: 50 or 85 GB/s), so with a measured probe each tool's runs are set against the
+    # bandwidth measured just before them.
+    probe = (lambda: measure_bandwidth(args.bandwidth, args.t, variant)[0]) if variant else None
     print("| model | weights MiB | test | llama.cpp t/s | ringlm t/s | ringlm / llama.cpp "
           "| roofline t/s | llama.cpp % roofline | ringlm % roofline |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
@@ -161,14 +177,17 @@ def speed_table(args, bw: float | None) -> None:
     notes = []
     for model in args.models:
         for n_prompt, n_gen in tests:
-            row, lc, rl = run_test(args, model, n_prompt, n_gen)
+            row, lc, rl, probes = run_test(args, model, n_prompt, n_gen, probe if n_gen else None)
             (lc_mean, lc_sd), (rl_mean, rl_sd) = mean_sd(lc), mean_sd(rl)
             size = row["model_size"]
             roof = " | | "  # pp: the roofline is decode's
             if n_gen and bw:
                 per_token = bytes_per_token(model, size)
-                best = bw * 1e9 / per_token  # tokens/s if a step did nothing but stream its weights
-                roof = f"{best:.1f} | {100 * lc_mean / best:.0f}% | {100 * rl_mean / best:.0f}%"
+                bw_lc = statistics.median(probes["llama"]) if probes["llama"] else bw
+                bw_rl = statistics.median(probes["ringlm"]) if probes["ringlm"] else bw
+                best = bw_rl * 1e9 / per_token  # tokens/s if a step did nothing but stream its weights
+                roof = (f"{best:.1f} ({bw_rl:.1f} GB/s) | {100 * lc_mean * per_token / (bw_lc * 1e9):.0f}% "
+                        f"| {100 * rl_mean / best:.0f}%")
                 if per_token != size:
                     notes.append(f"{os.path.basename(model)}: {per_token / 2**20:.1f} MiB read per token "
                                  "(the untied token-embedding table is read one row per token)")
@@ -288,17 +307,18 @@ def main(argv=None) -> int:
     print(f"ringlm devices: {ringlm_cpu_line(args.ringlm)}")
     print(f"threads {args.t}, repetitions {args.r}, rounds {args.rounds}, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    bw = None
+    bw, variant = None, None
     if args.n > 0:
         if args.bandwidth_gbs:
             bw = args.bandwidth_gbs
             print(f"read bandwidth {bw:.2f} GB/s (--bandwidth-gbs)")
         else:
             bw, variant = measure_bandwidth(args.bandwidth, args.t)
-            print(f"read bandwidth {bw:.2f} GB/s (bench_bandwidth --json, best of {args.t} threads: {variant})")
+            print(f"read bandwidth {bw:.2f} GB/s (bench_bandwidth --json, best of {args.t} threads: {variant}); "
+                  "each tg run is set against that variant measured just before it")
     print(flush=True)
     if args.p > 0 or args.n > 0:
-        speed_table(args, bw)
+        speed_table(args, bw, None if args.bandwidth_gbs else variant)
     if args.perplexity:
         for model in args.models:
             perplexity(args, model)
