@@ -11,6 +11,7 @@
 #include "apps/quantize_command.h"
 #include "apps/run_command.h"
 #include "apps/tune_command.h"
+#include "backends/cpu/tuning.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"ringlm: LLM inference on GGUF models, CPU first"};
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
   ringlm::add_tune_command(app);
   ringlm::add_devices_command(app);
   try {
+    ringlm::apply_simd_target_override();
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

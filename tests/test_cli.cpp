@@ -236,6 +236,26 @@ TEST(Cli, BothPromptAndFile) {
                        AllOf(HasSubstr("--prompt"), HasSubstr("--file")));
 }
 
+// RINGLM_SIMD_TARGET (a benchmarking knob) picks one SIMD target's kernels, and names the
+// targets there are when it names none of them. SSE4 is on every x86-64 machine this runs on.
+class SimdTargetEnv {
+ public:
+  explicit SimdTargetEnv(const char* value) { setenv("RINGLM_SIMD_TARGET", value, 1); }
+  ~SimdTargetEnv() { unsetenv("RINGLM_SIMD_TARGET"); }
+};
+
+TEST(Cli, SimdTargetOverride) {
+  const SimdTargetEnv env("SSE4");
+  const RunResult r = run_ringlm({"devices"});
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_THAT(r.out, HasSubstr("SIMD target SSE4")) << describe(r);
+}
+
+TEST(Cli, UnknownSimdTarget) {
+  const SimdTargetEnv env("NEON");
+  expect_clean_failure(run_ringlm({"devices"}), AllOf(HasSubstr("RINGLM_SIMD_TARGET=NEON"), HasSubstr("SSE4")));
+}
+
 TEST(Cli, MissingModelFile) {
   const std::string path = "/nonexistent/dir/model.gguf";
   expect_clean_failure(run_ringlm({"run", "-m", path, "-p", "hi"}), AllOf(HasSubstr(path), HasSubstr("cannot open")));

@@ -256,6 +256,17 @@ TuningMachine this_machine(int threads) {
   return {cpu_model_name(), highway_target(), threads, utc_today(), kRinglmVersion};
 }
 
+void apply_simd_target_override() {
+  const char* env = std::getenv("RINGLM_SIMD_TARGET");
+  if (env == nullptr || *env == '\0') return;
+  std::string available;
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    if (std::string(hwy::TargetName(target)) == env) return hwy::SetSupportedTargetsForTest(target);
+    available += (available.empty() ? "" : ", ") + std::string(hwy::TargetName(target));
+  }
+  throw std::runtime_error(std::string("RINGLM_SIMD_TARGET=") + env + ": not a SIMD target of this CPU (" + available + ")");
+}
+
 int64_t crossover_from_timings(std::span<const TuningPoint> points) {
   int64_t crossover = KernelTable::kNever;
   for (auto it = points.rbegin(); it != points.rend() && it->sgemm_ms < it->int8_ms; ++it) crossover = it->m;

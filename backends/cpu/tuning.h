@@ -91,6 +91,12 @@ KernelTable load_configured_kernel_table();
 // This machine, as a table header: CPU name, Highway target, `threads`, today, ringlm version.
 TuningMachine this_machine(int threads);
 
+// RINGLM_SIMD_TARGET=NAME (a Highway target name: AVX3_DL, AVX3, AVX2, SSE4, SSSE3, ...) makes
+// every kernel run that target's code, for measuring one target's kernels on a CPU that has a
+// better one. Unset or empty: the best target the CPU runs. Throws std::runtime_error naming
+// the targets this CPU runs when NAME is not one of them.
+void apply_simd_target_override();
+
 // One measured M of one shape.
 struct TuningPoint {
   int64_t m = 0;
