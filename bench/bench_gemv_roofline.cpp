@@ -39,6 +39,7 @@
 
 #include "backends/cpu/kernel_packed.h"
 #include "backends/cpu/quantize_acts.h"
+#include "backends/cpu/tuning.h"
 #include "quant/int4.h"
 #include "tests/weight_formats.h"
 
@@ -298,6 +299,7 @@ Options parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
+  ringlm::apply_simd_target_override();  // RINGLM_SIMD_TARGET=AVX2 measures that target's kernels
   if (!__builtin_cpu_supports("avx2")) {
     std::fprintf(stderr, "bench_gemv_roofline: the bandwidth probe needs AVX2\n");
     return 1;
