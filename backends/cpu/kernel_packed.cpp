@@ -730,17 +730,29 @@ HWY_INLINE void Tile(const uint8_t* group, int64_t cols, const PackedInput& x, i
   }
 }
 
+// Tokens per pass of a format: 8 where 32 vector registers hold a block format's 8 integer
+// and 8 float accumulators (AVX-512), so that a sub-block's codes, decoded once, serve twice
+// the tokens; 4 otherwise.
+template <class Fm>
+constexpr int kTileFor =
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+    Fm::F.acts == ActKind::kBlock32 ? 8 : kMaxTile;
+#else
+    kMaxTile;
+#endif
+
 template <class Fm>
 void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens, float* y,
              int64_t ldy) {
-  const int64_t tiles = (n_tokens + kMaxTile - 1) / kMaxTile;
+  constexpr int64_t kTile = kTileFor<Fm>;
+  const int64_t tiles = (n_tokens + kTile - 1) / kTile;
   const size_t subs = static_cast<size_t>(std::max<int64_t>(1, w.cols / kSubWeights));
   const uint8_t* ahead = w.group(n_begin / kPackRows);  // single passes' prefetch cursor
   for (int64_t n = n_begin; n < n_end; n += kPackRows) {
     const uint8_t* group = w.group(n / kPackRows);
     const int64_t stored = std::min(kPackRows, n_end - n);
     for (int64_t i = 0; i < tiles; ++i) {
-      const int64_t m0 = i * kMaxTile;
+      const int64_t m0 = i * kTile;
       Prefetch pf;
       pf.ahead = &ahead;
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
@@ -753,12 +765,24 @@ void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const Packed
 #else
       (void)subs;
 #endif
-      float* out = y + m0 * ldy + n;
-      switch (std::min<int64_t>(kMaxTile, n_tokens - m0)) {
-        case 1: Tile<Fm, 1>(group, w.cols, x, m0, out, ldy, stored, pf); break;
-        case 2: Tile<Fm, 2>(group, w.cols, x, m0, out, ldy, stored, pf); break;
-        case 3: Tile<Fm, 3>(group, w.cols, x, m0, out, ldy, stored, pf); break;
-        default: Tile<Fm, 4>(group, w.cols, x, m0, out, ldy, stored, pf); break;
+      const auto pass = [&](int64_t m, int64_t count, const Prefetch& p) {
+        float* out = y + m * ldy + n;
+        switch (count) {
+          case 1: return Tile<Fm, 1>(group, w.cols, x, m, out, ldy, stored, p);
+          case 2: return Tile<Fm, 2>(group, w.cols, x, m, out, ldy, stored, p);
+          case 3: return Tile<Fm, 3>(group, w.cols, x, m, out, ldy, stored, p);
+          case 4: return Tile<Fm, 4>(group, w.cols, x, m, out, ldy, stored, p);
+          default: if constexpr (kTile == 8) return Tile<Fm, 8>(group, w.cols, x, m, out, ldy, stored, p);
+        }
+      };
+      const int64_t left = std::min(kTile, n_tokens - m0);
+      if (left <= 4 || left == 8) {
+        pass(m0, left, pf);
+      } else {  // 5..7 tokens: a pass of 4, then one of the rest (its prefetching done by the first)
+        pass(m0, 4, pf);
+        Prefetch rest = pf;
+        rest.lines_per_sub = 0;
+        pass(m0 + 4, left - 4, rest);
       }
     }
   }
