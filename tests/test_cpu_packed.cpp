@@ -160,7 +160,7 @@ TEST_P(Packed, MatchesExactProductOfTheOperandsItSees) {
         ASSERT_EQ(p.rows, n);
         const std::vector<float> wf = test::dequantize(t, w, n, k);
         const std::vector<float> off = test::offset_magnitudes(t, w, n, k);
-        for (int64_t m : {1, 3, 4, 5, 16}) {
+        for (int64_t m : {1, 3, 4, 5, 7, 16}) {
           SCOPED_TRACE(shape_name(m, n, k));
           Input x(random_acts(m, k, rng), m, k);
           const std::vector<float> y = run_packed(p, x);
