@@ -572,13 +572,15 @@ HWY_NOINLINE void FloatTile(const uint8_t* group, int64_t cols, const float* x, 
   for (int t = 0; t < MT; ++t) even[t] = odd[t] = ZeroF();
   Prefetcher prefetch(pf, group);
   const uint8_t* p = group;
-  for (int64_t k = 0; k < cols; k += 2, p += 2 * kStride) {
-    if (k % kSubWeights == 0) prefetch.Advance(p + kSubWeights * kStride);
-    const VF w0 = LoadWeights<F.codes>(p), w1 = LoadWeights<F.codes>(p + kStride);
-    for (int t = 0; t < MT; ++t) {
-      const float* xt = x + (m0 + t) * cols + k;
-      even[t] = Fma(w0, Set1F(xt[0]), even[t]);
-      odd[t] = Fma(w1, Set1F(xt[1]), odd[t]);
+  for (int64_t k0 = 0; k0 < cols; k0 += kSubWeights) {
+    prefetch.Advance(p + kSubWeights * kStride);
+    for (int64_t k = k0; k < k0 + kSubWeights; k += 2, p += 2 * kStride) {
+      const VF w0 = LoadWeights<F.codes>(p), w1 = LoadWeights<F.codes>(p + kStride);
+      for (int t = 0; t < MT; ++t) {
+        const float* xt = x + (m0 + t) * cols + k;
+        even[t] = Fma(w0, Set1F(xt[0]), even[t]);
+        odd[t] = Fma(w1, Set1F(xt[1]), odd[t]);
+      }
     }
   }
   for (int t = 0; t < MT; ++t) even[t] = AddF(even[t], odd[t]);
