@@ -187,9 +187,9 @@ constexpr std::optional<PackedFormat> packed_format(TensorType type) {
   }
 }
 
-// --- Reading and writing single codes of a sub-block (16 rows x 32 weights at `sub`) ----------
-// The kernels read whole chunks; these say what the chunks mean, for the packing, the scalar
-// fallback and dequantize_packed.
+// --- Reading single codes of a sub-block (16 rows x 32 weights at `sub`) ----------
+// The kernels read whole chunks; this says what the chunks mean, for the scalar fallback and
+// dequantize_packed (packing.cpp's put_sub writes them a row's byte at a time).
 
 // Byte of row r that holds weight i's quad position j = i % 4, in chunk `chunk`.
 inline size_t chunk_byte(size_t chunk, int r, int i) { return chunk * kChunkBytes + static_cast<size_t>(4 * r + i % 4); }
@@ -217,26 +217,5 @@ inline int code_at(Codes codes, const uint8_t* sub, int r, int i) {
   }
 }
 
-// Sets weight i of row r to `code` in a zeroed sub-block.
-inline void put_code(Codes codes, uint8_t* sub, int r, int i, int code) {
-  const int q = i / 4;
-  const auto set = [&](size_t chunk, int bits, int shift) { sub[chunk_byte(chunk, r, i)] |= static_cast<uint8_t>(bits << shift); };
-  switch (codes) {
-    case Codes::kNib4:
-    case Codes::kNib4Hb1:
-    case Codes::kNib4Hb2:
-      set(static_cast<size_t>(q / 2), code & 0x0F, 4 * (q % 2));
-      if (codes == Codes::kNib4Hb1) set(4, (code >> 4) & 1, q);
-      if (codes == Codes::kNib4Hb2) set(static_cast<size_t>(4 + q / 4), (code >> 4) & 3, 2 * (q % 4));
-      return;
-    case Codes::kCrumb2:
-    case Codes::kCrumb2Hb1:
-      set(static_cast<size_t>(q / 4), code & 3, 2 * (q % 4));
-      if (codes == Codes::kCrumb2Hb1) set(2, (code >> 2) & 1, q);
-      return;
-    case Codes::kBytes: sub[chunk_byte(static_cast<size_t>(q), r, i)] = static_cast<uint8_t>(code); return;
-    default: return;
-  }
-}
 
 }  // namespace ringlm::cpu

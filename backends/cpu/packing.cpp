@@ -184,7 +184,7 @@ size_t source_block_bytes(TensorType type) {
 void put_value(uint8_t* dst, uint32_t bits, size_t bytes) { std::memcpy(dst, &bits, bytes); }
 
 // Row r's 32 codes of one sub-block into its bytes of the sub-block's chunks (packed_format.h):
-// put_code's placement, a byte at a time.
+// the placement code_at reads (packed_format.h), a byte at a time.
 void put_sub(Codes codes, const uint8_t* code, int r, uint8_t* sub) {
   const auto byte = [&](size_t chunk, int j) -> uint8_t& { return sub[chunk * kChunkBytes + static_cast<size_t>(4 * r + j)]; };
   // Bits `mask` of each quad's code (shifted down by `shift`) gathered into one byte per j.
