@@ -58,7 +58,8 @@ struct Fmt {
                                                                  : 15;
 };
 
-// Up to this many tokens share one pass over a group's codes.
+// Up to this many tokens share one pass over a group's codes (block formats on AVX-512: 8,
+// see kTileFor).
 constexpr int kMaxTile = 4;
 
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
