@@ -668,18 +668,11 @@ HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs&
           const int8_t* q = x.q + (m0 + t) * x.k + kb * kSuperBlock + s * kSubWeights;
           for (int h = 0; h < static_cast<int>(kSubWeights) / F.sub; ++h) {
             const int j = s * (static_cast<int>(kSubWeights) / F.sub) + h;
-            const uint8_t byte = header[F.scales_offset() + static_cast<size_t>(j * kPackRows + r)];
-            int sc = F.signed_scales ? static_cast<int8_t>(byte) : byte, m = 0;
-            if (F.nibble_scale_min) {
-              m = byte >> 4;
-              sc = byte & 0x0F;
-            } else if (F.min) {
-              m = header[F.mins_offset() + static_cast<size_t>(j * kPackRows + r)];
-            }
-            isum += sc * SubDot<Fm>(p, r, q, h * F.sub, F.sub);
+            const SubScale sm = sub_scale_at(F, header, j, r);
+            isum += sm.scale * SubDot<Fm>(p, r, q, h * F.sub, F.sub);
             const int32_t sum = F.sub == 16 ? x.sum16[(m0 + t) * (x.k / 16) + kb * 16 + j]
                                             : x.sum32[(m0 + t) * (x.k / 32) + kb * 8 + j];
-            imin += m * sum;
+            imin += sm.min * sum;
           }
         }
         uint16_t d, dmin = 0;

@@ -187,9 +187,23 @@ constexpr std::optional<PackedFormat> packed_format(TensorType type) {
   }
 }
 
+// --- Reading the packed layout one value at a time ------------------------------------------
+// The kernels read whole chunks and headers; these say what they mean, for the scalar fallback
+// and dequantize_packed.
+
+// A super format's integer scale and min of sub-block j (of a K-block's header) for row r.
+struct SubScale {
+  int scale = 0, min = 0;
+};
+inline SubScale sub_scale_at(const PackedFormat& f, const uint8_t* header, int j, int r) {
+  const uint8_t byte = header[f.scales_offset() + static_cast<size_t>(j * kPackRows + r)];
+  if (f.nibble_scale_min) return {byte & 0x0F, byte >> 4};
+  const int scale = f.signed_scales ? static_cast<int8_t>(byte) : byte;
+  return {scale, f.min ? header[f.mins_offset() + static_cast<size_t>(j * kPackRows + r)] : 0};
+}
+
 // --- Reading single codes of a sub-block (16 rows x 32 weights at `sub`) ----------
-// The kernels read whole chunks; this says what the chunks mean, for the scalar fallback and
-// dequantize_packed (packing.cpp's put_sub writes them a row's byte at a time).
+// (packing.cpp's put_sub writes the chunks a row's byte at a time.)
 
 // Byte of row r that holds weight i's quad position j = i % 4, in chunk `chunk`.
 inline size_t chunk_byte(size_t chunk, int r, int i) { return chunk * kChunkBytes + static_cast<size_t>(4 * r + i % 4); }

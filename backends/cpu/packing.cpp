@@ -350,16 +350,9 @@ void unpack_row(const PackedFormat& f, const uint8_t* group, int r, int64_t cols
         std::memcpy(&d_bits, header + 2 * r, 2);
         if (f.min) std::memcpy(&dmin_bits, header + 32 + 2 * r, 2);
         const int j = static_cast<int>(w / f.sub);
-        const uint8_t sc_byte = header[f.scales_offset() + static_cast<size_t>(kPackRows * j + r)];
-        int sc = f.signed_scales ? static_cast<int8_t>(sc_byte) : sc_byte, m = 0;
-        if (f.nibble_scale_min) {
-          m = sc_byte >> 4;
-          sc = sc_byte & 0x0F;
-        } else if (f.min) {
-          m = header[f.mins_offset() + static_cast<size_t>(kPackRows * j + r)];
-        }
+        const SubScale sm = sub_scale_at(f, header, j, r);
         const float q = f.codebook ? kIq4nlValues[code] : static_cast<float>(code - f.offset);
-        value = fp16_to_fp32(d_bits) * static_cast<float>(sc) * q - fp16_to_fp32(dmin_bits) * static_cast<float>(m);
+        value = fp16_to_fp32(d_bits) * static_cast<float>(sm.scale) * q - fp16_to_fp32(dmin_bits) * static_cast<float>(sm.min);
       } else {
         const size_t vb = f.value_bytes();
         uint32_t bits = 0, min_bits = 0;
