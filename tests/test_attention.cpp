@@ -13,10 +13,13 @@
 #include <cstring>
 #include <random>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include "backends/cpu/attention.h"
 #include "quant/formats.h"
+#include "hwy/targets.h"
+#include "tests/only_target.h"
 
 namespace ringlm::cpu {
 namespace {
@@ -72,6 +75,15 @@ std::vector<double> reference(const Case& c, const std::vector<float>& q, const 
     }
   }
   return out;
+}
+
+// Every SIMD target the machine runs, each with 1 and 2 threads.
+std::vector<std::pair<int64_t, int>> targets_and_threads() {
+  std::vector<std::pair<int64_t, int>> runs;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    for (int threads : {1, 2}) runs.emplace_back(target, threads);
+  }
+  return runs;
 }
 
 class Attention : public ::testing::TestWithParam<Case> {};
@@ -132,7 +144,9 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     kv.n_slots -= c.prefix;
     kv.prefix = &prefix;
   }
-  for (int threads : {1, 2}) {
+  for (const auto& [target, threads] : targets_and_threads()) {
+    SCOPED_TRACE(hwy::TargetName(target));
+    const test::OnlyTarget only(target);
     AttentionScratch scratch;
     std::vector<float> out(q.size(), NAN);
     attention_causal({c.n_head, c.n_head_kv, c.head_dim}, q.data(), kv, c.n_past, c.n_tokens, out.data(), scratch,
@@ -281,7 +295,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                                            Case{9, 3, 64, 200, 33, false, true, 77},
                                            Case{9, 3, 64, 600, 1, true, false, 450},
                                            Case{4, 2, 36, 50, 3, false, false, 53},
-                                           Case{9, 3, 64, 14, 1, false, true, 14}),
+                                           Case{9, 3, 64, 14, 1, false, true, 14},
+                                           // tiles whose head size is no multiple of 4 or of a
+                                           // vector, and a decode group too large for the row path
+                                           Case{4, 2, 36, 50, 20}, Case{6, 3, 8, 3, 40, true},
+                                           Case{16, 1, 36, 300, 1}, Case{16, 1, 64, 1200, 1, true, true}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;  // (not operator+: GCC 12 reports a false -Wrestrict on it)

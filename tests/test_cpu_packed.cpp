@@ -18,6 +18,7 @@
 
 #include "backends/cpu/kernel_packed.h"
 #include "hwy/targets.h"
+#include "tests/only_target.h"
 #include "tests/weight_formats.h"
 
 namespace ringlm {
@@ -123,16 +124,6 @@ std::string shape_name(int64_t m, int64_t n, int64_t k) {
   return out.str();
 }
 
-// Runs the kernels with one Highway target at a time; the real choice comes back at the end of
-// the scope.
-class OnlyTarget {
- public:
-  explicit OnlyTarget(int64_t target) { hwy::SetSupportedTargetsForTest(target); }
-  ~OnlyTarget() { hwy::SetSupportedTargetsForTest(0); }
-  OnlyTarget(const OnlyTarget&) = delete;
-  OnlyTarget& operator=(const OnlyTarget&) = delete;
-};
-
 class Packed : public ::testing::TestWithParam<Format> {};
 
 TEST_P(Packed, IsSupported) {
@@ -152,7 +143,7 @@ TEST_P(Packed, MatchesExactProductOfTheOperandsItSees) {
   std::mt19937 rng(static_cast<unsigned>(t) + 5);
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
     SCOPED_TRACE(hwy::TargetName(target));
-    const OnlyTarget only(target);
+    const test::OnlyTarget only(target);
     for (int64_t k : test_cols(t)) {
       for (int64_t n : {1, 17, 48}) {
         const std::vector<uint8_t> w = test::random_weights(t, n, k, rng);

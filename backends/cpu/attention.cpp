@@ -190,6 +190,143 @@ void AccumulateRows(const float* p, int n_rows, int p_ld, const float* v, int64_
   }
 }
 
+// The tile path of prefill attention: a tile's query rows sit in the lanes of vectors, so that
+// each key (each value element) is one broadcast met by whole vectors of rows, and the online
+// softmax runs down the rows' lanes instead of along a row. qT [hd][ld], sT [nb][ld] and accT
+// [hd][ld] hold row r in column r; m and l are [ld]; ld is the tile's rows rounded up to whole
+// vectors. AVX-512 holds 4 x 4 accumulators of 16 rows, AVX2 (16 registers) 4 x 2 of 8.
+constexpr int kTileRowVectors = HWY_TARGET <= HWY_AVX3 ? 4 : 2;
+
+// sT[jj][rows] = k[jj] · qT[.][rows] for NK keys and NV vectors of rows (pointers at the first).
+template <int NK, int NV, class D>
+HWY_INLINE void ScoreKeys(D d, const float* qT, int ld, int hd, const float* k, int64_t ldk, float* sT) {
+  const size_t lanes = hn::Lanes(d);
+  hn::Vec<D> acc[NK][NV];
+  for (int jj = 0; jj < NK; ++jj) {
+    for (int i = 0; i < NV; ++i) acc[jj][i] = hn::Zero(d);
+  }
+  for (int c = 0; c < hd; ++c) {
+    hn::Vec<D> qv[NV];
+    for (int i = 0; i < NV; ++i) qv[i] = hn::LoadU(d, qT + c * ld + i * lanes);
+    for (int jj = 0; jj < NK; ++jj) {
+      const auto kb = hn::Set(d, k[jj * ldk + c]);
+      for (int i = 0; i < NV; ++i) acc[jj][i] = hn::MulAdd(kb, qv[i], acc[jj][i]);
+    }
+  }
+  for (int jj = 0; jj < NK; ++jj) {
+    for (int i = 0; i < NV; ++i) hn::StoreU(acc[jj][i], d, sT + jj * ld + i * lanes);
+  }
+}
+
+// accT[cc][rows] += sum_j v[j][cc] * sT[j][rows] for NC value columns and NV vectors of rows.
+template <int NC, int NV, class D>
+HWY_INLINE void AccumulateValues(D d, const float* sT, int ld, int nb, const float* v, int64_t ldv, float* accT) {
+  const size_t lanes = hn::Lanes(d);
+  hn::Vec<D> acc[NC][NV];
+  for (int cc = 0; cc < NC; ++cc) {
+    for (int i = 0; i < NV; ++i) acc[cc][i] = hn::LoadU(d, accT + cc * ld + i * lanes);
+  }
+  for (int j = 0; j < nb; ++j) {
+    hn::Vec<D> p[NV];
+    for (int i = 0; i < NV; ++i) p[i] = hn::LoadU(d, sT + j * ld + i * lanes);
+    for (int cc = 0; cc < NC; ++cc) {
+      const auto vb = hn::Set(d, v[j * ldv + cc]);
+      for (int i = 0; i < NV; ++i) acc[cc][i] = hn::MulAdd(vb, p[i], acc[cc][i]);
+    }
+  }
+  for (int cc = 0; cc < NC; ++cc) {
+    for (int i = 0; i < NV; ++i) hn::StoreU(acc[cc][i], d, accT + cc * ld + i * lanes);
+  }
+}
+
+// One row vector's online softmax over a block of scores: raises m to the block's max, turns
+// the scores into exp(s - m) (masked -inf ones into 0), and rescales l and accT by exp(m_old -
+// m_new). A row that has seen nothing yet keeps m = -inf, l = 0.
+template <class D>
+HWY_INLINE void SoftmaxRowVector(D d, float* sT, int ld, int nb, float* m, float* l, float* accT, int hd) {
+  const auto neg_inf = hn::Set(d, -INFINITY);
+  const auto m_old = hn::LoadU(d, m);
+  auto m_new = m_old;
+  for (int j = 0; j < nb; ++j) m_new = hn::Max(m_new, hn::LoadU(d, sT + j * ld));
+  const auto shift = hn::IfThenZeroElse(hn::Eq(m_new, neg_inf), m_new);
+  auto sum = hn::Zero(d);
+  for (int j = 0; j < nb; ++j) {
+    const auto s = hn::LoadU(d, sT + j * ld);
+    const auto e = hn::IfThenZeroElse(hn::Eq(s, neg_inf), hn::Exp(d, hn::Sub(s, shift)));
+    hn::StoreU(e, d, sT + j * ld);
+    sum = hn::Add(sum, e);
+  }
+  hn::StoreU(m_new, d, m);
+  const auto same = hn::Eq(m_old, m_new);
+  if (hn::AllTrue(d, same)) {
+    hn::StoreU(hn::Add(hn::LoadU(d, l), sum), d, l);
+    return;
+  }
+  const auto alpha = hn::IfThenElse(same, hn::Set(d, 1.0f),
+                                    hn::IfThenZeroElse(hn::Eq(m_old, neg_inf), hn::Exp(d, hn::Sub(m_old, shift))));
+  hn::StoreU(hn::MulAdd(hn::LoadU(d, l), alpha, sum), d, l);
+  for (int c = 0; c < hd; ++c) hn::StoreU(hn::Mul(hn::LoadU(d, accT + c * ld), alpha), d, accT + c * ld);
+}
+
+// A tile of query rows (ld of them, transposed as above) meets a block of nb keys and values
+// (fp32 rows, ldk / ldv apart). visible_from[j] (nullptr: every row sees every key) is the
+// first row that may see key j: rows before it get a -inf score.
+void TileMeetBlock(const float* qT, int ld, int hd, const float* k, int64_t ldk, const float* v, int64_t ldv, int nb,
+                   const int* visible_from, float* sT, float* m, float* l, float* accT) {
+  const hn::ScalableTag<float> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  constexpr int NV = kTileRowVectors;
+  for (int r0 = 0; r0 < ld;) {
+    const bool wide = ld - r0 >= NV * lanes;
+    int j = 0;
+    for (; j + 4 <= nb; j += 4) {
+      if (wide) {
+        ScoreKeys<4, NV>(d, qT + r0, ld, hd, k + j * ldk, ldk, sT + j * ld + r0);
+      } else {
+        ScoreKeys<4, 1>(d, qT + r0, ld, hd, k + j * ldk, ldk, sT + j * ld + r0);
+      }
+    }
+    for (; j < nb; ++j) {
+      if (wide) {
+        ScoreKeys<1, NV>(d, qT + r0, ld, hd, k + j * ldk, ldk, sT + j * ld + r0);
+      } else {
+        ScoreKeys<1, 1>(d, qT + r0, ld, hd, k + j * ldk, ldk, sT + j * ld + r0);
+      }
+    }
+    r0 += wide ? NV * lanes : lanes;
+  }
+  if (visible_from != nullptr) {
+    for (int j = 0; j < nb; ++j) std::fill_n(sT + j * ld, visible_from[j], -INFINITY);
+  }
+  for (int r0 = 0; r0 < ld; r0 += lanes) SoftmaxRowVector(d, sT + r0, ld, nb, m + r0, l + r0, accT + r0, hd);
+  for (int r0 = 0; r0 < ld;) {
+    const bool wide = ld - r0 >= NV * lanes;
+    int c = 0;
+    for (; c + 4 <= hd; c += 4) {
+      if (wide) {
+        AccumulateValues<4, NV>(d, sT + r0, ld, nb, v + c, ldv, accT + c * ld + r0);
+      } else {
+        AccumulateValues<4, 1>(d, sT + r0, ld, nb, v + c, ldv, accT + c * ld + r0);
+      }
+    }
+    for (; c < hd; ++c) {
+      if (wide) {
+        AccumulateValues<1, NV>(d, sT + r0, ld, nb, v + c, ldv, accT + c * ld + r0);
+      } else {
+        AccumulateValues<1, 1>(d, sT + r0, ld, nb, v + c, ldv, accT + c * ld + r0);
+      }
+    }
+    r0 += wide ? NV * lanes : lanes;
+  }
+}
+
+// The tile's row width: rows rounded up to whole vectors of the target.
+int TileRowWidth(int rows) {
+  const hn::ScalableTag<float> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  return (rows + lanes - 1) / lanes * lanes;
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace ringlm::cpu
 HWY_AFTER_NAMESPACE();
@@ -205,6 +342,8 @@ HWY_EXPORT(F16KvRowsToF32);
 HWY_EXPORT(ExpBlockRow);
 HWY_EXPORT(ScoreRows);
 HWY_EXPORT(AccumulateRows);
+HWY_EXPORT(TileMeetBlock);
+HWY_EXPORT(TileRowWidth);
 
 namespace {
 
@@ -235,13 +374,17 @@ struct Unit {
   int key_begin, key_end;      // cache indices (keys beyond a row's causal limit are masked)
 };
 
-// Per-thread buffers of a unit: its query rows, a score block, and (fp16 caches) one block of
-// keys and one of values in fp32.
+// Per-thread buffers of a unit: its query rows, a score block, (fp16 caches) one block of keys
+// and one of values in fp32, and the tile path's transposed state. The row path uses qt and
+// scores as [rows][hd] and [rows][kKeyBlock], the tile path as [hd][ld] and [kKeyBlock][ld].
 struct UnitBuffers {
-  float* qt;      // [rows][hd]
-  float* scores;  // [rows][kKeyBlock]
+  float* qt;      // [rows_cap * hd]
+  float* scores;  // [rows_cap * kKeyBlock]
   float* kbuf;    // [kKeyBlock][hd]
   float* vbuf;    // [kKeyBlock][hd]
+  float* acc_t;   // [hd][ld]
+  float* m_t;     // [ld]
+  float* l_t;     // [ld]
 };
 
 // Slots [j0, j0 + nb) of one KV head's keys and values as fp32 rows written into kbuf and vbuf
@@ -261,23 +404,97 @@ void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float*
   }
 }
 
-// Runs one unit: gathers its query rows (pre-scaled by 1/sqrt(d)), then meets the slots a block
-// at a time. Row r is token token_begin + r / group (position q_pos0 + that), query head
-// kv_head * group + r % group. Scores of slots the row may not see are -inf.
+// One block of a unit's keys as the products read them.
+struct BlockView {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t ldk = 0, ldv = 0;
+  int nb = 0;                    // keys, trimmed after the last one some row of the unit may see
+  const int64_t* pos = nullptr;  // [nb]: each key's position, -1 for an empty slot
+  bool all_visible = false;      // every row sees every key: no mask to apply
+};
+
+// Keys [j0, j0 + nb) of the unit's numbering as fp32 rows: in place (an fp32 cache, one run) or
+// converted and gathered into the unit's buffers, piece by piece. The unit's keys are numbered
+// across the runs, the prefix's slots first, and cut into blocks in that numbering: a sequence
+// reading a shared prefix meets exactly the blocks (and rounds exactly as) a sequence holding
+// the same slots in one cache. Keys after the last one a row can see are dropped (in an
+// in-order cache, the future of a prefill's diagonal block): they would only add zeros.
+// Returns false when no row of the unit (positions first_pos .. last_pos) sees any key.
+bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t first_pos, int64_t last_pos,
+                const UnitBuffers& buf, int64_t* pos_buf, BlockView* view) {
+  const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
+  // The block's pieces: at most one per run, each its run, first slot, length and column.
+  struct Piece {
+    const KvLayer* run;
+    int slot, count, column;
+  };
+  Piece pieces[2];
+  int n_pieces = 0;
+  if (j0 < n_prefix) pieces[n_pieces++] = {kv.prefix, j0, std::min(nb, n_prefix - j0), 0};
+  if (j0 + nb > n_prefix) {
+    const int column = std::max(0, n_prefix - j0);
+    pieces[n_pieces++] = {&kv, j0 + column - n_prefix, nb - column, column};
+  }
+  const int64_t* pos = pieces[0].run->positions + pieces[0].slot;
+  if (n_pieces == 2) {
+    for (const Piece& p : pieces) std::copy_n(p.run->positions + p.slot, p.count, pos_buf + p.column);
+    pos = pos_buf;
+  }
+  int visible_end = 0;  // one past the last key some row sees
+  bool all_visible = true;
+  for (int j = 0; j < nb; ++j) {
+    if (pos[j] >= 0 && pos[j] <= last_pos) visible_end = j + 1;
+    all_visible &= pos[j] >= 0 && pos[j] <= first_pos;
+  }
+  if (visible_end == 0) return false;
+  nb = visible_end;
+  while (n_pieces > 0 && pieces[n_pieces - 1].column >= nb) --n_pieces;
+  pieces[n_pieces - 1].count = std::min(pieces[n_pieces - 1].count, nb - pieces[n_pieces - 1].column);
+
+  view->nb = nb;
+  view->pos = pos;
+  view->all_visible = all_visible;
+  if (n_pieces == 1 && !pieces[0].run->f16) {
+    const KvLayer& run = *pieces[0].run;
+    const int64_t offset = pieces[0].slot * run.row_stride + static_cast<int64_t>(kv_head) * hd;
+    view->k = static_cast<const float*>(run.keys) + offset;
+    view->v = static_cast<const float*>(run.values) + offset;
+    view->ldk = view->ldv = run.row_stride;
+    return true;
+  }
+  for (int i = 0; i < n_pieces; ++i) {
+    const Piece& p = pieces[i];
+    gather_block(*p.run, kv_head, hd, p.slot, p.count, buf.kbuf + p.column * hd, buf.vbuf + p.column * hd);
+  }
+  view->k = buf.kbuf, view->v = buf.vbuf, view->ldk = view->ldv = hd;
+  return true;
+}
+
+// Query row r of a unit: token token_begin + r / group (position q_pos0 + that), query head
+// kv_head * group + r % group.
+const float* query_row(const AttentionShape& sh, const float* q, const Unit& u, int r) {
+  const int group = sh.n_head / sh.n_head_kv;
+  const int64_t q_stride = static_cast<int64_t>(sh.n_head) * sh.head_dim;
+  return q + (u.token_begin + r / group) * q_stride + (u.kv_head * group + r % group) * sh.head_dim;
+}
+
+// The row path of a unit (decode, and tiles of a few rows): gathers its query rows (pre-scaled by
+// 1/sqrt(d)), then meets the slots a block at a time, a row of scores per query row. Scores of
+// slots a row may not see are -inf.
 // With `phi` (decode: one unified max per row, [rows]), each block's exponentials are taken
 // against phi and nothing is ever rescaled; the unit's state then carries m = phi, so the merge
 // of split parts is a plain sum. Returns false, leaving the state to be discarded, when a score
 // leaves [phi + kAsyncLow, phi + kAsyncHigh]. seen_max[r] gets row r's largest visible score.
-bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
-              const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max) {
+bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
+                   const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max) {
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int rows = (u.token_end - u.token_begin) * group;
-  const int64_t q_stride = static_cast<int64_t>(sh.n_head) * hd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   float* qt = buf.qt;
   float* scores = buf.scores;
   for (int r = 0; r < rows; ++r) {
-    const float* src = q + (u.token_begin + r / group) * q_stride + (u.kv_head * group + r % group) * hd;
+    const float* src = query_row(sh, q, u, r);
     for (int c = 0; c < hd; ++c) qt[r * hd + c] = src[c] * scale;
     st.m[r] = phi != nullptr ? phi[r] : -INFINITY;
     st.l[r] = 0.0f;
@@ -285,84 +502,31 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
     std::fill(st.acc + r * hd, st.acc + (r + 1) * hd, 0.0f);
   }
   const int64_t first_pos = q_pos0 + u.token_begin, last_pos = q_pos0 + u.token_end - 1;
-  // The unit's keys are numbered across the runs, the prefix's slots first, and cut into blocks
-  // in that numbering: a sequence reading a shared prefix meets exactly the blocks (and rounds
-  // exactly as) a sequence holding the same slots in one cache.
-  const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
+  int64_t pos_buf[kKeyBlock];
   // Meets keys [j0, j0 + nb); false when the asynchronized softmax must give up (see above).
   const auto meet_block = [&](int j0, int nb) {
-    // The block's pieces: at most one per run, each its run, first slot, length and column.
-    struct Piece {
-      const KvLayer* run;
-      int slot, count, column;
-    };
-    Piece pieces[2];
-    int n_pieces = 0;
-    if (j0 < n_prefix) pieces[n_pieces++] = {kv.prefix, j0, std::min(nb, n_prefix - j0), 0};
-    if (j0 + nb > n_prefix) {
-      const int column = std::max(0, n_prefix - j0);
-      pieces[n_pieces++] = {&kv, j0 + column - n_prefix, nb - column, column};
-    }
-    int64_t pos_buf[kKeyBlock];
-    const int64_t* pos = pieces[0].run->positions + pieces[0].slot;
-    if (n_pieces == 2) {
-      for (const Piece& p : pieces) std::copy_n(p.run->positions + p.slot, p.count, pos_buf + p.column);
-      pos = pos_buf;
-    }
-    // A block no row of the tile can see (empty slots, or the future of a prefill) costs nothing.
-    bool any_visible = false;
-    bool all_visible = true;  // to every row: no mask to apply
-    for (int j = 0; j < nb; ++j) {
-      any_visible |= pos[j] >= 0 && pos[j] <= last_pos;
-      all_visible &= pos[j] >= 0 && pos[j] <= first_pos;
-    }
-    if (!any_visible) return true;
-    // The block's keys and values as fp32 rows: in place (an fp32 cache, one run) or converted
-    // and gathered into the unit's buffers, piece by piece.
-    int64_t ldk = 0, ldv = 0;
-    const float* k = nullptr;
-    const float* v = nullptr;
-    if (n_pieces == 1 && !pieces[0].run->f16) {
-      const KvLayer& run = *pieces[0].run;
-      const int64_t offset = pieces[0].slot * run.row_stride + static_cast<int64_t>(u.kv_head) * hd;
-      k = static_cast<const float*>(run.keys) + offset;
-      v = static_cast<const float*>(run.values) + offset;
-      ldk = ldv = run.row_stride;
-    } else {
-      for (int i = 0; i < n_pieces; ++i) {
-        const Piece& p = pieces[i];
-        gather_block(*p.run, u.kv_head, hd, p.slot, p.count, buf.kbuf + p.column * hd, buf.vbuf + p.column * hd);
-      }
-      k = buf.kbuf, v = buf.vbuf, ldk = ldv = hd;
-    }
-    // A few rows (decode) multiply directly; more go through sgemm, whose packing of its
-    // operands pays off only then.
-    const bool direct = rows <= kDirectRows;
+    BlockView b;
+    if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, buf, pos_buf, &b)) return true;
     // scores[rows][nb] = qt · Kᵀ
-    if (direct) {
-      HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, k, ldk, nb, scores, kKeyBlock);
-    } else {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, nb, hd, 1.0f, qt, hd, k, static_cast<int>(ldk), 0.0f,
-                  scores, kKeyBlock);
-    }
+    HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, b.k, b.ldk, b.nb, scores, kKeyBlock);
     for (int r = 0; r < rows; ++r) {
       float* s = scores + r * kKeyBlock;
-      if (!all_visible) {
+      if (!b.all_visible) {
         const int64_t row_pos = q_pos0 + u.token_begin + r / group;
-        for (int j = 0; j < nb; ++j) {
-          if (pos[j] < 0 || pos[j] > row_pos) s[j] = -INFINITY;
+        for (int j = 0; j < b.nb; ++j) {
+          if (b.pos[j] < 0 || b.pos[j] > row_pos) s[j] = -INFINITY;
         }
       }
       if (phi != nullptr) {
         float block_max = -INFINITY;
-        st.l[r] += HWY_DYNAMIC_DISPATCH(ExpBlockRow)(s, nb, phi[r], &block_max);
+        st.l[r] += HWY_DYNAMIC_DISPATCH(ExpBlockRow)(s, b.nb, phi[r], &block_max);
         seen_max[r] = std::max(seen_max[r], block_max);
         if (block_max > phi[r] + kAsyncHigh) return false;
         continue;
       }
       const float m_old = st.m[r];
       float m_new = m_old;
-      const float sum = HWY_DYNAMIC_DISPATCH(SoftmaxBlockRow)(s, nb, &m_new);
+      const float sum = HWY_DYNAMIC_DISPATCH(SoftmaxBlockRow)(s, b.nb, &m_new);
       seen_max[r] = m_new;
       // Rescale what the row has gathered so far to the new max (exp(-inf) = 0 on the first block).
       const float alpha = m_old == m_new ? 1.0f : std::exp(m_old - m_new);
@@ -373,12 +537,7 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
       }
     }
     // acc[rows][hd] += P · V
-    if (direct) {
-      HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores, rows, kKeyBlock, v, ldv, nb, hd, st.acc);
-    } else {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, nb, 1.0f, scores, kKeyBlock, v,
-                  static_cast<int>(ldv), 1.0f, st.acc, hd);
-    }
+    HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores, rows, kKeyBlock, b.v, b.ldv, b.nb, hd, st.acc);
     return true;
   };
   for (int j0 = u.key_begin; j0 < u.key_end; j0 += kKeyBlock) {
@@ -391,6 +550,59 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
     }
   }
   return true;
+}
+
+// The tile path of a unit (prefill): the same online softmax with the query rows in vector
+// lanes (TileMeetBlock), the tile's state held transposed in buf's tile buffers and written to
+// `st` in its usual layout at the end.
+void run_unit_tile(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
+                   const UnitBuffers& buf, const TileState& st, float* seen_max) {
+  const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
+  const int rows = (u.token_end - u.token_begin) * group;
+  const int ld = HWY_DYNAMIC_DISPATCH(TileRowWidth)(rows);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  float* qT = buf.qt;
+  std::fill_n(qT, static_cast<size_t>(hd) * ld, 0.0f);
+  std::fill_n(buf.acc_t, static_cast<size_t>(hd) * ld, 0.0f);
+  std::fill_n(buf.m_t, ld, -INFINITY);
+  std::fill_n(buf.l_t, ld, 0.0f);
+  for (int r = 0; r < rows; ++r) {
+    const float* src = query_row(sh, q, u, r);
+    for (int c = 0; c < hd; ++c) qT[c * ld + r] = src[c] * scale;
+  }
+  const int64_t first_pos = q_pos0 + u.token_begin, last_pos = q_pos0 + u.token_end - 1;
+  int64_t pos_buf[kKeyBlock];
+  int visible_from[kKeyBlock];
+  for (int j0 = u.key_begin; j0 < u.key_end; j0 += kKeyBlock) {
+    BlockView b;
+    if (!view_block(kv, u.kv_head, hd, j0, std::min(kKeyBlock, u.key_end - j0), first_pos, last_pos, buf, pos_buf,
+                    &b)) {
+      continue;
+    }
+    // Row r (token r / group) sees key j from r = (pos[j] - first_pos) * group on.
+    for (int j = 0; !b.all_visible && j < b.nb; ++j) {
+      visible_from[j] = b.pos[j] < 0 ? ld : static_cast<int>(std::clamp<int64_t>((b.pos[j] - first_pos) * group, 0, ld));
+    }
+    HWY_DYNAMIC_DISPATCH(TileMeetBlock)(qT, ld, hd, b.k, b.ldk, b.v, b.ldv, b.nb, b.all_visible ? nullptr : visible_from,
+                                        buf.scores, buf.m_t, buf.l_t, buf.acc_t);
+  }
+  for (int r = 0; r < rows; ++r) {
+    st.m[r] = seen_max[r] = buf.m_t[r];
+    st.l[r] = buf.l_t[r];
+    for (int c = 0; c < hd; ++c) st.acc[r * hd + c] = buf.acc_t[c * ld + r];
+  }
+}
+
+// Runs one unit into `st` (see run_unit_rows): tiles of more than kDirectRows rows take the
+// tile path, unless the asynchronized softmax (decode) asks for the row path's fixed max.
+bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
+              const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max) {
+  const int rows = (u.token_end - u.token_begin) * (sh.n_head / sh.n_head_kv);
+  if (phi == nullptr && rows > kDirectRows) {
+    run_unit_tile(sh, q, kv, q_pos0, u, buf, st, seen_max);
+    return true;
+  }
+  return run_unit_rows(sh, q, kv, q_pos0, u, buf, st, phi, seen_max);
 }
 
 // Writes a finished tile to the output: acc / l per row.
@@ -474,6 +686,8 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int tokens_per_tile = std::max(1, kQueryRows / group);
   const int rows_max = tokens_per_tile * group;
+  // Room for a tile's rows rounded up to whole vectors of any target (TileRowWidth).
+  const int rows_cap = (rows_max + 63) / 64 * 64;
   const size_t state_floats = static_cast<size_t>(rows_max) * (2 + hd);
 
   // Every job's units in one numbering (job_of_unit: the job of each); split units' partial
@@ -496,14 +710,17 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
   float* partials = n_split_units > 0 ? scratch.partials(n_split_units * (state_floats + rows_max)) : nullptr;
   float* unit_max = partials != nullptr ? partials + n_split_units * state_floats : nullptr;  // [units][rows]
   const size_t thread_floats =
-      static_cast<size_t>(rows_max) * (hd + kKeyBlock + 1) + 2 * static_cast<size_t>(kKeyBlock) * hd + state_floats;
+      static_cast<size_t>(rows_cap) * (2 * hd + kKeyBlock + 2) + 2 * static_cast<size_t>(kKeyBlock) * hd +
+      state_floats + rows_max;
   for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats);
 
   const auto state_at = [&](float* base) { return TileState{base, base + rows_max, base + 2 * rows_max}; };
   // Unit `index` of its job: KV head, token tile and key split.
   const auto unit_at = [&](const AttentionPlan& p, const AttentionJob& job, int index) {
-    const int split = index % p.splits, tile = (index / p.splits) % p.token_tiles;
-    const int g = index / p.splits / p.token_tiles;
+    // The last tokens of a prefill see the most keys: their tiles (of every KV head) come first,
+    // so that the dynamic schedule ends on the cheapest units.
+    const int split = index % p.splits, g = (index / p.splits) % sh.n_head_kv;
+    const int tile = p.token_tiles - 1 - index / p.splits / sh.n_head_kv;
     Unit u{g, tile * tokens_per_tile, std::min(job.n_tokens, (tile + 1) * tokens_per_tile), 0, p.n_keys};
     if (p.splits > 1) {
       const int per = (p.n_keys + p.splits - 1) / p.splits;
@@ -525,11 +742,14 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
     float* buf = scratch.thread_buffer(t, thread_floats);
     UnitBuffers ub;
     ub.qt = buf;
-    ub.scores = ub.qt + rows_max * hd;
-    ub.kbuf = ub.scores + rows_max * kKeyBlock;
+    ub.scores = ub.qt + rows_cap * hd;
+    ub.kbuf = ub.scores + rows_cap * kKeyBlock;
     ub.vbuf = ub.kbuf + kKeyBlock * hd;
     float* own_state = ub.vbuf + kKeyBlock * hd;
     float* own_max = own_state + state_floats;
+    ub.acc_t = own_max + rows_max;
+    ub.m_t = ub.acc_t + rows_cap * hd;
+    ub.l_t = ub.m_t + rows_cap;
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_units; ++i) {
       const AttentionJob& job = jobs[static_cast<size_t>(job_of_unit[static_cast<size_t>(i)])];

@@ -261,7 +261,12 @@ void apply_simd_target_override() {
   if (env == nullptr || *env == '\0') return;
   std::string available;
   for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    if (std::string(hwy::TargetName(target)) == env) return hwy::SetSupportedTargetsForTest(target);
+    // The target and every lesser one the CPU runs (a lower bit is a better target): a file
+    // compiled without the named target (only the packed kernels have AVX3_DL) then runs its
+    // best code below it, not the baseline.
+    if (std::string(hwy::TargetName(target)) == env) {
+      return hwy::SetSupportedTargetsForTest(hwy::SupportedTargets() & ~(target - 1));
+    }
     available += (available.empty() ? "" : ", ") + std::string(hwy::TargetName(target));
   }
   throw std::runtime_error(std::string("RINGLM_SIMD_TARGET=") + env + ": not a SIMD target of this CPU (" + available + ")");

@@ -92,8 +92,8 @@ KernelTable load_configured_kernel_table();
 TuningMachine this_machine(int threads);
 
 // RINGLM_SIMD_TARGET=NAME (a Highway target name: AVX3_DL, AVX3, AVX2, SSE4, SSSE3, ...) makes
-// every kernel run that target's code, for measuring one target's kernels on a CPU that has a
-// better one. Unset or empty: the best target the CPU runs. Throws std::runtime_error naming
+// every kernel run that target's code (a kernel compiled without it: its best code below it),
+// for measuring one target's kernels on a CPU that has a better one. Unset or empty: the best target the CPU runs. Throws std::runtime_error naming
 // the targets this CPU runs when NAME is not one of them.
 void apply_simd_target_override();
 
