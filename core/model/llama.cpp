@@ -13,6 +13,10 @@ namespace ringlm {
 
 namespace {
 
+// Per-row work (RoPE, the KV store, the residual) is shared by the threads from this many rows of
+// a step on: below it (a decode step), a parallel region costs more than the work.
+constexpr int kParallelRows = 4;
+
 // Architectures that run on this decoder, with the RoPE layout their GGUF conversion uses.
 struct ArchInfo {
   std::string_view name;
@@ -409,6 +413,16 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
   if (!jobs.empty()) cpu::attention_batch(shape, jobs, scratch_->attention, omp_get_max_threads());
 }
 
+// x += delta over n rows of the hidden state, split over the threads for a chunk of rows.
+void LlamaModel::add_residual(const float* delta, int n) {
+  float* x = scratch_->x.data();
+  const int64_t d = hp_.n_embd;
+#pragma omp parallel for schedule(static) if (n >= kParallelRows)
+  for (int i = 0; i < n; ++i) {
+    for (int64_t c = i * d; c < (i + 1) * d; ++c) x[c] += delta[c];
+  }
+}
+
 void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   Scratch& s = *scratch_;
   const int d = hp_.n_embd;
@@ -427,17 +441,17 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     float* const qkv_out[] = {s.q.data(), s.k.data(), s.v.data()};
     backend_.matmul_many(qkv, MatmulInput{s.x.data(), n, L.attn_norm.data(), hp_.rms_eps}, qkv_out);
     // Rows are independent (each writes its own cache slot): the threads share them when there
-    // are several sequences' worth, as in a batch step.
-    const auto n_seqs = static_cast<int64_t>(rows.size());
-#pragma omp parallel for schedule(static) if (n_seqs >= 4)
-    for (int64_t ri = 0; ri < n_seqs; ++ri) {
-      const Rows& r = rows[static_cast<size_t>(ri)];
-      for (int t = 0; t < static_cast<int>(r.tokens.size()); ++t) {
-        const size_t i = static_cast<size_t>(r.row0 + t);
-        apply_rope(&s.q[i * q_dim], hp_.n_head, r.row0 + t);
-        apply_rope(&s.k[i * kv_dim], hp_.n_head_kv, r.row0 + t);
-        store_kv(*r.cache, il, r.first_slot + t, &s.k[i * kv_dim], &s.v[i * kv_dim]);
-      }
+    // are a few, as in a prefill chunk or a batch step.
+#pragma omp parallel for schedule(static) if (n >= kParallelRows)
+    for (int i = 0; i < n; ++i) {
+      // The sequence that row i belongs to: the last one starting at or before it.
+      const Rows& r = *std::prev(std::upper_bound(rows.begin(), rows.end(), i, [](int row, const Rows& seq) {
+        return row < seq.row0;
+      }));
+      const auto at = static_cast<size_t>(i);
+      apply_rope(&s.q[at * q_dim], hp_.n_head, i);
+      apply_rope(&s.k[at * kv_dim], hp_.n_head_kv, i);
+      store_kv(*r.cache, il, r.first_slot + (i - r.row0), &s.k[at * kv_dim], &s.v[at * kv_dim]);
     }
     for (const Rows& r : rows) {
       if (DeviceKvCache* copy = r.cache->device_copy()) {
@@ -447,12 +461,12 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     }
     attention(il, rows);
     backend_.matmul(*L.wo, s.attn.data(), n, s.xn.data());
-    for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) s.x[i] += s.xn[i];
+    add_residual(s.xn.data(), n);
 
     // Feed-forward block: down(silu(gate(x)) * up(x)), gate and up in one fused pass.
     backend_.matmul_swiglu(*L.gate, *L.up, MatmulInput{s.x.data(), n, L.ffn_norm.data(), hp_.rms_eps}, s.gate.data());
     backend_.matmul(*L.down, s.gate.data(), n, s.xn.data());
-    for (size_t i = 0; i < static_cast<size_t>(n) * d; ++i) s.x[i] += s.xn[i];
+    add_residual(s.xn.data(), n);
   }
 }
 

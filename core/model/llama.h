@@ -99,6 +99,7 @@ class LlamaModel {
   // The transformer over `rows` (appended to their caches); leaves the final hidden states in
   // the scratch activations.
   void run_layers(std::span<const Rows> rows, int n_rows);
+  void add_residual(const float* delta, int n_rows);
   // Final norm + vocabulary projection of n hidden-state rows starting at `row`, into `logits`.
   void project_logits(int row, int n, float* logits);
   void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits);
