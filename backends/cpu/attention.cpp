@@ -1,5 +1,5 @@
-// Tiled causal attention (see attention.h). The softmax block step is compiled per Highway
-// target; the tiling and the sgemm calls are plain code below HWY_ONCE.
+// Tiled causal attention (see attention.h). The kernels are compiled per Highway target; the
+// tiling and the scheduling are plain code below HWY_ONCE.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "backends/cpu/attention.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -102,8 +102,8 @@ void F16KvRowsToF32(const uint16_t* k, const uint16_t* v, int64_t stride, int ro
 }
 
 // scores[r][j] = q[r] · k[j] for rows r < n_rows of q ([n_rows][hd]) and keys j < n_keys (fp32,
-// k_ld elements apart): the score block of a few query rows (decode), where sgemm's packing of
-// its operands costs more than the products. Eight keys at a time, each with its own
+// k_ld elements apart): the score block of a few query rows (decode), too few to fill the lanes
+// of the tile path's row vectors. Eight keys at a time, each with its own
 // accumulator: one dot product is a chain of hd / lanes dependent FMAs, eight of them keep the
 // FMA units busy. A key's sum is the same whichever group of eight it falls in.
 void ScoreRows(const float* q, int n_rows, int hd, const float* k, int64_t k_ld, int n_keys, float* scores,
@@ -332,7 +332,6 @@ int TileRowWidth(int rows) {
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
-#include <cblas.h>
 #include <omp.h>
 
 namespace ringlm::cpu {
@@ -351,8 +350,8 @@ constexpr int kQueryRows = 64;  // rows of a query tile (query heads of a group 
 constexpr int kKeyBlock = 128;  // keys per block: a block's scores stay in L1 / L2
 constexpr int kMinKeysPerSplit = 256;  // decode: fewer keys per thread cost more to merge than they save
 constexpr int kMaxSplits = 64;
-// Tiles of at most this many query rows (decode: one token's heads of a group) multiply directly;
-// larger ones through sgemm, whose operand packing pays off only then.
+// Tiles of at most this many query rows (decode: one token's heads of a group) take the row path;
+// larger ones the tile path, whose row vectors they fill.
 constexpr int kDirectRows = 8;
 // Asynchronized softmax: exp(s - phi) is safe while every score is at most phi + kAsyncHigh (the
 // sums stay far from fp32's range) and the largest at least phi + kAsyncLow (its exponential
@@ -680,9 +679,6 @@ void attention_causal(const AttentionShape& sh, const float* q, const KvLayer& k
 
 void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> jobs, AttentionScratch& scratch,
                      int n_threads) {
-  // sgemm runs inside our threads, never with threads of its own.
-  static const bool blas_single_threaded = (openblas_set_num_threads(1), true);
-  (void)blas_single_threaded;
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int tokens_per_tile = std::max(1, kQueryRows / group);
   const int rows_max = tokens_per_tile * group;

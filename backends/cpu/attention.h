@@ -1,9 +1,11 @@
 // Causal multi-head attention with grouped KV heads over a cache of keys and values, tiled so
 // that the full score matrix never exists: per KV head, a tile of query rows (every query head
 // of the group, for a block of tokens) meets the keys a block at a time, with the online
-// (rescaling) softmax of FlashAttention. Q·Kᵀ and P·V of a tile are OpenBLAS sgemm calls; the
-// softmax uses vectorized exp (Highway). Decode (one token) also splits the keys across threads
-// and merges the partial results (flash-decoding), so two threads share even a single KV head.
+// (rescaling) softmax of FlashAttention, in Highway kernels: a prefill tile holds its query rows
+// in vector lanes (each key element a broadcast against whole vectors of rows, the softmax down
+// the lanes); a few rows (decode) are met a row at a time. Decode (one token) also splits the
+// keys across threads and merges the partial results (flash-decoding), so two threads share even
+// a single KV head.
 #pragma once
 
 #include <cstdint>
