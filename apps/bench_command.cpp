@@ -138,7 +138,7 @@ ModelInfo describe(const LoadedModel& m, const std::string& path) {
   info.type = m.model->hparams().arch + " " + size_label(info.n_params) + " " + file_type_name(*m.gguf);
   info.n_ubatch = m.model->max_batch();
   info.backend = std::string(m.backend->name());
-  if (m.backend->device_attention() != nullptr) info.device = m.backend->device_description();
+  if (m.backend->offloads()) info.device = m.backend->device_description();
   return info;
 }
 

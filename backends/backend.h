@@ -1,8 +1,12 @@
-// The backend seam: how the model asks for its matrix products.
+// The backend seam: every op a layer runs, for the CPU and a plugin's device alike.
 //
 // The model hands every weight matrix to the backend once, at load (prepare), and from then on
 // only asks for products with it (matmul). What "prepare" does is the backend's business:
-// reference the mmap in place, repack into a kernel layout, or upload to a device.
+// reference the mmap in place, repack into a kernel layout, or upload to a device. The other
+// ops of a layer (RoPE, the KV store, attention, the StreamingLLM shift, the residual; the
+// RMSNorm and the activation fused into the products) are calls here too, over KV caches that
+// core/kv keeps on the host: where a backend keeps a copy of a cache (a device's memory), it
+// keeps it in step itself (KvView::state), and the model never knows.
 #pragma once
 
 #include <cstdint>
@@ -14,8 +18,6 @@
 #include "quant/formats.h"
 
 namespace ringlm {
-
-class DeviceAttention;  // below
 
 // A weight matrix as stored in the model file: `rows` output features (N), each a contiguous
 // row of `cols` input features (K) in `type`'s block layout.
@@ -59,6 +61,71 @@ struct MatmulInput {
 // Every backend normalises through this one function, so they agree on the rounding.
 const float* normalized_input_row(const MatmulInput& in, int64_t m, int64_t cols, float* out);
 
+// --- KV caches and the attention block, as the backend sees them ------------------------------
+
+// What a backend keeps of its own for one KV cache (its copy in a device's memory): made by the
+// backend when its ops first meet the cache, kept in step with the cache's rows by those ops,
+// and dropped with the cache. Opaque outside the backend.
+class BackendKvState {
+ public:
+  virtual ~BackendKvState() = default;
+};
+
+// One sequence's KV cache (core/kv's KvCache) as the backend's ops see it: its rows in host
+// memory (slot s of layer l at key(l, s) and value(l, s): row_width values, fp16 or fp32), the
+// position of every slot that ever held a token (-1: empty), the shared segment read before it
+// (the prompt that batch samples share; read-only, no state), and the cache's place for the
+// backend's own state.
+struct KvView {
+  uint8_t* rows = nullptr;  // [n_layer][keys, values][capacity][row_width]
+  int n_layer = 0;
+  int capacity = 0;
+  int row_width = 0;
+  bool f16 = false;
+  std::span<const int64_t> positions;
+  const KvView* prefix = nullptr;
+  std::unique_ptr<BackendKvState>* state = nullptr;
+
+  size_t row_bytes() const { return static_cast<size_t>(row_width) * (f16 ? 2 : 4); }
+  uint8_t* key(int layer, int slot) const { return rows + row_index(layer, false, slot) * row_bytes(); }
+  uint8_t* value(int layer, int slot) const { return rows + row_index(layer, true, slot) * row_bytes(); }
+
+ private:
+  size_t row_index(int layer, bool value, int slot) const {
+    return (static_cast<size_t>(layer) * 2 + (value ? 1 : 0)) * static_cast<size_t>(capacity) + static_cast<size_t>(slot);
+  }
+};
+
+// RoPE angles of a few rows: the cosine and sine of each rotary pair's angle, [rows][n_rot / 2],
+// and how a head's elements pair up: 2i with 2i + 1 (GGML's "normal" RoPE, which Llama GGUFs
+// are converted for) or i with i + n_rot / 2 (NeoX).
+struct RopeAngles {
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int n_rot = 0;
+  bool adjacent_pairs = true;
+};
+
+struct AttentionShape {
+  int n_head = 0;     // query heads
+  int n_head_kv = 0;  // key/value heads; query head h reads KV head h / (n_head / n_head_kv)
+  int head_dim = 0;
+};
+
+// One sequence's queries in Backend::attention: n_tokens rows of q ([n_tokens][n_head *
+// head_dim]) at positions pos0.. over its cache; the result goes to out (same shape).
+// softmax_phi ([n_head] of this layer, optional, decode only) is the sequence's
+// FlashDecoding++ state (backends/cpu/attention.h): the unified max of each head's scores, NaN
+// until a step has learned it; nullptr: the exact online softmax.
+struct AttentionCall {
+  const float* q = nullptr;
+  int n_tokens = 0;
+  int64_t pos0 = 0;
+  float* out = nullptr;
+  const KvView* kv = nullptr;
+  float* softmax_phi = nullptr;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -87,57 +154,33 @@ class Backend {
   virtual void matmul_swiglu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input,
                              float* out) = 0;
 
-  // Attention on the backend's device, for backends that keep KV caches in their own memory
-  // (a plugin's GPU); nullptr: attention runs on the CPU.
-  virtual DeviceAttention* device_attention() { return nullptr; }
+  // --- The attention block: RoPE, the KV cache, attention, the StreamingLLM shift -----------
+
+  // Rotates the first angles.n_rot elements of each of the n_heads heads (head_dim apart) of
+  // n_rows rows (n_heads * head_dim apart) by the row's angles.
+  virtual void rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) = 0;
+
+  // Writes n rows of keys and values (fp32, kv.row_width each) into slots first_slot.. of
+  // `layer`, in the cache's type, wherever the backend keeps the cache.
+  virtual void store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) = 0;
+
+  // Causal attention of every call's queries over its own cache, all in one pass (a batch of
+  // sequences shares the threads): query i of a call, at position pos0 + i, sees exactly the
+  // slots of its prefix and its cache at positions 0 .. pos0 + i.
+  virtual void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) = 0;
+
+  // StreamingLLM's shift-RoPE: rotates the keys of `slots` in every layer by one set of angles
+  // (angles.cos / sin: one row), in place, wherever the backend keeps the cache.
+  virtual void shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv,
+                          int head_dim) = 0;
+
+  // x[i] += delta[i] for i < n: a residual connection.
+  virtual void add(float* x, const float* delta, int64_t n) = 0;
+
+  // Whether some ops run on a device of their own (a plugin's GPU), for reports.
+  virtual bool offloads() const { return false; }
   // Where the products run, for reports: "cpu", "opencl:0 (NVIDIA ...)".
   virtual std::string device_description() const { return std::string(name()); }
-};
-
-// A KV cache's keys and values in a device's memory. Opaque outside the backend that made it.
-class DeviceKvCache {
- public:
-  virtual ~DeviceKvCache() = default;
-};
-
-// The shape of a KV cache a device keeps: the host cache's (core/kv/kv_cache.h), slot for slot.
-struct DeviceKvShape {
-  int n_layer = 0;
-  int capacity = 0;  // slots
-  int row_width = 0;  // n_kv_head * head_dim elements per slot and layer
-  bool f16 = false;
-};
-
-// One sequence's attention query on the device: n_tokens rows of q ([n_tokens][n_head *
-// head_dim], host memory) at positions q_pos0..; the result goes to out (host, same shape).
-struct DeviceAttentionQuery {
-  int layer = 0;
-  const float* q = nullptr;
-  int n_tokens = 0;
-  int64_t q_pos0 = 0;
-  float* out = nullptr;
-};
-
-// Attention over KV caches kept on a device. The model keeps each cache's bookkeeping (slots,
-// positions, sinks, the shift) and a host copy of its rows, and mirrors every change here: rows
-// written (store), slot positions (set_positions), keys re-rotated (shift_keys). The semantics
-// are those of cpu::attention_causal.
-class DeviceAttention {
- public:
-  virtual ~DeviceAttention() = default;
-  // Whether this device runs attention of this geometry at all.
-  virtual bool supports(int n_head, int n_head_kv, int head_dim, bool f16_kv) const = 0;
-  virtual std::unique_ptr<DeviceKvCache> make_kv(const DeviceKvShape& shape) = 0;
-  // Copies n consecutive slots from first_slot of one layer's keys and values: host rows in the
-  // cache's type (fp16 bits or fp32), n * row_width elements each.
-  virtual void store(DeviceKvCache& kv, int layer, int first_slot, int n, const void* keys, const void* values) = 0;
-  // Positions of slots [0, positions.size()) (-1: empty), as the next attend() calls see them.
-  virtual void set_positions(DeviceKvCache& kv, std::span<const int64_t> positions) = 0;
-  virtual void attend(DeviceKvCache& kv, const DeviceAttentionQuery& query, int n_head, int n_head_kv, int head_dim) = 0;
-  // Rotates the keys of `slots` in every layer by the angles with cosines cos[i] and sines
-  // sin[i] (i < n_rot / 2), pairs adjacent or split in halves (the model's RoPE layout).
-  virtual void shift_keys(DeviceKvCache& kv, std::span<const int> slots, std::span<const float> cos,
-                          std::span<const float> sin, int n_kv_head, int head_dim, bool adjacent_pairs) = 0;
 };
 
 // The CPU backend with int8 compute (backends/cpu/cpu_backend.h has the other choices);

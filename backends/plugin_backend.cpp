@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <compare>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -93,9 +95,24 @@ class PluginWeight final : public PreparedWeight {
 
 const PluginWeight& as_plugin_weight(const PreparedWeight& w) { return static_cast<const PluginWeight&>(w); }
 
+// The shape of a KV cache on the device: the host cache's, slot for slot.
+struct DeviceKvShape {
+  int n_layer = 0;
+  int capacity = 0;   // slots
+  int row_width = 0;  // n_kv_head * head_dim elements per slot and layer
+  bool f16 = false;
+};
+
+// An attention geometry and KV type, as the device was asked whether it runs them.
+struct GeometryKey {
+  int n_head, n_head_kv, head_dim;
+  bool f16;
+  auto operator<=>(const GeometryKey&) const = default;
+};
+
 // A KV cache's rows on the device, slot for slot as on the host: layer l's keys start at
 // l * layer_bytes of `keys`, its values likewise in `values`.
-class PluginKvCache final : public DeviceKvCache {
+class PluginKvCache final : public BackendKvState {
  public:
   PluginKvCache(const std::shared_ptr<OpenedDevice>& device, const DeviceKvShape& s)
       : shape(s),
@@ -113,7 +130,7 @@ class PluginKvCache final : public DeviceKvCache {
   std::vector<int32_t> host_positions;
 };
 
-class PluginBackend final : public Backend, public DeviceAttention {
+class PluginBackend final : public Backend {
  public:
   PluginBackend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu)
       : device_(std::move(device)), api_(device_->plugin->api()), cpu_(std::move(cpu)) {
@@ -122,7 +139,7 @@ class PluginBackend final : public Backend, public DeviceAttention {
 
   std::string_view name() const override { return name_; }
   std::string device_description() const override { return device_label(*device_); }
-  DeviceAttention* device_attention() override { return this; }
+  bool offloads() const override { return true; }
 
   std::unique_ptr<PreparedWeight> prepare(const WeightView& w) override {
     auto prepared = std::make_unique<PluginWeight>(w.rows, w.cols);
@@ -195,37 +212,99 @@ class PluginBackend final : public Backend, public DeviceAttention {
     cpu::silu_mul(out, up_out_.data(), n);
   }
 
-  // --- DeviceAttention -------------------------------------------------------------------
+  // --- The attention block ----------------------------------------------------------------
+  // The host rows of every cache are the truth, written by the CPU's ops. A cache whose
+  // attention the device runs (a geometry it supports, no shared prefix) gets a device copy
+  // when its attention first runs there (KvView::state), and from then on every store and
+  // shift reaches the copy too, so it is never stale.
 
-  bool supports(int n_head, int n_head_kv, int head_dim, bool f16_kv) const override {
+  void rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) override {
+    cpu_->rope(x, n_rows, n_heads, head_dim, angles);
+  }
+  void add(float* x, const float* delta, int64_t n) override { cpu_->add(x, delta, n); }
+
+  void store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) override {
+    cpu_->store_kv(kv, layer, first_slot, n, k, v);
+    if (PluginKvCache* copy = device_copy(kv)) {
+      const size_t at = static_cast<size_t>(layer) * copy->layer_bytes + static_cast<size_t>(first_slot) * copy->row_bytes;
+      const size_t bytes = static_cast<size_t>(n) * copy->row_bytes;
+      copy->keys.upload(at, kv.key(layer, first_slot), bytes);
+      copy->values.upload(at, kv.value(layer, first_slot), bytes);
+    }
+  }
+
+  void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) override {
+    cpu_calls_.clear();
+    for (const AttentionCall& call : calls) {
+      if (!attends_here(*call.kv, shape)) {
+        cpu_calls_.push_back(call);
+        continue;
+      }
+      PluginKvCache& copy = ensure_device_copy(*call.kv);
+      // Positions change only between passes: the first layer brings them up to date.
+      if (layer == 0 || copy.n_slots != static_cast<int>(call.kv->positions.size())) {
+        set_positions(copy, call.kv->positions);
+      }
+      attend(copy, layer, call, shape);
+    }
+    if (!cpu_calls_.empty()) cpu_->attention(layer, shape, cpu_calls_);
+  }
+
+  void shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv,
+                  int head_dim) override {
+    cpu_->shift_keys(kv, slots, angles, n_head_kv, head_dim);
+    if (PluginKvCache* copy = device_copy(kv)) shift_device_keys(*copy, slots, angles, n_head_kv, head_dim);
+  }
+
+ private:
+  // The device copy the backend keeps for `kv`, or nullptr.
+  static PluginKvCache* device_copy(const KvView& kv) {
+    return kv.state != nullptr ? static_cast<PluginKvCache*>(kv.state->get()) : nullptr;
+  }
+
+  // Whether this cache's attention runs on the device: the device runs the geometry (asked once
+  // per geometry and cache type) and the cache reads no shared prefix.
+  bool attends_here(const KvView& kv, const AttentionShape& shape) {
+    if (kv.prefix != nullptr || kv.state == nullptr) return false;
+    const GeometryKey key{shape.n_head, shape.n_head_kv, shape.head_dim, kv.f16};
+    auto known = geometries_.find(key);
+    if (known == geometries_.end()) known = geometries_.emplace(key, supports(shape, kv.f16)).first;
+    return known->second;
+  }
+
+  bool supports(const AttentionShape& shape, bool f16_kv) const {
     ringlm_op_desc attention{};
     attention.op = RINGLM_OP_ATTENTION;
     attention.kv_format = f16_kv ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
-    attention.n_head = n_head;
-    attention.n_head_kv = n_head_kv;
-    attention.head_dim = head_dim;
+    attention.n_head = shape.n_head;
+    attention.n_head_kv = shape.n_head_kv;
+    attention.head_dim = shape.head_dim;
     ringlm_op_desc shift = attention;
     shift.op = RINGLM_OP_ROPE_SHIFT;
-    shift.n_rot = head_dim;
+    shift.n_rot = shape.head_dim;
     return api_.supports(device_->context, &attention) != 0 && api_.supports(device_->context, &shift) != 0;
   }
 
-  std::unique_ptr<DeviceKvCache> make_kv(const DeviceKvShape& shape) override {
-    return std::make_unique<PluginKvCache>(device_, shape);
+  // The cache's device copy, made on first use with the rows the cache already holds.
+  PluginKvCache& ensure_device_copy(const KvView& kv) {
+    if (PluginKvCache* copy = device_copy(kv)) return *copy;
+    auto copy = std::make_unique<PluginKvCache>(device_, DeviceKvShape{kv.n_layer, kv.capacity, kv.row_width, kv.f16});
+    const auto extent = static_cast<int>(kv.positions.size());
+    if (extent > 0) {
+      const size_t bytes = static_cast<size_t>(extent) * copy->row_bytes;
+      for (int layer = 0; layer < kv.n_layer; ++layer) {
+        copy->keys.upload(static_cast<size_t>(layer) * copy->layer_bytes, kv.key(layer, 0), bytes);
+        copy->values.upload(static_cast<size_t>(layer) * copy->layer_bytes, kv.value(layer, 0), bytes);
+      }
+    }
+    PluginKvCache& made = *copy;
+    *kv.state = std::move(copy);
+    return made;
   }
 
-  void store(DeviceKvCache& kv, int layer, int first_slot, int n, const void* keys, const void* values) override {
-    PluginKvCache& c = static_cast<PluginKvCache&>(kv);
-    const size_t at = static_cast<size_t>(layer) * c.layer_bytes + static_cast<size_t>(first_slot) * c.row_bytes;
-    const size_t bytes = static_cast<size_t>(n) * c.row_bytes;
-    c.keys.upload(at, keys, bytes);
-    c.values.upload(at, values, bytes);
-  }
-
-  // Called before every forward pass: a decode step changes one slot (a context shift, the
-  // ring's slots), so only the span from the first changed slot to the last goes to the device.
-  void set_positions(DeviceKvCache& kv, std::span<const int64_t> positions) override {
-    PluginKvCache& c = static_cast<PluginKvCache&>(kv);
+  // A pass changes a few slots (a decode step one, a context shift the ring's): only the span
+  // from the first changed slot to the last goes to the device.
+  void set_positions(PluginKvCache& c, std::span<const int64_t> positions) {
     // Positions stay below the context size plus what a sequence generates; a ring shifts them
     // back. 2^31 tokens in one sequence is not a case to serve.
     for (const int64_t p : positions) {
@@ -253,40 +332,39 @@ class PluginBackend final : public Backend, public DeviceAttention {
     c.n_slots = static_cast<int>(positions.size());
   }
 
-  void attend(DeviceKvCache& kv, const DeviceAttentionQuery& query, int n_head, int n_head_kv, int head_dim) override {
-    PluginKvCache& c = static_cast<PluginKvCache&>(kv);
-    const size_t bytes = static_cast<size_t>(query.n_tokens) * n_head * head_dim * sizeof(float);
+  void attend(PluginKvCache& c, int layer, const AttentionCall& call, const AttentionShape& shape) {
+    const size_t bytes = static_cast<size_t>(call.n_tokens) * shape.n_head * shape.head_dim * sizeof(float);
     ensure(q_buffer_, bytes);
     ensure(out_buffer_, bytes);
-    q_buffer_.upload(0, query.q, bytes);
+    q_buffer_.upload(0, call.q, bytes);
     ringlm_attention_args args{};
     args.q = q_buffer_.get();
     args.out = out_buffer_.get();
     args.keys = c.keys.get();
-    args.keys_offset = static_cast<size_t>(query.layer) * c.layer_bytes;
+    args.keys_offset = static_cast<size_t>(layer) * c.layer_bytes;
     args.values = c.values.get();
     args.values_offset = args.keys_offset;
     args.kv_format = c.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
     args.row_stride = c.shape.row_width;
     args.positions = c.positions.get();
     args.n_slots = c.n_slots;
-    args.n_tokens = query.n_tokens;
-    args.q_pos0 = query.q_pos0;
-    args.n_head = n_head;
-    args.n_head_kv = n_head_kv;
-    args.head_dim = head_dim;
-    args.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    args.n_tokens = call.n_tokens;
+    args.q_pos0 = call.pos0;
+    args.n_head = shape.n_head;
+    args.n_head_kv = shape.n_head_kv;
+    args.head_dim = shape.head_dim;
+    args.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
     check(*device_, api_.attention(device_->context, &args), "attention");
-    out_buffer_.download(0, query.out, bytes);
+    out_buffer_.download(0, call.out, bytes);
   }
 
-  void shift_keys(DeviceKvCache& kv, std::span<const int> slots, std::span<const float> cos,
-                  std::span<const float> sin, int n_kv_head, int head_dim, bool adjacent_pairs) override {
+  void shift_device_keys(PluginKvCache& c, std::span<const int> slots, const RopeAngles& angles, int n_kv_head,
+                         int head_dim) {
     if (slots.empty()) return;
-    PluginKvCache& c = static_cast<PluginKvCache&>(kv);
+    const auto half = static_cast<size_t>(angles.n_rot / 2);
     std::vector<int32_t> slot_list(slots.begin(), slots.end());
-    std::vector<float> cos_sin(cos.begin(), cos.end());
-    cos_sin.insert(cos_sin.end(), sin.begin(), sin.end());
+    std::vector<float> cos_sin(angles.cos, angles.cos + half);
+    cos_sin.insert(cos_sin.end(), angles.sin, angles.sin + half);
     DeviceBuffer slot_buffer(device_, slot_list.size() * sizeof(int32_t));
     DeviceBuffer angle_buffer(device_, cos_sin.size() * sizeof(float));
     slot_buffer.upload(0, slot_list.data(), slot_list.size() * sizeof(int32_t));
@@ -301,13 +379,12 @@ class PluginBackend final : public Backend, public DeviceAttention {
     args.n_moved = static_cast<int32_t>(slot_list.size());
     args.n_head_kv = n_kv_head;
     args.head_dim = head_dim;
-    args.n_rot = static_cast<int32_t>(2 * cos.size());
-    args.adjacent_pairs = adjacent_pairs ? 1 : 0;
+    args.n_rot = angles.n_rot;
+    args.adjacent_pairs = angles.adjacent_pairs ? 1 : 0;
     args.cos_sin = angle_buffer.get();
     check(*device_, api_.rope_shift(device_->context, &args), "rope_shift");
   }
 
- private:
   // The largest M (<= kMaxDeviceRows) the device multiplies `w` by in one call; 0: the device
   // does not take this weight at all.
   int64_t device_rows_for(const WeightView& w) const {
@@ -369,6 +446,8 @@ class PluginBackend final : public Backend, public DeviceAttention {
   std::string name_;
   DeviceBuffer x_buffer_, y_buffer_, q_buffer_, out_buffer_;
   std::vector<float> normed_, up_out_;
+  std::map<GeometryKey, bool> geometries_;   // whether the device runs each attention geometry
+  std::vector<AttentionCall> cpu_calls_;     // attention()'s calls left to the CPU, reused
 };
 
 }  // namespace

@@ -1,7 +1,7 @@
 // A backend on a plugin's device (backends/plugin_api.h, opened by backends/plugin_loader.h).
 //
 // The products of every weight the plugin supports run on the device, the weight uploaded once
-// at prepare; attention runs there over KV caches kept in the device's memory (DeviceAttention),
+// at prepare; attention runs there over copies of the KV caches kept in the device's memory,
 // with the StreamingLLM key shift done there too. Whatever the plugin does not take (a weight
 // format or shape it refuses, an attention geometry) runs on the CPU backend it wraps. Between
 // ops, activations come back to the host: RMSNorm, RoPE, SiLU and the residual adds stay on the

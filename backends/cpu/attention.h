@@ -13,13 +13,11 @@
 #include <utility>
 #include <vector>
 
+#include "backends/backend.h"
+
 namespace ringlm::cpu {
 
-struct AttentionShape {
-  int n_head = 0;     // query heads
-  int n_head_kv = 0;  // key/value heads; query head h reads KV head h / (n_head / n_head_kv)
-  int head_dim = 0;
-};
+using ringlm::AttentionShape;  // the backend interface's (backends/backend.h)
 
 // The keys and values of one layer, in the slots of a ring cache: slot j's KV head g starts at
 // element j * row_stride + g * head_dim of keys (values), fp32 or fp16. positions[j] is the

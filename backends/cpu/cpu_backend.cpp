@@ -39,6 +39,7 @@
 
 #include "backends/cpu/activation.h"
 #include "backends/cpu/kernel_packed.h"
+#include "backends/cpu/layer_ops.h"
 #include "backends/cpu/quantize_acts.h"
 
 namespace ringlm {
@@ -125,12 +126,28 @@ class CpuBackend final : public Backend {
       : n_threads_(n_threads > 0 ? n_threads : omp_get_max_threads()),
         compute_(compute),
         fixed_crossover_(fixed_crossover),
-        table_(std::move(table)) {
+        table_(std::move(table)),
+        layer_ops_(n_threads_) {
     openblas_set_num_threads(1);
     per_thread_.resize(static_cast<size_t>(n_threads_));
   }
 
   std::string_view name() const override { return "CPU"; }
+
+  void rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) override {
+    layer_ops_.rope(x, n_rows, n_heads, head_dim, angles);
+  }
+  void store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) override {
+    layer_ops_.store_kv(kv, layer, first_slot, n, k, v);
+  }
+  void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) override {
+    layer_ops_.attention(layer, shape, calls);
+  }
+  void shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv,
+                  int head_dim) override {
+    layer_ops_.shift_keys(kv, slots, angles, n_head_kv, head_dim);
+  }
+  void add(float* x, const float* delta, int64_t n) override { layer_ops_.add(x, delta, n); }
 
   std::unique_ptr<PreparedWeight> prepare(const WeightView& w) override {
     const std::optional<TypeTraits> traits = type_traits(static_cast<uint32_t>(w.type));
@@ -436,6 +453,7 @@ class CpuBackend final : public Backend {
   std::vector<float*> packed_batch_ys_;
   std::vector<ThreadBuffers> per_thread_;
   cpu::WeightArena arena_;  // the packed weights, in the order the model prepares them
+  cpu::LayerOps layer_ops_;
 };
 
 }  // namespace

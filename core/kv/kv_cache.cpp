@@ -96,4 +96,22 @@ std::vector<int> KvCache::discard(int n_discard) {
   return moved;
 }
 
+KvView KvCache::view() {
+  KvView v;
+  v.rows = storage_.data();
+  v.n_layer = n_layer_;
+  v.capacity = capacity_;
+  v.row_width = row_width();
+  v.f16 = type_ == KvType::kF16;
+  v.positions = positions();
+  v.state = &backend_state_;
+  return v;
+}
+
+KvView KvCache::prefix_view() const {
+  KvView v = const_cast<KvCache*>(this)->view();  // the ops only read a prefix's rows
+  v.state = nullptr;
+  return v;
+}
+
 }  // namespace ringlm

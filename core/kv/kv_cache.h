@@ -98,10 +98,14 @@ class KvCache {
   // decoded together never see each other's maxima.
   std::vector<float>& softmax_phi() { return softmax_phi_; }
 
-  // The copy of this cache's rows that a device keeps for its attention (DeviceAttention), made
-  // by the model when the cache first runs there and kept in step with it from then on.
-  DeviceKvCache* device_copy() const { return device_copy_.get(); }
-  void set_device_copy(std::unique_ptr<DeviceKvCache> copy) { device_copy_ = std::move(copy); }
+  // The cache as the backend's ops see it (backends/backend.h): its rows, positions and the
+  // backend's own state for it (a device copy, which the backend made and keeps in step). The
+  // prefix's view is the caller's to set (it must outlive the calls).
+  KvView view();
+  // A read-only view without backend state: how a cache is read as another one's prefix.
+  KvView prefix_view() const;
+  // Whether a backend keeps state of its own for this cache (a copy in a device's memory).
+  bool has_backend_state() const { return backend_state_ != nullptr; }
 
   // Row `slot` of layer `layer`: row_width() values of type(), K or V.
   void* key(int layer, int slot) { return storage_.data() + offset(layer, slot, false); }
@@ -131,7 +135,7 @@ class KvCache {
   PageBuffer storage_;
   std::shared_ptr<const KvCache> prefix_;
   std::vector<float> softmax_phi_;
-  std::unique_ptr<DeviceKvCache> device_copy_;
+  std::unique_ptr<BackendKvState> backend_state_;
 };
 
 }  // namespace ringlm

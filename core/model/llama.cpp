@@ -1,10 +1,5 @@
 #include "core/model/llama.h"
 
-#include <omp.h>
-
-#include "backends/cpu/attention.h"
-#include "backends/cpu/kv_rows.h"
-
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -12,10 +7,6 @@
 namespace ringlm {
 
 namespace {
-
-// Per-row work (RoPE, the KV store, the residual) is shared by the threads from this many rows of
-// a step on: below it (a decode step), a parallel region costs more than the work.
-constexpr int kParallelRows = 4;
 
 // Architectures that run on this decoder, with the RoPE layout their GGUF conversion uses.
 struct ArchInfo {
@@ -61,11 +52,6 @@ std::vector<float> load_vector(const GgufFile& gguf, const std::string& name, in
   return v;
 }
 
-
-// The pair layout of the model's RoPE, as the kernels name it.
-cpu::RopePairs rope_pairs(RopeStyle style) {
-  return style == RopeStyle::kAdjacentPairs ? cpu::RopePairs::kAdjacent : cpu::RopePairs::kHalves;
-}
 
 }  // namespace
 
@@ -144,15 +130,15 @@ struct LlamaModel::Layer {
 // Activations for one chunk of up to max_batch tokens, allocated once.
 struct LlamaModel::Scratch {
   std::vector<float> x, xn, q, k, v, attn, gate;
-  std::vector<float> rope_cos, rope_sin;  // [tokens][n_rot]: per row, cpu::expand_rope_angles tables
-  std::vector<float> angle_cos, angle_sin;  // [n_rot / 2]: one position's, before expansion
-  cpu::AttentionScratch attention;
-  std::vector<cpu::AttentionJob> attention_jobs;  // attention()'s lists, reused
-  std::vector<cpu::KvLayer> attention_prefixes;
+  std::vector<float> rope_cos, rope_sin;  // [tokens][n_rot / 2]: each row's RoPE angles
+  // The pass's sequences as the backend sees them: their caches, their prefixes, and one
+  // attention call each (reused, sized before any pointer into them is taken).
+  std::vector<KvView> kv_views, prefix_views;
+  std::vector<AttentionCall> attention_calls;
 };
 
 LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
-    : hp_(LlamaHparams::from_gguf(gguf)), backend_(backend), device_(backend.device_attention()) {
+    : hp_(LlamaHparams::from_gguf(gguf)), backend_(backend) {
   const int64_t d = hp_.n_embd;
   const int64_t q_dim = static_cast<int64_t>(hp_.n_head) * hp_.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(hp_.n_head_kv) * hp_.head_dim;
@@ -201,11 +187,6 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
     for (size_t i = 0; i < factors.size(); ++i) rope_inv_freq_[i] /= factors[i];
   }
 
-  if (device_ != nullptr) {  // asked once here: attends_on_device() runs for every sequence of every layer
-    device_attends_f16_ = device_->supports(hp_.n_head, hp_.n_head_kv, hp_.head_dim, true);
-    device_attends_f32_ = device_->supports(hp_.n_head, hp_.n_head_kv, hp_.head_dim, false);
-  }
-
   scratch_ = std::make_unique<Scratch>();
   const auto M = static_cast<size_t>(max_batch_);
   scratch_->x.resize(M * d);
@@ -215,10 +196,8 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   scratch_->v.resize(M * kv_dim);
   scratch_->attn.resize(M * q_dim);
   scratch_->gate.resize(M * hp_.n_ff);
-  scratch_->rope_cos.resize(M * static_cast<size_t>(hp_.n_rot));
-  scratch_->rope_sin.resize(M * static_cast<size_t>(hp_.n_rot));
-  scratch_->angle_cos.resize(static_cast<size_t>(hp_.n_rot / 2));
-  scratch_->angle_sin.resize(static_cast<size_t>(hp_.n_rot / 2));
+  scratch_->rope_cos.resize(M * static_cast<size_t>(hp_.n_rot / 2));
+  scratch_->rope_sin.resize(M * static_cast<size_t>(hp_.n_rot / 2));
 }
 
 LlamaModel::~LlamaModel() = default;
@@ -264,71 +243,11 @@ void LlamaModel::shift_context(KvCache& cache) const {
     cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
     sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
   }
-  std::vector<float> cos_x(static_cast<size_t>(hp_.n_rot)), sin_x(static_cast<size_t>(hp_.n_rot));
-  cpu::expand_rope_angles(cos.data(), sin.data(), hp_.n_rot, rope_pairs(hp_.rope_style), cos_x.data(), sin_x.data());
-  const int width = cache.row_width();
-  const bool f16 = cache.type() == KvType::kF16;
-#pragma omp parallel
-  {
-    std::vector<float> row(static_cast<size_t>(width));
-#pragma omp for collapse(2) schedule(static)
-    for (int il = 0; il < hp_.n_layer; ++il) {
-      for (size_t m = 0; m < moved.size(); ++m) {
-        void* key = cache.key(il, moved[m]);
-        if (f16) {
-          cpu::fp16_to_fp32_row(static_cast<const uint16_t*>(key), row.data(), width);
-        } else {
-          std::copy_n(static_cast<const float*>(key), width, row.data());
-        }
-        cpu::rotate_heads(row.data(), hp_.n_head_kv, hp_.head_dim, hp_.n_rot, rope_pairs(hp_.rope_style), cos_x.data(),
-                          sin_x.data());
-        if (f16) {
-          cpu::fp32_to_fp16_row(row.data(), static_cast<uint16_t*>(key), width);
-        } else {
-          std::copy_n(row.data(), width, static_cast<float*>(key));
-        }
-      }
-    }
-  }
-  // The device's copy turns the same way, where it lives.
-  if (DeviceKvCache* copy = cache.device_copy()) {
-    const bool adjacent = hp_.rope_style == RopeStyle::kAdjacentPairs;
-    device_->shift_keys(*copy, moved, cos, sin, hp_.n_head_kv, hp_.head_dim, adjacent);
-  }
+  backend_.shift_keys(cache.view(), moved, rope_layout(cos.data(), sin.data()), hp_.n_head_kv, hp_.head_dim);
 }
 
-bool LlamaModel::attends_on_device(const KvCache& cache) const {
-  return cache.prefix() == nullptr && (cache.type() == KvType::kF16 ? device_attends_f16_ : device_attends_f32_);
-}
-
-void LlamaModel::sync_device_copy(KvCache& cache) {
-  if (cache.device_copy() == nullptr) {
-    if (!attends_on_device(cache)) return;
-    const DeviceKvShape shape{hp_.n_layer, cache.capacity(), cache.row_width(), cache.type() == KvType::kF16};
-    std::unique_ptr<DeviceKvCache> copy = device_->make_kv(shape);
-    // A cache that ran on the CPU so far (or was restored) brings its rows along.
-    if (cache.extent() > 0) {
-      for (int il = 0; il < hp_.n_layer; ++il) {
-        device_->store(*copy, il, 0, cache.extent(), cache.key(il, 0), cache.value(il, 0));
-      }
-    }
-    cache.set_device_copy(std::move(copy));
-  }
-  // Once a cache has a copy, the copy follows every change (even while a prefix keeps its
-  // attention on the CPU), so it is never stale.
-  device_->set_positions(*cache.device_copy(), cache.positions());
-}
-
-// Writes one token's keys and values (every KV head) into its slot, in the cache's type.
-void LlamaModel::store_kv(KvCache& cache, int layer, int slot, const float* k, const float* v) const {
-  const int width = cache.row_width();
-  if (cache.type() == KvType::kF16) {
-    cpu::fp32_to_fp16_row(k, static_cast<uint16_t*>(cache.key(layer, slot)), width);
-    cpu::fp32_to_fp16_row(v, static_cast<uint16_t*>(cache.value(layer, slot)), width);
-  } else {
-    std::copy_n(k, width, static_cast<float*>(cache.key(layer, slot)));
-    std::copy_n(v, width, static_cast<float*>(cache.value(layer, slot)));
-  }
+RopeAngles LlamaModel::rope_layout(const float* cos, const float* sin) const {
+  return RopeAngles{cos, sin, hp_.n_rot, hp_.rope_style == RopeStyle::kAdjacentPairs};
 }
 
 void LlamaModel::embed(std::span<const int32_t> tokens, float* out) {
@@ -342,131 +261,93 @@ void LlamaModel::embed(std::span<const int32_t> tokens, float* out) {
   }
 }
 
-// cos and sin of every rotation angle of the chunk's positions, computed once per chunk for
-// all layers (in double: positions reach millions, where float angles lose digits), expanded
-// to the rotary elements (cpu::expand_rope_angles).
+// cos and sin of every rotation angle of the tokens at positions pos0.. (rows row0..),
+// computed once per pass for all layers, in double: positions reach millions, where float
+// angles lose digits.
 void LlamaModel::rope_angles(int row0, int64_t pos0, int n_tokens) {
   const int half = hp_.n_rot / 2;
-  std::vector<float>& cos = scratch_->angle_cos;
-  std::vector<float>& sin = scratch_->angle_sin;
   for (int t = 0; t < n_tokens; ++t) {
     const double p = static_cast<double>(pos0 + t) / hp_.rope_scale;
+    const size_t at = static_cast<size_t>(row0 + t) * static_cast<size_t>(half);
     for (int i = 0; i < half; ++i) {
       const double theta = p * rope_inv_freq_[static_cast<size_t>(i)];
-      cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
-      sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
+      scratch_->rope_cos[at + static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
+      scratch_->rope_sin[at + static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
     }
-    const size_t at = static_cast<size_t>(row0 + t) * static_cast<size_t>(hp_.n_rot);
-    cpu::expand_rope_angles(cos.data(), sin.data(), hp_.n_rot, rope_pairs(hp_.rope_style), &scratch_->rope_cos[at],
-                            &scratch_->rope_sin[at]);
   }
 }
 
-// Rotates the n_heads vectors of activation row `row` by its angles (rope_angles).
-void LlamaModel::apply_rope(float* vec, int n_heads, int row) const {
-  const size_t at = static_cast<size_t>(row) * static_cast<size_t>(hp_.n_rot);
-  cpu::rotate_heads(vec, n_heads, hp_.head_dim, hp_.n_rot, rope_pairs(hp_.rope_style), &scratch_->rope_cos[at],
-                    &scratch_->rope_sin[at]);
-}
-
-// Causal attention of every sequence's queries over its own cache, in one batch: query i sees
-// the cached tokens up to and including itself. Query heads share KV heads in groups (GQA) by
-// index, without copying K/V. The asynchronized softmax's maxima live in each sequence's cache.
-// A sequence whose cache has a copy on the backend's device attends there (one call each);
-// the others share one CPU call.
-void LlamaModel::attention(int layer, std::span<const Rows> rows) {
-  const cpu::AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim};
-  const auto layer_of = [layer](const KvCache& c, const cpu::KvLayer* prefix) {
-    const std::span<const int64_t> positions = c.positions();
-    return cpu::KvLayer{c.key(layer, 0),         c.value(layer, 0), c.row_width(),
-                        c.type() == KvType::kF16, positions.data(),  static_cast<int>(positions.size()),
-                        prefix};
-  };
-  // A shared prompt segment (batch samples) is read first, from its own memory. Sized before
-  // filling: jobs point into it.
-  std::vector<cpu::KvLayer>& prefixes = scratch_->attention_prefixes;
-  std::vector<cpu::AttentionJob>& jobs = scratch_->attention_jobs;
-  prefixes.assign(rows.size(), cpu::KvLayer{});
-  jobs.clear();
+// The pass's sequences as the backend sees them: a view of each cache (and of the prefix it
+// reads first) and its attention call, filled once per pass for every layer.
+void LlamaModel::describe_sequences(std::span<const Rows> rows) {
+  Scratch& s = *scratch_;
+  // Sized first: views point into prefix_views, calls into kv_views.
+  s.kv_views.resize(rows.size());
+  s.prefix_views.resize(rows.size());
+  s.attention_calls.resize(rows.size());
   const size_t q_dim = static_cast<size_t>(hp_.n_head) * hp_.head_dim;
   for (size_t i = 0; i < rows.size(); ++i) {
     KvCache& cache = *rows[i].cache;
-    const size_t q_at = static_cast<size_t>(rows[i].row0) * q_dim;
-    if (cache.device_copy() != nullptr && attends_on_device(cache)) {
-      device_->attend(*cache.device_copy(),
-                      {layer, scratch_->q.data() + q_at, static_cast<int>(rows[i].tokens.size()), rows[i].pos0,
-                       scratch_->attn.data() + q_at},
-                      hp_.n_head, hp_.n_head_kv, hp_.head_dim);
-      continue;
+    s.kv_views[i] = cache.view();
+    if (cache.prefix() != nullptr) {
+      s.prefix_views[i] = cache.prefix()->prefix_view();
+      s.kv_views[i].prefix = &s.prefix_views[i];
     }
-    if (cache.prefix() != nullptr) prefixes[i] = layer_of(*cache.prefix(), nullptr);
-    float* phi = nullptr;
     if (async_softmax_) {
-      std::vector<float>& state = cache.softmax_phi();
-      const size_t per_layer = static_cast<size_t>(hp_.n_head);
-      if (state.size() != static_cast<size_t>(hp_.n_layer) * per_layer) state.assign(hp_.n_layer * per_layer, NAN);
-      phi = &state[static_cast<size_t>(layer) * per_layer];
+      std::vector<float>& phi = cache.softmax_phi();
+      const size_t n = static_cast<size_t>(hp_.n_layer) * static_cast<size_t>(hp_.n_head);
+      if (phi.size() != n) phi.assign(n, NAN);
     }
-    jobs.push_back({scratch_->q.data() + q_at, layer_of(cache, cache.prefix() != nullptr ? &prefixes[i] : nullptr),
-                    rows[i].pos0, static_cast<int>(rows[i].tokens.size()), scratch_->attn.data() + q_at, phi});
+    const size_t q_at = static_cast<size_t>(rows[i].row0) * q_dim;
+    s.attention_calls[i] = AttentionCall{s.q.data() + q_at, static_cast<int>(rows[i].tokens.size()), rows[i].pos0,
+                                         s.attn.data() + q_at, &s.kv_views[i], nullptr};
   }
-  if (!jobs.empty()) cpu::attention_batch(shape, jobs, scratch_->attention, omp_get_max_threads());
 }
 
-// x += delta over n rows of the hidden state, split over the threads for a chunk of rows.
-void LlamaModel::add_residual(const float* delta, int n) {
-  float* x = scratch_->x.data();
-  const int64_t d = hp_.n_embd;
-#pragma omp parallel for schedule(static) if (n >= kParallelRows)
-  for (int i = 0; i < n; ++i) {
-    for (int64_t c = i * d; c < (i + 1) * d; ++c) x[c] += delta[c];
+// Causal attention of every sequence's queries over its own cache, in one backend call: query i
+// sees the cached tokens up to and including itself. The asynchronized softmax's maxima live in
+// each sequence's cache.
+void LlamaModel::attention(int layer, std::span<const Rows> rows) {
+  Scratch& s = *scratch_;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::vector<float>& phi = rows[i].cache->softmax_phi();
+    s.attention_calls[i].softmax_phi = async_softmax_ ? &phi[static_cast<size_t>(layer) * hp_.n_head] : nullptr;
   }
+  backend_.attention(layer, {hp_.n_head, hp_.n_head_kv, hp_.head_dim}, s.attention_calls);
 }
 
 void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   Scratch& s = *scratch_;
   const int d = hp_.n_embd;
-  const int q_dim = hp_.n_head * hp_.head_dim;
   const int kv_dim = hp_.n_head_kv * hp_.head_dim;
   for (const Rows& r : rows) {
     embed(r.tokens, &s.x[static_cast<size_t>(r.row0) * d]);
     rope_angles(r.row0, r.pos0, static_cast<int>(r.tokens.size()));
-    if (device_ != nullptr) sync_device_copy(*r.cache);
   }
+  describe_sequences(rows);
+  const RopeAngles angles = rope_layout(s.rope_cos.data(), s.rope_sin.data());
   for (int il = 0; il < hp_.n_layer; ++il) {
     const Layer& L = layers_[static_cast<size_t>(il)];
     // Attention block: one QKV projection of the normalised input (the norm is fused into the
-    // backend's input preparation), RoPE on the way into each sequence's cache.
+    // backend's input preparation), RoPE on q and k, k and v into each sequence's cache.
     const PreparedWeight* qkv[] = {L.wq.get(), L.wk.get(), L.wv.get()};
     float* const qkv_out[] = {s.q.data(), s.k.data(), s.v.data()};
     backend_.matmul_many(qkv, MatmulInput{s.x.data(), n, L.attn_norm.data(), hp_.rms_eps}, qkv_out);
-    // Rows are independent (each writes its own cache slot): the threads share them when there
-    // are a few, as in a prefill chunk or a batch step.
-#pragma omp parallel for schedule(static) if (n >= kParallelRows)
-    for (int i = 0; i < n; ++i) {
-      // The sequence that row i belongs to: the last one starting at or before it.
-      const Rows& r = *std::prev(std::upper_bound(rows.begin(), rows.end(), i, [](int row, const Rows& seq) {
-        return row < seq.row0;
-      }));
-      const auto at = static_cast<size_t>(i);
-      apply_rope(&s.q[at * q_dim], hp_.n_head, i);
-      apply_rope(&s.k[at * kv_dim], hp_.n_head_kv, i);
-      store_kv(*r.cache, il, r.first_slot + (i - r.row0), &s.k[at * kv_dim], &s.v[at * kv_dim]);
-    }
-    for (const Rows& r : rows) {
-      if (DeviceKvCache* copy = r.cache->device_copy()) {
-        device_->store(*copy, il, r.first_slot, static_cast<int>(r.tokens.size()), r.cache->key(il, r.first_slot),
-                       r.cache->value(il, r.first_slot));
-      }
+    backend_.rope(s.q.data(), n, hp_.n_head, hp_.head_dim, angles);
+    backend_.rope(s.k.data(), n, hp_.n_head_kv, hp_.head_dim, angles);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const size_t at = static_cast<size_t>(rows[i].row0) * kv_dim;
+      backend_.store_kv(s.kv_views[i], il, rows[i].first_slot, static_cast<int>(rows[i].tokens.size()), &s.k[at],
+                        &s.v[at]);
     }
     attention(il, rows);
     backend_.matmul(*L.wo, s.attn.data(), n, s.xn.data());
-    add_residual(s.xn.data(), n);
+    backend_.add(s.x.data(), s.xn.data(), static_cast<int64_t>(n) * d);
 
     // Feed-forward block: down(silu(gate(x)) * up(x)), gate and up in one fused pass.
     backend_.matmul_swiglu(*L.gate, *L.up, MatmulInput{s.x.data(), n, L.ffn_norm.data(), hp_.rms_eps}, s.gate.data());
     backend_.matmul(*L.down, s.gate.data(), n, s.xn.data());
-    add_residual(s.xn.data(), n);
+    backend_.add(s.x.data(), s.xn.data(), static_cast<int64_t>(n) * d);
   }
 }
 

@@ -99,7 +99,8 @@ class LlamaModel {
   // The transformer over `rows` (appended to their caches); leaves the final hidden states in
   // the scratch activations.
   void run_layers(std::span<const Rows> rows, int n_rows);
-  void add_residual(const float* delta, int n_rows);
+  // Fills the scratch's KV views and attention calls of the pass's sequences.
+  void describe_sequences(std::span<const Rows> rows);
   // Final norm + vocabulary projection of n hidden-state rows starting at `row`, into `logits`.
   void project_logits(int row, int n, float* logits);
   void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits);
@@ -107,19 +108,11 @@ class LlamaModel {
   void attention(int layer, std::span<const Rows> rows);
   // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0...
   void rope_angles(int row0, int64_t pos0, int n_tokens);
-  void apply_rope(float* vec, int n_heads, int row) const;
-  void store_kv(KvCache& cache, int layer, int slot, const float* k, const float* v) const;
-  // Whether `cache`'s attention runs on the backend's device (DeviceAttention).
-  bool attends_on_device(const KvCache& cache) const;
-  // Gives `cache` its device copy (uploading the rows it already holds) if its attention runs
-  // on the device, and brings the copy's slot positions up to date.
-  void sync_device_copy(KvCache& cache);
+  // Angle tables in this model's RoPE layout.
+  RopeAngles rope_layout(const float* cos, const float* sin) const;
 
   LlamaHparams hp_;
   Backend& backend_;
-  DeviceAttention* device_ = nullptr;  // the backend's, or nullptr: attention on the CPU
-  bool device_attends_f16_ = false;    // device_ runs this model's attention over fp16 caches
-  bool device_attends_f32_ = false;    // ... over fp32 caches
   const GgufTensorInfo* token_embd_ = nullptr;
   std::vector<Layer> layers_;
   std::vector<float> output_norm_;

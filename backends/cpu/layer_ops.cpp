@@ -1,0 +1,113 @@
+#include "backends/cpu/layer_ops.h"
+
+#include <omp.h>
+
+#include <algorithm>
+
+#include "backends/cpu/kv_rows.h"
+
+namespace ringlm::cpu {
+namespace {
+
+// Rows from which the threads share per-row work (RoPE, the KV store): below it (a decode step),
+// a parallel region costs more than the work.
+constexpr int64_t kParallelRows = 4;
+// Elements from which the threads share the residual add.
+constexpr int64_t kParallelAdd = 1 << 14;
+
+RopePairs pairs_of(const RopeAngles& angles) { return angles.adjacent_pairs ? RopePairs::kAdjacent : RopePairs::kHalves; }
+
+// One layer's slots of a cache as the attention kernel reads them.
+KvLayer layer_of(const KvView& kv, int layer, const KvLayer* prefix) {
+  return KvLayer{kv.key(layer, 0), kv.value(layer, 0), kv.row_width, kv.f16, kv.positions.data(),
+                 static_cast<int>(kv.positions.size()), prefix};
+}
+
+}  // namespace
+
+void LayerOps::rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) {
+  const int half = angles.n_rot / 2;
+  const int64_t row_width = static_cast<int64_t>(n_heads) * head_dim;
+  // Each thread expands a row's angles to one entry per rotary element (expand_rope_angles)
+  // into its own part of rope_tables_, sized here: no allocation per call once warm.
+  const size_t table = 2 * static_cast<size_t>(angles.n_rot);
+  if (rope_tables_.size() < table * static_cast<size_t>(n_threads_)) rope_tables_.resize(table * n_threads_);
+#pragma omp parallel num_threads(n_threads_) if (n_rows >= kParallelRows)
+  {
+    float* cos_x = rope_tables_.data() + table * static_cast<size_t>(omp_get_thread_num());
+    float* sin_x = cos_x + angles.n_rot;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n_rows; ++r) {
+      expand_rope_angles(angles.cos + r * half, angles.sin + r * half, angles.n_rot, pairs_of(angles), cos_x, sin_x);
+      rotate_heads(x + r * row_width, n_heads, head_dim, angles.n_rot, pairs_of(angles), cos_x, sin_x);
+    }
+  }
+}
+
+void LayerOps::store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) {
+#pragma omp parallel for num_threads(n_threads_) schedule(static) if (n >= kParallelRows)
+  for (int i = 0; i < n; ++i) {
+    const float* key = k + static_cast<int64_t>(i) * kv.row_width;
+    const float* value = v + static_cast<int64_t>(i) * kv.row_width;
+    if (kv.f16) {
+      fp32_to_fp16_row(key, reinterpret_cast<uint16_t*>(kv.key(layer, first_slot + i)), kv.row_width);
+      fp32_to_fp16_row(value, reinterpret_cast<uint16_t*>(kv.value(layer, first_slot + i)), kv.row_width);
+    } else {
+      std::copy_n(key, kv.row_width, reinterpret_cast<float*>(kv.key(layer, first_slot + i)));
+      std::copy_n(value, kv.row_width, reinterpret_cast<float*>(kv.value(layer, first_slot + i)));
+    }
+  }
+}
+
+void LayerOps::attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) {
+  // Sized before filling: jobs point into prefixes_.
+  prefixes_.assign(calls.size(), KvLayer{});
+  jobs_.clear();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const AttentionCall& c = calls[i];
+    const KvLayer* prefix = nullptr;
+    if (c.kv->prefix != nullptr) {
+      prefixes_[i] = layer_of(*c.kv->prefix, layer, nullptr);
+      prefix = &prefixes_[i];
+    }
+    jobs_.push_back({c.q, layer_of(*c.kv, layer, prefix), c.pos0, c.n_tokens, c.out, c.softmax_phi});
+  }
+  if (!jobs_.empty()) {
+    attention_batch(shape, jobs_, scratch_, n_threads_);
+  }
+}
+
+void LayerOps::shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv,
+                          int head_dim) {
+  std::vector<float> cos_x(static_cast<size_t>(angles.n_rot)), sin_x(cos_x.size());
+  expand_rope_angles(angles.cos, angles.sin, angles.n_rot, pairs_of(angles), cos_x.data(), sin_x.data());
+  const auto n_slots = static_cast<int64_t>(slots.size());
+#pragma omp parallel num_threads(n_threads_)
+  {
+    std::vector<float> row(static_cast<size_t>(kv.row_width));
+#pragma omp for collapse(2) schedule(static)
+    for (int layer = 0; layer < kv.n_layer; ++layer) {
+      for (int64_t m = 0; m < n_slots; ++m) {
+        uint8_t* key = kv.key(layer, slots[static_cast<size_t>(m)]);
+        if (kv.f16) {
+          fp16_to_fp32_row(reinterpret_cast<const uint16_t*>(key), row.data(), kv.row_width);
+        } else {
+          std::copy_n(reinterpret_cast<const float*>(key), kv.row_width, row.data());
+        }
+        rotate_heads(row.data(), n_head_kv, head_dim, angles.n_rot, pairs_of(angles), cos_x.data(), sin_x.data());
+        if (kv.f16) {
+          fp32_to_fp16_row(row.data(), reinterpret_cast<uint16_t*>(key), kv.row_width);
+        } else {
+          std::copy_n(row.data(), kv.row_width, reinterpret_cast<float*>(key));
+        }
+      }
+    }
+  }
+}
+
+void LayerOps::add(float* x, const float* delta, int64_t n) {
+#pragma omp parallel for num_threads(n_threads_) schedule(static) if (n >= kParallelAdd)
+  for (int64_t i = 0; i < n; ++i) x[i] += delta[i];
+}
+
+}  // namespace ringlm::cpu

@@ -1,0 +1,33 @@
+// The CPU's ops of a layer's attention block (Backend::rope, store_kv, attention, shift_keys)
+// and the residual add, over KV caches in host memory: what the CPU backend runs, and what a
+// plugin backend runs for the caches and geometries its device does not take.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "backends/backend.h"
+#include "backends/cpu/attention.h"
+
+namespace ringlm::cpu {
+
+class LayerOps {
+ public:
+  explicit LayerOps(int n_threads) : n_threads_(n_threads) {}
+
+  void rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles);
+  void store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v);
+  void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls);
+  void shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv, int head_dim);
+  void add(float* x, const float* delta, int64_t n);
+
+ private:
+  int n_threads_;
+  AttentionScratch scratch_;
+  std::vector<AttentionJob> jobs_;  // attention()'s lists, reused
+  std::vector<KvLayer> prefixes_;
+  std::vector<float> rope_tables_;  // per thread, one row's expanded angles (cos_x, sin_x)
+};
+
+}  // namespace ringlm::cpu
