@@ -10,6 +10,7 @@
 #include "apps/perplexity_command.h"
 #include "apps/quantize_command.h"
 #include "apps/run_command.h"
+#include "apps/tokenize_command.h"
 #include "apps/tune_command.h"
 #include "backends/cpu/tuning.h"
 
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
   ringlm::add_quantize_command(app);
   ringlm::add_tune_command(app);
   ringlm::add_devices_command(app);
+  ringlm::add_tokenize_command(app);
   try {
     ringlm::apply_simd_target_override();
     app.parse(argc, argv);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/gguf/gguf.h"
+#include "core/tokenizer/pretokenizer.h"
 #include "core/tokenizer/tokenizer.h"
 
 namespace ringlm {
@@ -332,6 +333,24 @@ TEST(TokenizerErrors, UnknownPreTokenizerFallsBackToDefault) {
   EXPECT_EQ(tok->encode("ab a", false, false), (std::vector<int32_t>{2, 4}));
   EXPECT_EQ(tok->bos_id(), -1);
   EXPECT_EQ(tok->encode("a", true, false), (std::vector<int32_t>{0}));  // no BOS to add
+}
+
+TEST(Tokenizer, EveryKnownPreTokenizerNameLoads) {
+  // Each name llama.cpp maps loads under its own name (no fallback to "default"), with the BOS
+  // default llama.cpp gives it; the tiny vocabulary splits "ab a" the same way under all of them.
+  for (const PreTokenizerSpec& spec : known_pre_tokenizers()) {
+    const std::string name(spec.name);
+    SCOPED_TRACE(name);
+    const std::vector<uint8_t> bytes =
+        tiny_bpe().str("tokenizer.ggml.pre", name).u32("tokenizer.ggml.bos_token_id", 0).bytes();
+    const auto gguf = GgufFile::parse(bytes.data(), bytes.size(), "test.gguf");
+    const auto tok = Tokenizer::from_gguf(*gguf);
+    EXPECT_EQ(tok->pre_tokenizer_name(), name);
+    EXPECT_EQ(tok->add_bos_by_default(), spec.add_bos);
+    EXPECT_EQ(tok->encode("ab a", false, false), (std::vector<int32_t>{2, 4}));
+  }
+  for (const char* name : {"llama-bpe", "tekken", "chameleon"}) EXPECT_TRUE(find_pre_tokenizer(name)->add_bos);
+  for (const char* name : {"deepseek-v3", "qwen2", "gpt-4o"}) EXPECT_FALSE(find_pre_tokenizer(name)->add_bos);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class Tokenizer {
   int32_t eot_id() const { return eot_id_; }  // -1 if none
   int32_t pad_id() const { return pad_id_; }  // -1 if none
   // tokenizer.ggml.add_bos_token, else the model type's default (llama: true, gpt2: false,
-  // except Llama 3's pre-tokenizer: true, as in llama.cpp).
+  // except the pre-tokenizers llama.cpp gives a BOS: Llama 3's, Tekken's, Chameleon's).
   bool add_bos_by_default() const { return add_bos_; }
   bool add_eos_by_default() const { return add_eos_; }  // informational: encode() never adds EOS
   // EOS, EOT, EOM and control tokens that end a turn (<|im_end|>, <|eot_id|>, <|end|>, ...).
