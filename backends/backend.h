@@ -176,6 +176,11 @@ class Backend {
 
   // x[i] += delta[i] for i < n: a residual connection.
   virtual void add(float* x, const float* delta, int64_t n) = 0;
+  // x[r][c] += row[c] for n_rows rows of `width`: a bias.
+  virtual void add_row(float* x, const float* row, int64_t n_rows, int64_t width) = 0;
+  // Each of n_rows rows of `width` RMS-normalised and scaled by weight, in place (as
+  // normalized_input_row): the per-head norm of q and k (QK-norm).
+  virtual void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) = 0;
 
   // Whether some ops run on a device of their own (a plugin's GPU), for reports.
   virtual bool offloads() const { return false; }

@@ -222,6 +222,12 @@ class PluginBackend final : public Backend {
     cpu_->rope(x, n_rows, n_heads, head_dim, angles);
   }
   void add(float* x, const float* delta, int64_t n) override { cpu_->add(x, delta, n); }
+  void add_row(float* x, const float* row, int64_t n_rows, int64_t width) override {
+    cpu_->add_row(x, row, n_rows, width);
+  }
+  void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) override {
+    cpu_->rms_norm(x, n_rows, width, weight, eps);
+  }
 
   void store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) override {
     cpu_->store_kv(kv, layer, first_slot, n, k, v);

@@ -148,6 +148,12 @@ class CpuBackend final : public Backend {
     layer_ops_.shift_keys(kv, slots, angles, n_head_kv, head_dim);
   }
   void add(float* x, const float* delta, int64_t n) override { layer_ops_.add(x, delta, n); }
+  void add_row(float* x, const float* row, int64_t n_rows, int64_t width) override {
+    layer_ops_.add_row(x, row, n_rows, width);
+  }
+  void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) override {
+    layer_ops_.rms_norm(x, n_rows, width, weight, eps);
+  }
 
   std::unique_ptr<PreparedWeight> prepare(const WeightView& w) override {
     const std::optional<TypeTraits> traits = type_traits(static_cast<uint32_t>(w.type));

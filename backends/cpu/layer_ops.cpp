@@ -110,4 +110,20 @@ void LayerOps::add(float* x, const float* delta, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += delta[i];
 }
 
+void LayerOps::add_row(float* x, const float* row, int64_t n_rows, int64_t width) {
+#pragma omp parallel for num_threads(n_threads_) schedule(static) if (n_rows * width >= kParallelAdd)
+  for (int64_t r = 0; r < n_rows; ++r) {
+    for (int64_t c = 0; c < width; ++c) x[r * width + c] += row[c];
+  }
+}
+
+void LayerOps::rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) {
+#pragma omp parallel for num_threads(n_threads_) schedule(static) if (n_rows * width >= kParallelAdd)
+  for (int64_t r = 0; r < n_rows; ++r) {
+    // normalized_input_row reads the row whole before it writes: in place is safe.
+    const MatmulInput in{x + r * width, 1, weight, eps};
+    normalized_input_row(in, 0, width, x + r * width);
+  }
+}
+
 }  // namespace ringlm::cpu

@@ -21,6 +21,8 @@ class LayerOps {
   void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls);
   void shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv, int head_dim);
   void add(float* x, const float* delta, int64_t n);
+  void add_row(float* x, const float* row, int64_t n_rows, int64_t width);
+  void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps);
 
  private:
   int n_threads_;

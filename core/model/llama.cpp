@@ -8,12 +8,26 @@ namespace ringlm {
 
 namespace {
 
-// Architectures that run on this decoder, with the RoPE layout their GGUF conversion uses.
+// The families that run on this decoder, as data: what each adds to the Llama layer. The RoPE
+// layout is the one their GGUF conversion leaves: llama.cpp's converter permutes Llama's q/k
+// rows for adjacent pairs, and leaves Qwen's in the NeoX layout of the original checkpoints.
 struct ArchInfo {
   std::string_view name;
   RopeStyle rope_style;
+  bool qkv_bias = false;  // attn_q/k/v.bias, added to the projections (Qwen2)
+  bool qk_norm = false;   // attn_q_norm / attn_k_norm: RMSNorm of every head of q and k before RoPE (Qwen3)
 };
-constexpr ArchInfo kSupportedArchs[] = {{"llama", RopeStyle::kAdjacentPairs}};
+constexpr ArchInfo kSupportedArchs[] = {
+    {"llama", RopeStyle::kAdjacentPairs},
+    {"qwen2", RopeStyle::kHalfSplit, true, false},
+    {"qwen3", RopeStyle::kHalfSplit, false, true},
+};
+
+std::string supported_arch_names() {
+  std::string names;
+  for (const ArchInfo& a : kSupportedArchs) names += (names.empty() ? "" : ", ") + std::string(a.name);
+  return names;
+}
 
 int checked_dim(const GgufFile& gguf, const std::string& key, uint64_t value, uint64_t max) {
   if (value == 0 || value > max) {
@@ -62,8 +76,10 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
   for (const ArchInfo& a : kSupportedArchs) {
     if (a.name == hp.arch) arch = &a;
   }
-  if (arch == nullptr) gguf.fail("unsupported architecture '" + hp.arch + "' (supported: llama)");
+  if (arch == nullptr) gguf.fail("unsupported architecture '" + hp.arch + "' (supported: " + supported_arch_names() + ")");
   hp.rope_style = arch->rope_style;
+  hp.qkv_bias = arch->qkv_bias;
+  hp.qk_norm = arch->qk_norm;
 
   const std::string p = hp.arch + ".";
   auto dim = [&](const std::string& key, uint64_t max) { return checked_dim(gguf, key, gguf.require_uint(key), max); };
@@ -124,6 +140,8 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
 struct LlamaModel::Layer {
   std::vector<float> attn_norm;
   std::vector<float> ffn_norm;
+  std::vector<float> q_bias, k_bias, v_bias;  // qkv_bias families
+  std::vector<float> q_norm, k_norm;          // qk_norm families: [head_dim]
   std::unique_ptr<PreparedWeight> wq, wk, wv, wo, gate, up, down;
 };
 
@@ -163,6 +181,16 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
     L.wq = prepare(b + "attn_q.weight", d, q_dim);
     L.wk = prepare(b + "attn_k.weight", d, kv_dim);
     L.wv = prepare(b + "attn_v.weight", d, kv_dim);
+    // Biases: required where the family has them, read wherever a file has them (as llama.cpp).
+    if (hp_.qkv_bias || gguf.find_tensor(b + "attn_q.bias") != nullptr) {
+      L.q_bias = load_vector(gguf, b + "attn_q.bias", q_dim);
+      L.k_bias = load_vector(gguf, b + "attn_k.bias", kv_dim);
+      L.v_bias = load_vector(gguf, b + "attn_v.bias", kv_dim);
+    }
+    if (hp_.qk_norm) {
+      L.q_norm = load_vector(gguf, b + "attn_q_norm.weight", hp_.head_dim);
+      L.k_norm = load_vector(gguf, b + "attn_k_norm.weight", hp_.head_dim);
+    }
     L.wo = prepare(b + "attn_output.weight", q_dim, d);
     L.gate = prepare(b + "ffn_gate.weight", d, hp_.n_ff);
     L.up = prepare(b + "ffn_up.weight", d, hp_.n_ff);
@@ -333,6 +361,15 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     const PreparedWeight* qkv[] = {L.wq.get(), L.wk.get(), L.wv.get()};
     float* const qkv_out[] = {s.q.data(), s.k.data(), s.v.data()};
     backend_.matmul_many(qkv, MatmulInput{s.x.data(), n, L.attn_norm.data(), hp_.rms_eps}, qkv_out);
+    if (!L.q_bias.empty()) {
+      backend_.add_row(s.q.data(), L.q_bias.data(), n, hp_.n_head * hp_.head_dim);
+      backend_.add_row(s.k.data(), L.k_bias.data(), n, kv_dim);
+      backend_.add_row(s.v.data(), L.v_bias.data(), n, kv_dim);
+    }
+    if (hp_.qk_norm) {  // every head of every row is one row of head_dim here
+      backend_.rms_norm(s.q.data(), static_cast<int64_t>(n) * hp_.n_head, hp_.head_dim, L.q_norm.data(), hp_.rms_eps);
+      backend_.rms_norm(s.k.data(), static_cast<int64_t>(n) * hp_.n_head_kv, hp_.head_dim, L.k_norm.data(), hp_.rms_eps);
+    }
     backend_.rope(s.q.data(), n, hp_.n_head, hp_.head_dim, angles);
     backend_.rope(s.k.data(), n, hp_.n_head_kv, hp_.head_dim, angles);
     for (size_t i = 0; i < rows.size(); ++i) {

@@ -1,7 +1,8 @@
-// The Llama-family decoder (GGUF architecture "llama"): embedding, then per layer
-// RMSNorm -> grouped-query attention with RoPE -> residual -> RMSNorm -> SwiGLU FFN -> residual,
-// then a final RMSNorm and the output projection (tied to the embedding when the file has no
-// output.weight). Every hyperparameter comes from the GGUF metadata.
+// The Llama-family decoder: embedding, then per layer RMSNorm -> grouped-query attention with
+// RoPE -> residual -> RMSNorm -> SwiGLU FFN -> residual, then a final RMSNorm and the output
+// projection (tied to the embedding when the file has no output.weight). Every hyperparameter
+// comes from the GGUF metadata; the families that share this decoder (llama, qwen2, qwen3) are
+// entries of kSupportedArchs (llama.cpp), each saying what it adds to the layer.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +37,8 @@ struct LlamaHparams {
   float rope_scale = 1.0f;  // linear position scaling: positions are divided by this
   RopeStyle rope_style = RopeStyle::kAdjacentPairs;
   float rms_eps = 1e-5f;
+  bool qkv_bias = false;  // the family's q/k/v projections have biases (Qwen2)
+  bool qk_norm = false;   // ... RMSNorm every head of q and k before RoPE (Qwen3)
 
   // Reads and checks every field; GgufError naming the key on a missing or absurd value.
   static LlamaHparams from_gguf(const GgufFile& gguf);

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent numpy reference of the GGUF `llama` architecture forward pass.
+"""Independent numpy reference of the GGUF `llama`, `qwen2` and `qwen3` forward passes.
 
 This is the oracle that ringlm's C++ forward pass is checked against, so it is
 written to be obviously correct rather than fast:
@@ -13,14 +13,33 @@ written to be obviously correct rather than fast:
     difference fp32 accumulation makes);
   * the whole decoder is the ~60 lines of `forward()` below, top to bottom.
 
+Architectures (general.architecture; hyperparameters under "<arch>."):
+  llama  pre-RMSNorm decoder: RMSNorm -> q/k/v projections -> RoPE -> causal GQA
+         softmax attention (scale 1/sqrt(head_dim)) -> attn_output; RMSNorm ->
+         SwiGLU FFN (down(silu(gate(x)) * up(x))); final RMSNorm -> output
+         (token_embd when output.weight is absent: tied embeddings).
+  qwen2  llama plus biases on the q, k and v projections (blk.N.attn_{q,k,v}.bias,
+         added right after the matmul; none on attn_output), and NEOX RoPE.
+         llama.cpp's qwen2 also needs n_head * head_dim == n_embd.
+  qwen3  llama plus a per-head RMSNorm of q and of k over head_dim
+         (blk.N.attn_{q,k}_norm.weight [head_dim], the model's rms epsilon),
+         applied after the projection and BEFORE RoPE; NEOX RoPE; head_dim is
+         attention.key_length and may differ from n_embd / n_head (then attn_q is
+         [n_embd -> n_head*head_dim] and attn_output [n_head*head_dim -> n_embd]).
+  Any of them: q/k/v biases are added when the file has them (llama.cpp loads them
+  as optional for all three); a tensor the reference would not use is an error.
+
 RoPE layout (the one detail that is easy to get silently wrong): llama.cpp maps
 LLM_ARCH_LLAMA to LLAMA_ROPE_TYPE_NORM ("a normal RoPE, operating on pairs of
 consecutive head values"). Its HF->GGUF converter permutes the rows of
 attn_q/attn_k so that the HF "rotate_half" (NEOX, x[i] with x[i + d/2])
 convention becomes rotation of ADJACENT pairs (x[2i], x[2i+1]) with
-theta_i = pos * base^(-2i / n_rot). Applying the NEOX half-split to a llama GGUF
-still gives plausible-looking numbers but wrong text; `--rope-style neox` exists
-only to demonstrate that.
+theta_i = pos * base^(-2i / n_rot). qwen2 and qwen3 are the opposite case: the
+converter copies their q/k rows unpermuted, so the file keeps HF's rotate_half
+layout and llama.cpp maps LLM_ARCH_QWEN2/QWEN3 to LLAMA_ROPE_TYPE_NEOX: pairs
+(x[i], x[i + n_rot/2]), same theta_i. The wrong pairing still gives
+plausible-looking numbers but wrong text; `--rope-style` exists only to
+demonstrate that (it overrides the architecture's layout).
 
 CLI:
   python3 llama_ref.py MODEL --tokens 1,2,3 -n 32 --json OUT.json
@@ -52,6 +71,9 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 # unexpected format from being "verified" by accident.
 SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K,
                    QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS}
+
+# The RoPE pairing of each architecture (llama.cpp's llama_model_rope_type; see the docstring).
+ROPE_STYLE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox"}
 
 
 class GGUFModelError(RuntimeError):
@@ -86,15 +108,22 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def linear(x: np.ndarray, w: np.ndarray, b=None) -> np.ndarray:
+    """x @ w.T (+ b): w is [out, in] in numpy order."""
+    y = x @ w.T
+    return y if b is None else y + b
+
+
 class LlamaModel:
-    def __init__(self, path: str, dtype=np.float64, rope_style: str = "norm"):
+    def __init__(self, path: str, dtype=np.float64, rope_style: str | None = None):
         self.dtype = np.dtype(dtype)
-        self.rope_style = rope_style
         r = gguf.GGUFReader(path)
         arch = _field(r, "general.architecture")
-        if arch != "llama":
-            raise GGUFModelError(f"unsupported architecture '{arch}' (this reference implements only 'llama')")
+        if arch not in ROPE_STYLE:
+            raise GGUFModelError(f"unsupported architecture '{arch}' (this reference implements "
+                                 f"{', '.join(repr(a) for a in ROPE_STYLE)})")
         self.arch = arch
+        self.rope_style = rope_style or ROPE_STYLE[arch]   # an explicit style is for experiments only
         a = arch + "."
         self.n_embd = int(_field(r, a + "embedding_length"))
         self.n_layer = int(_field(r, a + "block_count"))
@@ -111,11 +140,15 @@ class LlamaModel:
         self.n_rot = int(_field(r, a + "rope.dimension_count", default=self.hd_k))
         if self.n_head % self.n_head_kv:
             raise GGUFModelError(f"head_count {self.n_head} not a multiple of head_count_kv {self.n_head_kv}")
-        # llama.cpp rejects partial RoPE for the llama arch ("invalid n_rot"); so do we,
-        # rather than define semantics the runtime we compare against does not have.
+        # llama.cpp rejects partial RoPE for the llama arch ("invalid n_rot") and asserts
+        # n_rot == head_dim in the qwen2/qwen3 graphs; so do we, rather than define
+        # semantics the runtime we compare against does not have.
         if self.n_rot != self.hd_k or self.n_rot % 2:
             raise GGUFModelError(f"rope.dimension_count {self.n_rot} != key_length {self.hd_k} "
-                                 "(llama.cpp requires them equal for llama)")
+                                 f"(llama.cpp requires them equal for {arch})")
+        if arch == "qwen2" and self.n_head * self.hd_k != self.n_embd:
+            raise GGUFModelError(f"head_count * key_length = {self.n_head * self.hd_k} != embedding_length "
+                                 f"{self.n_embd} (llama.cpp's qwen2 tensors are [n_embd, n_embd])")
 
         # Linear RoPE scaling divides positions by the factor (freq_scale = 1/factor).
         # Other scaling types change the math in ways this reference does not model.
@@ -132,11 +165,15 @@ class LlamaModel:
         self.tok_model = _field(r, "tokenizer.ggml.model", required=False)
 
         tensors = {t.name: t for t in r.tensors}
+        used = set()
 
-        def get(name, shape):
+        def get(name, shape, required=True):
             t = tensors.get(name)
             if t is None:
+                if not required:
+                    return None
                 raise GGUFModelError(f"missing tensor '{name}'")
+            used.add(name)
             w = dequantize_tensor(t)
             if w.shape != shape:
                 raise GGUFModelError(f"tensor '{name}' has shape {w.shape} (numpy order), expected {shape}")
@@ -153,11 +190,14 @@ class LlamaModel:
         self.tied = "output.weight" not in tensors
         self.output = self.tok_embd if self.tied else get("output.weight", (self.n_vocab, d))
 
-        # Llama-3 style per-dimension frequency factors, if the file has them.
+        # Llama-3 style per-dimension frequency factors, if the file has them (llama.cpp's
+        # qwen2/qwen3 graphs pass no frequency factors, so there the tensor is refused below).
         self.rope_freqs = None
-        if "rope_freqs.weight" in tensors:
+        if arch == "llama" and "rope_freqs.weight" in tensors:
             self.rope_freqs = get("rope_freqs.weight", (self.n_rot // 2,)).astype(np.float64)
 
+        bias_required = arch == "qwen2"     # optional (and absent in practice) for llama and qwen3
+        qk_norm = arch == "qwen3"
         self.layers = []
         for i in range(self.n_layer):
             p = f"blk.{i}."
@@ -166,12 +206,23 @@ class LlamaModel:
                 wq=get(p + "attn_q.weight", (self.n_head * hk, d)),
                 wk=get(p + "attn_k.weight", (self.n_head_kv * hk, d)),
                 wv=get(p + "attn_v.weight", (self.n_head_kv * hv, d)),
+                bq=get(p + "attn_q.bias", (self.n_head * hk,), required=bias_required),
+                bk=get(p + "attn_k.bias", (self.n_head_kv * hk,), required=bias_required),
+                bv=get(p + "attn_v.bias", (self.n_head_kv * hv,), required=bias_required),
+                q_norm=get(p + "attn_q_norm.weight", (hk,)) if qk_norm else None,
+                k_norm=get(p + "attn_k_norm.weight", (hk,)) if qk_norm else None,
                 wo=get(p + "attn_output.weight", (d, self.n_head * hv)),
                 ffn_norm=get(p + "ffn_norm.weight", (d,)),
                 w_gate=get(p + "ffn_gate.weight", (self.n_ff, d)),
                 w_up=get(p + "ffn_up.weight", (self.n_ff, d)),
                 w_down=get(p + "ffn_down.weight", (d, self.n_ff)),
             ))
+        # A tensor we do not read may be one llama.cpp applies (an attn_output or output
+        # bias, a fused attn_qkv...): refuse rather than "verify" a different model.
+        unused = sorted(set(tensors) - used)
+        if unused:
+            raise GGUFModelError(f"tensors this reference does not model for '{arch}': "
+                                 f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
         self.reset(0)
 
     # ---- KV cache -----------------------------------------------------------
@@ -199,7 +250,7 @@ class LlamaModel:
             x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]   # adjacent pairs
             out[..., 0:self.n_rot:2] = x0 * cos - x1 * sin
             out[..., 1:self.n_rot:2] = x0 * sin + x1 * cos
-        else:  # "neox": pairs (i, i + n_rot/2) -- NOT what llama GGUFs use
+        else:  # "neox": pairs (i, i + n_rot/2) -- qwen2/qwen3, NOT llama
             x0, x1 = x[..., :half], x[..., half:self.n_rot]
             out[..., :half] = x0 * cos - x1 * sin
             out[..., half:self.n_rot] = x0 * sin + x1 * cos
@@ -228,9 +279,11 @@ class LlamaModel:
         x = self.tok_embd[tokens]                        # [T, d]
         for il, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], self.eps)
-            q = (h @ L["wq"].T).reshape(T, self.n_head, self.hd_k)
-            k = (h @ L["wk"].T).reshape(T, self.n_head_kv, self.hd_k)
-            v = (h @ L["wv"].T).reshape(T, self.n_head_kv, self.hd_v)
+            q = linear(h, L["wq"], L["bq"]).reshape(T, self.n_head, self.hd_k)
+            k = linear(h, L["wk"], L["bk"]).reshape(T, self.n_head_kv, self.hd_k)
+            v = linear(h, L["wv"], L["bv"]).reshape(T, self.n_head_kv, self.hd_v)
+            if L["q_norm"] is not None:                  # qwen3: per-head RMSNorm, before RoPE
+                q, k = rms_norm(q, L["q_norm"], self.eps), rms_norm(k, L["k_norm"], self.eps)
             q, k = self.rope(q, pos), self.rope(k, pos)
             self.k_cache[il][start:S] = k
             self.v_cache[il][start:S] = v
@@ -312,8 +365,9 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=32, help="greedy tokens to generate (default 32)")
     ap.add_argument("--json", help="write the result JSON here (default: stdout)")
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    ap.add_argument("--rope-style", choices=["norm", "neox"], default="norm",
-                    help="experiments only: llama GGUFs use 'norm' (adjacent pairs)")
+    ap.add_argument("--rope-style", choices=["norm", "neox"],
+                    help="experiments only: override the architecture's RoPE pairing "
+                         "(llama: norm = adjacent pairs; qwen2/qwen3: neox = (i, i + n_rot/2))")
     ap.add_argument("--show-text", action="store_true", help="print the decoded continuation to stderr")
     args = ap.parse_args(argv)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write a small Llama-architecture GGUF with random weights, for fast unit tests.
+"""Write a small llama / qwen2 / qwen3 GGUF with random weights, for fast unit tests.
 
     make_tiny_gguf.py OUT.gguf --vocab ../shared/data/vocab/ggml-vocab-starcoder.gguf \
         [--type Q4_0] [--untied] [--n-layer 2] [--n-head 4 --n-head-kv 2] [--seed 0] ...
@@ -10,8 +10,16 @@ n_vocab equals that vocabulary's token count. Weights are random but scaled so
 that activations stay O(1) through the layers and logits have a healthy spread
 (greedy picks are then far from ties, and fp32 and fp64 agree on them).
 
+--arch qwen2 adds random F32 biases blk.N.attn_{q,k,v}.bias; --arch qwen3 adds
+random F32 per-head norms blk.N.attn_{q,k}_norm.weight [head dim] and always
+writes attention.key_length/value_length (--head-dim may differ from
+n_embd/n_head there). For both, rope.dimension_count is written only when
+--rope-dims is given, as llama.cpp's converter does. The q/k rows need no
+permutation for their NEOX RoPE: the weights are random either way.
+
 Error-path tests: --arch NAME writes NAME to general.architecture (and uses it
-as the prefix of the hyperparameter keys, as a real file of that arch would);
+as the prefix of the hyperparameter keys, as a real file of that arch would;
+other names than the three get llama's tensors);
 --drop-key KEY and --drop-tensor NAME omit one metadata key / tensor (repeatable).
 Deterministic for a given --seed and argument list.
 """
@@ -44,8 +52,8 @@ def encode(name: str, w: np.ndarray, type_name: str):
     qt = QT[type_name]
     block = gguf.GGML_QUANT_SIZES[qt][0]
     if w.shape[-1] % block:
-        raise SystemExit(f"tensor {name}: row length {w.shape[-1]} is not a multiple of the "
-                         f"{type_name} block size {block} (use --n-embd/--n-ff multiples of {block})")
+        raise SystemExit(f"tensor {name}: row length {w.shape[-1]} is not a multiple of the {type_name} block "
+                         f"size {block} (use --n-embd/--n-ff, and n_head * head dim, multiples of {block})")
     if type_name == "F32":
         return w.astype(np.float32), None
     if type_name == "F16":
@@ -89,8 +97,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-head-kv", type=int, default=2)
     ap.add_argument("--head-dim", type=int,
-                    help="write attention.key_length/value_length = this (default: n_embd/n_head, keys omitted)")
-    ap.add_argument("--rope-dims", type=int, help="rope.dimension_count (default: head dim)")
+                    help="write attention.key_length/value_length = this (default: n_embd/n_head, keys omitted "
+                         "except for qwen3)")
+    ap.add_argument("--rope-dims", type=int,
+                    help="rope.dimension_count (default: head dim; for qwen2/qwen3 the key is omitted)")
     ap.add_argument("--rope-base", type=float, default=10000.0)
     ap.add_argument("--eps", type=float, default=1e-5, help="attention.layer_norm_rms_epsilon")
     ap.add_argument("--ctx", type=int, default=512, help="context_length")
@@ -114,6 +124,10 @@ def main(argv=None) -> int:
         raise SystemExit("need n_embd % n_head == 0 and n_head % n_head_kv == 0")
     hd = args.head_dim or d // args.n_head
     rot = args.rope_dims or hd
+    qwen = args.arch in ("qwen2", "qwen3")
+    if args.arch == "qwen2" and args.n_head * hd != d:
+        raise SystemExit("qwen2 needs n_head * head_dim == n_embd (llama.cpp's qwen2 attn_q and attn_output "
+                         "are [n_embd, n_embd])")
 
     rng = np.random.default_rng(args.seed)
     s = args.init_scale
@@ -121,13 +135,13 @@ def main(argv=None) -> int:
     def normal(shape, std):
         return rng.normal(0.0, std * s, shape).astype(np.float32)
 
-    def norm_weight():
+    def norm_weight(n=d):
         # Near 1 but not exactly, so a kernel that ignores the norm weight fails.
-        return (1.0 + rng.normal(0.0, 0.1, d)).astype(np.float32)
+        return (1.0 + rng.normal(0.0, 0.1, n)).astype(np.float32)
 
     w = gguf.GGUFWriter(args.out, args.arch)
     a = args.arch + "."
-    w.add_string("general.name", "ringlm tiny random llama")
+    w.add_string("general.name", f"ringlm tiny random {args.arch}")
     w.add_uint32("general.file_type", FILE_TYPE[args.type])
     w.add_uint32("general.quantization_version", 2)
     n_vocab = copy_tokenizer(w, args.vocab)
@@ -140,8 +154,9 @@ def main(argv=None) -> int:
     w.add_uint32(a + "attention.head_count_kv", args.n_head_kv)
     w.add_float32(a + "attention.layer_norm_rms_epsilon", args.eps)
     w.add_float32(a + "rope.freq_base", args.rope_base)
-    w.add_uint32(a + "rope.dimension_count", rot)
-    if args.head_dim:
+    if not qwen or args.rope_dims:
+        w.add_uint32(a + "rope.dimension_count", rot)
+    if args.head_dim or args.arch == "qwen3":   # the converter writes them when config.json has head_dim
         w.add_uint32(a + "attention.key_length", hd)
         w.add_uint32(a + "attention.value_length", hd)
 
@@ -167,6 +182,18 @@ def main(argv=None) -> int:
             (p + "attn_q.weight", normal((args.n_head * hd, d), d ** -0.5), args.type),
             (p + "attn_k.weight", normal((args.n_head_kv * hd, d), d ** -0.5), args.type),
             (p + "attn_v.weight", normal((args.n_head_kv * hd, d), d ** -0.5), args.type),
+        ]
+        if args.arch == "qwen2":
+            # A fifth of the projections' O(1) outputs: dropping one bias moves the logits by 5-30%
+            # of their range. Larger v biases (a constant added at every position) make a tied
+            # model repeat one token.
+            tensors += [(p + "attn_q.bias", normal(args.n_head * hd, 0.2), "F32"),
+                        (p + "attn_k.bias", normal(args.n_head_kv * hd, 0.2), "F32"),
+                        (p + "attn_v.bias", normal(args.n_head_kv * hd, 0.2), "F32")]
+        if args.arch == "qwen3":
+            tensors += [(p + "attn_q_norm.weight", norm_weight(hd), "F32"),
+                        (p + "attn_k_norm.weight", norm_weight(hd), "F32")]
+        tensors += [
             (p + "attn_output.weight", normal((d, args.n_head * hd), (args.n_head * hd) ** -0.5), args.type),
             (p + "ffn_norm.weight", norm_weight(), "F32"),
             (p + "ffn_gate.weight", normal((ff, d), d ** -0.5), args.type),

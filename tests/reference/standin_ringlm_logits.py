@@ -11,7 +11,7 @@ Options inject the faults the driver must catch:
     --perturb-logit DELTA [--perturb-index I]   add DELTA to last_logits[I]
     --perturb-token STEP                        change generated[STEP]
     --short                                     emit one generated id too few
-    --rope-style neox                           a plausible real bug (wrong RoPE pairing)
+    --rope-style neox|norm                      a plausible real bug (the other RoPE pairing)
 """
 
 import argparse
@@ -68,7 +68,7 @@ def main():
     ap.add_argument("--perturb-index", type=int, default=0)
     ap.add_argument("--perturb-token", type=int, default=-1)
     ap.add_argument("--short", action="store_true")
-    ap.add_argument("--rope-style", default="norm")
+    ap.add_argument("--rope-style", default=None, help="norm | neox (default: the architecture's own)")
     a = ap.parse_args()
     model = llama_ref.LlamaModel(a.m, dtype=np.float32, rope_style=a.rope_style)
     prompt = crude_tokenize(model, a.p)

@@ -1,0 +1,173 @@
+// The CPU backend's layer ops beside the products (backends/backend.h: rope, store_kv,
+// shift_keys, add, add_row, rms_norm), called through the Backend interface as the model calls
+// them, against their definitions computed here in double, with 1 and 2 threads (the threads
+// share the rows from a few on).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "backends/backend.h"
+#include "backends/cpu/cpu_backend.h"
+#include "quant/formats.h"
+
+namespace ringlm {
+namespace {
+
+constexpr int kHeads = 3, kHeadDim = 8, kRot = 6;  // a partial rotation: 2 elements stay
+
+std::vector<float> random_values(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+// Angles of `rows` rows: pair i of row r at (r + 1) * 0.37 / (i + 1).
+void make_angles(int rows, std::vector<float>& cos, std::vector<float>& sin) {
+  cos.clear(), sin.clear();
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < kRot / 2; ++i) {
+      const double theta = (r + 1) * 0.37 / (i + 1);
+      cos.push_back(static_cast<float>(std::cos(theta)));
+      sin.push_back(static_cast<float>(std::sin(theta)));
+    }
+  }
+}
+
+// The rotation of one head by the pairs' angles, in double: pair i is (2i, 2i + 1) or (i, i + n_rot / 2).
+std::vector<double> rotated(const float* head, const float* cos, const float* sin, bool adjacent) {
+  std::vector<double> out(head, head + kHeadDim);
+  for (int i = 0; i < kRot / 2; ++i) {
+    const int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + kRot / 2;
+    out[a] = static_cast<double>(head[a]) * cos[i] - static_cast<double>(head[b]) * sin[i];
+    out[b] = static_cast<double>(head[a]) * sin[i] + static_cast<double>(head[b]) * cos[i];
+  }
+  return out;
+}
+
+class LayerOps : public ::testing::TestWithParam<int> {
+ protected:
+  std::unique_ptr<Backend> backend = make_cpu_backend(GetParam(), ComputeType::kInt8);
+  std::mt19937 rng{7};
+};
+
+TEST_P(LayerOps, RopeRotatesEveryHeadOfEveryRowByItsRowsAngles) {
+  for (const bool adjacent : {true, false}) {
+    const int rows = 5;
+    const std::vector<float> x0 = random_values(static_cast<size_t>(rows) * kHeads * kHeadDim, rng);
+    std::vector<float> cos, sin;
+    make_angles(rows, cos, sin);
+    std::vector<float> x = x0;
+    backend->rope(x.data(), rows, kHeads, kHeadDim, RopeAngles{cos.data(), sin.data(), kRot, adjacent});
+    for (int r = 0; r < rows; ++r) {
+      for (int h = 0; h < kHeads; ++h) {
+        const size_t at = (static_cast<size_t>(r) * kHeads + h) * kHeadDim;
+        const std::vector<double> want = rotated(&x0[at], &cos[r * kRot / 2], &sin[r * kRot / 2], adjacent);
+        for (int e = 0; e < kHeadDim; ++e) EXPECT_NEAR(x[at + e], want[e], 1e-6) << r << " " << h << " " << e;
+      }
+    }
+  }
+}
+
+// A cache of 2 layers and 6 slots, as core/kv lays it out.
+struct Cache {
+  Cache(bool f16, int row_width) : rows(2 * 2 * 6 * static_cast<size_t>(row_width) * (f16 ? 2 : 4)) {
+    view.rows = rows.data();
+    view.n_layer = 2;
+    view.capacity = 6;
+    view.row_width = row_width;
+    view.f16 = f16;
+  }
+  float read(int layer, int slot, bool value, int e) const {
+    const uint8_t* row = value ? view.value(layer, slot) : view.key(layer, slot);
+    if (!view.f16) return reinterpret_cast<const float*>(row)[e];
+    return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[e]);
+  }
+  std::vector<uint8_t> rows;
+  KvView view;
+};
+
+TEST_P(LayerOps, StoreKvWritesRowsIntoTheirSlotsInTheCachesType) {
+  for (const bool f16 : {false, true}) {
+    Cache cache(f16, kHeads * kHeadDim);
+    const int n = 4, first_slot = 1, layer = 1;
+    const std::vector<float> k = random_values(static_cast<size_t>(n) * cache.view.row_width, rng);
+    const std::vector<float> v = random_values(k.size(), rng);
+    backend->store_kv(cache.view, layer, first_slot, n, k.data(), v.data());
+    for (int i = 0; i < n; ++i) {
+      for (int e = 0; e < cache.view.row_width; ++e) {
+        const size_t at = static_cast<size_t>(i) * cache.view.row_width + e;
+        const float want_k = f16 ? fp16_to_fp32(fp32_to_fp16(k[at])) : k[at];
+        const float want_v = f16 ? fp16_to_fp32(fp32_to_fp16(v[at])) : v[at];
+        ASSERT_EQ(cache.read(layer, first_slot + i, false, e), want_k);
+        ASSERT_EQ(cache.read(layer, first_slot + i, true, e), want_v);
+      }
+    }
+    // The other layer's slots and the slot before are untouched (zero).
+    EXPECT_EQ(cache.read(0, first_slot, false, 0), 0.0f);
+    EXPECT_EQ(cache.read(layer, 0, true, 0), 0.0f);
+  }
+}
+
+TEST_P(LayerOps, ShiftKeysRotatesTheKeysOfTheSlotsInEveryLayerAndNothingElse) {
+  Cache cache(false, kHeads * kHeadDim);
+  const std::vector<float> k = random_values(6 * static_cast<size_t>(cache.view.row_width), rng);
+  for (int layer = 0; layer < 2; ++layer) backend->store_kv(cache.view, layer, 0, 6, k.data(), k.data());
+  std::vector<float> cos, sin;
+  make_angles(1, cos, sin);
+  const std::vector<int> slots = {4, 2};
+  backend->shift_keys(cache.view, slots, RopeAngles{cos.data(), sin.data(), kRot, false}, kHeads, kHeadDim);
+  for (int layer = 0; layer < 2; ++layer) {
+    for (int slot = 0; slot < 6; ++slot) {
+      const bool moved = slot == 2 || slot == 4;
+      for (int h = 0; h < kHeads; ++h) {
+        const float* head = &k[(static_cast<size_t>(slot) * kHeads + h) * kHeadDim];
+        const std::vector<double> want = moved ? rotated(head, cos.data(), sin.data(), false)
+                                               : std::vector<double>(head, head + kHeadDim);
+        for (int e = 0; e < kHeadDim; ++e) {
+          EXPECT_NEAR(cache.read(layer, slot, false, h * kHeadDim + e), want[e], 1e-6) << layer << " " << slot;
+          EXPECT_EQ(cache.read(layer, slot, true, h * kHeadDim + e), head[e]);  // values never turn
+        }
+      }
+    }
+  }
+}
+
+TEST_P(LayerOps, AddAndAddRowSumElementwise) {
+  for (const int64_t rows : {1, 40000}) {  // below and above the size the threads share
+    const int64_t width = 3;
+    const std::vector<float> x0 = random_values(static_cast<size_t>(rows * width), rng);
+    const std::vector<float> delta = random_values(x0.size(), rng), bias = random_values(width, rng);
+    std::vector<float> x = x0;
+    backend->add(x.data(), delta.data(), rows * width);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], x0[i] + delta[i]);
+    x = x0;
+    backend->add_row(x.data(), bias.data(), rows, width);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], x0[i] + bias[i % width]);
+  }
+}
+
+TEST_P(LayerOps, RmsNormNormalisesEachRowAndScalesIt) {
+  const int64_t rows = 7, width = 16;
+  const float eps = 1e-6f;
+  const std::vector<float> x0 = random_values(static_cast<size_t>(rows * width), rng);
+  const std::vector<float> weight = random_values(width, rng);
+  std::vector<float> x = x0;
+  backend->rms_norm(x.data(), rows, width, weight.data(), eps);
+  for (int64_t r = 0; r < rows; ++r) {
+    double sum_sq = 0;
+    for (int64_t c = 0; c < width; ++c) sum_sq += static_cast<double>(x0[r * width + c]) * x0[r * width + c];
+    const double scale = 1.0 / std::sqrt(sum_sq / width + eps);
+    for (int64_t c = 0; c < width; ++c) {
+      EXPECT_NEAR(x[r * width + c], x0[r * width + c] * scale * weight[c], 1e-5) << r << " " << c;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, LayerOps, ::testing::Values(1, 2));
+
+}  // namespace
+}  // namespace ringlm
