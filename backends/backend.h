@@ -106,10 +106,17 @@ struct RopeAngles {
   bool adjacent_pairs = true;
 };
 
+// The activation of a gated feed-forward block: silu(x) = x / (1 + exp(-x)) (SwiGLU: Llama, Qwen),
+// or GELU in its tanh form, x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))) (GeGLU: Gemma).
+enum class Activation { kSilu, kGeluTanh };
+
 struct AttentionShape {
   int n_head = 0;     // query heads
   int n_head_kv = 0;  // key/value heads; query head h reads KV head h / (n_head / n_head_kv)
   int head_dim = 0;
+  // Sliding-window attention: a query at position p sees only the keys at positions
+  // p - window + 1 .. p (0: every earlier key).
+  int window = 0;
 };
 
 // One sequence's queries in Backend::attention: n_tokens rows of q ([n_tokens][n_head *
@@ -149,10 +156,10 @@ class Backend {
   virtual void matmul_many(std::span<const PreparedWeight* const> weights, const MatmulInput& input,
                            std::span<float* const> ys) = 0;
 
-  // out = silu(input x gate^T) * (input x up^T), the SwiGLU feed-forward input, with the
-  // activation applied as each output tile is produced. out is [n_tokens][gate.rows()].
-  virtual void matmul_swiglu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input,
-                             float* out) = 0;
+  // out = act(input x gate^T) * (input x up^T), the gated feed-forward input (SwiGLU, GeGLU),
+  // with the activation applied as each output tile is produced. out is [n_tokens][gate.rows()].
+  virtual void matmul_glu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input,
+                          Activation act, float* out) = 0;
 
   // --- The attention block: RoPE, the KV cache, attention, the StreamingLLM shift -----------
 
@@ -166,16 +173,18 @@ class Backend {
 
   // Causal attention of every call's queries over its own cache, all in one pass (a batch of
   // sequences shares the threads): query i of a call, at position pos0 + i, sees exactly the
-  // slots of its prefix and its cache at positions 0 .. pos0 + i.
+  // slots of its prefix and its cache at positions 0 .. pos0 + i (the last shape.window of them).
   virtual void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) = 0;
 
-  // StreamingLLM's shift-RoPE: rotates the keys of `slots` in every layer by one set of angles
+  // StreamingLLM's shift-RoPE: rotates the keys of `slots` in `layers` by one set of angles
   // (angles.cos / sin: one row), in place, wherever the backend keeps the cache.
-  virtual void shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv,
-                          int head_dim) = 0;
+  virtual void shift_keys(const KvView& kv, std::span<const int> layers, std::span<const int> slots,
+                          const RopeAngles& angles, int n_head_kv, int head_dim) = 0;
 
   // x[i] += delta[i] for i < n: a residual connection.
   virtual void add(float* x, const float* delta, int64_t n) = 0;
+  // x[i] *= factor for i < n (Gemma's embedding scale).
+  virtual void scale(float* x, int64_t n, float factor) = 0;
   // x[r][c] += row[c] for n_rows rows of `width`: a bias.
   virtual void add_row(float* x, const float* row, int64_t n_rows, int64_t width) = 0;
   // Each of n_rows rows of `width` RMS-normalised and scaled by weight, in place (as

@@ -199,17 +199,17 @@ class PluginBackend final : public Backend {
     }
   }
 
-  void matmul_swiglu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input,
-                     float* out) override {
+  void matmul_glu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input, Activation act,
+                  float* out) override {
     const PluginWeight& g = as_plugin_weight(gate);
     const PluginWeight& u = as_plugin_weight(up);
-    if (!g.on_device && !u.on_device) return cpu_->matmul_swiglu(*g.cpu, *u.cpu, input, out);
+    if (!g.on_device && !u.on_device) return cpu_->matmul_glu(*g.cpu, *u.cpu, input, act, out);
     const int64_t n = input.n_tokens * g.rows();
     if (up_out_.size() < static_cast<size_t>(n)) up_out_.resize(static_cast<size_t>(n));
     const PreparedWeight* both[] = {&gate, &up};
     float* const outs[] = {out, up_out_.data()};
     matmul_many(both, input, outs);
-    cpu::silu_mul(out, up_out_.data(), n);
+    cpu::glu(act, out, up_out_.data(), n);
   }
 
   // --- The attention block ----------------------------------------------------------------
@@ -256,11 +256,21 @@ class PluginBackend final : public Backend {
     if (!cpu_calls_.empty()) cpu_->attention(layer, shape, cpu_calls_);
   }
 
-  void shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv,
-                  int head_dim) override {
-    cpu_->shift_keys(kv, slots, angles, n_head_kv, head_dim);
-    if (PluginKvCache* copy = device_copy(kv)) shift_device_keys(*copy, slots, angles, n_head_kv, head_dim);
+  void shift_keys(const KvView& kv, std::span<const int> layers, std::span<const int> slots, const RopeAngles& angles,
+                  int n_head_kv, int head_dim) override {
+    cpu_->shift_keys(kv, layers, slots, angles, n_head_kv, head_dim);
+    PluginKvCache* copy = device_copy(kv);
+    if (copy == nullptr) return;
+    // The device turns every layer of its copy at once. When only some layers turn (a model
+    // with two RoPE bases shifts each set of layers apart), the copy is dropped instead: the
+    // host rows are the truth, and the next attention on the device uploads them afresh.
+    if (static_cast<int>(layers.size()) != kv.n_layer) {
+      kv.state->reset();
+      return;
+    }
+    shift_device_keys(*copy, slots, angles, n_head_kv, head_dim);
   }
+  void scale(float* x, int64_t n, float factor) override { cpu_->scale(x, n, factor); }
 
  private:
   // The device copy the backend keeps for `kv`, or nullptr.
@@ -271,7 +281,8 @@ class PluginBackend final : public Backend {
   // Whether this cache's attention runs on the device: the device runs the geometry (asked once
   // per geometry and cache type) and the cache reads no shared prefix.
   bool attends_here(const KvView& kv, const AttentionShape& shape) {
-    if (kv.prefix != nullptr || kv.state == nullptr) return false;
+    // Not on the device: a shared prefix, a sliding window (the device kernel has none).
+    if (kv.prefix != nullptr || kv.state == nullptr || shape.window != 0) return false;
     const GeometryKey key{shape.n_head, shape.n_head_kv, shape.head_dim, kv.f16};
     auto known = geometries_.find(key);
     if (known == geometries_.end()) known = geometries_.emplace(key, supports(shape, kv.f16)).first;

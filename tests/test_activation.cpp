@@ -1,6 +1,7 @@
-// silu_mul against its definition in float64, x / (1 + exp(-x)) * u, over the range activations
-// take (and past it: large |x| must saturate to x * u and 0, never NaN), and the same element
-// computed at every offset of a vector and in the tail gives the same float.
+// silu_mul and gelu_tanh_mul against their definitions in float64, x / (1 + exp(-x)) * u and
+// x / 2 * (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) * u, over the range activations take (and
+// past it: large |x| must saturate to x * u and 0, never NaN), on every SIMD target the CPU runs,
+// and the same element computed at every offset of a vector and in the tail gives the same float.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,6 +9,8 @@
 #include <vector>
 
 #include "backends/cpu/activation.h"
+#include "hwy/targets.h"
+#include "tests/only_target.h"
 
 namespace ringlm::cpu {
 namespace {
@@ -30,6 +33,35 @@ TEST(SiluMul, MatchesTheFloat64Definition) {
     ASSERT_TRUE(std::isfinite(out[i])) << "index " << i << " gate " << gate[i];
     // A few ulp of the result (exp, one division, one product), plus an absolute floor near 0.
     ASSERT_NEAR(out[i], want, 4e-7 * std::fabs(want) + 1e-30) << "index " << i << " gate " << gate[i];
+  }
+}
+
+double gelu_tanh_mul_f64(float g, float u) {
+  const double x = g;
+  return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))) * u;
+}
+
+TEST(GeluTanhMul, MatchesTheFloat64DefinitionOnEveryTarget) {
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> uniform(-20.0f, 20.0f);
+  std::vector<float> gate(1001), up(gate.size());
+  for (size_t i = 0; i < gate.size(); ++i) {
+    gate[i] = uniform(rng);
+    up[i] = uniform(rng) / 10.0f;
+  }
+  gate[0] = 0.0f, gate[1] = -100.0f, gate[2] = 100.0f, gate[3] = -1e-30f;
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    SCOPED_TRACE(hwy::TargetName(target));
+    const test::OnlyTarget only(target);
+    std::vector<float> out = gate;
+    glu(Activation::kGeluTanh, out.data(), up.data(), static_cast<int64_t>(out.size()));
+    for (size_t i = 0; i < out.size(); ++i) {
+      const double want = gelu_tanh_mul_f64(gate[i], up[i]);
+      ASSERT_TRUE(std::isfinite(out[i])) << "index " << i << " gate " << gate[i];
+      // A few ulp of the result, and near x = -3..-10, where 1 + tanh cancels, of the magnitude
+      // x * u the terms have.
+      ASSERT_NEAR(out[i], want, 1e-6 * std::fabs(want) + 1e-6 * std::fabs(gate[i] * up[i])) << "index " << i << " gate " << gate[i];
+    }
   }
 }
 

@@ -29,6 +29,7 @@ struct Case {
   bool ring = false;  // tokens in shuffled slots, with empty slots among them
   bool f16 = false;   // keys and values stored as fp16
   int prefix = 0;     // slots [0, prefix) live in a separate prefix run (a shared prompt segment)
+  int window = 0;     // sliding window: a query sees the last `window` positions (0: all)
 };
 
 // Where each token's keys and values live: slot_of[j] for token j, and per slot its position
@@ -57,9 +58,10 @@ std::vector<double> reference(const Case& c, const std::vector<float>& q, const 
   for (int i = 0; i < c.n_tokens; ++i) {
     for (int h = 0; h < c.n_head; ++h) {
       const int g = h / group, n_vis = c.n_past + i + 1;
-      std::vector<double> s(static_cast<size_t>(n_vis));
+      const int first = c.window > 0 ? std::max(0, n_vis - c.window) : 0;  // the window's first key
+      std::vector<double> s(static_cast<size_t>(n_vis), -INFINITY);
       double mx = -INFINITY;
-      for (int j = 0; j < n_vis; ++j) {
+      for (int j = first; j < n_vis; ++j) {
         double dot = 0;
         for (int e = 0; e < hd; ++e) dot += static_cast<double>(q[static_cast<size_t>(i * q_w + h * hd + e)]) * k[static_cast<size_t>(j * kv_w + g * hd + e)];
         s[static_cast<size_t>(j)] = dot / std::sqrt(static_cast<double>(hd));
@@ -69,7 +71,7 @@ std::vector<double> reference(const Case& c, const std::vector<float>& q, const 
       for (double& x : s) sum += (x = std::exp(x - mx));
       for (int e = 0; e < hd; ++e) {
         double acc = 0;
-        for (int j = 0; j < n_vis; ++j) acc += s[static_cast<size_t>(j)] * v[static_cast<size_t>(j * kv_w + g * hd + e)];
+        for (int j = first; j < n_vis; ++j) acc += s[static_cast<size_t>(j)] * v[static_cast<size_t>(j * kv_w + g * hd + e)];
         out[static_cast<size_t>(i * q_w + h * hd + e)] = acc / sum;
       }
     }
@@ -149,7 +151,7 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     const test::OnlyTarget only(target);
     AttentionScratch scratch;
     std::vector<float> out(q.size(), NAN);
-    attention_causal({c.n_head, c.n_head_kv, c.head_dim}, q.data(), kv, c.n_past, c.n_tokens, out.data(), scratch,
+    attention_causal({c.n_head, c.n_head_kv, c.head_dim, c.window}, q.data(), kv, c.n_past, c.n_tokens, out.data(), scratch,
                      threads);
     for (size_t i = 0; i < out.size(); ++i) {
       // Outputs are convex combinations of values of magnitude ~1: fp32 softmax and sums over
@@ -158,7 +160,7 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     }
     if (c.prefix > 0) {  // a prefix run is read as if its slots were the cache's first ones
       std::vector<float> out_whole(q.size(), NAN);
-      attention_causal({c.n_head, c.n_head_kv, c.head_dim}, q.data(), whole, c.n_past, c.n_tokens, out_whole.data(),
+      attention_causal({c.n_head, c.n_head_kv, c.head_dim, c.window}, q.data(), whole, c.n_past, c.n_tokens, out_whole.data(),
                        scratch, threads);
       for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], out_whole[i]) << "threads " << threads << " index " << i;
     }
@@ -192,14 +194,14 @@ TEST_P(AsyncSoftmax, MatchesTheDefinitionAndFallsBack) {
     AttentionScratch scratch;
     std::vector<float> phi(static_cast<size_t>(c.n_head), NAN);
     std::vector<float> out(q.size());
-    attention_causal({c.n_head, c.n_head_kv, c.head_dim}, q.data(), kv, c.n_past, 1, out.data(), scratch, threads,
+    attention_causal({c.n_head, c.n_head_kv, c.head_dim, c.window}, q.data(), kv, c.n_past, 1, out.data(), scratch, threads,
                      phi.data());  // learns phi
     for (float x : phi) ASSERT_TRUE(std::isfinite(x));
     const std::vector<float> learned = phi;
     for (float offset : {0.0f, -100.0f, 100.0f, 3.0f}) {
       for (size_t h = 0; h < phi.size(); ++h) phi[h] = learned[h] + offset;
       std::fill(out.begin(), out.end(), NAN);
-      attention_causal({c.n_head, c.n_head_kv, c.head_dim}, q.data(), kv, c.n_past, 1, out.data(), scratch, threads,
+      attention_causal({c.n_head, c.n_head_kv, c.head_dim, c.window}, q.data(), kv, c.n_past, 1, out.data(), scratch, threads,
                        phi.data());
       for (size_t i = 0; i < out.size(); ++i) {
         ASSERT_NEAR(out[i], expected[i], 1e-5) << "threads " << threads << " phi offset " << offset << " index " << i;
@@ -299,24 +301,35 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                                            // tiles whose head size is no multiple of 4 or of a
                                            // vector, and a decode group too large for the row path
                                            Case{4, 2, 36, 50, 20}, Case{6, 3, 8, 3, 40, true},
-                                           Case{16, 1, 36, 300, 1}, Case{16, 1, 64, 1200, 1, true, true}),
+                                           Case{16, 1, 36, 300, 1}, Case{16, 1, 64, 1200, 1, true, true},
+                                           // sliding windows: shorter than a tile, across key
+                                           // blocks, decode with split keys, a ring, a prefix
+                                           Case{9, 3, 64, 200, 33, false, false, 0, 7},
+                                           Case{9, 3, 64, 100, 130, false, true, 0, 150},
+                                           Case{4, 4, 16, 0, 9, false, false, 0, 1},
+                                           Case{8, 2, 32, 700, 1, false, false, 0, 300},
+                                           Case{6, 3, 8, 129, 70, true, true, 0, 40},
+                                           Case{9, 3, 64, 200, 33, false, true, 77, 120}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;  // (not operator+: GCC 12 reports a false -Wrestrict on it)
                            name << "H" << c.n_head << "_KV" << c.n_head_kv << "_D" << c.head_dim << "_past" << c.n_past
                                 << "_n" << c.n_tokens << (c.ring ? "_ring" : "") << (c.f16 ? "_f16" : "");
                            if (c.prefix > 0) name << "_prefix" << c.prefix;
+                           if (c.window > 0) name << "_window" << c.window;
                            return name.str();
                          });
 
 // Decode shapes with and without split keys (SmolLM2's 9/3 heads past 512 keys split in two).
 INSTANTIATE_TEST_SUITE_P(DecodeShapes, AsyncSoftmax,
                          ::testing::Values(Case{4, 4, 16, 0, 1}, Case{8, 1, 32, 1000, 1}, Case{8, 2, 32, 700, 1},
-                                           Case{9, 3, 64, 600, 1}, Case{9, 3, 64, 2047, 1}, Case{32, 32, 64, 300, 1}),
+                                           Case{9, 3, 64, 600, 1}, Case{9, 3, 64, 2047, 1}, Case{32, 32, 64, 300, 1},
+                                           Case{9, 3, 64, 2047, 1, false, false, 0, 600}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;
                            name << "H" << c.n_head << "_KV" << c.n_head_kv << "_D" << c.head_dim << "_past" << c.n_past;
+                           if (c.window > 0) name << "_window" << c.window;
                            return name.str();
                          });
 

@@ -2,7 +2,7 @@
 //  - matmul_many with RMSNorm fused into the input preparation: against a float64 product of
 //    the normalised input, within the error the compute type allows;
 //  - matmul_many over several weights (the fused QKV pass): exactly the bits of separate calls;
-//  - matmul_swiglu: against silu(gate x) * (up x) in float64;
+//  - matmul_glu (SiLU): against silu(gate x) * (up x) in float64;
 //  - all of them: the same bits with 1 and 2 threads.
 #include <gtest/gtest.h>
 
@@ -132,7 +132,7 @@ std::vector<float> run_swiglu(Backend& backend, const Matrix& gate, const Matrix
     p.ptrs.push_back(p.owned.back().get());
   }
   std::vector<float> out(static_cast<size_t>(in.n_tokens * gate.rows), NAN);
-  backend.matmul_swiglu(*p.ptrs[0], *p.ptrs[1], in, out.data());
+  backend.matmul_glu(*p.ptrs[0], *p.ptrs[1], in, Activation::kSilu, out.data());
   return out;
 }
 

@@ -112,17 +112,17 @@ TEST_P(LayerOps, StoreKvWritesRowsIntoTheirSlotsInTheCachesType) {
   }
 }
 
-TEST_P(LayerOps, ShiftKeysRotatesTheKeysOfTheSlotsInEveryLayerAndNothingElse) {
+TEST_P(LayerOps, ShiftKeysRotatesTheKeysOfTheSlotsInTheLayersAndNothingElse) {
   Cache cache(false, kHeads * kHeadDim);
   const std::vector<float> k = random_values(6 * static_cast<size_t>(cache.view.row_width), rng);
   for (int layer = 0; layer < 2; ++layer) backend->store_kv(cache.view, layer, 0, 6, k.data(), k.data());
   std::vector<float> cos, sin;
   make_angles(1, cos, sin);
-  const std::vector<int> slots = {4, 2};
-  backend->shift_keys(cache.view, slots, RopeAngles{cos.data(), sin.data(), kRot, false}, kHeads, kHeadDim);
+  const std::vector<int> slots = {4, 2}, layers = {1};
+  backend->shift_keys(cache.view, layers, slots, RopeAngles{cos.data(), sin.data(), kRot, false}, kHeads, kHeadDim);
   for (int layer = 0; layer < 2; ++layer) {
     for (int slot = 0; slot < 6; ++slot) {
-      const bool moved = slot == 2 || slot == 4;
+      const bool moved = layer == 1 && (slot == 2 || slot == 4);
       for (int h = 0; h < kHeads; ++h) {
         const float* head = &k[(static_cast<size_t>(slot) * kHeads + h) * kHeadDim];
         const std::vector<double> want = moved ? rotated(head, cos.data(), sin.data(), false)
@@ -136,7 +136,7 @@ TEST_P(LayerOps, ShiftKeysRotatesTheKeysOfTheSlotsInEveryLayerAndNothingElse) {
   }
 }
 
-TEST_P(LayerOps, AddAndAddRowSumElementwise) {
+TEST_P(LayerOps, ScaleAddAndAddRowAreElementwise) {
   for (const int64_t rows : {1, 40000}) {  // below and above the size the threads share
     const int64_t width = 3;
     const std::vector<float> x0 = random_values(static_cast<size_t>(rows * width), rng);
@@ -147,6 +147,9 @@ TEST_P(LayerOps, AddAndAddRowSumElementwise) {
     x = x0;
     backend->add_row(x.data(), bias.data(), rows, width);
     for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], x0[i] + bias[i % width]);
+    x = x0;
+    backend->scale(x.data(), rows * width, 25.3f);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], x0[i] * 25.3f);
   }
 }
 

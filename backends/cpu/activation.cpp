@@ -16,21 +16,36 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr size_t kMaxLanes = 64;  // more floats than any target's vector holds
 
-void SiluMul(float* gate, const float* up, int64_t n) {
-  const hn::ScalableTag<float> d;
+// gate[i] = f(gate[i], up[i]) over whole vectors; the tail through the same vector code (padded
+// copies), so every element is computed alike.
+template <class D, class F>
+HWY_INLINE void MapGated(D d, float* gate, const float* up, int64_t n, F f) {
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
-  const auto one = hn::Set(d, 1.0f);
-  const auto silu_mul = [&](auto g, auto u) { return hn::Mul(hn::Div(g, hn::Add(one, hn::Exp(d, hn::Neg(g)))), u); };
   int64_t i = 0;
-  for (; i + lanes <= n; i += lanes) hn::StoreU(silu_mul(hn::LoadU(d, gate + i), hn::LoadU(d, up + i)), d, gate + i);
-  // The tail through the same vector code (padded copies), so every element is computed alike.
+  for (; i + lanes <= n; i += lanes) hn::StoreU(f(hn::LoadU(d, gate + i), hn::LoadU(d, up + i)), d, gate + i);
   if (i < n) {
     HWY_ALIGN float g[kMaxLanes] = {}, u[kMaxLanes] = {};
     std::copy(gate + i, gate + n, g);
     std::copy(up + i, up + n, u);
-    hn::Store(silu_mul(hn::Load(d, g), hn::Load(d, u)), d, g);
+    hn::Store(f(hn::Load(d, g), hn::Load(d, u)), d, g);
     std::copy(g, g + (n - i), gate + i);
   }
+}
+
+void SiluMul(float* gate, const float* up, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const auto one = hn::Set(d, 1.0f);
+  MapGated(d, gate, up, n, [&](auto g, auto u) { return hn::Mul(hn::Div(g, hn::Add(one, hn::Exp(d, hn::Neg(g)))), u); });
+}
+
+void GeluTanhMul(float* gate, const float* up, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const auto half = hn::Set(d, 0.5f), one = hn::Set(d, 1.0f);
+  const auto sqrt_2_over_pi = hn::Set(d, 0.7978845608028654f), cubic = hn::Set(d, 0.044715f);
+  MapGated(d, gate, up, n, [&](auto g, auto u) {
+    const auto inner = hn::Mul(sqrt_2_over_pi, hn::MulAdd(hn::Mul(cubic, g), hn::Mul(g, g), g));
+    return hn::Mul(hn::Mul(hn::Mul(half, g), hn::Add(one, hn::Tanh(d, inner))), u);
+  });
 }
 
 }  // namespace HWY_NAMESPACE
@@ -41,8 +56,15 @@ HWY_AFTER_NAMESPACE();
 namespace ringlm::cpu {
 
 HWY_EXPORT(SiluMul);
+HWY_EXPORT(GeluTanhMul);
 
 void silu_mul(float* gate, const float* up, int64_t n) { HWY_DYNAMIC_DISPATCH(SiluMul)(gate, up, n); }
+void gelu_tanh_mul(float* gate, const float* up, int64_t n) { HWY_DYNAMIC_DISPATCH(GeluTanhMul)(gate, up, n); }
+
+void glu(Activation act, float* gate, const float* up, int64_t n) {
+  if (act == Activation::kGeluTanh) return gelu_tanh_mul(gate, up, n);
+  silu_mul(gate, up, n);
+}
 
 }  // namespace ringlm::cpu
 #endif  // HWY_ONCE

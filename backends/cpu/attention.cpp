@@ -269,10 +269,10 @@ HWY_INLINE void SoftmaxRowVector(D d, float* sT, int ld, int nb, float* m, float
 }
 
 // A tile of query rows (ld of them, transposed as above) meets a block of nb keys and values
-// (fp32 rows, ldk / ldv apart). visible_from[j] (nullptr: every row sees every key) is the
-// first row that may see key j: rows before it get a -inf score.
+// (fp32 rows, ldk / ldv apart). Rows [visible_from[j], visible_to[j]) may see key j, the others
+// get a -inf score (nullptr: every row sees every key).
 void TileMeetBlock(const float* qT, int ld, int hd, const float* k, int64_t ldk, const float* v, int64_t ldv, int nb,
-                   const int* visible_from, float* sT, float* m, float* l, float* accT) {
+                   const int* visible_from, const int* visible_to, float* sT, float* m, float* l, float* accT) {
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
   constexpr int NV = kTileRowVectors;
@@ -296,7 +296,10 @@ void TileMeetBlock(const float* qT, int ld, int hd, const float* k, int64_t ldk,
     r0 += wide ? NV * lanes : lanes;
   }
   if (visible_from != nullptr) {
-    for (int j = 0; j < nb; ++j) std::fill_n(sT + j * ld, visible_from[j], -INFINITY);
+    for (int j = 0; j < nb; ++j) {
+      std::fill_n(sT + j * ld, visible_from[j], -INFINITY);
+      std::fill(sT + j * ld + visible_to[j], sT + (j + 1) * ld, -INFINITY);
+    }
   }
   for (int r0 = 0; r0 < ld; r0 += lanes) SoftmaxRowVector(d, sT + r0, ld, nb, m + r0, l + r0, accT + r0, hd);
   for (int r0 = 0; r0 < ld;) {
@@ -403,6 +406,10 @@ void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float*
   }
 }
 
+// How far back a query sees: the sliding window, or (none) further than any position goes,
+// with room to add a position to it.
+int64_t window_of(const AttentionShape& sh) { return sh.window > 0 ? sh.window : int64_t{1} << 62; }
+
 // One block of a unit's keys as the products read them.
 struct BlockView {
   const float* k = nullptr;
@@ -421,7 +428,7 @@ struct BlockView {
 // in-order cache, the future of a prefill's diagonal block): they would only add zeros.
 // Returns false when no row of the unit (positions first_pos .. last_pos) sees any key.
 bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t first_pos, int64_t last_pos,
-                const UnitBuffers& buf, int64_t* pos_buf, BlockView* view) {
+                int64_t window, const UnitBuffers& buf, int64_t* pos_buf, BlockView* view) {
   const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
   // The block's pieces: at most one per run, each its run, first slot, length and column.
   struct Piece {
@@ -443,8 +450,9 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   int visible_end = 0;  // one past the last key some row sees
   bool all_visible = true;
   for (int j = 0; j < nb; ++j) {
-    if (pos[j] >= 0 && pos[j] <= last_pos) visible_end = j + 1;
-    all_visible &= pos[j] >= 0 && pos[j] <= first_pos;
+    // Some row sees it: it is not in the future of the last row, nor out of the first row's window.
+    if (pos[j] >= 0 && pos[j] <= last_pos && first_pos - pos[j] < window) visible_end = j + 1;
+    all_visible &= pos[j] >= 0 && pos[j] <= first_pos && last_pos - pos[j] < window;
   }
   if (visible_end == 0) return false;
   nb = visible_end;
@@ -501,11 +509,12 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
     std::fill(st.acc + r * hd, st.acc + (r + 1) * hd, 0.0f);
   }
   const int64_t first_pos = q_pos0 + u.token_begin, last_pos = q_pos0 + u.token_end - 1;
+  const int64_t window = window_of(sh);
   int64_t pos_buf[kKeyBlock];
   // Meets keys [j0, j0 + nb); false when the asynchronized softmax must give up (see above).
   const auto meet_block = [&](int j0, int nb) {
     BlockView b;
-    if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, buf, pos_buf, &b)) return true;
+    if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, window, buf, pos_buf, &b)) return true;
     // scores[rows][nb] = qt · Kᵀ
     HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, b.k, b.ldk, b.nb, scores, kKeyBlock);
     for (int r = 0; r < rows; ++r) {
@@ -513,7 +522,7 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
       if (!b.all_visible) {
         const int64_t row_pos = q_pos0 + u.token_begin + r / group;
         for (int j = 0; j < b.nb; ++j) {
-          if (b.pos[j] < 0 || b.pos[j] > row_pos) s[j] = -INFINITY;
+          if (b.pos[j] < 0 || b.pos[j] > row_pos || row_pos - b.pos[j] >= window) s[j] = -INFINITY;
         }
       }
       if (phi != nullptr) {
@@ -546,6 +555,9 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
     for (int r = 0; r < rows; ++r) {
       // A row that saw keys, all far below phi: its exponentials lost precision.
       if (seen_max[r] != -INFINITY && seen_max[r] < phi[r] + kAsyncLow) return false;
+      // A row that saw no key (a split part all empty slots or out of the window) holds nothing:
+      // its max is none, not phi, so that a merge with exact parts does not scale to phi.
+      if (seen_max[r] == -INFINITY) st.m[r] = -INFINITY;
     }
   }
   return true;
@@ -570,20 +582,26 @@ void run_unit_tile(const AttentionShape& sh, const float* q, const KvLayer& kv, 
     for (int c = 0; c < hd; ++c) qT[c * ld + r] = src[c] * scale;
   }
   const int64_t first_pos = q_pos0 + u.token_begin, last_pos = q_pos0 + u.token_end - 1;
+  const int64_t window = window_of(sh);
   int64_t pos_buf[kKeyBlock];
-  int visible_from[kKeyBlock];
+  int visible_from[kKeyBlock], visible_to[kKeyBlock];
   for (int j0 = u.key_begin; j0 < u.key_end; j0 += kKeyBlock) {
     BlockView b;
-    if (!view_block(kv, u.kv_head, hd, j0, std::min(kKeyBlock, u.key_end - j0), first_pos, last_pos, buf, pos_buf,
-                    &b)) {
+    if (!view_block(kv, u.kv_head, hd, j0, std::min(kKeyBlock, u.key_end - j0), first_pos, last_pos, window, buf,
+                    pos_buf, &b)) {
       continue;
     }
-    // Row r (token r / group) sees key j from r = (pos[j] - first_pos) * group on.
+    // Row r (token r / group, at position first_pos + r / group) sees key j from r = (pos[j] -
+    // first_pos) * group on, until its window has passed the key: r = (pos[j] + window -
+    // first_pos) * group.
     for (int j = 0; !b.all_visible && j < b.nb; ++j) {
-      visible_from[j] = b.pos[j] < 0 ? ld : static_cast<int>(std::clamp<int64_t>((b.pos[j] - first_pos) * group, 0, ld));
+      // The first row of a token, clamped to the tile (the token first: no window's end overflows).
+      const auto row_at = [&](int64_t token) { return static_cast<int>(std::min<int64_t>(std::clamp<int64_t>(token, 0, ld) * group, ld)); };
+      visible_from[j] = b.pos[j] < 0 ? ld : row_at(b.pos[j] - first_pos);
+      visible_to[j] = b.pos[j] < 0 ? ld : row_at(b.pos[j] + window - first_pos);
     }
     HWY_DYNAMIC_DISPATCH(TileMeetBlock)(qT, ld, hd, b.k, b.ldk, b.v, b.ldv, b.nb, b.all_visible ? nullptr : visible_from,
-                                        buf.scores, buf.m_t, buf.l_t, buf.acc_t);
+                                        b.all_visible ? nullptr : visible_to, buf.scores, buf.m_t, buf.l_t, buf.acc_t);
   }
   for (int r = 0; r < rows; ++r) {
     st.m[r] = seen_max[r] = buf.m_t[r];

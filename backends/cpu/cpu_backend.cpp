@@ -16,8 +16,8 @@
 //
 // Fusion: matmul_many prepares its input once (RMSNorm applied row by row as it is quantized,
 // the rows shared among the threads of the product's own parallel region) and covers all its
-// weights in that region (the QKV projection); matmul_swiglu has each thread apply
-// silu(gate) * up to the outputs it has just computed.
+// weights in that region (the QKV projection); matmul_glu has each thread apply
+// act(gate) * up to the outputs it has just computed.
 //
 // Threads: one OpenMP parallel region per call splits the weight rows N. Each output element
 // is computed by one thread, in an order fixed by the shape alone, so results do not depend on
@@ -143,10 +143,11 @@ class CpuBackend final : public Backend {
   void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) override {
     layer_ops_.attention(layer, shape, calls);
   }
-  void shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv,
-                  int head_dim) override {
-    layer_ops_.shift_keys(kv, slots, angles, n_head_kv, head_dim);
+  void shift_keys(const KvView& kv, std::span<const int> layers, std::span<const int> slots, const RopeAngles& angles,
+                  int n_head_kv, int head_dim) override {
+    layer_ops_.shift_keys(kv, layers, slots, angles, n_head_kv, head_dim);
   }
+  void scale(float* x, int64_t n, float factor) override { layer_ops_.scale(x, n, factor); }
   void add(float* x, const float* delta, int64_t n) override { layer_ops_.add(x, delta, n); }
   void add_row(float* x, const float* row, int64_t n_rows, int64_t width) override {
     layer_ops_.add_row(x, row, n_rows, width);
@@ -209,19 +210,19 @@ class CpuBackend final : public Backend {
     matmul_packed(packed_weights, packed_ys, in, cols);
   }
 
-  void matmul_swiglu(const PreparedWeight& gate_w, const PreparedWeight& up_w, const MatmulInput& in,
-                     float* out) override {
+  void matmul_glu(const PreparedWeight& gate_w, const PreparedWeight& up_w, const MatmulInput& in, Activation act,
+                  float* out) override {
     const auto& gate = static_cast<const CpuWeight&>(gate_w);
     const auto& up = static_cast<const CpuWeight&>(up_w);
     if (gate.rows() != up.rows() || gate.cols() != up.cols()) {
-      throw std::invalid_argument("matmul_swiglu: gate and up differ in shape");
+      throw std::invalid_argument("matmul_glu: gate and up differ in shape");
     }
     const int64_t n = in.n_tokens, ff = gate.rows();
     if (n <= 0) return;
     grow(up_out_, n * ff);
     float* up_y = up_out_.data();
     if (takes_packed(gate, n) && takes_packed(up, n)) {
-      // Each thread computes the same rows of gate and up, then applies silu(g) * u to the
+      // Each thread computes the same rows of gate and up, then applies act(g) * u to the
       // outputs it just wrote, while they are still in its cache.
       const int64_t pieces = (row_units(ff) + kPieceUnits - 1) / kPieceUnits;
       const CpuWeight* both[] = {&gate, &up};
@@ -231,7 +232,7 @@ class CpuBackend final : public Backend {
           const int64_t n0 = c * kPieceUnits * kUnitRows, n1 = std::min(ff, (c + 1) * kPieceUnits * kUnitRows);
           gemm_packed_rows(gate, n0, n1, x, n, out);
           gemm_packed_rows(up, n0, n1, x, n, up_y);
-          for (int64_t m = 0; m < n; ++m) cpu::silu_mul(out + m * ff + n0, up_y + m * ff + n0, n1 - n0);
+          for (int64_t m = 0; m < n; ++m) cpu::glu(act, out + m * ff + n0, up_y + m * ff + n0, n1 - n0);
         }
       });
       return;
@@ -242,7 +243,7 @@ class CpuBackend final : public Backend {
 #pragma omp parallel num_threads(n_threads_)
     {
       const Range r = share(n * ff, omp_get_thread_num(), omp_get_num_threads());
-      cpu::silu_mul(out + r.begin, up_y + r.begin, r.end - r.begin);
+      cpu::glu(act, out + r.begin, up_y + r.begin, r.end - r.begin);
     }
   }
 
@@ -454,7 +455,7 @@ class CpuBackend final : public Backend {
   std::vector<float> super_d_;
   std::vector<int32_t> super_sum16_, super_sum32_;
   std::vector<float> normed_;  // normalised fp32 input rows (float formats and fp32 paths with RMSNorm)
-  std::vector<float> up_out_;  // the up projection's outputs inside matmul_swiglu
+  std::vector<float> up_out_;  // the up projection's outputs inside matmul_glu
   std::vector<const CpuWeight*> packed_batch_;  // reused lists: no allocation per call
   std::vector<float*> packed_batch_ys_;
   std::vector<ThreadBuffers> per_thread_;

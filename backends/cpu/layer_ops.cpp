@@ -77,18 +77,19 @@ void LayerOps::attention(int layer, const AttentionShape& shape, std::span<const
   }
 }
 
-void LayerOps::shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv,
-                          int head_dim) {
+void LayerOps::shift_keys(const KvView& kv, std::span<const int> layers, std::span<const int> slots,
+                          const RopeAngles& angles, int n_head_kv, int head_dim) {
   std::vector<float> cos_x(static_cast<size_t>(angles.n_rot)), sin_x(cos_x.size());
   expand_rope_angles(angles.cos, angles.sin, angles.n_rot, pairs_of(angles), cos_x.data(), sin_x.data());
   const auto n_slots = static_cast<int64_t>(slots.size());
+  const auto n_layers = static_cast<int64_t>(layers.size());
 #pragma omp parallel num_threads(n_threads_)
   {
     std::vector<float> row(static_cast<size_t>(kv.row_width));
 #pragma omp for collapse(2) schedule(static)
-    for (int layer = 0; layer < kv.n_layer; ++layer) {
+    for (int64_t l = 0; l < n_layers; ++l) {
       for (int64_t m = 0; m < n_slots; ++m) {
-        uint8_t* key = kv.key(layer, slots[static_cast<size_t>(m)]);
+        uint8_t* key = kv.key(layers[static_cast<size_t>(l)], slots[static_cast<size_t>(m)]);
         if (kv.f16) {
           fp16_to_fp32_row(reinterpret_cast<const uint16_t*>(key), row.data(), kv.row_width);
         } else {
@@ -108,6 +109,11 @@ void LayerOps::shift_keys(const KvView& kv, std::span<const int> slots, const Ro
 void LayerOps::add(float* x, const float* delta, int64_t n) {
 #pragma omp parallel for num_threads(n_threads_) schedule(static) if (n >= kParallelAdd)
   for (int64_t i = 0; i < n; ++i) x[i] += delta[i];
+}
+
+void LayerOps::scale(float* x, int64_t n, float factor) {
+#pragma omp parallel for num_threads(n_threads_) schedule(static) if (n >= kParallelAdd)
+  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
 }
 
 void LayerOps::add_row(float* x, const float* row, int64_t n_rows, int64_t width) {

@@ -19,7 +19,9 @@ class LayerOps {
   void rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles);
   void store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v);
   void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls);
-  void shift_keys(const KvView& kv, std::span<const int> slots, const RopeAngles& angles, int n_head_kv, int head_dim);
+  void shift_keys(const KvView& kv, std::span<const int> layers, std::span<const int> slots, const RopeAngles& angles,
+                  int n_head_kv, int head_dim);
+  void scale(float* x, int64_t n, float factor);
   void add(float* x, const float* delta, int64_t n);
   void add_row(float* x, const float* row, int64_t n_rows, int64_t width);
   void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps);

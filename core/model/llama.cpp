@@ -14,13 +14,28 @@ namespace {
 struct ArchInfo {
   std::string_view name;
   RopeStyle rope_style;
-  bool qkv_bias = false;  // attn_q/k/v.bias, added to the projections (Qwen2)
-  bool qk_norm = false;   // attn_q_norm / attn_k_norm: RMSNorm of every head of q and k before RoPE (Qwen3)
+  bool qkv_bias = false;   // attn_q/k/v.bias, added to the projections (Qwen2)
+  bool qk_norm = false;    // attn_q_norm / attn_k_norm: RMSNorm of every head of q and k before RoPE
+  Activation activation = Activation::kSilu;  // of the gated feed-forward block
+  bool post_norms = false;   // post_attention_norm / post_ffw_norm on each block's output, before the residual
+  bool embed_scale = false;  // token embeddings multiplied by sqrt(n_embd)
+  // Sliding-window layers (<arch>.attention.sliding_window): every layer but each swa_period-th,
+  // with RoPE base swa_rope_base instead of the file's rope.freq_base.
+  int swa_period = 0;
+  float swa_rope_base = 0.0f;
 };
 constexpr ArchInfo kSupportedArchs[] = {
-    {"llama", RopeStyle::kAdjacentPairs},
-    {"qwen2", RopeStyle::kHalfSplit, true, false},
-    {"qwen3", RopeStyle::kHalfSplit, false, true},
+    {.name = "llama", .rope_style = RopeStyle::kAdjacentPairs},
+    {.name = "qwen2", .rope_style = RopeStyle::kHalfSplit, .qkv_bias = true},
+    {.name = "qwen3", .rope_style = RopeStyle::kHalfSplit, .qk_norm = true},
+    {.name = "gemma3",
+     .rope_style = RopeStyle::kHalfSplit,
+     .qk_norm = true,
+     .activation = Activation::kGeluTanh,
+     .post_norms = true,
+     .embed_scale = true,
+     .swa_period = 6,
+     .swa_rope_base = 10000.0f},
 };
 
 std::string supported_arch_names() {
@@ -80,6 +95,9 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
   hp.rope_style = arch->rope_style;
   hp.qkv_bias = arch->qkv_bias;
   hp.qk_norm = arch->qk_norm;
+  hp.activation = arch->activation;
+  hp.post_norms = arch->post_norms;
+  hp.embed_scale = arch->embed_scale;
 
   const std::string p = hp.arch + ".";
   auto dim = [&](const std::string& key, uint64_t max) { return checked_dim(gguf, key, gguf.require_uint(key), max); };
@@ -124,6 +142,11 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
   if (!(hp.rope_scale > 0.0f) || !std::isfinite(hp.rope_scale)) {
     gguf.fail("metadata '" + p + "rope.scaling.factor': the RoPE scaling factor must be a positive number");
   }
+  if (arch->swa_period > 0) {
+    hp.sliding_window = dim(p + "attention.sliding_window", uint64_t{1} << 24);
+    hp.swa_period = arch->swa_period;
+    hp.swa_rope_base = arch->swa_rope_base;
+  }
   hp.rms_eps = static_cast<float>(gguf.require_float(p + "attention.layer_norm_rms_epsilon"));
   if (!(hp.rms_eps > 0.0f) || hp.rms_eps > 1.0f) gguf.fail("metadata '" + p + "attention.layer_norm_rms_epsilon': out of range");
 
@@ -142,13 +165,17 @@ struct LlamaModel::Layer {
   std::vector<float> ffn_norm;
   std::vector<float> q_bias, k_bias, v_bias;  // qkv_bias families
   std::vector<float> q_norm, k_norm;          // qk_norm families: [head_dim]
+  std::vector<float> post_attn_norm, post_ffn_norm;  // post_norms families
+  int window = 0;    // sliding window of its attention (0: none)
+  int rope_set = 0;  // its RoPE frequencies: rope_inv_freq_[rope_set]
   std::unique_ptr<PreparedWeight> wq, wk, wv, wo, gate, up, down;
 };
 
 // Activations for one chunk of up to max_batch tokens, allocated once.
 struct LlamaModel::Scratch {
   std::vector<float> x, xn, q, k, v, attn, gate;
-  std::vector<float> rope_cos, rope_sin;  // [tokens][n_rot / 2]: each row's RoPE angles
+  // [rope set][tokens][n_rot / 2]: each row's RoPE angles, per set of frequencies.
+  std::vector<std::vector<float>> rope_cos, rope_sin;
   // The pass's sequences as the backend sees them: their caches, their prefixes, and one
   // attention call each (reused, sized before any pointer into them is taken).
   std::vector<KvView> kv_views, prefix_views;
@@ -191,6 +218,14 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
       L.q_norm = load_vector(gguf, b + "attn_q_norm.weight", hp_.head_dim);
       L.k_norm = load_vector(gguf, b + "attn_k_norm.weight", hp_.head_dim);
     }
+    if (hp_.post_norms) {
+      L.post_attn_norm = load_vector(gguf, b + "post_attention_norm.weight", d);
+      L.post_ffn_norm = load_vector(gguf, b + "post_ffw_norm.weight", d);
+    }
+    if (hp_.swa_period > 0 && (il + 1) % hp_.swa_period != 0) {
+      L.window = hp_.sliding_window;
+      L.rope_set = 1;
+    }
     L.wo = prepare(b + "attn_output.weight", q_dim, d);
     L.gate = prepare(b + "ffn_gate.weight", d, hp_.n_ff);
     L.up = prepare(b + "ffn_up.weight", d, hp_.n_ff);
@@ -204,16 +239,21 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
     output_ = backend_.prepare(WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data, true});
   }
 
-  // RoPE frequencies: theta_i = pos * base^(-2i / n_rot), optionally divided by per-pair factors.
-  rope_inv_freq_.resize(static_cast<size_t>(hp_.n_rot / 2));
-  for (int i = 0; i < hp_.n_rot / 2; ++i) {
-    rope_inv_freq_[static_cast<size_t>(i)] =
-        static_cast<float>(std::pow(static_cast<double>(hp_.rope_base), -2.0 * i / hp_.n_rot));
-  }
+  // RoPE frequencies: theta_i = pos * base^(-2i / n_rot), optionally divided by per-pair factors;
+  // a second set for sliding-window layers with a base of their own.
+  const auto frequencies = [&](float base) {
+    std::vector<float> inv_freq(static_cast<size_t>(hp_.n_rot / 2));
+    for (int i = 0; i < hp_.n_rot / 2; ++i) {
+      inv_freq[static_cast<size_t>(i)] = static_cast<float>(std::pow(static_cast<double>(base), -2.0 * i / hp_.n_rot));
+    }
+    return inv_freq;
+  };
+  rope_inv_freq_.push_back(frequencies(hp_.rope_base));
   if (gguf.find_tensor("rope_freqs.weight") != nullptr) {
     const std::vector<float> factors = load_vector(gguf, "rope_freqs.weight", hp_.n_rot / 2);
-    for (size_t i = 0; i < factors.size(); ++i) rope_inv_freq_[i] /= factors[i];
+    for (size_t i = 0; i < factors.size(); ++i) rope_inv_freq_[0][i] /= factors[i];
   }
+  if (hp_.swa_period > 0) rope_inv_freq_.push_back(frequencies(hp_.swa_rope_base));
 
   scratch_ = std::make_unique<Scratch>();
   const auto M = static_cast<size_t>(max_batch_);
@@ -224,8 +264,8 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   scratch_->v.resize(M * kv_dim);
   scratch_->attn.resize(M * q_dim);
   scratch_->gate.resize(M * hp_.n_ff);
-  scratch_->rope_cos.resize(M * static_cast<size_t>(hp_.n_rot / 2));
-  scratch_->rope_sin.resize(M * static_cast<size_t>(hp_.n_rot / 2));
+  scratch_->rope_cos.assign(rope_inv_freq_.size(), std::vector<float>(M * static_cast<size_t>(hp_.n_rot / 2)));
+  scratch_->rope_sin = scratch_->rope_cos;
 }
 
 LlamaModel::~LlamaModel() = default;
@@ -263,15 +303,22 @@ void LlamaModel::forward(std::span<const int32_t> tokens, KvCache& cache, float*
 void LlamaModel::shift_context(KvCache& cache) const {
   const int n_discard = cache.shift_size();
   const std::vector<int> moved = cache.discard(n_discard);
-  // The rotation by -n_discard positions, per rotary pair (in double, as rope_angles()).
+  // The rotation by -n_discard positions, per rotary pair (in double, as rope_angles()), of the
+  // layers of each set of frequencies.
   const int half = hp_.n_rot / 2;
-  std::vector<float> cos(static_cast<size_t>(half)), sin(static_cast<size_t>(half));
-  for (int i = 0; i < half; ++i) {
-    const double theta = -static_cast<double>(n_discard) / hp_.rope_scale * rope_inv_freq_[static_cast<size_t>(i)];
-    cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
-    sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
+  for (size_t set = 0; set < rope_inv_freq_.size(); ++set) {
+    std::vector<float> cos(static_cast<size_t>(half)), sin(static_cast<size_t>(half));
+    for (int i = 0; i < half; ++i) {
+      const double theta = -static_cast<double>(n_discard) / hp_.rope_scale * rope_inv_freq_[set][static_cast<size_t>(i)];
+      cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
+      sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
+    }
+    std::vector<int> layers;
+    for (int il = 0; il < hp_.n_layer; ++il) {
+      if (layers_[static_cast<size_t>(il)].rope_set == static_cast<int>(set)) layers.push_back(il);
+    }
+    backend_.shift_keys(cache.view(), layers, moved, rope_layout(cos.data(), sin.data()), hp_.n_head_kv, hp_.head_dim);
   }
-  backend_.shift_keys(cache.view(), moved, rope_layout(cos.data(), sin.data()), hp_.n_head_kv, hp_.head_dim);
 }
 
 RopeAngles LlamaModel::rope_layout(const float* cos, const float* sin) const {
@@ -294,13 +341,15 @@ void LlamaModel::embed(std::span<const int32_t> tokens, float* out) {
 // angles lose digits.
 void LlamaModel::rope_angles(int row0, int64_t pos0, int n_tokens) {
   const int half = hp_.n_rot / 2;
-  for (int t = 0; t < n_tokens; ++t) {
-    const double p = static_cast<double>(pos0 + t) / hp_.rope_scale;
-    const size_t at = static_cast<size_t>(row0 + t) * static_cast<size_t>(half);
-    for (int i = 0; i < half; ++i) {
-      const double theta = p * rope_inv_freq_[static_cast<size_t>(i)];
-      scratch_->rope_cos[at + static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
-      scratch_->rope_sin[at + static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
+  for (size_t set = 0; set < rope_inv_freq_.size(); ++set) {
+    for (int t = 0; t < n_tokens; ++t) {
+      const double p = static_cast<double>(pos0 + t) / hp_.rope_scale;
+      const size_t at = static_cast<size_t>(row0 + t) * static_cast<size_t>(half);
+      for (int i = 0; i < half; ++i) {
+        const double theta = p * rope_inv_freq_[set][static_cast<size_t>(i)];
+        scratch_->rope_cos[set][at + static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
+        scratch_->rope_sin[set][at + static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
+      }
     }
   }
 }
@@ -341,7 +390,8 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
     std::vector<float>& phi = rows[i].cache->softmax_phi();
     s.attention_calls[i].softmax_phi = async_softmax_ ? &phi[static_cast<size_t>(layer) * hp_.n_head] : nullptr;
   }
-  backend_.attention(layer, {hp_.n_head, hp_.n_head_kv, hp_.head_dim}, s.attention_calls);
+  const int window = layers_[static_cast<size_t>(layer)].window;
+  backend_.attention(layer, {hp_.n_head, hp_.n_head_kv, hp_.head_dim, window}, s.attention_calls);
 }
 
 void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
@@ -352,10 +402,11 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     embed(r.tokens, &s.x[static_cast<size_t>(r.row0) * d]);
     rope_angles(r.row0, r.pos0, static_cast<int>(r.tokens.size()));
   }
+  if (hp_.embed_scale) backend_.scale(s.x.data(), static_cast<int64_t>(n) * d, std::sqrt(static_cast<float>(d)));
   describe_sequences(rows);
-  const RopeAngles angles = rope_layout(s.rope_cos.data(), s.rope_sin.data());
   for (int il = 0; il < hp_.n_layer; ++il) {
     const Layer& L = layers_[static_cast<size_t>(il)];
+    const RopeAngles angles = rope_layout(s.rope_cos[L.rope_set].data(), s.rope_sin[L.rope_set].data());
     // Attention block: one QKV projection of the normalised input (the norm is fused into the
     // backend's input preparation), RoPE on q and k, k and v into each sequence's cache.
     const PreparedWeight* qkv[] = {L.wq.get(), L.wk.get(), L.wv.get()};
@@ -379,11 +430,14 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     }
     attention(il, rows);
     backend_.matmul(*L.wo, s.attn.data(), n, s.xn.data());
+    if (hp_.post_norms) backend_.rms_norm(s.xn.data(), n, d, L.post_attn_norm.data(), hp_.rms_eps);
     backend_.add(s.x.data(), s.xn.data(), static_cast<int64_t>(n) * d);
 
     // Feed-forward block: down(silu(gate(x)) * up(x)), gate and up in one fused pass.
-    backend_.matmul_swiglu(*L.gate, *L.up, MatmulInput{s.x.data(), n, L.ffn_norm.data(), hp_.rms_eps}, s.gate.data());
+    backend_.matmul_glu(*L.gate, *L.up, MatmulInput{s.x.data(), n, L.ffn_norm.data(), hp_.rms_eps}, hp_.activation,
+                        s.gate.data());
     backend_.matmul(*L.down, s.gate.data(), n, s.xn.data());
+    if (hp_.post_norms) backend_.rms_norm(s.xn.data(), n, d, L.post_ffn_norm.data(), hp_.rms_eps);
     backend_.add(s.x.data(), s.xn.data(), static_cast<int64_t>(n) * d);
   }
 }

@@ -38,7 +38,15 @@ struct LlamaHparams {
   RopeStyle rope_style = RopeStyle::kAdjacentPairs;
   float rms_eps = 1e-5f;
   bool qkv_bias = false;  // the family's q/k/v projections have biases (Qwen2)
-  bool qk_norm = false;   // ... RMSNorm every head of q and k before RoPE (Qwen3)
+  bool qk_norm = false;   // ... RMSNorm every head of q and k before RoPE (Qwen3, Gemma 3)
+  Activation activation = Activation::kSilu;  // of the gated feed-forward block (Gemma: GELU)
+  bool post_norms = false;   // RMSNorm of each block's output before the residual (Gemma 3)
+  bool embed_scale = false;  // embeddings times sqrt(n_embd) (Gemma)
+  // Sliding-window layers (Gemma 3): all but every swa_period-th layer see the last
+  // sliding_window positions, with RoPE base swa_rope_base.
+  int sliding_window = 0;
+  int swa_period = 0;
+  float swa_rope_base = 0.0f;
 
   // Reads and checks every field; GgufError naming the key on a missing or absurd value.
   static LlamaHparams from_gguf(const GgufFile& gguf);
@@ -121,7 +129,8 @@ class LlamaModel {
   std::vector<float> output_norm_;
   std::unique_ptr<PreparedWeight> output_;
   bool tied_output_ = false;  // output_ is token_embd: embeddings are read through the backend
-  std::vector<float> rope_inv_freq_;
+  std::vector<std::vector<float>> rope_inv_freq_;  // [set][n_rot / 2]: 0 every layer's, 1 sliding-window layers'
+
   int max_batch_ = 512;
   bool async_softmax_ = true;
   std::unique_ptr<Scratch> scratch_;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent numpy reference of the GGUF `llama`, `qwen2` and `qwen3` forward passes.
+"""Independent numpy reference of the GGUF `llama`, `qwen2`, `qwen3` and `gemma3` forward passes.
 
 This is the oracle that ringlm's C++ forward pass is checked against, so it is
 written to be obviously correct rather than fast:
@@ -26,8 +26,33 @@ Architectures (general.architecture; hyperparameters under "<arch>."):
          applied after the projection and BEFORE RoPE; NEOX RoPE; head_dim is
          attention.key_length and may differ from n_embd / n_head (then attn_q is
          [n_embd -> n_head*head_dim] and attn_output [n_head*head_dim -> n_embd]).
+  gemma3 qwen3's per-head q/k RMSNorm and NEOX RoPE, plus (HF transformers'
+         Gemma3ForCausalLM, llama.cpp's LLM_ARCH_GEMMA3 graph):
+         * the input embedding multiplied by sqrt(n_embd) (as llama.cpp, in full
+           precision; HF rounds the factor to the weights' dtype, 25.25 for bf16 640);
+         * "sandwich" norms: the attention output (after attn_output) and the FFN
+           output each go through their own RMSNorm (blk.N.post_attention_norm /
+           blk.N.post_ffw_norm.weight) BEFORE being added to the residual;
+         * GeGLU FFN: down(gelu_tanh(gate(x)) * up(x)), the tanh-approximate GELU
+           (HF "gelu_pytorch_tanh");
+         * sliding-window attention on every layer except each 6th: layer il is
+           global iff (il + 1) % 6 == 0. A local layer's query at position p sees only
+           keys at positions s with p - s < attention.sliding_window (HF: kv_idx >
+           q_idx - window; llama.cpp masks p - s >= n_swa), i.e. the last `window`
+           positions including its own. No sliding_window key (or 0): every layer global;
+         * RoPE base per layer kind: global layers use rope.freq_base (1e6 in real
+           files) and the rope scaling; local layers use rope.freq_base_swa when the
+           file has it, else 10000 (llama.cpp's default; the converter writes no such
+           key), and never the scaling;
+         * attention scale 1/sqrt(key_length) (llama.cpp; = HF's query_pre_attn_scalar
+           for every size but 27B, where llama.cpp uses 1/sqrt(n_embd/n_head), taken
+           here when block_count == 62 as llama.cpp decides);
+         * norm weights are used as stored: the converter already added Gemma's +1.
+         Keys llama.cpp honours that are not modelled here are refused
+         (final_logit_softcapping, attention.sliding_window_pattern, the *_swa head
+         sizes); attn_logit_softcapping too (llama.cpp ignores it, HF would apply it).
   Any of them: q/k/v biases are added when the file has them (llama.cpp loads them
-  as optional for all three); a tensor the reference would not use is an error.
+  as optional for all four); a tensor the reference would not use is an error.
 
 RoPE layout (the one detail that is easy to get silently wrong): llama.cpp maps
 LLM_ARCH_LLAMA to LLAMA_ROPE_TYPE_NORM ("a normal RoPE, operating on pairs of
@@ -36,7 +61,7 @@ attn_q/attn_k so that the HF "rotate_half" (NEOX, x[i] with x[i + d/2])
 convention becomes rotation of ADJACENT pairs (x[2i], x[2i+1]) with
 theta_i = pos * base^(-2i / n_rot). qwen2 and qwen3 are the opposite case: the
 converter copies their q/k rows unpermuted, so the file keeps HF's rotate_half
-layout and llama.cpp maps LLM_ARCH_QWEN2/QWEN3 to LLAMA_ROPE_TYPE_NEOX: pairs
+layout and llama.cpp maps LLM_ARCH_QWEN2/QWEN3/GEMMA3 to LLAMA_ROPE_TYPE_NEOX: pairs
 (x[i], x[i + n_rot/2]), same theta_i. The wrong pairing still gives
 plausible-looking numbers but wrong text; `--rope-style` exists only to
 demonstrate that (it overrides the architecture's layout).
@@ -73,7 +98,7 @@ SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, 
                    QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS}
 
 # The RoPE pairing of each architecture (llama.cpp's llama_model_rope_type; see the docstring).
-ROPE_STYLE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox"}
+ROPE_STYLE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
 
 
 class GGUFModelError(RuntimeError):
@@ -106,6 +131,11 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """The tanh approximation of GELU (gemma3's FFN activation; HF "gelu_pytorch_tanh")."""
+    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))   # sqrt(2/pi)
 
 
 def linear(x: np.ndarray, w: np.ndarray, b=None) -> np.ndarray:
@@ -159,6 +189,29 @@ class LlamaModel:
             raise GGUFModelError(f"rope.scaling.type '{scaling}' not supported by the reference")
         if scaling == "linear" and factor:
             self.freq_scale = 1.0 / float(factor)
+
+        # Attention scale and, for gemma3, the per-layer window / RoPE base / scaling.
+        self.attn_scale = 1.0 / float(np.sqrt(self.hd_k))
+        self.embd_scale = None
+        self.window = [0] * self.n_layer                              # 0: no sliding window
+        self.layer_rope = [(self.rope_base, self.freq_scale)] * self.n_layer
+        if arch == "gemma3":
+            for key in ("final_logit_softcapping", "attn_logit_softcapping", "attention.sliding_window_pattern",
+                        "attention.key_length_swa", "attention.value_length_swa", "rope.dimension_count_swa"):
+                if (a + key) in r.fields:
+                    raise GGUFModelError(f"'{a + key}' is not modelled by this reference")
+            if self.hd_v != self.hd_k:
+                raise GGUFModelError("gemma3 needs key_length == value_length (llama.cpp's graph uses one head size)")
+            self.embd_scale = float(np.sqrt(self.n_embd))
+            if self.n_layer == 62:    # llama.cpp's LLM_TYPE_27B rule (HF: query_pre_attn_scalar = 168)
+                self.attn_scale = 1.0 / float(np.sqrt(self.n_embd // self.n_head))
+            n_swa = int(_field(r, a + "attention.sliding_window", default=0, required=False))
+            base_swa = float(_field(r, a + "rope.freq_base_swa", default=10000.0, required=False))
+            if n_swa > 0:
+                for il in range(self.n_layer):
+                    if (il + 1) % 6 != 0:                            # local layer
+                        self.window[il] = n_swa
+                        self.layer_rope[il] = (base_swa, 1.0)
         self.context_length = int(_field(r, a + "context_length", default=0, required=False))
         self.eos_id = _field(r, "tokenizer.ggml.eos_token_id", required=False)
         self._tok_field = r.fields.get("tokenizer.ggml.tokens")
@@ -196,8 +249,9 @@ class LlamaModel:
         if arch == "llama" and "rope_freqs.weight" in tensors:
             self.rope_freqs = get("rope_freqs.weight", (self.n_rot // 2,)).astype(np.float64)
 
-        bias_required = arch == "qwen2"     # optional (and absent in practice) for llama and qwen3
-        qk_norm = arch == "qwen3"
+        bias_required = arch == "qwen2"     # optional (and absent in practice) for the others
+        qk_norm = arch in ("qwen3", "gemma3")
+        gemma = arch == "gemma3"
         self.layers = []
         for i in range(self.n_layer):
             p = f"blk.{i}."
@@ -212,11 +266,14 @@ class LlamaModel:
                 q_norm=get(p + "attn_q_norm.weight", (hk,)) if qk_norm else None,
                 k_norm=get(p + "attn_k_norm.weight", (hk,)) if qk_norm else None,
                 wo=get(p + "attn_output.weight", (d, self.n_head * hv)),
+                post_attn_norm=get(p + "post_attention_norm.weight", (d,)) if gemma else None,
                 ffn_norm=get(p + "ffn_norm.weight", (d,)),
                 w_gate=get(p + "ffn_gate.weight", (self.n_ff, d)),
                 w_up=get(p + "ffn_up.weight", (self.n_ff, d)),
                 w_down=get(p + "ffn_down.weight", (d, self.n_ff)),
+                post_ffn_norm=get(p + "post_ffw_norm.weight", (d,)) if gemma else None,
             ))
+        self.act = gelu_tanh if gemma else silu
         # A tensor we do not read may be one llama.cpp applies (an attn_output or output
         # bias, a fused attn_qkv...): refuse rather than "verify" a different model.
         unused = sorted(set(tensors) - used)
@@ -234,15 +291,15 @@ class LlamaModel:
         self.v_cache = [np.zeros((n_ctx, self.n_head_kv, self.hd_v), self.dtype) for _ in range(self.n_layer)]
 
     # ---- RoPE ---------------------------------------------------------------
-    def rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def rope(self, x: np.ndarray, pos: np.ndarray, base: float, freq_scale: float) -> np.ndarray:
         """x: [T, heads, head_dim]; rotates the first n_rot dims of each head."""
         half = self.n_rot // 2
         # Angles in float64 regardless of dtype: ggml builds them in fp32 by
         # repeated multiplication, which is the less accurate of the two.
-        inv_freq = self.rope_base ** (-2.0 * np.arange(half, dtype=np.float64) / self.n_rot)
+        inv_freq = base ** (-2.0 * np.arange(half, dtype=np.float64) / self.n_rot)
         if self.rope_freqs is not None:
             inv_freq = inv_freq / self.rope_freqs
-        theta = (pos.astype(np.float64) * self.freq_scale)[:, None] * inv_freq[None, :]  # [T, half]
+        theta = (pos.astype(np.float64) * freq_scale)[:, None] * inv_freq[None, :]  # [T, half]
         cos = np.cos(theta)[:, None, :].astype(self.dtype)
         sin = np.sin(theta)[:, None, :].astype(self.dtype)
         out = x.copy()
@@ -250,7 +307,7 @@ class LlamaModel:
             x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]   # adjacent pairs
             out[..., 0:self.n_rot:2] = x0 * cos - x1 * sin
             out[..., 1:self.n_rot:2] = x0 * sin + x1 * cos
-        else:  # "neox": pairs (i, i + n_rot/2) -- qwen2/qwen3, NOT llama
+        else:  # "neox": pairs (i, i + n_rot/2) -- qwen2/qwen3/gemma3, NOT llama
             x0, x1 = x[..., :half], x[..., half:self.n_rot]
             out[..., :half] = x0 * cos - x1 * sin
             out[..., half:self.n_rot] = x0 * sin + x1 * cos
@@ -270,21 +327,27 @@ class LlamaModel:
         pos = np.arange(start, start + T)
         S = start + T                                   # keys visible to the last query
         group = self.n_head // self.n_head_kv
-        # A Python float, not np.float64: under NumPy 2 promotion rules a float64
+        # Scales are Python floats, not np.float64: under NumPy 2 promotion rules a float64
         # scalar would silently turn a float32 run into mixed-precision (and off BLAS).
-        scale = 1.0 / float(np.sqrt(self.hd_k))
+        scale = self.attn_scale
         # Causal mask: query t (absolute position start+t) sees keys s <= start+t.
-        mask = np.arange(S)[None, :] > pos[:, None]      # [T, S], True = hidden
+        # A sliding window w also hides keys with start+t - s >= w.
+        dist = pos[:, None] - np.arange(S)[None, :]      # [T, S] query position - key position
+        masks = {w: ((dist < 0) | (dist >= w)) if w else (dist < 0) for w in set(self.window)}   # True = hidden
 
         x = self.tok_embd[tokens]                        # [T, d]
+        if self.embd_scale is not None:                  # gemma3
+            x = x * self.embd_scale
         for il, L in enumerate(self.layers):
+            mask = masks[self.window[il]]
+            base, freq_scale = self.layer_rope[il]
             h = rms_norm(x, L["attn_norm"], self.eps)
             q = linear(h, L["wq"], L["bq"]).reshape(T, self.n_head, self.hd_k)
             k = linear(h, L["wk"], L["bk"]).reshape(T, self.n_head_kv, self.hd_k)
             v = linear(h, L["wv"], L["bv"]).reshape(T, self.n_head_kv, self.hd_v)
-            if L["q_norm"] is not None:                  # qwen3: per-head RMSNorm, before RoPE
+            if L["q_norm"] is not None:                  # qwen3, gemma3: per-head RMSNorm, before RoPE
                 q, k = rms_norm(q, L["q_norm"], self.eps), rms_norm(k, L["k_norm"], self.eps)
-            q, k = self.rope(q, pos), self.rope(k, pos)
+            q, k = self.rope(q, pos, base, freq_scale), self.rope(k, pos, base, freq_scale)
             self.k_cache[il][start:S] = k
             self.v_cache[il][start:S] = v
             K, V = self.k_cache[il][:S], self.v_cache[il][:S]   # [S, n_kv, hd]
@@ -297,10 +360,16 @@ class LlamaModel:
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
             attn = np.einsum("grts,sgd->tgrd", p, V).reshape(T, self.n_head * self.hd_v)
-            x = x + attn @ L["wo"].T
+            o = attn @ L["wo"].T
+            if L["post_attn_norm"] is not None:          # gemma3: norm before the residual add
+                o = rms_norm(o, L["post_attn_norm"], self.eps)
+            x = x + o
 
             h = rms_norm(x, L["ffn_norm"], self.eps)
-            x = x + (silu(h @ L["w_gate"].T) * (h @ L["w_up"].T)) @ L["w_down"].T
+            f = (self.act(h @ L["w_gate"].T) * (h @ L["w_up"].T)) @ L["w_down"].T
+            if L["post_ffn_norm"] is not None:           # gemma3
+                f = rms_norm(f, L["post_ffn_norm"], self.eps)
+            x = x + f
 
         assert x.dtype == self.dtype, x.dtype
         self.n_past = S
@@ -367,7 +436,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     ap.add_argument("--rope-style", choices=["norm", "neox"],
                     help="experiments only: override the architecture's RoPE pairing "
-                         "(llama: norm = adjacent pairs; qwen2/qwen3: neox = (i, i + n_rot/2))")
+                         "(llama: norm = adjacent pairs; qwen2/qwen3/gemma3: neox = (i, i + n_rot/2))")
     ap.add_argument("--show-text", action="store_true", help="print the decoded continuation to stderr")
     args = ap.parse_args(argv)
 

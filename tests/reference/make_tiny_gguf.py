@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write a small llama / qwen2 / qwen3 GGUF with random weights, for fast unit tests.
+"""Write a small llama / qwen2 / qwen3 / gemma3 GGUF with random weights, for fast unit tests.
 
     make_tiny_gguf.py OUT.gguf --vocab ../shared/data/vocab/ggml-vocab-starcoder.gguf \
         [--type Q4_0] [--untied] [--n-layer 2] [--n-head 4 --n-head-kv 2] [--seed 0] ...
@@ -17,9 +17,19 @@ n_embd/n_head there). For both, rope.dimension_count is written only when
 --rope-dims is given, as llama.cpp's converter does. The q/k rows need no
 permutation for their NEOX RoPE: the weights are random either way.
 
+--arch gemma3 writes qwen3's q/k norms and key_length/value_length, plus the
+post-norms blk.N.post_attention_norm / blk.N.post_ffw_norm.weight (F32, near 1,
+like every norm here), attention.sliding_window = --sliding-window (default 8,
+so prompts of a few dozen tokens cross it; 0 omits the key: every layer global),
+rope.freq_base = --rope-base (default 1e6 for gemma3, as in the real files, so
+that the global base differs from the local layers' 10000) and, only when
+--rope-base-swa is given, rope.freq_base_swa; rope.dimension_count only with
+--rope-dims (the real files have none). Every 6th layer (il % 6 == 5) is
+global: use --n-layer 6 or more to have both kinds.
+
 Error-path tests: --arch NAME writes NAME to general.architecture (and uses it
 as the prefix of the hyperparameter keys, as a real file of that arch would;
-other names than the three get llama's tensors);
+other names than the four get llama's tensors);
 --drop-key KEY and --drop-tensor NAME omit one metadata key / tensor (repeatable).
 Deterministic for a given --seed and argument list.
 """
@@ -98,10 +108,14 @@ def main(argv=None) -> int:
     ap.add_argument("--n-head-kv", type=int, default=2)
     ap.add_argument("--head-dim", type=int,
                     help="write attention.key_length/value_length = this (default: n_embd/n_head, keys omitted "
-                         "except for qwen3)")
+                         "except for qwen3/gemma3)")
     ap.add_argument("--rope-dims", type=int,
-                    help="rope.dimension_count (default: head dim; for qwen2/qwen3 the key is omitted)")
-    ap.add_argument("--rope-base", type=float, default=10000.0)
+                    help="rope.dimension_count (default: head dim; for qwen2/qwen3/gemma3 the key is omitted)")
+    ap.add_argument("--rope-base", type=float, help="rope.freq_base (default 10000; 1e6 for gemma3)")
+    ap.add_argument("--rope-base-swa", type=float,
+                    help="gemma3: write rope.freq_base_swa (the local layers' base; default: key omitted = 10000)")
+    ap.add_argument("--sliding-window", type=int, default=8,
+                    help="gemma3: attention.sliding_window (default 8; 0 omits the key)")
     ap.add_argument("--eps", type=float, default=1e-5, help="attention.layer_norm_rms_epsilon")
     ap.add_argument("--ctx", type=int, default=512, help="context_length")
     ap.add_argument("--init-scale", type=float, default=1.0, help="multiplier on all random weight scales")
@@ -124,7 +138,9 @@ def main(argv=None) -> int:
         raise SystemExit("need n_embd % n_head == 0 and n_head % n_head_kv == 0")
     hd = args.head_dim or d // args.n_head
     rot = args.rope_dims or hd
-    qwen = args.arch in ("qwen2", "qwen3")
+    qwen = args.arch in ("qwen2", "qwen3", "gemma3")    # NEOX families: rope.dimension_count only on request
+    gemma = args.arch == "gemma3"
+    rope_base = args.rope_base if args.rope_base is not None else (1e6 if gemma else 10000.0)
     if args.arch == "qwen2" and args.n_head * hd != d:
         raise SystemExit("qwen2 needs n_head * head_dim == n_embd (llama.cpp's qwen2 attn_q and attn_output "
                          "are [n_embd, n_embd])")
@@ -153,12 +169,16 @@ def main(argv=None) -> int:
     w.add_uint32(a + "attention.head_count", args.n_head)
     w.add_uint32(a + "attention.head_count_kv", args.n_head_kv)
     w.add_float32(a + "attention.layer_norm_rms_epsilon", args.eps)
-    w.add_float32(a + "rope.freq_base", args.rope_base)
+    w.add_float32(a + "rope.freq_base", rope_base)
     if not qwen or args.rope_dims:
         w.add_uint32(a + "rope.dimension_count", rot)
-    if args.head_dim or args.arch == "qwen3":   # the converter writes them when config.json has head_dim
+    if args.head_dim or args.arch in ("qwen3", "gemma3"):   # the converter writes them when config.json has head_dim
         w.add_uint32(a + "attention.key_length", hd)
         w.add_uint32(a + "attention.value_length", hd)
+    if gemma and args.sliding_window:
+        w.add_uint32(a + "attention.sliding_window", args.sliding_window)
+    if gemma and args.rope_base_swa is not None:
+        w.add_float32(a + "rope.freq_base_swa", args.rope_base_swa)
 
     for key in args.drop_key:
         if key not in w.kv_data[0]:
@@ -190,16 +210,20 @@ def main(argv=None) -> int:
             tensors += [(p + "attn_q.bias", normal(args.n_head * hd, 0.2), "F32"),
                         (p + "attn_k.bias", normal(args.n_head_kv * hd, 0.2), "F32"),
                         (p + "attn_v.bias", normal(args.n_head_kv * hd, 0.2), "F32")]
-        if args.arch == "qwen3":
+        if args.arch in ("qwen3", "gemma3"):
             tensors += [(p + "attn_q_norm.weight", norm_weight(hd), "F32"),
                         (p + "attn_k_norm.weight", norm_weight(hd), "F32")]
+        tensors += [(p + "attn_output.weight", normal((d, args.n_head * hd), (args.n_head * hd) ** -0.5), args.type)]
+        if gemma:
+            tensors += [(p + "post_attention_norm.weight", norm_weight(), "F32")]
         tensors += [
-            (p + "attn_output.weight", normal((d, args.n_head * hd), (args.n_head * hd) ** -0.5), args.type),
             (p + "ffn_norm.weight", norm_weight(), "F32"),
             (p + "ffn_gate.weight", normal((ff, d), d ** -0.5), args.type),
             (p + "ffn_up.weight", normal((ff, d), d ** -0.5), args.type),
             (p + "ffn_down.weight", normal((d, ff), ff ** -0.5), args.type),
         ]
+        if gemma:
+            tensors += [(p + "post_ffw_norm.weight", norm_weight(), "F32")]
     names = {t[0] for t in tensors}
     for name in args.drop_tensor:
         if name not in names:
@@ -216,7 +240,8 @@ def main(argv=None) -> int:
     w.close()
     print(f"wrote {args.out}: arch {args.arch}, {args.n_layer} layers, d {d}, ff {ff}, heads {args.n_head}/"
           f"{args.n_head_kv}, head dim {hd}, vocab {n_vocab}, matrices {args.type}, token_embd {embd_type}, "
-          + (f"output {out_type}" if args.untied else "tied output"))
+          + (f"output {out_type}" if args.untied else "tied output")
+          + (f", sliding window {args.sliding_window or 'none'}" if gemma else ""))
     return 0
 
 
