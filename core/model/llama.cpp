@@ -19,8 +19,9 @@ struct ArchInfo {
   Activation activation = Activation::kSilu;  // of the gated feed-forward block
   bool post_norms = false;   // post_attention_norm / post_ffw_norm on each block's output, before the residual
   bool embed_scale = false;  // token embeddings multiplied by sqrt(n_embd)
-  // Sliding-window layers (<arch>.attention.sliding_window): every layer but each swa_period-th,
-  // with RoPE base swa_rope_base instead of the file's rope.freq_base.
+  // Sliding-window layers (<arch>.attention.sliding_window, when the file gives one): every
+  // layer but each swa_period-th, with RoPE base <arch>.rope.freq_base_swa (default
+  // swa_rope_base) and no RoPE scaling (which is the global layers').
   int swa_period = 0;
   float swa_rope_base = 0.0f;
 };
@@ -143,9 +144,23 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
     gguf.fail("metadata '" + p + "rope.scaling.factor': the RoPE scaling factor must be a positive number");
   }
   if (arch->swa_period > 0) {
-    hp.sliding_window = dim(p + "attention.sliding_window", uint64_t{1} << 24);
-    hp.swa_period = arch->swa_period;
-    hp.swa_rope_base = arch->swa_rope_base;
+    // A window of 0 (or none) makes every layer global.
+    const uint64_t window = gguf.get_uint(p + "attention.sliding_window").value_or(0);
+    if (window > (uint64_t{1} << 24)) {
+      gguf.fail("metadata '" + p + "attention.sliding_window': " + std::to_string(window) + " is out of range");
+    }
+    hp.sliding_window = static_cast<int>(window);
+    if (hp.sliding_window > 0) {
+      hp.swa_period = arch->swa_period;
+      hp.swa_rope_base = static_cast<float>(gguf.get_float(p + "rope.freq_base_swa").value_or(arch->swa_rope_base));
+      if (!(hp.swa_rope_base > 1.0f) || !std::isfinite(hp.swa_rope_base)) {
+        gguf.fail("metadata '" + p + "rope.freq_base_swa': must be > 1");
+      }
+    }
+  }
+  // What this decoder does not model is refused, never ignored.
+  for (const char* key : {"attention.sliding_window_pattern", "final_logit_softcapping", "attn_logit_softcapping"}) {
+    if (gguf.find(p + key) != nullptr) gguf.fail("metadata '" + p + key + "' is not supported");
   }
   hp.rms_eps = static_cast<float>(gguf.require_float(p + "attention.layer_norm_rms_epsilon"));
   if (!(hp.rms_eps > 0.0f) || hp.rms_eps > 1.0f) gguf.fail("metadata '" + p + "attention.layer_norm_rms_epsilon': out of range");
@@ -309,7 +324,7 @@ void LlamaModel::shift_context(KvCache& cache) const {
   for (size_t set = 0; set < rope_inv_freq_.size(); ++set) {
     std::vector<float> cos(static_cast<size_t>(half)), sin(static_cast<size_t>(half));
     for (int i = 0; i < half; ++i) {
-      const double theta = -static_cast<double>(n_discard) / hp_.rope_scale * rope_inv_freq_[set][static_cast<size_t>(i)];
+      const double theta = -static_cast<double>(n_discard) / rope_scale(set) * rope_inv_freq_[set][static_cast<size_t>(i)];
       cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
       sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
     }
@@ -320,6 +335,10 @@ void LlamaModel::shift_context(KvCache& cache) const {
     backend_.shift_keys(cache.view(), layers, moved, rope_layout(cos.data(), sin.data()), hp_.n_head_kv, hp_.head_dim);
   }
 }
+
+// Linear RoPE scaling divides the positions of the layers of set 0 only (Gemma 3 scales its
+// global layers, not its sliding-window ones).
+double LlamaModel::rope_scale(size_t set) const { return set == 0 ? hp_.rope_scale : 1.0; }
 
 RopeAngles LlamaModel::rope_layout(const float* cos, const float* sin) const {
   return RopeAngles{cos, sin, hp_.n_rot, hp_.rope_style == RopeStyle::kAdjacentPairs};
@@ -343,7 +362,7 @@ void LlamaModel::rope_angles(int row0, int64_t pos0, int n_tokens) {
   const int half = hp_.n_rot / 2;
   for (size_t set = 0; set < rope_inv_freq_.size(); ++set) {
     for (int t = 0; t < n_tokens; ++t) {
-      const double p = static_cast<double>(pos0 + t) / hp_.rope_scale;
+      const double p = static_cast<double>(pos0 + t) / rope_scale(set);
       const size_t at = static_cast<size_t>(row0 + t) * static_cast<size_t>(half);
       for (int i = 0; i < half; ++i) {
         const double theta = p * rope_inv_freq_[set][static_cast<size_t>(i)];

@@ -43,7 +43,7 @@ struct LlamaHparams {
   bool post_norms = false;   // RMSNorm of each block's output before the residual (Gemma 3)
   bool embed_scale = false;  // embeddings times sqrt(n_embd) (Gemma)
   // Sliding-window layers (Gemma 3): all but every swa_period-th layer see the last
-  // sliding_window positions, with RoPE base swa_rope_base.
+  // sliding_window positions, with RoPE base swa_rope_base (and no RoPE scaling). 0: none.
   int sliding_window = 0;
   int swa_period = 0;
   float swa_rope_base = 0.0f;
@@ -119,6 +119,7 @@ class LlamaModel {
   void attention(int layer, std::span<const Rows> rows);
   // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0...
   void rope_angles(int row0, int64_t pos0, int n_tokens);
+  double rope_scale(size_t set) const;
   // Angle tables in this model's RoPE layout.
   RopeAngles rope_layout(const float* cos, const float* sin) const;
 
