@@ -17,15 +17,22 @@ namespace {
 
 double silu_mul_f64(float g, float u) { return g / (1.0 + std::exp(-static_cast<double>(g))) * u; }
 
-TEST(SiluMul, MatchesTheFloat64Definition) {
-  std::mt19937 rng(7);
+// 1001 gates over the range activations take, with 0, +-100 and a tiny negative among them, and
+// their up projections.
+void random_inputs(unsigned seed, std::vector<float>& gate, std::vector<float>& up) {
+  std::mt19937 rng(seed);
   std::uniform_real_distribution<float> uniform(-20.0f, 20.0f);
-  std::vector<float> gate(1001), up(gate.size());
+  gate.resize(1001), up.resize(gate.size());
   for (size_t i = 0; i < gate.size(); ++i) {
     gate[i] = uniform(rng);
     up[i] = uniform(rng) / 10.0f;
   }
   gate[0] = 0.0f, gate[1] = -100.0f, gate[2] = 100.0f, gate[3] = -1e-30f;
+}
+
+TEST(SiluMul, MatchesTheFloat64Definition) {
+  std::vector<float> gate, up;
+  random_inputs(7, gate, up);
   std::vector<float> out = gate;
   silu_mul(out.data(), up.data(), static_cast<int64_t>(out.size()));
   for (size_t i = 0; i < out.size(); ++i) {
@@ -42,14 +49,8 @@ double gelu_tanh_mul_f64(float g, float u) {
 }
 
 TEST(GeluTanhMul, MatchesTheFloat64DefinitionOnEveryTarget) {
-  std::mt19937 rng(9);
-  std::uniform_real_distribution<float> uniform(-20.0f, 20.0f);
-  std::vector<float> gate(1001), up(gate.size());
-  for (size_t i = 0; i < gate.size(); ++i) {
-    gate[i] = uniform(rng);
-    up[i] = uniform(rng) / 10.0f;
-  }
-  gate[0] = 0.0f, gate[1] = -100.0f, gate[2] = 100.0f, gate[3] = -1e-30f;
+  std::vector<float> gate, up;
+  random_inputs(9, gate, up);
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
     SCOPED_TRACE(hwy::TargetName(target));
     const test::OnlyTarget only(target);

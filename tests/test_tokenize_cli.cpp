@@ -13,6 +13,7 @@
 #include "core/gguf/gguf.h"
 #include "core/tokenizer/tokenizer.h"
 #include "tests/command_runner.h"
+#include "tests/vocab_vectors.h"
 
 namespace ringlm {
 namespace {
@@ -58,38 +59,14 @@ std::string ids_line(const std::vector<int32_t>& ids) {
   return s + "]\n";
 }
 
-// test-tokenizer-0's vectors: X.gguf.inp holds the strings, each followed by
-// "\n__ggml_vocab_test__\n"; X.gguf.out one line of ids per string.
-struct VocabCase {
-  std::string text;
-  std::vector<int32_t> ids;
-};
-
-std::vector<VocabCase> read_vocab_cases(const std::string& name) {
-  const std::string inp = test::slurp(kVocabDir + name + ".gguf.inp");
-  const std::string sep = "\n__ggml_vocab_test__\n";
-  std::vector<VocabCase> cases;
-  for (size_t pos = 0; pos < inp.size();) {
-    const size_t next = inp.find(sep, pos);
-    if (next == std::string::npos) break;
-    cases.push_back({inp.substr(pos, next - pos), {}});
-    pos = next + sep.size();
-  }
-  std::istringstream out(test::slurp(kVocabDir + name + ".gguf.out"));
-  std::string line;
-  for (VocabCase& c : cases) {
-    if (!std::getline(out, line)) throw std::runtime_error(name + ".gguf.out has too few lines");
-    std::istringstream ids(line);
-    for (int32_t id; ids >> id;) c.ids.push_back(id);
-  }
-  return cases;
-}
+using test::read_vocab_cases;
+using test::VocabCase;
 
 class TokenizeVocabVectors : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(TokenizeVocabVectors, IdsAreTheExpectedOnes) {
   const std::string name = GetParam();
-  const std::vector<VocabCase> cases = read_vocab_cases(name);
+  const std::vector<VocabCase> cases = read_vocab_cases(kVocabDir + name + ".gguf");
   ASSERT_GE(cases.size(), 40u);
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE("text " + std::to_string(i) + ": '" + cases[i].text + "'");

@@ -16,6 +16,7 @@
 #include "core/gguf/gguf.h"
 #include "core/tokenizer/pretokenizer.h"
 #include "core/tokenizer/tokenizer.h"
+#include "tests/vocab_vectors.h"
 
 namespace ringlm {
 namespace {
@@ -42,42 +43,15 @@ std::unique_ptr<Tokenizer> load_vocab(const std::string& name) {
 // ---------------------------------------------------------------------------------------------
 // llama.cpp's test-tokenizer-0 vectors
 
-struct VocabCase {
-  std::string text;
-  std::vector<int32_t> ids;
-};
-
-// X.gguf.inp holds the strings separated by "\n__ggml_vocab_test__\n" (the last one is followed
-// by it too); X.gguf.out holds one line of space-separated ids per string.
-std::vector<VocabCase> read_vocab_cases(const std::string& name) {
-  const std::string inp = read_file(kVocabDir + name + ".gguf.inp");
-  const std::string sep = "\n__ggml_vocab_test__\n";
-  std::vector<VocabCase> cases;
-  for (size_t pos = 0; pos < inp.size();) {
-    const size_t next = inp.find(sep, pos);
-    if (next == std::string::npos) {
-      cases.push_back({inp.substr(pos), {}});
-      break;
-    }
-    cases.push_back({inp.substr(pos, next - pos), {}});
-    pos = next + sep.size();
-  }
-  std::istringstream out(read_file(kVocabDir + name + ".gguf.out"));
-  std::string line;
-  for (VocabCase& c : cases) {
-    if (!std::getline(out, line)) throw std::runtime_error(name + ".gguf.out has too few lines");
-    std::istringstream ids(line);
-    for (int32_t id; ids >> id;) c.ids.push_back(id);
-  }
-  return cases;
-}
+using test::read_vocab_cases;
+using test::VocabCase;
 
 class VocabVectors : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(VocabVectors, EncodeMatchesAndDecodeRoundTrips) {
   const std::string name = GetParam();
   const auto tok = load_vocab(name);
-  const std::vector<VocabCase> cases = read_vocab_cases(name);
+  const std::vector<VocabCase> cases = read_vocab_cases(kVocabDir + name + ".gguf");
   ASSERT_GE(cases.size(), 40u);
   for (const VocabCase& c : cases) {
     SCOPED_TRACE("text: '" + c.text + "'");
