@@ -247,10 +247,10 @@ class PluginBackend final : public Backend {
         continue;
       }
       PluginKvCache& copy = ensure_device_copy(*call.kv);
-      // Positions change only between passes: the first layer brings them up to date.
-      if (layer == 0 || copy.n_slots != static_cast<int>(call.kv->positions.size())) {
-        set_positions(copy, call.kv->positions);
-      }
+      // Every call brings the positions up to date: set_positions uploads only what changed, and
+      // the first layer that attends here need not be layer 0 (a model whose windowed layers
+      // stay on the CPU), nor does a full ring change its slot count when its positions move.
+      set_positions(copy, call.kv->positions);
       attend(copy, layer, call, shape);
     }
     if (!cpu_calls_.empty()) cpu_->attention(layer, shape, cpu_calls_);
