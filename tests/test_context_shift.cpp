@@ -208,7 +208,7 @@ TEST(KvCacheRing, MemoryIsAllocatedOnceAndOptionsAreChecked) {
   cache.append(8);
   EXPECT_EQ(cache.contiguous_free(), 0);
   EXPECT_EQ(cache.shift_size(), 3);
-  const std::vector<int> moved = cache.discard(3);
+  const std::vector<int> moved = cache.discard(3).full;
   EXPECT_EQ(moved, (std::vector<int>{5, 6, 7}));
   EXPECT_EQ(cache.size(), 5);
   EXPECT_EQ(cache.contiguous_free(), 3);

@@ -56,7 +56,7 @@ TEST(KvMemory, APrefixIsReadNotHeld) {
   EXPECT_EQ(sample.size(), 20);
   EXPECT_EQ(sample.context_size(), 320);
   EXPECT_EQ(sample.positions()[0], 300);
-  EXPECT_EQ(sample.bytes_in_use(), size_t{20} * sample.bytes_per_token());
+  EXPECT_EQ(sample.bytes_in_use(), size_t{20} * 2 * 2 * sample.row_bytes());
   EXPECT_FALSE(sample.can_shift());
   EXPECT_THROW(sample.discard(5), std::logic_error);
   // A prefix of another shape, or a prefix that has one, is refused.

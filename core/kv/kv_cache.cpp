@@ -6,7 +6,22 @@
 
 namespace ringlm {
 
-KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const KvCacheOptions& options)
+void KvCache::Rows::allocate(int n_layer_in_ring, int n_slots, size_t bytes_per_row) {
+  n_layer = n_layer_in_ring;
+  slots = n_slots;
+  row_bytes = bytes_per_row;
+  storage = PageBuffer(static_cast<size_t>(n_layer) * 2 * static_cast<size_t>(slots) * row_bytes);
+  positions.assign(static_cast<size_t>(slots), -1);
+}
+
+void KvCache::Rows::clear() {
+  std::fill(positions.begin(), positions.end(), -1);
+  extent = held = 0;
+  storage.release();
+}
+
+KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const KvCacheOptions& options,
+                 const KvWindowRing& window)
     : n_layer_(n_layer),
       capacity_(capacity),
       n_kv_head_(n_kv_head),
@@ -25,8 +40,19 @@ KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const K
     throw std::invalid_argument("--discard " + std::to_string(options.n_discard) + " must be between 1 and the " +
                                 std::to_string(capacity - n_keep_) + " tokens after the kept ones (0: half of them)");
   }
-  storage_ = PageBuffer(static_cast<size_t>(n_layer) * 2 * static_cast<size_t>(capacity) * row_bytes());
-  positions_.assign(static_cast<size_t>(capacity), -1);
+  if (!window.layers.empty() && static_cast<int>(window.layers.size()) != n_layer) {
+    throw std::invalid_argument("KvCache: the window ring names " + std::to_string(window.layers.size()) + " layers of " +
+                                std::to_string(n_layer));
+  }
+  int n_full = 0, n_window = 0;
+  for (int il = 0; il < n_layer; ++il) {
+    const bool windowed = !window.layers.empty() && window.layers[static_cast<size_t>(il)];
+    places_.push_back(windowed ? LayerPlace{KvRing::kWindow, n_window++} : LayerPlace{KvRing::kFull, n_full++});
+  }
+  if (n_window > 0 && window.slots <= 0) throw std::invalid_argument("KvCache: a window ring needs slots");
+  // The full ring keeps the positions of the sequence even when every layer is windowed.
+  full_.allocate(n_full, capacity, row_bytes());
+  window_.allocate(n_window, n_window > 0 ? window.slots : 0, row_bytes());
 }
 
 int KvCache::shift_size() const {
@@ -34,20 +60,25 @@ int KvCache::shift_size() const {
   return std::max(1, ring_count_ / 2);
 }
 
+size_t KvCache::bytes_for_tokens(int64_t n) const {
+  return full_.bytes_for(n) + window_.bytes_for(std::min<int64_t>(n, window_.slots));
+}
+
 void KvCache::clear() {
-  n_sink_ = ring_head_ = ring_count_ = extent_ = 0;
+  n_sink_ = ring_head_ = ring_count_ = 0;
+  window_appended_ = 0;
   next_position_ = 0;
-  std::fill(positions_.begin(), positions_.end(), -1);
+  full_.clear();
+  window_.clear();
   softmax_phi_.clear();
   prefix_.reset();
-  storage_.release();
 }
 
 void KvCache::attach_prefix(std::shared_ptr<const KvCache> prefix) {
   if (prefix == nullptr) throw std::invalid_argument("KvCache::attach_prefix: no prefix");
   if (size() != 0 || prefix_ != nullptr) throw std::logic_error("KvCache::attach_prefix: the cache is not empty");
   if (prefix->n_layer_ != n_layer_ || prefix->n_kv_head_ != n_kv_head_ || prefix->head_dim_ != head_dim_ ||
-      prefix->type_ != type_) {
+      prefix->type_ != type_ || prefix->window_.n_layer != window_.n_layer || prefix->window_.slots != window_.slots) {
     throw std::invalid_argument("KvCache::attach_prefix: the prefix has another shape or type");
   }
   if (prefix->prefix_ != nullptr) throw std::invalid_argument("KvCache::attach_prefix: the prefix has a prefix");
@@ -66,50 +97,85 @@ int KvCache::append(int n) {
     throw std::length_error("KV cache full: " + std::to_string(size()) + " cached + " + std::to_string(n) +
                             " new tokens exceed the context size " + std::to_string(capacity_));
   }
+  if (n > window_.slots && has_window_ring()) {
+    throw std::length_error("KV cache: " + std::to_string(n) + " tokens in one pass exceed the window ring of " +
+                            std::to_string(window_.slots) + " slots");
+  }
   const int first = n_sink_ < n_keep_ ? n_sink_ : ring_slot(ring_count_);
   const int to_sinks = std::min(n, n_keep_ - n_sink_);
   n_sink_ += to_sinks;
   ring_count_ += n - to_sinks;
-  for (int i = 0; i < n; ++i) positions_[static_cast<size_t>(first + i)] = next_position_ + i;
+  for (int i = 0; i < n; ++i) full_.positions[static_cast<size_t>(first + i)] = next_position_ + i;
+  full_.extent = std::max(full_.extent, first + n);
+  full_.held = size();
+  if (has_window_ring()) {
+    for (int i = 0; i < n; ++i) {
+      int64_t& slot_position = window_.positions[static_cast<size_t>((window_appended_ + i) % window_.slots)];
+      window_.held += slot_position < 0;  // a slot written over keeps the count
+      slot_position = next_position_ + i;
+    }
+    window_appended_ += n;
+    window_.extent = static_cast<int>(std::min<int64_t>(window_appended_, window_.slots));
+  }
   next_position_ += n;
-  extent_ = std::max(extent_, first + n);
   return first;
 }
 
-std::vector<int> KvCache::discard(int n_discard) {
+KvDiscard KvCache::discard(int n_discard) {
   if (prefix_ != nullptr) throw std::logic_error("KvCache::discard: a cache with a shared prefix does not shift");
   if (n_discard <= 0 || n_discard > ring_count_) {
     throw std::invalid_argument("cannot discard " + std::to_string(n_discard) + " of the " + std::to_string(ring_count_) +
                                 " tokens after the " + std::to_string(n_keep_) + " kept ones");
   }
-  for (int i = 0; i < n_discard; ++i) positions_[static_cast<size_t>(ring_slot(i))] = -1;
+  const int64_t first_dropped = full_.positions[static_cast<size_t>(ring_slot(0))];
+  for (int i = 0; i < n_discard; ++i) full_.positions[static_cast<size_t>(ring_slot(i))] = -1;
   ring_head_ = (ring_head_ + n_discard) % ring_capacity();
   ring_count_ -= n_discard;
-  std::vector<int> moved(static_cast<size_t>(ring_count_));
+  KvDiscard moved;
+  moved.full.resize(static_cast<size_t>(ring_count_));
   for (int i = 0; i < ring_count_; ++i) {
-    moved[static_cast<size_t>(i)] = ring_slot(i);
-    positions_[static_cast<size_t>(ring_slot(i))] -= n_discard;
+    moved.full[static_cast<size_t>(i)] = ring_slot(i);
+    full_.positions[static_cast<size_t>(ring_slot(i))] -= n_discard;
   }
+  full_.held = size();
+  moved.window = discard_window(first_dropped, n_discard);
   next_position_ -= n_discard;
   ++shifts_;
   discarded_ += n_discard;
   return moved;
 }
 
-KvView KvCache::view() {
+std::vector<int> KvCache::discard_window(int64_t first, int n) {
+  std::vector<int> moved;
+  for (int slot = 0; slot < window_.extent; ++slot) {
+    int64_t& p = window_.positions[static_cast<size_t>(slot)];
+    if (p < first) continue;  // empty, or a sink the window ring still holds
+    if (p < first + n) {
+      p = -1;
+      --window_.held;
+    } else {
+      p -= n;
+      moved.push_back(slot);
+    }
+  }
+  return moved;
+}
+
+KvView KvCache::view(KvRing ring) {
+  Rows& r = ring == KvRing::kWindow ? window_ : full_;
   KvView v;
-  v.rows = storage_.data();
-  v.n_layer = n_layer_;
-  v.capacity = capacity_;
+  v.rows = r.storage.data();
+  v.n_layer = r.n_layer;
+  v.capacity = r.slots;
   v.row_width = row_width();
   v.f16 = type_ == KvType::kF16;
-  v.positions = positions();
-  v.state = &backend_state_;
+  v.positions = r.used_positions();
+  v.state = &r.backend_state;
   return v;
 }
 
-KvView KvCache::prefix_view() const {
-  KvView v = const_cast<KvCache*>(this)->view();  // the ops only read a prefix's rows
+KvView KvCache::prefix_view(KvRing ring) const {
+  KvView v = const_cast<KvCache*>(this)->view(ring);  // the ops only read a prefix's rows
   v.state = nullptr;
   return v;
 }

@@ -105,8 +105,15 @@ class LlamaModel {
     KvCache* cache;
     int row0;
     int64_t pos0;    // position of its first token
-    int first_slot;  // cache slot of its first token
+    int first_slot;   // slot of its first token in the cache's full ring
+    int window_slot;  // ... in its window ring (the run may wrap around the ring's end)
   };
+  // Appends `tokens` to `cache` and returns where their rows go (rows row0..).
+  static Rows append_rows(std::span<const int32_t> tokens, KvCache& cache, int row0);
+  // Index of a sequence's ring in the scratch's kv_views.
+  static size_t kv_view_index(size_t sequence, KvRing ring) { return 2 * sequence + (ring == KvRing::kWindow ? 1 : 0); }
+  // Writes the keys and values of the pass's sequence-th sequence into layer `layer` of its cache.
+  void store_kv(int layer, size_t sequence, const Rows& rows);
   // The transformer over `rows` (appended to their caches); leaves the final hidden states in
   // the scratch activations.
   void run_layers(std::span<const Rows> rows, int n_rows);
@@ -132,6 +139,7 @@ class LlamaModel {
   bool tied_output_ = false;  // output_ is token_embd: embeddings are read through the backend
   std::vector<std::vector<float>> rope_inv_freq_;  // [set][n_rot / 2]: 0 every layer's, 1 sliding-window layers'
 
+  static constexpr int kWindowedMaxBatch = 256;  // max_batch of a model with sliding-window layers
   int max_batch_ = 512;
   bool async_softmax_ = true;
   std::unique_ptr<Scratch> scratch_;

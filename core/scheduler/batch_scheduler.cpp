@@ -211,7 +211,7 @@ void BatchScheduler::account_memory() {
     if (s->state == Slot::State::kFree) continue;
     const KvCache& c = s->cache;
     held += c.bytes_in_use();
-    unshared += static_cast<size_t>(c.context_size()) * c.bytes_per_token();
+    unshared += c.bytes_for_tokens(c.context_size());
     if (c.prefix() != nullptr && std::find(prefixes.begin(), prefixes.end(), c.prefix()) == prefixes.end()) {
       prefixes.push_back(c.prefix());
       held += c.prefix()->bytes_in_use();

@@ -13,20 +13,21 @@
 
 int main(int argc, char** argv) {
   std::string model_path, prompt;
-  int n_generate = 32, n_threads = 2;
+  int n_generate = 32, n_threads = 2, n_ctx = 0;
   CLI::App app{"ringlm_logits: dump prompt logits and greedy tokens as JSON"};
   app.add_option("-m,--model", model_path)->required();
   app.add_option("-p,--prompt", prompt)->required();
   app.add_option("-n", n_generate)->check(CLI::Range(0, 4096));
   app.add_option("-t,--threads", n_threads)->check(CLI::Range(1, 256));
+  app.add_option("-c,--ctx-size", n_ctx, "context size (0: prompt + generated tokens + 1)")->check(CLI::Range(0, 1 << 20));
   CLI11_PARSE(app, argc, argv);
   try {
     omp_set_num_threads(n_threads);
     ringlm::LoadedModel m = ringlm::load_model(model_path, n_threads, ringlm::ComputeType::kFp32);
     const int n_vocab = m.model->hparams().n_vocab;
     const std::vector<int32_t> tokens = m.tokenizer->encode(prompt, m.tokenizer->add_bos_by_default(), true);
-    ringlm::KvCache cache = m.model->make_cache(static_cast<int>(tokens.size()) + n_generate + 1,
-                                                {.type = ringlm::KvType::kF32});
+    if (n_ctx == 0) n_ctx = static_cast<int>(tokens.size()) + n_generate + 1;
+    ringlm::KvCache cache = m.model->make_cache(n_ctx, {.type = ringlm::KvType::kF32});
     std::vector<float> logits(static_cast<size_t>(n_vocab));
     m.model->forward(tokens, cache, logits.data());
     nlohmann::json out;
