@@ -55,7 +55,11 @@ LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType
   std::string notice;
   std::unique_ptr<Backend> backend = make_backend(choice, notice);
   if (!notice.empty()) std::fprintf(stderr, "ringlm: %s\n", notice.c_str());
-  return load_model(path, std::move(backend));
+  LoadedModel model = load_model(path, std::move(backend));
+  if (const std::string report = model.backend->cpu_fallback_report(); !report.empty()) {
+    std::fprintf(stderr, "ringlm: %s\n", report.c_str());
+  }
+  return model;
 }
 
 void add_compute_option(CLI::App& cmd, ComputeType& compute) {

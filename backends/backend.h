@@ -193,12 +193,24 @@ class Backend {
 
   // Whether some ops run on a device of their own (a plugin's GPU), for reports.
   virtual bool offloads() const { return false; }
+  // For a backend with a device: which weights stay on the CPU and why, one line (empty when
+  // none does). Ops that fall back as they run (attention of some caches) say so once, on stderr.
+  virtual std::string cpu_fallback_report() const { return {}; }
   // Where the products run, for reports: "cpu", "opencl:0 (NVIDIA ...)".
   virtual std::string device_description() const { return std::string(name()); }
 };
 
-// The CPU backend with int8 compute (backends/cpu/cpu_backend.h has the other choices);
-// `n_threads` OpenMP threads for every kernel.
-std::unique_ptr<Backend> make_cpu_backend(int n_threads);
+// How the CPU backend multiplies weights:
+//  - kInt8: the packed kernels (backends/cpu/kernel_packed.h): activations quantized to int8 per
+//    block of 32 (per 256 for the K-quants and IQ4_XS) on the fly, integer dot products, one
+//    float multiply-add per block (fast; activations carry a rounding error of at most max|x|/254
+//    of their block); F32/F16/BF16 weights multiply the fp32 activations.
+//  - kFp32: weights dequantized to fp32 and multiplied with the fp32 activations (reference).
+enum class ComputeType { kInt8, kFp32 };
+
+// The CPU backend; `n_threads` OpenMP threads for every kernel (0: OpenMP's default). Under
+// kInt8, a product takes the fp32 sgemm path from the number of tokens at which the tuning table
+// (ringlm tune; backends/cpu/tuning.h) measured it faster, read once here.
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute = ComputeType::kInt8);
 
 }  // namespace ringlm

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <compare>
+#include <cstdio>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -141,11 +143,24 @@ class PluginBackend final : public Backend {
   std::string device_description() const override { return device_label(*device_); }
   bool offloads() const override { return true; }
 
+  std::string cpu_fallback_report() const override {
+    if (cpu_weight_types_.empty()) return {};
+    int n_cpu = 0;
+    std::string types;
+    for (const auto& [type, count] : cpu_weight_types_) {
+      n_cpu += count;
+      types += (types.empty() ? "" : ", ") + type + " x" + std::to_string(count);
+    }
+    return device_label(*device_) + ": " + std::to_string(n_cpu) + " of " + std::to_string(n_weights_) +
+           " weights run on the CPU (" + types + "; the plugin does not take them)";
+  }
+
   std::unique_ptr<PreparedWeight> prepare(const WeightView& w) override {
     auto prepared = std::make_unique<PluginWeight>(w.rows, w.cols);
     prepared->type = w.type;
     prepared->source = w.data;
     prepared->max_rows = device_rows_for(w);
+    ++n_weights_;
     if (prepared->max_rows > 0) {
       prepared->on_device = true;
       const size_t bytes = row_bytes(w.type, w.cols) * static_cast<size_t>(w.rows);
@@ -153,6 +168,7 @@ class PluginBackend final : public Backend {
       prepared->data.upload(0, w.data, bytes);
     } else {
       prepared->cpu = cpu_->prepare(w);
+      ++cpu_weight_types_[std::string(type_traits(static_cast<uint32_t>(w.type))->name)];
     }
     return prepared;
   }
@@ -242,7 +258,8 @@ class PluginBackend final : public Backend {
   void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) override {
     cpu_calls_.clear();
     for (const AttentionCall& call : calls) {
-      if (!attends_here(*call.kv, shape)) {
+      if (const char* why = why_not_on_device(*call.kv, shape)) {
+        notice_once(why);
         cpu_calls_.push_back(call);
         continue;
       }
@@ -278,15 +295,22 @@ class PluginBackend final : public Backend {
     return kv.state != nullptr ? static_cast<PluginKvCache*>(kv.state->get()) : nullptr;
   }
 
-  // Whether this cache's attention runs on the device: the device runs the geometry (asked once
-  // per geometry and cache type) and the cache reads no shared prefix.
-  bool attends_here(const KvView& kv, const AttentionShape& shape) {
-    // Not on the device: a shared prefix, a sliding window (the device kernel has none).
-    if (kv.prefix != nullptr || kv.state == nullptr || shape.window != 0) return false;
+  // Why this cache's attention cannot run on the device, or nullptr when it can: the device
+  // must run the geometry (asked once per geometry and cache type), and the cache must read no
+  // shared prefix and have no sliding window (ABI v1's attention has neither).
+  const char* why_not_on_device(const KvView& kv, const AttentionShape& shape) {
+    if (kv.prefix != nullptr) return "attention over a shared prompt segment runs on the CPU";
+    if (shape.window != 0) return "sliding-window attention runs on the CPU (the plugin's attention has no window)";
+    if (kv.state == nullptr) return "attention over a read-only cache runs on the CPU";
     const GeometryKey key{shape.n_head, shape.n_head_kv, shape.head_dim, kv.f16};
     auto known = geometries_.find(key);
     if (known == geometries_.end()) known = geometries_.emplace(key, supports(shape, kv.f16)).first;
-    return known->second;
+    return known->second ? nullptr : "attention of this head geometry runs on the CPU (the plugin does not take it)";
+  }
+
+  // A fallback to the CPU is said once, on stderr, the first time it happens.
+  void notice_once(const char* why) {
+    if (told_.insert(why).second) std::fprintf(stderr, "ringlm: %s: %s\n", device_label(*device_).c_str(), why);
   }
 
   bool supports(const AttentionShape& shape, bool f16_kv) const {
@@ -460,6 +484,9 @@ class PluginBackend final : public Backend {
   std::shared_ptr<OpenedDevice> device_;
   const ringlm_plugin& api_;
   std::unique_ptr<Backend> cpu_;
+  int n_weights_ = 0;                            // prepared here
+  std::map<std::string, int> cpu_weight_types_;  // of those, left on the CPU, by type
+  std::set<std::string> told_;                    // fallbacks already said
   std::string name_;
   DeviceBuffer x_buffer_, y_buffer_, q_buffer_, out_buffer_;
   std::vector<float> normed_, up_out_;

@@ -182,6 +182,23 @@ TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpu) {
   EXPECT_EQ(device.out, cpu.out);
 }
 
+// Gemma 3 270M on the device: what the plugin does not take (Q5_0, Q4_K, Q6_K weights; the
+// sliding-window layers' attention) runs on the CPU, each said once on stderr, and the text is
+// the CPU's (both fp32).
+TEST(DeviceCli, GemmaSaysWhatStaysOnTheCpuAndWritesTheCpusText) {
+  const std::string args = "run -m " + std::string(RINGLM_GEMMA3_MODEL) +
+                           " -t 2 --temp 0 -n 12 -p 'The capital of France is' --compute fp32 --plugin-dir " + plugin_dir();
+  const Output cpu = run_ringlm(args + " --device cpu");
+  const Output device = run_ringlm(args + " --device opencl");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  ASSERT_EQ(device.exit_code, 0) << device.err;
+  EXPECT_THAT(device.err, HasSubstr("weights run on the CPU (Q4_K x"));
+  EXPECT_THAT(device.err, HasSubstr("sliding-window attention runs on the CPU"));
+  EXPECT_THAT(cpu.err, Not(HasSubstr("on the CPU")));
+  EXPECT_THAT(cpu.out, HasSubstr("France"));
+  EXPECT_EQ(device.out, cpu.out);
+}
+
 TEST(DeviceCli, MissingDeviceIndexIsAClearError) {
   const Output o = run_ringlm(run_args("opencl:7"));
   EXPECT_TRUE(test::exited_with_error(o));

@@ -476,6 +476,6 @@ std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute, co
   return std::make_unique<CpuBackend>(n_threads, compute, 0, table);
 }
 
-std::unique_ptr<Backend> make_cpu_backend(int n_threads) { return make_cpu_backend(n_threads, ComputeType::kInt8); }
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute) { return make_cpu_backend(n_threads, compute, 0); }
 
 }  // namespace ringlm

@@ -6,7 +6,6 @@
 #include <string>
 
 #include "backends/backend.h"
-#include "backends/cpu/cpu_backend.h"
 #include "core/gguf/gguf.h"
 #include "core/model/llama.h"
 #include "core/tokenizer/tokenizer.h"
