@@ -96,7 +96,13 @@ void add_sampling_options(CLI::App& cmd, SamplingParams& p) {
   cmd.add_option("--repeat-penalty", p.repeat_penalty, "penalty for recent tokens (1: off)")
       ->check(CLI::Range(0.0f, 100.0f))
       ->capture_default_str();
-  cmd.add_option("--repeat-last-n", p.repeat_last_n, "how many recent tokens the penalty sees (0: none, -1: all)")
+  cmd.add_option("--frequency-penalty", p.frequency_penalty, "subtracted from a recent token's logit per occurrence (0: off)")
+      ->check(CLI::Range(-2.0f, 2.0f))
+      ->capture_default_str();
+  cmd.add_option("--presence-penalty", p.presence_penalty, "subtracted once from a recent token's logit (0: off)")
+      ->check(CLI::Range(-2.0f, 2.0f))
+      ->capture_default_str();
+  cmd.add_option("--repeat-last-n", p.repeat_last_n, "how many recent tokens the penalties see (0: none, -1: all)")
       ->check(CLI::Range(-1, 1 << 24))
       ->capture_default_str();
   cmd.add_option("-s,--seed", p.seed, "random seed (default: random)");

@@ -159,5 +159,54 @@ TEST(Sampler, RepeatPenaltyLooksOnlyAtTheLastNTokens) {
   EXPECT_FLOAT_EQ(logits[1], 0.4f);
 }
 
+// OpenAI's definition: logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty.
+TEST(Sampler, FrequencyAndPresencePenaltiesFollowOpenAIsDefinition) {
+  SamplingParams p = no_filters(0.0f, 1);
+  p.frequency_penalty = 0.5f;
+  p.presence_penalty = 0.25f;
+  p.repeat_last_n = 5;
+  Sampler s(p, 4);
+  std::vector<float> logits = {3.0f, 2.0f, -1.0f, 1.0f};
+  const std::vector<int32_t> history = {3, 0, 0, 2, 0, 3};  // last 5: 0 three times, 2 once, 3 once
+  s.sample(logits, history);
+  EXPECT_FLOAT_EQ(logits[0], 3.0f - 3 * 0.5f - 0.25f);
+  EXPECT_FLOAT_EQ(logits[1], 2.0f);
+  EXPECT_FLOAT_EQ(logits[2], -1.0f - 0.5f - 0.25f);
+  EXPECT_FLOAT_EQ(logits[3], 1.0f - 0.5f - 0.25f);
+}
+
+TEST(Sampler, RepeatPenaltyComesBeforeTheOpenAIPenalties) {
+  SamplingParams p = no_filters(0.0f, 1);
+  p.repeat_penalty = 2.0f;
+  p.frequency_penalty = 1.0f;
+  Sampler s(p, 2);
+  std::vector<float> logits = {4.0f, 0.0f};
+  const std::vector<int32_t> history = {0, 0};
+  s.sample(logits, history);
+  EXPECT_FLOAT_EQ(logits[0], 4.0f / 2.0f - 2.0f);  // divided once, then minus its count
+}
+
+// log softmax computed here in long double.
+TEST(Sampler, TokenLogprobsAreTheLogSoftmaxOfTheLogits) {
+  const std::vector<float> logits = {1.0f, 3.5f, -2.0f, 3.5f, 0.25f};
+  long double z = 0;
+  for (float x : logits) z += std::exp(static_cast<long double>(x));
+  const auto expected = [&](size_t i) { return static_cast<double>(logits[i] - std::log(z)); };
+  const TokenLogprobs lp = token_logprobs(logits, 4, 3);
+  EXPECT_EQ(lp.chosen.id, 4);
+  EXPECT_NEAR(lp.chosen.logprob, expected(4), 1e-6);
+  ASSERT_EQ(lp.top.size(), 3u);
+  EXPECT_EQ(lp.top[0].id, 1);  // 1 and 3 tie: the lower id first
+  EXPECT_EQ(lp.top[1].id, 3);
+  EXPECT_EQ(lp.top[2].id, 0);
+  EXPECT_NEAR(lp.top[2].logprob, expected(0), 1e-6);
+  double total = 0;
+  for (size_t i = 0; i < logits.size(); ++i) total += std::exp(token_logprobs(logits, static_cast<int32_t>(i), 0).chosen.logprob);
+  EXPECT_NEAR(total, 1.0, 1e-6);
+  EXPECT_TRUE(token_logprobs(logits, 0, 0).top.empty());
+  EXPECT_EQ(token_logprobs(logits, 0, 99).top.size(), logits.size());
+  EXPECT_THROW(token_logprobs(logits, 5, 1), std::out_of_range);
+}
+
 }  // namespace
 }  // namespace ringlm

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
-#include <unordered_set>
+#include <utility>
 
 namespace ringlm {
 
@@ -40,16 +40,27 @@ Sampler::Sampler(const SamplingParams& params, int n_vocab) : params_(params) {
   candidates_.reserve(static_cast<size_t>(n_vocab));
 }
 
-void Sampler::apply_repeat_penalty(std::span<float> logits, std::span<const int32_t> history) const {
-  if (params_.repeat_penalty == 1.0f || params_.repeat_last_n == 0 || history.empty()) return;
+void Sampler::apply_penalties(std::span<float> logits, std::span<const int32_t> history) {
+  const bool any = params_.repeat_penalty != 1.0f || params_.frequency_penalty != 0.0f || params_.presence_penalty != 0.0f;
+  if (!any || params_.repeat_last_n == 0 || history.empty()) return;
   const size_t n = params_.repeat_last_n < 0 ? history.size()
                                               : std::min(history.size(), static_cast<size_t>(params_.repeat_last_n));
-  // Each distinct recent token is penalised once, however often it appeared.
-  std::unordered_set<int32_t> seen(history.end() - static_cast<std::ptrdiff_t>(n), history.end());
-  for (int32_t id : seen) {
+  // Each distinct recent token with its count (sorted, then runs counted): the repetition
+  // penalty applies once per token, the frequency penalty once per occurrence.
+  recent_.assign(history.end() - static_cast<std::ptrdiff_t>(n), history.end());
+  std::sort(recent_.begin(), recent_.end());
+  recent_counts_.clear();
+  for (size_t i = 0; i < recent_.size();) {
+    size_t j = i;
+    while (j < recent_.size() && recent_[j] == recent_[i]) ++j;
+    recent_counts_.emplace_back(recent_[i], static_cast<int>(j - i));
+    i = j;
+  }
+  for (const auto& [id, count] : recent_counts_) {
     if (id < 0 || static_cast<size_t>(id) >= logits.size()) continue;
     float& l = logits[static_cast<size_t>(id)];
-    l = l > 0 ? l / params_.repeat_penalty : l * params_.repeat_penalty;
+    if (params_.repeat_penalty != 1.0f) l = l > 0 ? l / params_.repeat_penalty : l * params_.repeat_penalty;
+    l -= static_cast<float>(count) * params_.frequency_penalty + params_.presence_penalty;
   }
 }
 
@@ -96,7 +107,7 @@ static void softmax_sorted(std::vector<Sampler::Candidate>& c, float temperature
 }
 
 int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> history) {
-  apply_repeat_penalty(logits, history);
+  apply_penalties(logits, history);
   if (params_.temperature <= 0.0f) return argmax(logits);
 
   candidates_.clear();
@@ -119,6 +130,28 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> histor
     if (r <= 0) return c.id;
   }
   return candidates_.back().id;
+}
+
+TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int top_n) {
+  if (token < 0 || static_cast<size_t>(token) >= logits.size()) throw std::out_of_range("token_logprobs: token outside the vocabulary");
+  // log softmax(x)_i = x_i - max - log(sum exp(x - max)), the sum in double.
+  const float max_logit = logits[static_cast<size_t>(argmax(logits))];
+  double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x) - max_logit);
+  const double log_z = max_logit + std::log(sum);
+  const auto logprob = [&](int32_t id) { return static_cast<float>(logits[static_cast<size_t>(id)] - log_z); };
+
+  TokenLogprobs out;
+  out.chosen = {token, logprob(token)};
+  const size_t n = std::min(logits.size(), static_cast<size_t>(std::max(top_n, 0)));
+  std::vector<int32_t> ids(logits.size());
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(n), ids.end(), [&](int32_t a, int32_t b) {
+    const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
+    return la > lb || (la == lb && a < b);
+  });
+  for (size_t i = 0; i < n; ++i) out.top.push_back({ids[i], logprob(ids[i])});
+  return out;
 }
 
 }  // namespace ringlm

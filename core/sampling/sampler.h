@@ -1,11 +1,13 @@
-// Token sampling: repetition penalty, then top-k, top-p, min-p and temperature, then a draw
-// from the remaining distribution with a seeded generator (llama.cpp's order). A temperature
-// of 0 or below is greedy. The same seed and the same logits give the same tokens.
+// Token sampling: the penalties for recent tokens (repetition, then OpenAI's frequency and
+// presence), then top-k, top-p, min-p and temperature, then a draw from the remaining
+// distribution with a seeded generator (llama.cpp's order). A temperature of 0 or below is
+// greedy. The same seed and the same logits give the same tokens.
 #pragma once
 
 #include <cstdint>
 #include <random>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace ringlm {
@@ -16,7 +18,11 @@ struct SamplingParams {
   float top_p = 0.95f;       // >= 1: off
   float min_p = 0.05f;       // <= 0: off
   float repeat_penalty = 1.0f;  // 1: off
-  int repeat_last_n = 64;    // how many recent tokens the penalty looks at (0: none, -1: all)
+  // OpenAI's penalties: a recent token's logit minus frequency_penalty times its count and
+  // presence_penalty once (0: off).
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  int repeat_last_n = 64;    // how many recent tokens the penalties look at (0: none, -1: all)
   uint64_t seed = 0xFFFFFFFF;  // 0xFFFFFFFF: pick a random seed
 };
 
@@ -37,7 +43,7 @@ class Sampler {
   const SamplingParams& params() const { return params_; }
 
  private:
-  void apply_repeat_penalty(std::span<float> logits, std::span<const int32_t> history) const;
+  void apply_penalties(std::span<float> logits, std::span<const int32_t> history);
   void keep_top_k(size_t k);
   void keep_top_p();
   void keep_min_p();
@@ -46,7 +52,22 @@ class Sampler {
   uint64_t seed_;
   std::mt19937_64 rng_;
   std::vector<Candidate> candidates_;  // reused between calls: no allocation per token
+  std::vector<int32_t> recent_;                         // reused by apply_penalties
+  std::vector<std::pair<int32_t, int>> recent_counts_;  // ... (token, count)
 };
+
+// The log-probability of `token` under the model's distribution, softmax(logits) (before any
+// penalty or filter, as OpenAI's logprobs), and the `top_n` most likely tokens with theirs,
+// most likely first (the lowest id first among equals).
+struct TokenLogprob {
+  int32_t id = 0;
+  float logprob = 0.0f;
+};
+struct TokenLogprobs {
+  TokenLogprob chosen;
+  std::vector<TokenLogprob> top;
+};
+TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int top_n);
 
 // Index of the largest logit (the lowest index among equals).
 int32_t argmax(std::span<const float> logits);
