@@ -296,7 +296,11 @@ std::vector<fs::path> plugin_search_dirs(const std::string& plugin_dir) {
   }
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) add_unique_dir(dirs, identities, exe.parent_path());
+  if (!ec) {
+    add_unique_dir(dirs, identities, exe.parent_path());
+    const fs::path installed = exe.parent_path() / RINGLM_INSTALLED_PLUGIN_DIR;
+    if (fs::is_directory(installed, ec)) add_unique_dir(dirs, identities, installed);
+  }
   return dirs;
 }
 

@@ -51,7 +51,9 @@ class LoadedPlugin {
 std::shared_ptr<LoadedPlugin> load_plugin(const std::filesystem::path& library);
 
 // The directories searched, in order: plugin_dir (if not empty), $RINGLM_PLUGIN_PATH's entries,
-// the directory of the running executable. Duplicates removed.
+// the directory of the running executable (a build tree), then where `cmake --install` puts the
+// plugins relative to it (<prefix>/lib/ringlm beside <prefix>/bin; RINGLM_INSTALLED_PLUGIN_DIR)
+// when that exists. Duplicates removed.
 std::vector<std::filesystem::path> plugin_search_dirs(const std::string& plugin_dir);
 
 struct PluginLoadFailure {
