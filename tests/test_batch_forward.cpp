@@ -138,6 +138,50 @@ TEST_F(BatchForward, SamplesReadingASharedPromptMatchWholeCaches) {
   EXPECT_THROW(segment[0].attach_prefix(shared), std::logic_error);  // not empty
 }
 
+// A request whose prompt begins like an earlier one reads only that common beginning of the
+// earlier prompt's cache: its first n tokens, the rest masked out. Its logits are those of a
+// whole cache holding the common beginning and its own tokens.
+TEST_F(BatchForward, ASequenceReadingTheFirstTokensOfAPromptMatchesAWholeCache) {
+  LoadedModel fp32 = load_model(RINGLM_TEST_MODEL, 1, ComputeType::kFp32);
+  LlamaModel& model = *fp32.model;
+  const std::vector<int32_t> earlier = tokens("The tide came in over the flats while the herons waited on the posts.");
+  const std::vector<int32_t> later = tokens("The tide came in over the flats and the children ran back up the beach.");
+  size_t common = 0;
+  while (common < earlier.size() && common < later.size() && earlier[common] == later[common]) ++common;
+  ASSERT_GT(common, 4u);
+  ASSERT_LT(common + 3, later.size());
+
+  auto shared = std::make_shared<KvCache>(model.make_cache(256));
+  std::vector<float> logits(vocab()), whole_logits(vocab());
+  model.forward(earlier, *shared, logits.data());
+  KvCache reader = model.make_cache(256), whole = model.make_cache(256);
+  ASSERT_TRUE(reader.can_read_prefix(*shared, static_cast<int>(common)));
+  ASSERT_FALSE(reader.can_read_prefix(*shared, static_cast<int>(earlier.size()) + 1));
+  reader.attach_prefix(shared, static_cast<int>(common));
+  EXPECT_EQ(reader.next_position(), static_cast<int64_t>(common));
+  EXPECT_EQ(reader.context_size(), static_cast<int>(common));
+
+  const std::span<const int32_t> rest = std::span(later).subspan(common);
+  const LlamaModel::SequenceTokens step[] = {{rest, &reader, logits.data()}};
+  model.forward_batch(step);
+  model.forward(later, whole, whole_logits.data());
+  const auto [lo, hi] = std::minmax_element(whole_logits.begin(), whole_logits.end());
+  float worst = 0;
+  for (size_t t = 0; t < vocab(); ++t) worst = std::max(worst, std::abs(logits[t] - whole_logits[t]));
+  EXPECT_LT(worst, 1e-3f * (*hi - *lo));
+
+  // Reading the whole earlier prompt instead (its later tokens visible) must be far off: what
+  // the comparison tells apart.
+  KvCache unmasked = model.make_cache(256);
+  unmasked.attach_prefix(shared);
+  const std::span<const int32_t> after = std::span(later).subspan(common);
+  const LlamaModel::SequenceTokens wrong[] = {{after, &unmasked, logits.data()}};
+  model.forward_batch(wrong);
+  float off = 0;
+  for (size_t t = 0; t < vocab(); ++t) off = std::max(off, std::abs(logits[t] - whole_logits[t]));
+  EXPECT_GT(off, 1e-2f * (*hi - *lo));
+}
+
 TEST_F(BatchForward, RefusesBadBatchesBeforeTouchingAnyCache) {
   const std::vector<int32_t> a = tokens("Hello there");
   KvCache small = model().make_cache(4), other = model().make_cache(64);

@@ -65,6 +65,18 @@ TEST(KvMemory, APrefixIsReadNotHeld) {
   auto chained = std::make_shared<KvCache>(2, 1024, 2, 64, KvCacheOptions{});
   chained->attach_prefix(prompt);
   EXPECT_THROW(other.attach_prefix(chained), std::invalid_argument);
+  // The first n tokens of a prefix: later ones masked, its own tokens continue at n.
+  KvCache partial(2, 1024, 2, 64, {KvType::kF16, 0, 0, false});
+  EXPECT_FALSE(partial.can_read_prefix(*prompt, 0));
+  EXPECT_FALSE(partial.can_read_prefix(*prompt, 301));
+  partial.attach_prefix(prompt, 120);
+  EXPECT_EQ(partial.next_position(), 120);
+  EXPECT_EQ(partial.context_size(), 120);
+  const KvView read = partial.prefix_view();
+  ASSERT_EQ(read.positions.size(), 300u);
+  EXPECT_EQ(read.positions[119], 119);
+  EXPECT_EQ(read.positions[120], -1);
+  EXPECT_EQ(read.state, nullptr);
   sample.clear();  // drops the prefix: the prompt is freed when no sample reads it
   EXPECT_EQ(sample.prefix(), nullptr);
   EXPECT_EQ(sample.next_position(), 0);

@@ -30,8 +30,8 @@ namespace {
 
 // --- The ring's bookkeeping ---------------------------------------------------------------
 
-// Layers 1 and 3 of 4 windowed, a window ring of 8 slots.
-KvWindowRing odd_layers_windowed(int slots) { return {{false, true, false, true}, slots}; }
+// Layers 1 and 3 of 4 windowed (a window of 4), a window ring of `slots` slots.
+KvWindowRing odd_layers_windowed(int slots) { return {{false, true, false, true}, 4, slots}; }
 
 std::vector<int64_t> held_positions(std::span<const int64_t> positions) {
   std::vector<int64_t> held;
@@ -102,6 +102,8 @@ TEST(WindowRing, AShiftDropsTheSameTokensInBothRings) {
 TEST(WindowRing, APrefixMustHaveTheSameRings) {
   auto with_ring = std::make_shared<KvCache>(4, 32, 2, 8, KvCacheOptions{}, odd_layers_windowed(8));
   auto other_ring = std::make_shared<KvCache>(4, 32, 2, 8, KvCacheOptions{}, odd_layers_windowed(12));
+  with_ring->append(3);
+  other_ring->append(3);
   KvCache sample(4, 32, 2, 8, {}, odd_layers_windowed(8));
   EXPECT_THROW(sample.attach_prefix(other_ring), std::invalid_argument);
   KvCache plain(4, 32, 2, 8);
@@ -110,8 +112,9 @@ TEST(WindowRing, APrefixMustHaveTheSameRings) {
 }
 
 TEST(WindowRing, BadShapesAreRefused) {
-  EXPECT_THROW(KvCache(4, 32, 2, 8, {}, {{true, false}, 8}), std::invalid_argument);  // not one flag per layer
-  EXPECT_THROW(KvCache(4, 32, 2, 8, {}, {{true, true, true, true}, 0}), std::invalid_argument);  // no slots
+  EXPECT_THROW(KvCache(4, 32, 2, 8, {}, {{true, false}, 4, 8}), std::invalid_argument);  // not one flag per layer
+  EXPECT_THROW(KvCache(4, 32, 2, 8, {}, {{true, true, true, true}, 4, 4}), std::invalid_argument);  // no room past the window
+  EXPECT_THROW(KvCache(4, 32, 2, 8, {}, {{true, true, true, true}, 0, 8}), std::invalid_argument);  // no window
 }
 
 // --- A model reading the ring -------------------------------------------------------------
@@ -257,6 +260,32 @@ TEST_F(WindowRingModel, ASampleReadingASharedPromptGetsAWholeCachesLogits) {
     m.model.forward_batch(one);
     m.model.forward(std::span(&t, 1), whole, b.data());
     ASSERT_LE(max_abs_diff(a, b), 1e-5f * range_of(b));
+  }
+}
+
+TEST_F(WindowRingModel, ASequenceReadingTheFirstTokensOfAPromptMatchesAWholeCache) {
+  TinyGemma m;
+  const KvCacheOptions options{KvType::kF32, 0, 0, false};
+  const std::vector<int32_t> earlier = token_stream(300, m.n_vocab(), 6);
+  std::vector<int32_t> later(earlier.begin(), earlier.begin() + 280);
+  for (int32_t t : token_stream(30, m.n_vocab(), 7)) later.push_back(t);
+  std::vector<float> a(static_cast<size_t>(m.n_vocab())), b(a.size());
+
+  auto shared = std::make_shared<KvCache>(m.model.make_cache(1024, options));
+  m.model.forward(earlier, *shared, a.data());
+  KvCache reader = m.model.make_cache(1024, options);
+  // The window ring of the earlier prompt holds its last 260 slots: the window before position
+  // 280 is there, the one before position 20 long gone.
+  ASSERT_TRUE(reader.can_read_prefix(*shared, 280));
+  EXPECT_FALSE(reader.can_read_prefix(*shared, 20));
+  reader.attach_prefix(shared, 280);
+  KvCache whole = m.model.make_cache(1024, options);
+  m.model.forward(std::span(later).first(280), whole, b.data());
+  for (size_t i = 280; i < later.size(); ++i) {
+    const LlamaModel::SequenceTokens one[] = {{std::span(later).subspan(i, 1), &reader, a.data()}};
+    m.model.forward_batch(one);
+    m.model.forward(std::span(later).subspan(i, 1), whole, b.data());
+    ASSERT_LE(max_abs_diff(a, b), 1e-5f * range_of(b)) << "token " << i;
   }
 }
 

@@ -49,10 +49,13 @@ KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const K
     const bool windowed = !window.layers.empty() && window.layers[static_cast<size_t>(il)];
     places_.push_back(windowed ? LayerPlace{KvRing::kWindow, n_window++} : LayerPlace{KvRing::kFull, n_full++});
   }
-  if (n_window > 0 && window.slots <= 0) throw std::invalid_argument("KvCache: a window ring needs slots");
+  if (n_window > 0 && !(window.window > 0 && window.slots > window.window)) {
+    throw std::invalid_argument("KvCache: a window ring needs a window and more slots than it");
+  }
   // The full ring keeps the positions of the sequence even when every layer is windowed.
   full_.allocate(n_full, capacity, row_bytes());
   window_.allocate(n_window, n_window > 0 ? window.slots : 0, row_bytes());
+  window_size_ = n_window > 0 ? window.window : 0;
 }
 
 int KvCache::shift_size() const {
@@ -72,17 +75,39 @@ void KvCache::clear() {
   window_.clear();
   softmax_phi_.clear();
   prefix_.reset();
+  prefix_tokens_ = 0;
 }
 
-void KvCache::attach_prefix(std::shared_ptr<const KvCache> prefix) {
+bool KvCache::can_read_prefix(const KvCache& prefix, int n) const {
+  const bool same_shape = prefix.n_layer_ == n_layer_ && prefix.n_kv_head_ == n_kv_head_ && prefix.head_dim_ == head_dim_ &&
+                          prefix.type_ == type_ && prefix.places_.size() == places_.size() &&
+                          prefix.window_.slots == window_.slots && prefix.window_size_ == window_size_;
+  if (!same_shape || prefix.prefix_ != nullptr || n <= 0 || n > prefix.size()) return false;
+  for (size_t il = 0; il < places_.size(); ++il) {
+    if (prefix.places_[il].ring != places_[il].ring) return false;
+  }
+  // The window ring keeps the last window_.slots tokens: those a query at position n sees must
+  // still be there.
+  return !has_window_ring() || prefix.size() - n <= window_.slots - window_size_;
+}
+
+void KvCache::attach_prefix(std::shared_ptr<const KvCache> prefix, int n) {
   if (prefix == nullptr) throw std::invalid_argument("KvCache::attach_prefix: no prefix");
   if (size() != 0 || prefix_ != nullptr) throw std::logic_error("KvCache::attach_prefix: the cache is not empty");
-  if (prefix->n_layer_ != n_layer_ || prefix->n_kv_head_ != n_kv_head_ || prefix->head_dim_ != head_dim_ ||
-      prefix->type_ != type_ || prefix->window_.n_layer != window_.n_layer || prefix->window_.slots != window_.slots) {
-    throw std::invalid_argument("KvCache::attach_prefix: the prefix has another shape or type");
+  if (n < 0) n = prefix->size();
+  if (!can_read_prefix(*prefix, n)) {
+    throw std::invalid_argument("KvCache::attach_prefix: the prefix has another shape or type, a prefix of its own, or "
+                                "not the " + std::to_string(n) + " tokens asked for");
   }
-  if (prefix->prefix_ != nullptr) throw std::invalid_argument("KvCache::attach_prefix: the prefix has a prefix");
-  next_position_ = prefix->next_position();
+  // The positions this cache reads: the prefix's, with its tokens from position n on masked.
+  for (const KvRing ring : {KvRing::kFull, KvRing::kWindow}) {
+    const std::span<const int64_t> positions = (ring == KvRing::kWindow ? prefix->window_ : prefix->full_).used_positions();
+    std::vector<int64_t>& seen = prefix_positions_[ring == KvRing::kWindow ? 1 : 0];
+    seen.assign(positions.begin(), positions.end());
+    for (int64_t& p : seen) p = p < n ? p : -1;
+  }
+  prefix_tokens_ = n;
+  next_position_ = n;
   prefix_ = std::move(prefix);
 }
 
@@ -175,7 +200,8 @@ KvView KvCache::view(KvRing ring) {
 }
 
 KvView KvCache::prefix_view(KvRing ring) const {
-  KvView v = const_cast<KvCache*>(this)->view(ring);  // the ops only read a prefix's rows
+  KvView v = const_cast<KvCache&>(*prefix_).view(ring);  // the ops only read a prefix's rows
+  v.positions = prefix_positions_[ring == KvRing::kWindow ? 1 : 0];
   v.state = nullptr;
   return v;
 }

@@ -18,9 +18,10 @@
 // sized for all its slots, whose pages become resident as tokens are written (PageBuffer): a
 // cache costs the memory of the tokens it holds.
 //
-// A prefix (attach_prefix) is another cache, read-only and shared, whose tokens come before this
-// one's: the segment KV cache of batch sampling, where n samples of one prompt share the
-// prompt's keys and values and each holds only its own response.
+// A prefix (attach_prefix) is another cache, read-only and shared, whose first tokens (all, or
+// the first n) come before this one's: the segment KV cache of batch sampling, where n samples
+// of one prompt share the prompt's keys and values and each holds only its own response, and of
+// a server, where a request whose prompt begins like an earlier one reads that one's segment.
 #pragma once
 
 #include <cstddef>
@@ -47,6 +48,7 @@ struct KvCacheOptions {
 // The layers of a model that keep only a sliding window, and the slots of their ring.
 struct KvWindowRing {
   std::vector<bool> layers;  // [n_layer]: true for a sliding-window layer; empty: none
+  int window = 0;            // positions a query sees
   int slots = 0;             // the window plus the most tokens one pass appends
 };
 
@@ -118,16 +120,22 @@ class KvCache {
   // Empties the cache (and drops its prefix); the memory of its tokens goes back to the system.
   void clear();
 
-  // Makes `prefix`'s tokens this (empty) cache's first ones: attention reads them from there,
-  // and this cache's own tokens continue at prefix->next_position(). The prefix must have the
-  // same shape, rings and type and no prefix of its own; it must not change while attached. A
-  // cache with a prefix does not shift (can_shift()).
-  void attach_prefix(std::shared_ptr<const KvCache> prefix);
+  // Makes the first n tokens of `prefix` (n < 0: all of them) this (empty) cache's first ones:
+  // attention reads them from there (its later tokens are masked out), and this cache's own
+  // tokens continue at position n. The prefix must be readable so (can_read_prefix); it must
+  // not change while attached. A cache with a prefix does not shift (can_shift()).
+  // std::invalid_argument / std::logic_error otherwise.
+  void attach_prefix(std::shared_ptr<const KvCache> prefix, int n = -1);
+  // Whether this cache could read the first n tokens of `prefix`: 0 < n <= its size, the same
+  // shape, rings and type, no prefix of its own, and (with a window ring) the prefix's window
+  // ring still holding the last window tokens before position n.
+  bool can_read_prefix(const KvCache& prefix, int n) const;
   const KvCache* prefix() const { return prefix_.get(); }
+  int prefix_tokens() const { return prefix_ ? prefix_tokens_ : 0; }  // the prefix's tokens read here
   // A full cache shifts its context (options().context_shift) unless it reads a prefix.
   bool can_shift() const { return options_.context_shift && prefix_ == nullptr; }
   // Tokens the sequence's attention sees: the prefix's and this cache's.
-  int context_size() const { return (prefix_ ? prefix_->size() : 0) + size(); }
+  int context_size() const { return prefix_tokens() + size(); }
 
   // The sequence's decode attention state, kept between steps: FlashDecoding++'s unified max of
   // each (layer, query head)'s scores. The model sizes it on first use; empty or NaN: not known
@@ -139,7 +147,8 @@ class KvCache {
   // backend's own state for it (a device copy, which the backend made and keeps in step). The
   // prefix's view is the caller's to set (it must outlive the calls).
   KvView view(KvRing ring = KvRing::kFull);
-  // A read-only view without backend state: how a cache is read as another one's prefix.
+  // The attached prefix's ring as this cache reads it: read-only, without backend state, its
+  // tokens past the first prefix_tokens() masked (the caller checks that there is a prefix).
   KvView prefix_view(KvRing ring = KvRing::kFull) const;
   // Whether a backend keeps state of its own for a ring of this cache (a copy in a device's memory).
   bool has_backend_state() const { return full_.backend_state != nullptr || window_.backend_state != nullptr; }
@@ -190,6 +199,9 @@ class KvCache {
   int64_t next_position_ = 0;
   int64_t shifts_ = 0, discarded_ = 0;
   std::shared_ptr<const KvCache> prefix_;
+  int prefix_tokens_ = 0;
+  std::vector<int64_t> prefix_positions_[2];  // the prefix's rings' positions as read here ([full, window])
+  int window_size_ = 0;  // positions a sliding-window layer sees (with a window ring)
   std::vector<float> softmax_phi_;
 };
 

@@ -296,6 +296,7 @@ KvCache LlamaModel::make_cache(int n_ctx, const KvCacheOptions& options) const {
   // keys before its first query reads the oldest key in its window), where that is smaller
   // than the context.
   KvWindowRing window;
+  window.window = hp_.sliding_window;
   window.slots = hp_.sliding_window + max_batch_;
   if (hp_.sliding_window > 0 && window.slots < n_ctx) {
     for (const Layer& L : layers_) window.layers.push_back(L.window > 0);
@@ -410,7 +411,7 @@ void LlamaModel::describe_sequences(std::span<const Rows> rows) {
       const size_t at = kv_view_index(i, ring);
       s.kv_views[at] = cache.view(ring);
       if (cache.prefix() != nullptr) {
-        s.prefix_views[at] = cache.prefix()->prefix_view(ring);
+        s.prefix_views[at] = cache.prefix_view(ring);
         s.kv_views[at].prefix = &s.prefix_views[at];
       }
     }
