@@ -13,6 +13,7 @@
 
 #include "apps/common_options.h"
 #include "core/model/loader.h"
+#include "core/session/generation.h"
 
 namespace ringlm {
 
@@ -45,6 +46,15 @@ struct RunStats {
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// run's words for why generation stopped (--stats).
+const char* stop_reason(FinishReason finish) {
+  switch (finish) {
+    case FinishReason::kEndToken: return "eos";
+    case FinishReason::kContextFull: return "context";
+    default: return "limit";  // the only other ways run stops: -n, or -n 0
+  }
 }
 
 double per_second(size_t n, double ms) { return ms > 0 ? 1000.0 * static_cast<double>(n) / ms : 0.0; }
@@ -95,44 +105,38 @@ void run(const RunOptions& o) {
   KvCache cache = m.model->make_cache(n_ctx, o.cache);
   Sampler sampler(o.sampling, hp.n_vocab);
   std::vector<float> logits(static_cast<size_t>(hp.n_vocab));
-  std::vector<int32_t> history = prompt;
-  Utf8StreamDecoder text;
 
   auto t0 = std::chrono::steady_clock::now();
   m.model->forward(prompt, cache, logits.data());
   stats.prompt_ms = ms_since(t0);
 
   t0 = std::chrono::steady_clock::now();
-  stats.stop_reason = "limit";
-  while (o.n_predict < 0 || stats.gen_tokens < static_cast<size_t>(o.n_predict)) {
-    const int32_t token = sampler.sample(logits, history);
-    if (!o.ignore_eos && m.tokenizer->is_end_of_generation(token)) {
-      stats.stop_reason = "eos";
-      break;
-    }
-    history.push_back(token);
-    ++stats.gen_tokens;
-    const std::string piece = text.push(m.tokenizer->token_to_piece(token));
-    std::fwrite(piece.data(), 1, piece.size(), stdout);
-    std::fflush(stdout);
-    if (o.n_predict >= 0 && stats.gen_tokens >= static_cast<size_t>(o.n_predict)) break;
-    if (!o.cache.context_shift && cache.size() >= cache.capacity()) {
-      stats.stop_reason = "context";
-      std::fprintf(stderr, "\nringlm: context of %d tokens is full; stopping (raise -c, or drop --no-context-shift)\n",
-                   n_ctx);
-      break;
-    }
+  StopConditions stop;
+  stop.max_tokens = o.n_predict;
+  stop.ignore_eos = o.ignore_eos;
+  Generation generation(*m.tokenizer, sampler, std::move(stop), prompt);
+  SequenceModel sequence;
+  sequence.evaluate = [&](int32_t token) {
     const auto step = std::chrono::steady_clock::now();
     m.model->forward(std::span<const int32_t>(&token, 1), cache, logits.data());
     stats.token_ms.push_back(ms_since(step));
     ++stats.decode_evals;
-  }
+  };
+  sequence.has_room = [&] { return has_room(cache); };
+  GenerateOptions options;
+  options.on_text = [](std::string_view piece) {
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+  };
+  const FinishReason finish = generate(generation, logits, sequence, options);
   stats.decode_ms = ms_since(t0);
+  stats.gen_tokens = static_cast<size_t>(generation.n_tokens());
+  stats.stop_reason = stop_reason(finish);
+  if (finish == FinishReason::kContextFull) {
+    std::fprintf(stderr, "\nringlm: context of %d tokens is full; stopping (raise -c, or drop --no-context-shift)\n", n_ctx);
+  }
   stats.n_shifts = cache.shifts();
   stats.n_discarded = cache.discarded();
-  const std::string rest = text.flush();
-  std::fwrite(rest.data(), 1, rest.size(), stdout);
-  std::fflush(stdout);
   print_stats(stats, o.stats_format);
 }
 

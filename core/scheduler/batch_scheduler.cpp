@@ -1,6 +1,7 @@
 #include "core/scheduler/batch_scheduler.h"
 
 #include <algorithm>
+#include <optional>
 #include <span>
 #include <stdexcept>
 
@@ -14,18 +15,9 @@ double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_c
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-// Where the earliest stop string starts in `text`, or npos.
-size_t find_stop(const std::string& text, const std::vector<std::string>& stops) {
-  size_t at = std::string::npos;
-  for (const std::string& s : stops) {
-    if (!s.empty()) at = std::min(at, text.find(s));
-  }
-  return at;
-}
-
 }  // namespace
 
-// One sequence being generated: its own KV cache, sampler and text.
+// One sequence being generated: its own KV cache, sampler and generation state.
 struct BatchScheduler::Slot {
   enum class State { kFree, kWaitingForPrompt, kPrefill, kDecode };
 
@@ -40,12 +32,11 @@ struct BatchScheduler::Slot {
   KvCache cache;
   std::vector<float> logits;
   std::unique_ptr<Sampler> sampler;
-  std::vector<int32_t> history;  // prompt + generated: the repetition penalty's window
-  size_t prefilled = 0;          // prompt tokens in the cache
-  int32_t drawn = -1;            // sampled from the latest logits, not yet taken
-  int32_t next_token = -1;       // taken, to be evaluated in the next step
-  GenerationResult result;
-  Utf8StreamDecoder utf8;
+  std::optional<Generation> generation;  // over prompt + generated tokens
+  size_t prefilled = 0;                  // prompt tokens in the cache
+  int32_t drawn = -1;                    // sampled from the latest logits, not yet taken
+  int32_t next_token = -1;               // taken, to be evaluated in the next step
+  GenerationResult result;               // what is known before the end: index, sample, prompt size
   Clock::time_point submitted, started, first_token;
 };
 
@@ -121,14 +112,16 @@ void BatchScheduler::admit() {
       SamplingParams params = q.request.sampling;
       params.seed += static_cast<uint64_t>(i);
       s.sampler = std::make_unique<Sampler>(params, model_.hparams().n_vocab);
-      s.history = q.request.prompt;
+      StopConditions stop;
+      stop.max_tokens = q.request.max_tokens;
+      stop.stop_strings = q.request.stop;
+      s.generation.emplace(tokenizer_, *s.sampler, std::move(stop), q.request.prompt);
       s.prefilled = 0;
       s.next_token = -1;
       s.result = GenerationResult{};
       s.result.index = q.request.index;
       s.result.sample = s.sample;
       s.result.prompt_tokens = static_cast<int>(q.request.prompt.size());
-      s.utf8 = Utf8StreamDecoder{};
       s.submitted = q.submitted;
     }
   }
@@ -221,15 +214,6 @@ void BatchScheduler::account_memory() {
   peak_kv_bytes_unshared_ = std::max(peak_kv_bytes_unshared_, unshared);
 }
 
-namespace {
-
-// Whether a slot with fresh logits draws a token from them (else it ends on its length).
-bool wants_token(const GenerationRequest& request, const GenerationResult& result) {
-  return result.n_tokens < request.max_tokens;
-}
-
-}  // namespace
-
 bool BatchScheduler::advance(Slot& s, const std::function<void(GenerationResult)>& on_done) {
   Slot* const one[] = {&s};
   draw_tokens(one);
@@ -244,48 +228,38 @@ void BatchScheduler::draw_tokens(std::span<Slot* const> slots) {
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
   for (int64_t i = 0; i < n; ++i) {
     Slot& s = *slots[static_cast<size_t>(i)];
-    s.drawn = wants_token(s.request, s.result) ? s.sampler->sample(s.logits, s.history) : -1;
+    s.drawn = s.generation->finished() ? -1 : s.generation->draw(s.logits);
   }
 }
 
 bool BatchScheduler::take_token(Slot& s, const std::function<void(GenerationResult)>& on_done) {
-  const auto now = Clock::now();
-  if (s.result.n_tokens == 0) s.first_token = now;
-  if (!wants_token(s.request, s.result)) {
-    finish(s, "length", on_done);
+  Generation& g = *s.generation;
+  if (g.n_tokens() == 0) s.first_token = Clock::now();
+  if (!g.finished()) {  // max_tokens 0 finishes before any token
+    const int taken_before = g.n_tokens();
+    g.take(s.drawn);  // the text is read whole at the end
+    generated_tokens_ += g.n_tokens() - taken_before;
+    if (!g.finished() && !has_room(s.cache)) g.finish(FinishReason::kContextFull);
+  }
+  if (g.finished()) {
+    finish(s, on_done);
     return false;
   }
-  const int32_t token = s.drawn;
-  if (tokenizer_.is_end_of_generation(token)) {
-    finish(s, "stop", on_done);
-    return false;
-  }
-  ++s.result.n_tokens;
-  ++generated_tokens_;
-  s.history.push_back(token);
-  s.result.text += s.utf8.push(tokenizer_.token_to_piece(token));
-  if (const size_t at = find_stop(s.result.text, s.request.stop); at != std::string::npos) {
-    s.result.text.resize(at);
-    finish(s, "stop", on_done, /*flush_text=*/false);
-    return false;
-  }
-  if (s.result.n_tokens >= s.request.max_tokens || s.cache.context_size() >= options_.n_ctx) {
-    finish(s, "length", on_done);
-    return false;
-  }
-  s.next_token = token;
+  s.next_token = s.drawn;
   return true;
 }
 
-void BatchScheduler::finish(Slot& s, const std::string& reason, const std::function<void(GenerationResult)>& on_done,
-                            bool flush_text) {
+void BatchScheduler::finish(Slot& s, const std::function<void(GenerationResult)>& on_done) {
   const auto now = Clock::now();
-  if (flush_text) s.result.text += s.utf8.flush();
-  s.result.finish_reason = reason;
+  const Generation& g = *s.generation;
+  s.result.text = std::string(g.text());
+  s.result.n_tokens = g.n_tokens();
+  s.result.finish_reason = std::string(finish_reason_name(g.finish_reason()));
   s.result.queue_ms = ms_between(s.submitted, s.started);
   s.result.prefill_ms = ms_between(s.started, s.first_token);
   s.result.decode_ms = ms_between(s.first_token, now);
   s.state = Slot::State::kFree;
+  s.generation.reset();
   s.sampler.reset();
   s.cache.clear();  // its memory goes back now, and its share of a prompt segment with it
   on_done(std::move(s.result));

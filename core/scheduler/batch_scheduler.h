@@ -24,6 +24,7 @@
 
 #include "core/kv/kv_cache.h"
 #include "core/sampling/sampler.h"
+#include "core/session/generation.h"
 #include "core/tokenizer/tokenizer.h"
 
 namespace ringlm {
@@ -96,10 +97,8 @@ class BatchScheduler {
   };
 
   void admit();
-  // Hands the slot's result to on_done and frees it (flush_text: add the held-back UTF-8 tail;
-  // not when a stop string cut the text).
-  void finish(Slot& slot, const std::string& reason, const std::function<void(GenerationResult)>& on_done,
-              bool flush_text = true);
+  // Hands the result of the slot's finished generation to on_done and frees the slot.
+  void finish(Slot& slot, const std::function<void(GenerationResult)>& on_done);
   // Samples the next token of a slot whose logits are fresh; false once it has finished.
   bool advance(Slot& slot, const std::function<void(GenerationResult)>& on_done);
   // advance() split in two: draw_tokens samples every slot's token at once, in parallel;

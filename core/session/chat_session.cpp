@@ -6,6 +6,7 @@
 
 #include "core/gguf/gguf.h"
 #include "core/model/llama.h"
+#include "core/session/generation.h"
 #include "core/tokenizer/tokenizer.h"
 
 namespace ringlm {
@@ -14,6 +15,16 @@ namespace {
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The chat's words for why a reply ended (ChatTurnStats::stop_reason).
+const char* stop_reason(FinishReason finish) {
+  switch (finish) {
+    case FinishReason::kMaxTokens: return "limit";
+    case FinishReason::kInterrupted: return "interrupted";
+    case FinishReason::kContextFull: return "context";
+    default: return "end";  // the end of the turn (a chat has no stop strings)
+  }
 }
 
 void append(std::vector<int32_t>& to, const std::vector<int32_t>& tokens) { to.insert(to.end(), tokens.begin(), tokens.end()); }
@@ -83,8 +94,8 @@ void ChatSession::clear_cache() {
   pending_text_.clear();
 }
 
-void ChatSession::evaluate(const std::vector<int32_t>& tokens) {
-  if (tokens.empty()) return;
+int ChatSession::evaluate(const std::vector<int32_t>& tokens) {
+  if (tokens.empty()) return 0;
   // forward() shifts the cache on its own when it fills. Each shift drops the oldest tokens
   // after the sinks, so all of them together are the oldest `dropped` after the sinks of the
   // context with the new tokens appended.
@@ -95,11 +106,7 @@ void ChatSession::evaluate(const std::vector<int32_t>& tokens) {
   const auto sinks = context_.begin() + cache_.n_keep();
   context_.erase(sinks, sinks + dropped);
   evaluated_total_ += static_cast<int64_t>(tokens.size());
-}
-
-bool ChatSession::is_end_of_turn(int32_t token) const {
-  return tokenizer_.is_end_of_generation(token) ||
-         std::find(end_of_turn_tokens_.begin(), end_of_turn_tokens_.end(), token) != end_of_turn_tokens_.end();
+  return static_cast<int>(dropped);
 }
 
 ChatTurnStats ChatSession::reply(std::string_view user_message, const std::function<void(std::string_view)>& on_text,
@@ -132,36 +139,25 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
   stats.prefill_ms = ms_since(t0);
 
   // Every token shown is also evaluated, so the cache always holds the reply as it was shown,
-  // whatever stops it.
+  // whatever stops it. The sampler's repetition penalty sees the context, as the model does.
   t0 = std::chrono::steady_clock::now();
-  Utf8StreamDecoder utf8;
-  std::string& text = turns_.back().assistant;
-  auto emit = [&](const std::string& piece) {
-    if (piece.empty()) return;
-    text += piece;
-    on_text(piece);
+  StopConditions until;
+  until.max_tokens = options_.n_predict;
+  until.end_tokens = end_of_turn_tokens_;
+  Generation generation(tokenizer_, sampler_, std::move(until), context_);
+  SequenceModel sequence;
+  sequence.evaluate = [&](int32_t token) {
+    const int dropped = evaluate({token});
+    if (dropped > 0) generation.drop_history(static_cast<size_t>(cache_.n_keep()), static_cast<size_t>(dropped));
   };
-  stats.stop_reason = "end";
-  while (true) {
-    if (options_.n_predict >= 0 && stats.reply_tokens >= options_.n_predict) {
-      stats.stop_reason = "limit";
-      break;
-    }
-    const int32_t token = sampler_.sample(logits_, context_);
-    if (is_end_of_turn(token)) break;
-    if (!cache_.options().context_shift && cache_.size() >= cache_.capacity()) {
-      stats.stop_reason = "context";
-      break;
-    }
-    evaluate({token});
-    ++stats.reply_tokens;
-    emit(utf8.push(tokenizer_.token_to_piece(token)));
-    if (stop != nullptr && stop->load()) {
-      stats.stop_reason = "interrupted";
-      break;
-    }
-  }
-  emit(utf8.flush());
+  sequence.has_room = [&] { return has_room(cache_); };
+  GenerateOptions options;
+  options.on_text = on_text;
+  options.interrupt = stop;
+  options.evaluate_every_token = true;
+  stats.stop_reason = stop_reason(generate(generation, logits_, sequence, options));
+  stats.reply_tokens = generation.n_tokens();
+  turns_.back().assistant = std::string(generation.text());
   stats.reply_ms = ms_since(t0);
   pending_text_ = template_.reply_end();
   return stats;

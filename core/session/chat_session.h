@@ -103,9 +103,9 @@ class ChatSession {
   // cover a different number of tokens.
   void clear_cache();
   // Evaluates `tokens` at the end of the context, keeping context_ in step with the cache's
-  // shifts; the logits of the last token land in logits_.
-  void evaluate(const std::vector<int32_t>& tokens);
-  bool is_end_of_turn(int32_t token) const;
+  // shifts; the logits of the last token land in logits_. Returns how many tokens the shifts
+  // dropped (the oldest after the sinks).
+  int evaluate(const std::vector<int32_t>& tokens);
   // The tokens of a whole conversation, in the pieces reply() would have evaluated.
   std::vector<int32_t> conversation_tokens(std::string_view system, const std::vector<Turn>& turns) const;
   // Makes (system, turns) the conversation and prefills it; refuses (unchanged) if it cannot fit.

@@ -1,0 +1,141 @@
+// Generating one sequence: what every command repeats for every token, in one place.
+//
+// A Generation is the per-sequence state: it draws the next token over the sequence's history,
+// decides whether a token ends the sequence (end-of-generation tokens, extra end tokens such as
+// a chat template's end-of-turn marker, the token limit, stop strings), and turns the tokens
+// it takes into text that is safe to show while streaming:
+//  - only complete UTF-8 (Utf8StreamDecoder holds back a character split across tokens);
+//  - never a stop string nor any part of one: the tail of the text that could still become
+//    the start of a stop string is held back until it either completes one (it is cut, and
+//    never shown) or cannot any more (it is released), as llama-server does.
+// The pieces a sequence hands out, joined, are its final text.
+//
+// Drawing and taking are separate calls: the batch scheduler draws every sequence's token at
+// once, in parallel, then takes them one by one. generate() is the loop for one sequence on
+// its own (run, chat): draw, take, show, forward, until the sequence ends.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/sampling/sampler.h"
+#include "core/tokenizer/tokenizer.h"
+
+namespace ringlm {
+
+class KvCache;
+
+// Why a sequence ended. Each command names these in its own words (finish_reason_name() gives
+// the OpenAI API's, which batch and serve use).
+enum class FinishReason {
+  kNone,         // still going
+  kEndToken,     // an end-of-generation or extra end token (not part of the text)
+  kStopString,   // a stop string appeared; the text ends before it
+  kMaxTokens,    // the token limit
+  kContextFull,  // the context cannot take another token (full, and it does not shift)
+  kInterrupted,  // the caller asked it to stop (Ctrl-C)
+};
+
+// "stop" (an end token or a stop string), "length" (the token limit or a full context),
+// "interrupted", or "" while still going.
+std::string_view finish_reason_name(FinishReason reason);
+
+struct StopConditions {
+  int max_tokens = -1;                    // tokens to take at most (-1: no limit)
+  bool ignore_eos = false;                // no token ends the sequence
+  std::vector<int32_t> end_tokens;        // end it besides the vocabulary's end-of-generation tokens
+  std::vector<std::string> stop_strings;  // the text ends before the first of these (empty ones ignored)
+};
+
+// What taking a token (or finishing) hands out: what a streaming reply sends next. (Per-token
+// log-probabilities, when they are wanted, would come from draw() and travel here too.)
+struct GenerationStep {
+  std::string text;                          // safe to show now; may be empty
+  FinishReason finish = FinishReason::kNone;  // set when the sequence ended with this step
+  bool finished() const { return finish != FinishReason::kNone; }
+};
+
+class Generation {
+ public:
+  // `history`: the tokens before the first one generated (the prompt, or a chat's context),
+  // which the sampler's repetition penalty sees; taken tokens are appended. The sampler is the
+  // caller's (a chat's goes on from reply to reply) and must outlive the generation. With
+  // max_tokens 0 the generation is finished from the start.
+  Generation(const Tokenizer& tokenizer, Sampler& sampler, StopConditions stop, std::vector<int32_t> history);
+
+  // The next token, drawn from `logits` (modified in place) over the history. Changes nothing
+  // but this generation's sampler, so separate generations may draw in parallel.
+  int32_t draw(std::span<float> logits);
+  // Whether `token` ends the sequence instead of being taken.
+  bool is_end_token(int32_t token) const;
+  // Takes a drawn token (or ends on it): the text it makes safe to show and whether the
+  // sequence ended. Not to be called once finished.
+  GenerationStep take(int32_t token);
+  // Ends the sequence for a reason of the caller's (kContextFull, kInterrupted, kMaxTokens):
+  // the text still held back is released. Nothing happens once finished.
+  GenerationStep finish(FinishReason reason);
+
+  // A context shift dropped history[first, first + count) from what the model sees; the
+  // repetition penalty stops seeing them too (a chat session keeps the two in step).
+  void drop_history(size_t first, size_t count);
+
+  bool finished() const { return finish_ != FinishReason::kNone; }
+  FinishReason finish_reason() const { return finish_; }
+  int n_tokens() const { return n_tokens_; }  // taken (end tokens are not)
+  // The text handed out so far: the final text once finished.
+  std::string_view text() const { return std::string_view(text_).substr(0, released_); }
+  std::span<const int32_t> history() const { return history_; }
+
+ private:
+  // Cuts the text before the earliest complete stop string; false if there is none.
+  bool cut_at_stop_string();
+  // Hands out the text up to `end` (at most text_.size()).
+  std::string release(size_t end);
+
+  const Tokenizer* tokenizer_;
+  Sampler* sampler_;
+  StopConditions stop_;
+  std::vector<int32_t> history_;
+  Utf8StreamDecoder utf8_;
+  std::string text_;     // everything decoded: handed out, then held back
+  size_t released_ = 0;  // bytes of text_ handed out
+  int n_tokens_ = 0;
+  FinishReason finish_ = FinishReason::kNone;
+};
+
+// Whether `cache` can take one more token: it has a free slot, or it shifts when full.
+bool has_room(const KvCache& cache);
+
+// The model side of one sequence, as generate() drives it.
+struct SequenceModel {
+  // Runs the forward pass of `token` at the end of the sequence; its logits replace the ones
+  // generate() draws from.
+  std::function<void(int32_t)> evaluate;
+  // Whether the context can take one more token (has_room of the sequence's cache).
+  std::function<bool()> has_room;
+};
+
+struct GenerateOptions {
+  // Each piece of text as soon as it is safe to show (never empty).
+  std::function<void(std::string_view)> on_text;
+  // When it becomes true (a signal handler may set it), the sequence ends after the token being
+  // generated. May be null.
+  const std::atomic<bool>* interrupt = nullptr;
+  // Every token taken is evaluated, the last one too, and a token the context has no room for
+  // is not taken: the cache then holds exactly the text shown, and a chat continues from it.
+  // Otherwise the last token is not evaluated (nothing reads its logits), and a token that
+  // does not fit is still shown before the sequence ends.
+  bool evaluate_every_token = false;
+};
+
+// Generates until the sequence ends, from `logits`: those of the sequence's last evaluated token
+// (a prefilled prompt). Returns why it ended.
+FinishReason generate(Generation& generation, std::span<float> logits, const SequenceModel& model,
+                      const GenerateOptions& options);
+
+}  // namespace ringlm

@@ -1,0 +1,497 @@
+// The generation state and loop (core/session/generation.h):
+//  - hand-built token sequences with real vocabularies (llama.cpp's GPT-2 and SentencePiece
+//    ones): stop strings split over several tokens are never shown, partial matches that do not
+//    complete are released intact, characters split across tokens, end tokens and ignore_eos,
+//    the token limit; whatever happens, the pieces handed out join into the final text;
+//  - generate() driven by a scripted model: which tokens are evaluated, the full-context rule
+//    in both of its forms, the stop flag;
+//  - the real model (SmolLM2): the pieces streamed by generate() are the text `ringlm batch`'s
+//    scheduler returns for the same prompt and stop string.
+#include <gtest/gtest.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/gguf/gguf.h"
+#include "core/model/loader.h"
+#include "core/scheduler/batch_scheduler.h"
+#include "core/session/generation.h"
+#include "core/tokenizer/tokenizer.h"
+
+namespace ringlm {
+namespace {
+
+const std::string kVocabDir = std::string(RINGLM_SHARED_DATA) + "/vocab/";
+
+std::unique_ptr<Tokenizer> load_vocab(const std::string& name) {
+  const auto gguf = GgufFile::open(kVocabDir + name + ".gguf");
+  return Tokenizer::from_gguf(*gguf);
+}
+
+SamplingParams greedy() {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  return p;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// A generation fed tokens by hand, remembering every piece it handed out.
+class Feed {
+ public:
+  Feed(const Tokenizer& tok, StopConditions stop)
+      : tok_(tok), sampler_(greedy(), tok.n_vocab()), g_(tok, sampler_, std::move(stop), {}) {}
+
+  // Takes the tokens of `text` (encoded on its own, so its start and end are token boundaries);
+  // returns the text those steps handed out.
+  std::string take_text(std::string_view text) {
+    std::string out;
+    for (int32_t id : tok_.encode(text, /*add_bos=*/false, /*parse_special=*/false)) {
+      if (g_.finished()) break;
+      out += take(id);
+    }
+    return out;
+  }
+  std::string take(int32_t id) { return keep(g_.take(id)); }
+  std::string finish(FinishReason why) { return keep(g_.finish(why)); }
+
+  std::string joined() const {
+    std::string all;
+    for (const std::string& p : pieces_) all += p;
+    return all;
+  }
+  const std::vector<std::string>& pieces() const { return pieces_; }
+  Generation& generation() { return g_; }
+
+ private:
+  std::string keep(const GenerationStep& step) {
+    pieces_.push_back(step.text);
+    return step.text;
+  }
+
+  const Tokenizer& tok_;
+  Sampler sampler_;
+  Generation g_;
+  std::vector<std::string> pieces_;
+};
+
+class GenerationTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    gpt2_ = load_vocab("ggml-vocab-gpt-2").release();
+    spm_ = load_vocab("ggml-vocab-llama-spm").release();
+  }
+  static void TearDownTestSuite() {
+    delete gpt2_;
+    delete spm_;
+  }
+  static StopConditions stops(std::vector<std::string> strings, int max_tokens = -1) {
+    StopConditions s;
+    s.stop_strings = std::move(strings);
+    s.max_tokens = max_tokens;
+    return s;
+  }
+  // The id of a SentencePiece byte token (<0xNN>).
+  static int32_t byte_token(unsigned char b) {
+    char name[8];
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    return spm_->find_token(name).value();
+  }
+
+  static Tokenizer* gpt2_;
+  static Tokenizer* spm_;
+};
+
+Tokenizer* GenerationTest::gpt2_ = nullptr;
+Tokenizer* GenerationTest::spm_ = nullptr;
+
+TEST_F(GenerationTest, StopStringOverTwoTokensIsNeverShown) {
+  Feed f(*gpt2_, stops({"STOP"}));
+  EXPECT_EQ(f.take_text("Hello wor"), "Hello wor");
+  EXPECT_EQ(f.take_text("ld ST"), "ld ");  // "ST" may start "STOP": held back
+  EXPECT_FALSE(f.generation().finished());
+  EXPECT_EQ(f.take_text("OP and more"), "");
+  EXPECT_EQ(f.generation().finish_reason(), FinishReason::kStopString);
+  EXPECT_EQ(f.joined(), "Hello world ");
+  EXPECT_EQ(f.generation().text(), f.joined());
+  EXPECT_FALSE(contains(f.joined(), "S"));
+}
+
+TEST_F(GenerationTest, StopStringOverThreeTokensIsNeverShown) {
+  // A chat-like stop string whose pieces arrive in three tokens, each of which could still be
+  // the start of it.
+  Feed f(*gpt2_, stops({"\n\nUser:"}));
+  EXPECT_EQ(f.take_text("Sure, here it is."), "Sure, here it is.");
+  EXPECT_EQ(f.take_text("\n"), "");
+  EXPECT_EQ(f.take_text("\nUs"), "");
+  EXPECT_EQ(f.take_text("er: what"), "");
+  EXPECT_EQ(f.generation().finish_reason(), FinishReason::kStopString);
+  EXPECT_EQ(f.joined(), "Sure, here it is.");
+  for (const std::string& p : f.pieces()) EXPECT_FALSE(contains(p, "\n")) << p;
+}
+
+TEST_F(GenerationTest, EarliestOfSeveralStopStringsWins) {
+  // The text ends before the stop string that starts first, whichever the list names first.
+  Feed f(*gpt2_, stops({"cd", "abc"}));
+  EXPECT_EQ(f.take_text("x a"), "x ");
+  EXPECT_EQ(f.take_text("bcd"), "");
+  EXPECT_EQ(f.joined(), "x ");
+}
+
+TEST_F(GenerationTest, PartialMatchThatDoesNotCompleteIsReleasedIntact) {
+  Feed f(*gpt2_, stops({"STOP", "\n\nUser:"}));
+  EXPECT_EQ(f.take_text("a ST"), "a ");
+  EXPECT_EQ(f.take_text("ORM is coming"), "STORM is coming");  // no longer a start of STOP
+  EXPECT_EQ(f.take_text("\n"), "");
+  EXPECT_EQ(f.take_text("\nUse"), "");
+  EXPECT_EQ(f.take_text("ful"), "\n\nUseful");
+  EXPECT_FALSE(f.generation().finished());
+  // Held back at the end, then the sequence ends otherwise: the tail comes out whole.
+  EXPECT_EQ(f.take_text(" STO"), " ");
+  EXPECT_EQ(f.take(gpt2_->eos_id()), "STO");
+  EXPECT_EQ(f.generation().finish_reason(), FinishReason::kEndToken);
+  EXPECT_EQ(f.joined(), "a STORM is coming\n\nUseful STO");
+  EXPECT_EQ(f.generation().text(), f.joined());
+}
+
+TEST_F(GenerationTest, TokenLimitReleasesTheHeldBackTail) {
+  Feed f(*gpt2_, stops({"STOP"}, /*max_tokens=*/3));
+  const std::vector<int32_t> ids = gpt2_->encode("one two ST", false, false);
+  ASSERT_EQ(ids.size(), 3u);
+  EXPECT_EQ(f.take(ids[0]), "one");
+  EXPECT_EQ(f.take(ids[1]), " two");
+  EXPECT_FALSE(f.generation().finished());
+  EXPECT_EQ(f.take(ids[2]), " ST");
+  EXPECT_EQ(f.generation().finish_reason(), FinishReason::kMaxTokens);
+  EXPECT_EQ(f.generation().n_tokens(), 3);
+  EXPECT_EQ(f.joined(), "one two ST");
+}
+
+TEST_F(GenerationTest, ZeroTokensIsFinishedFromTheStart) {
+  Sampler sampler(greedy(), gpt2_->n_vocab());
+  StopConditions s;
+  s.max_tokens = 0;
+  Generation g(*gpt2_, sampler, s, {});
+  EXPECT_TRUE(g.finished());
+  EXPECT_EQ(g.finish_reason(), FinishReason::kMaxTokens);
+  EXPECT_EQ(g.text(), "");
+  EXPECT_EQ(g.finish(FinishReason::kContextFull).finish, FinishReason::kNone);  // already over
+}
+
+TEST_F(GenerationTest, CharactersSplitAcrossTokensComeOutWhole) {
+  const std::string smile = "\xF0\x9F\x98\x80";  // U+1F600, four bytes
+  Feed f(*spm_, stops({"\xC3\xA9!"}));           // "é!"
+  EXPECT_EQ(f.take(byte_token(0xF0)), "");
+  EXPECT_EQ(f.take(byte_token(0x9F)), "");
+  EXPECT_EQ(f.take(byte_token(0x98)), "");
+  EXPECT_EQ(f.take(byte_token(0x80)), smile);
+  // A character that may start a stop string is held as a whole, then released whole.
+  EXPECT_EQ(f.take(byte_token(0xC3)), "");
+  EXPECT_EQ(f.take(byte_token(0xA9)), "");
+  EXPECT_EQ(f.take(byte_token('?')), "\xC3\xA9?");
+  // A character cut off by the end becomes U+FFFD, as the stream decoder says.
+  EXPECT_EQ(f.take(byte_token(0xE2)), "");
+  EXPECT_EQ(f.finish(FinishReason::kInterrupted), "\xEF\xBF\xBD");
+  EXPECT_EQ(f.joined(), smile + "\xC3\xA9?\xEF\xBF\xBD");
+  EXPECT_EQ(f.generation().n_tokens(), 8);
+}
+
+TEST_F(GenerationTest, StopStringAfterASplitCharacter) {
+  Feed f(*spm_, stops({"\xC3\xA9!"}));
+  EXPECT_EQ(f.take(byte_token('a')), "a");
+  EXPECT_EQ(f.take(byte_token(0xC3)), "");
+  EXPECT_EQ(f.take(byte_token(0xA9)), "");
+  EXPECT_EQ(f.take(byte_token('!')), "");
+  EXPECT_EQ(f.generation().finish_reason(), FinishReason::kStopString);
+  EXPECT_EQ(f.joined(), "a");
+}
+
+TEST_F(GenerationTest, EndTokensAndIgnoreEos) {
+  const int32_t eos = gpt2_->eos_id();
+  ASSERT_TRUE(gpt2_->is_end_of_generation(eos));
+  {
+    Feed f(*gpt2_, {});
+    f.take_text("Hi");
+    EXPECT_EQ(f.take(eos), "");
+    EXPECT_EQ(f.generation().finish_reason(), FinishReason::kEndToken);
+    EXPECT_EQ(f.generation().n_tokens(), 1);  // the end token is not taken
+    EXPECT_EQ(f.generation().history().size(), 1u);
+  }
+  {
+    StopConditions s;
+    s.ignore_eos = true;
+    Feed f(*gpt2_, s);
+    f.take_text("Hi");
+    EXPECT_EQ(f.take(eos), "");  // a control token shows nothing
+    EXPECT_FALSE(f.generation().finished());
+    EXPECT_EQ(f.generation().n_tokens(), 2);
+    EXPECT_EQ(f.take_text(" again"), " again");
+  }
+  {
+    // An extra end token (a chat template's end-of-turn marker the vocabulary does not flag).
+    const int32_t marker = gpt2_->encode("###", false, false).at(0);
+    ASSERT_FALSE(gpt2_->is_end_of_generation(marker));
+    StopConditions s;
+    s.end_tokens = {marker};
+    Feed f(*gpt2_, s);
+    f.take_text("Done");
+    EXPECT_EQ(f.take(marker), "");
+    EXPECT_EQ(f.generation().finish_reason(), FinishReason::kEndToken);
+    EXPECT_EQ(f.joined(), "Done");
+  }
+}
+
+TEST_F(GenerationTest, DrawingChangesNothingUntilTheTokenIsTaken) {
+  Sampler sampler(greedy(), gpt2_->n_vocab());
+  Generation g(*gpt2_, sampler, {}, {1, 2, 3});
+  std::vector<float> logits(static_cast<size_t>(gpt2_->n_vocab()), 0.0f);
+  logits[42] = 5.0f;
+  EXPECT_EQ(g.draw(logits), 42);
+  EXPECT_EQ(g.draw(logits), 42);
+  EXPECT_EQ(g.n_tokens(), 0);
+  EXPECT_EQ(g.history().size(), 3u);
+  g.take(42);
+  EXPECT_EQ(std::vector<int32_t>(g.history().begin(), g.history().end()), (std::vector<int32_t>{1, 2, 3, 42}));
+  g.drop_history(1, 2);  // a context shift dropped tokens 2 and 3
+  EXPECT_EQ(std::vector<int32_t>(g.history().begin(), g.history().end()), (std::vector<int32_t>{1, 42}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// generate() on a scripted model: the logits always point at the next token of a script.
+
+class ScriptedModel {
+ public:
+  ScriptedModel(const Tokenizer& tok, std::vector<int32_t> script, int room)
+      : script_(std::move(script)), room_(room), logits_(static_cast<size_t>(tok.n_vocab()), 0.0f) {
+    point_at(0);
+  }
+  SequenceModel sequence() {
+    SequenceModel m;
+    m.evaluate = [this](int32_t token) {
+      evaluated_.push_back(token);
+      point_at(evaluated_.size());
+    };
+    m.has_room = [this] { return static_cast<int>(evaluated_.size()) < room_; };
+    return m;
+  }
+  std::span<float> logits() { return logits_; }
+  const std::vector<int32_t>& evaluated() const { return evaluated_; }
+
+ private:
+  void point_at(size_t i) {
+    std::fill(logits_.begin(), logits_.end(), 0.0f);
+    if (i < script_.size()) logits_[static_cast<size_t>(script_[i])] = 1.0f;
+  }
+  std::vector<int32_t> script_;
+  int room_;  // tokens that can be evaluated before the context is full
+  std::vector<float> logits_;
+  std::vector<int32_t> evaluated_;
+};
+
+struct Generated {
+  FinishReason finish;
+  std::string text;
+  int n_tokens;
+  std::vector<int32_t> evaluated;
+};
+
+Generated run_script(const Tokenizer& tok, const std::vector<int32_t>& script, StopConditions stop, int room,
+                     bool evaluate_every_token, const std::atomic<bool>* flag = nullptr,
+                     const std::function<void()>& on_piece = {}) {
+  ScriptedModel model(tok, script, room);
+  Sampler sampler(greedy(), tok.n_vocab());
+  Generation g(tok, sampler, std::move(stop), {});
+  std::string shown;
+  GenerateOptions o;
+  o.on_text = [&](std::string_view piece) {
+    EXPECT_FALSE(piece.empty());
+    shown += piece;
+    if (on_piece) on_piece();
+  };
+  o.interrupt = flag;
+  o.evaluate_every_token = evaluate_every_token;
+  const FinishReason finish = generate(g, model.logits(), model.sequence(), o);
+  EXPECT_EQ(shown, g.text());
+  return {finish, shown, g.n_tokens(), model.evaluated()};
+}
+
+TEST_F(GenerationTest, LoopEvaluatesTheLastTokenOnlyWhenAskedTo) {
+  const std::vector<int32_t> script = gpt2_->encode("one two three four five", false, false);
+  ASSERT_EQ(script.size(), 5u);
+  StopConditions s;
+  s.max_tokens = 4;
+  const Generated run = run_script(*gpt2_, script, s, 100, false);
+  EXPECT_EQ(run.finish, FinishReason::kMaxTokens);
+  EXPECT_EQ(run.text, "one two three four");
+  EXPECT_EQ(run.evaluated.size(), 3u);  // nothing reads the logits of the last one
+  const Generated chat = run_script(*gpt2_, script, s, 100, true);
+  EXPECT_EQ(chat.text, "one two three four");
+  EXPECT_EQ(chat.evaluated, std::vector<int32_t>(script.begin(), script.begin() + 4));  // the cache holds what was shown
+}
+
+TEST_F(GenerationTest, LoopStopsAtAFullContext) {
+  std::vector<int32_t> script = gpt2_->encode("one two three four five", false, false);
+  // Room for two evaluated tokens. Shown tokens need not be evaluated: the third is shown, then
+  // the sequence ends; when they must be, the third is not taken.
+  const Generated run = run_script(*gpt2_, script, {}, 2, false);
+  EXPECT_EQ(run.finish, FinishReason::kContextFull);
+  EXPECT_EQ(run.text, "one two three");
+  EXPECT_EQ(run.n_tokens, 3);
+  const Generated chat = run_script(*gpt2_, script, {}, 2, true);
+  EXPECT_EQ(chat.finish, FinishReason::kContextFull);
+  EXPECT_EQ(chat.text, "one two");
+  EXPECT_EQ(chat.n_tokens, 2);
+  EXPECT_EQ(chat.evaluated.size(), 2u);
+  // An end token still ends the turn as such when the context is full.
+  script[2] = gpt2_->eos_id();
+  EXPECT_EQ(run_script(*gpt2_, script, {}, 2, true).finish, FinishReason::kEndToken);
+}
+
+TEST_F(GenerationTest, LoopStopsWhenAskedAfterTheCurrentToken) {
+  const std::vector<int32_t> script = gpt2_->encode("one two three four five", false, false);
+  std::atomic<bool> flag{false};
+  int pieces = 0;
+  const Generated g = run_script(*gpt2_, script, {}, 100, true, &flag, [&] {
+    if (++pieces == 2) flag = true;
+  });
+  EXPECT_EQ(g.finish, FinishReason::kInterrupted);
+  EXPECT_EQ(g.text, "one two");
+  EXPECT_EQ(g.evaluated.size(), 2u);
+}
+
+TEST_F(GenerationTest, LoopStreamsAroundAStopString) {
+  const std::vector<int32_t> script = gpt2_->encode("Answer: 42\n\nUser: thanks", false, false);
+  const Generated g = run_script(*gpt2_, script, stops({"\n\nUser:"}), 100, false);
+  EXPECT_EQ(g.finish, FinishReason::kStopString);
+  EXPECT_EQ(g.text, "Answer: 42");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The real model: streamed pieces against the batch scheduler's text.
+
+class GenerationOnModel : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    omp_set_num_threads(1);  // ctest runs two suites at once on two cores
+    loaded_ = new LoadedModel(load_model(RINGLM_TEST_MODEL, 1));
+  }
+  static void TearDownTestSuite() {
+    delete loaded_;
+    loaded_ = nullptr;
+  }
+
+  struct Streamed {
+    std::vector<std::string> pieces;
+    std::string text;
+    FinishReason finish;
+    std::vector<int32_t> tokens;  // taken
+  };
+
+  // Greedy generation of one prompt through generate(), as `ringlm run` does it.
+  static Streamed stream(const std::vector<int32_t>& prompt, StopConditions stop) {
+    LlamaModel& model = *loaded_->model;
+    KvCache cache = model.make_cache(256);
+    std::vector<float> logits(static_cast<size_t>(model.hparams().n_vocab));
+    model.forward(prompt, cache, logits.data());
+    Sampler sampler(greedy(), model.hparams().n_vocab);
+    Generation g(*loaded_->tokenizer, sampler, std::move(stop), prompt);
+    SequenceModel sequence;
+    sequence.evaluate = [&](int32_t t) { model.forward(std::span<const int32_t>(&t, 1), cache, logits.data()); };
+    sequence.has_room = [&] { return has_room(cache); };
+    Streamed out;
+    GenerateOptions o;
+    o.on_text = [&](std::string_view p) { out.pieces.emplace_back(p); };
+    out.finish = generate(g, logits, sequence, o);
+    out.text = std::string(g.text());
+    out.tokens.assign(g.history().begin() + static_cast<std::ptrdiff_t>(prompt.size()), g.history().end());
+    return out;
+  }
+
+  // The same prompts through the batch scheduler (two slots, so the rows share passes).
+  static std::vector<GenerationResult> batch(const std::vector<GenerationRequest>& requests) {
+    BatchOptions o;
+    o.n_parallel = 2;
+    o.n_ctx = 256;
+    BatchScheduler scheduler(*loaded_->model, *loaded_->tokenizer, o);
+    for (const GenerationRequest& r : requests) scheduler.submit(r);
+    std::vector<GenerationResult> results(requests.size());
+    while (scheduler.step([&](GenerationResult r) { results[r.index] = std::move(r); })) {
+    }
+    return results;
+  }
+
+  static GenerationRequest request(size_t index, const std::vector<int32_t>& prompt, int max_tokens,
+                                   std::vector<std::string> stop) {
+    GenerationRequest r;
+    r.index = index;
+    r.prompt = prompt;
+    r.sampling = greedy();
+    r.max_tokens = max_tokens;
+    r.stop = std::move(stop);
+    return r;
+  }
+
+  static LoadedModel* loaded_;
+};
+
+LoadedModel* GenerationOnModel::loaded_ = nullptr;
+
+TEST_F(GenerationOnModel, StreamedPiecesAreTheBatchText) {
+  const Tokenizer& tok = *loaded_->tokenizer;
+  const std::vector<int32_t> prompt = tok.encode("Once upon a time, in a small village,", tok.add_bos_by_default(), true);
+  constexpr int kTokens = 40;
+  StopConditions limit;
+  limit.max_tokens = kTokens;
+  const Streamed whole = stream(prompt, limit);
+  ASSERT_EQ(whole.finish, FinishReason::kMaxTokens);
+  ASSERT_EQ(whole.tokens.size(), static_cast<size_t>(kTokens));
+
+  // A stop string over a token boundary well into the text: the end of one token's piece and
+  // the start of the next two (ASCII, so any cut is a character boundary).
+  std::string stop;
+  size_t before_stop = 0;
+  for (size_t i = kTokens / 3; i + 2 < whole.tokens.size() && stop.empty(); ++i) {
+    const std::string a = tok.token_to_piece(whole.tokens[i]), b = tok.token_to_piece(whole.tokens[i + 1]),
+                      c = tok.token_to_piece(whole.tokens[i + 2]);
+    const std::string candidate = a.substr(a.size() - std::min<size_t>(a.size(), 2)) + b + c.substr(0, 1);
+    const bool ascii = std::all_of(candidate.begin(), candidate.end(), [](char ch) { return ch > 0; });
+    if (a.empty() || b.empty() || c.empty() || !ascii) continue;
+    stop = candidate;
+    before_stop = whole.text.find(stop);
+  }
+  ASSERT_FALSE(stop.empty()) << whole.text;
+  const std::string expected = whole.text.substr(0, before_stop);
+
+  StopConditions with_stop = limit;
+  with_stop.stop_strings = {stop};
+  const Streamed cut = stream(prompt, with_stop);
+  EXPECT_EQ(cut.finish, FinishReason::kStopString);
+  EXPECT_EQ(cut.text, expected) << "stop string '" << stop << "'";
+  std::string joined;
+  for (const std::string& p : cut.pieces) {
+    joined += p;
+    EXPECT_FALSE(contains(p, stop));
+    EXPECT_EQ(expected.compare(0, joined.size(), joined), 0) << "shown text that was cut: '" << joined << "'";
+  }
+  EXPECT_EQ(joined, expected);
+
+  const std::vector<GenerationResult> results =
+      batch({request(0, prompt, kTokens, {}), request(1, prompt, kTokens, {stop})});
+  EXPECT_EQ(results[0].text, whole.text);
+  EXPECT_EQ(results[0].finish_reason, "length");
+  EXPECT_EQ(results[0].n_tokens, kTokens);
+  EXPECT_EQ(results[1].text, joined);
+  EXPECT_EQ(results[1].finish_reason, "stop");
+  EXPECT_EQ(results[1].n_tokens, static_cast<int>(cut.tokens.size()));
+}
+
+}  // namespace
+}  // namespace ringlm
