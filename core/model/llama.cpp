@@ -24,6 +24,9 @@ struct ArchInfo {
   // swa_rope_base) and no RoPE scaling (which is the global layers').
   int swa_period = 0;
   float swa_rope_base = 0.0f;
+  // A model of this many layers scales its attention scores by 1/sqrt(n_embd / n_head) instead of
+  // 1/sqrt(head_dim): Gemma 3 27B's query_pre_attn_scalar, which llama.cpp applies by layer count.
+  int wide_query_scale_n_layer = 0;
 };
 constexpr ArchInfo kSupportedArchs[] = {
     {.name = "llama", .rope_style = RopeStyle::kAdjacentPairs},
@@ -36,7 +39,8 @@ constexpr ArchInfo kSupportedArchs[] = {
      .post_norms = true,
      .embed_scale = true,
      .swa_period = 6,
-     .swa_rope_base = 10000.0f},
+     .swa_rope_base = 10000.0f,
+     .wide_query_scale_n_layer = 62},
 };
 
 std::string supported_arch_names() {
@@ -143,6 +147,9 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
   if (!(hp.rope_scale > 0.0f) || !std::isfinite(hp.rope_scale)) {
     gguf.fail("metadata '" + p + "rope.scaling.factor': the RoPE scaling factor must be a positive number");
   }
+  // Gemma 3 27B's scale, by layer count as llama.cpp decides it (with its integer division).
+  const bool wide_query = arch->wide_query_scale_n_layer > 0 && hp.n_layer == arch->wide_query_scale_n_layer;
+  hp.attn_scale = 1.0f / std::sqrt(static_cast<float>(wide_query ? hp.n_embd / hp.n_head : hp.head_dim));
   if (arch->swa_period > 0) {
     // A window of 0 (or none) makes every layer global.
     const uint64_t window = gguf.get_uint(p + "attention.sliding_window").value_or(0);
@@ -410,7 +417,7 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
     s.attention_calls[i].softmax_phi = async_softmax_ ? &phi[static_cast<size_t>(layer) * hp_.n_head] : nullptr;
   }
   const int window = layers_[static_cast<size_t>(layer)].window;
-  backend_.attention(layer, {hp_.n_head, hp_.n_head_kv, hp_.head_dim, window}, s.attention_calls);
+  backend_.attention(layer, {hp_.n_head, hp_.n_head_kv, hp_.head_dim, window, hp_.attn_scale}, s.attention_calls);
 }
 
 void LlamaModel::run_layers(std::span<const Rows> rows, int n) {

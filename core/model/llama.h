@@ -42,6 +42,8 @@ struct LlamaHparams {
   Activation activation = Activation::kSilu;  // of the gated feed-forward block (Gemma: GELU)
   bool post_norms = false;   // RMSNorm of each block's output before the residual (Gemma 3)
   bool embed_scale = false;  // embeddings times sqrt(n_embd) (Gemma)
+  // Attention scores are q·k times this: 1/sqrt(head_dim), but Gemma 3 27B's 1/sqrt(n_embd / n_head).
+  float attn_scale = 0.0f;
   // Sliding-window layers (Gemma 3): all but every swa_period-th layer see the last
   // sliding_window positions, with RoPE base swa_rope_base (and no RoPE scaling). 0: none.
   int sliding_window = 0;
