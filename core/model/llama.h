@@ -42,7 +42,8 @@ struct LlamaHparams {
   int n_rot = 0;      // rotary dimensions (<= head_dim)
   float rope_base = 10000.0f;
   RopeStyle rope_style = RopeStyle::kAdjacentPairs;
-  // RoPE scaling, of the global layers only (Gemma 3's sliding-window layers are never scaled).
+  // RoPE scaling. The frequencies of the global layers only (Gemma 3's sliding-window layers are
+  // never scaled); rope_mscale() multiplies every layer's rotations, as in llama.cpp.
   RopeScaling rope_scaling = RopeScaling::kNone;
   float rope_scale = 1.0f;  // rope.scaling.factor: the context multiplier
   // rope.scaling.original_context_length (default: context_length): the context the model was
