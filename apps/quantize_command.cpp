@@ -79,7 +79,7 @@ struct ModelFacts {
   bool tied = true;     // no output.weight: token_embd.weight is the output matrix too
   int n_layer = 0;      // <arch>.block_count
   int n_attn_v = 0;     // attn_v matrices
-  bool is_70b = false;  // llama.cpp's LLM_TYPE_70B: a llama with 80 layers and grouped-query attention
+  bool is_70b = false;  // llama.cpp's LLM_TYPE_70B (is_70b_model())
   // An attn_v or ffn_down matrix's position among those of its kind in the order llama-quantize
   // visits tensors (by layer number, then name): its counters i_attention_wv and i_ffn_down.
   std::unordered_map<std::string, int> index;
@@ -171,6 +171,15 @@ int layer_of(std::string_view name) {
   return i < name.size() && name[i] == '.' ? layer : -1;
 }
 
+// llama.cpp's LLM_TYPE_70B, which its loader gives by family and layer count: a llama of 80 layers
+// with grouped-query attention (with as many KV heads as query heads it is a 65B), a qwen2 of 80
+// layers (Qwen2-72B); no other family ringlm runs has one.
+bool is_70b_model(const std::string& arch, int n_layer, std::optional<uint64_t> n_head, uint64_t n_head_kv) {
+  if (n_layer != 80) return false;
+  if (arch == "llama") return n_head && *n_head != n_head_kv;
+  return arch == "qwen2";
+}
+
 ModelFacts model_facts(const GgufFile& in, const Mix& mix) {
   ModelFacts f;
   const std::string arch(in.get_string("general.architecture").value_or(""));
@@ -193,7 +202,7 @@ ModelFacts model_facts(const GgufFile& in, const Mix& mix) {
   f.n_layer = static_cast<int>(in.get_uint(arch + ".block_count").value_or(ffn_down.size()));
   const std::optional<uint64_t> n_head = in.get_uint(arch + ".attention.head_count");
   const uint64_t n_head_kv = in.get_uint(arch + ".attention.head_count_kv").value_or(n_head.value_or(0));
-  f.is_70b = arch == "llama" && f.n_layer == 80 && n_head && *n_head != n_head_kv;
+  f.is_70b = is_70b_model(arch, f.n_layer, n_head, n_head_kv);
   if (in.get_uint(arch + ".expert_count").value_or(0) > 1) {
     // llama.cpp has rules of its own for experts (and ringlm quantizes only 2-D matrices).
     throw std::runtime_error("--type " + std::string(mix.name) + ": this model has experts; the mixes are implemented for dense models");
@@ -206,7 +215,10 @@ ModelFacts model_facts(const GgufFile& in, const Mix& mix) {
 bool more_bits(int i, int n) { return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2; }
 
 // The type llama-quantize gives a matrix in a mix: llama-quant.cpp's llama_tensor_get_type_impl as
-// a llama model with a K-quant mix goes through it (no imatrix), before the shape fallback.
+// a dense model of a family ringlm runs goes through it with a K-quant mix (no imatrix), before the
+// shape fallback. The families differ only in is_70b; a fused attn_qkv (Phi-3) takes attn_v's
+// rules and counters, as there (its ATTENTION_QKV branch comes after the attn_v one and is never
+// reached), and Phi-3's fused gate|up in ffn_up the base type, as any ffn_up.
 TensorType mix_type(const Mix& mix, const GgufTensorInfo& t, const ModelFacts& m) {
   const bool q4_k_s = mix.base == TensorType::Q4_K && !mix.medium;
   switch (kind_of(t.name, m.tied)) {

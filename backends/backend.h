@@ -9,6 +9,7 @@
 // keeps it in step itself (KvView::state), and the model never knows.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -117,6 +118,9 @@ struct AttentionShape {
   // Sliding-window attention: a query at position p sees only the keys at positions
   // p - window + 1 .. p (0: every earlier key).
   int window = 0;
+  // Scores are q·k times this (0: the usual 1/sqrt(head_dim); Gemma 3 27B has its own).
+  float scale = 0.0f;
+  float score_scale() const { return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(head_dim)); }
 };
 
 // One sequence's queries in Backend::attention: n_tokens rows of q ([n_tokens][n_head *

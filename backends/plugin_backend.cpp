@@ -394,7 +394,7 @@ class PluginBackend final : public Backend {
     args.n_head = shape.n_head;
     args.n_head_kv = shape.n_head_kv;
     args.head_dim = shape.head_dim;
-    args.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+    args.scale = shape.score_scale();
     check(*device_, api_.attention(device_->context, &args), "attention");
     out_buffer_.download(0, call.out, bytes);
   }

@@ -197,6 +197,40 @@ TEST(ContextShift, WithoutShiftAFullCacheRefusesMoreTokens) {
   EXPECT_EQ(cache.size(), 8);
 }
 
+// With RoPE scaling the shift is still a pure rotation: YaRN's and LongRoPE's magnitude factor,
+// which the keys got from their own RoPE, must not be applied again (the keys would carry it
+// twice), and LongRoPE's factors must be the ones the forward pass chose by the cache's size.
+TEST(ContextShift, ScaledRopeShiftIsAPureRotation) {
+  LlamaSpec yarn = sharp_spec(1);
+  yarn.extra_strings["llama.rope.scaling.type"] = "yarn";
+  yarn.extra_floats["llama.rope.scaling.factor"] = 4.0f;
+  yarn.extra_uints["llama.rope.scaling.original_context_length"] = 8;
+  yarn.extra_floats["llama.rope.scaling.attn_factor"] = 1.25f;
+  LlamaSpec long_rope = sharp_spec(1);
+  long_rope.arch = "phi3";
+  long_rope.extra_uints["phi3.rope.scaling.original_context_length"] = 8;  // caches of 16: the long factors
+  long_rope.extra_floats["phi3.rope.scaling.attn_factor"] = 1.25f;
+  long_rope.extra_tensors["rope_factors_short.weight"] = {8};
+  long_rope.extra_tensors["rope_factors_long.weight"] = {8};
+  for (const LlamaSpec& spec : {yarn, long_rope}) {
+    SCOPED_TRACE(spec.arch);
+    const TinyLlama file{spec};
+    auto backend = make_cpu_backend(1);
+    LlamaModel model(file.gguf(), *backend);
+    const std::vector<int32_t> tokens = token_stream(17, 5);
+    KvCache cache = model.make_cache(16, {KvType::kF32, 4, 0, true});
+    run_tokens(model, cache, std::span(tokens).first(16), false);
+    const int n_discard = cache.shift_size();
+    const std::vector<float> shifted = run_tokens(model, cache, std::span(tokens).last(1), false);
+    ASSERT_EQ(cache.shifts(), 1);
+    std::vector<int32_t> kept(tokens.begin(), tokens.begin() + 4);
+    kept.insert(kept.end(), tokens.begin() + 4 + n_discard, tokens.end());
+    KvCache fresh_cache = model.make_cache(16, {KvType::kF32, 4, 0, false});
+    const std::vector<float> fresh = run_tokens(model, fresh_cache, kept, false);
+    EXPECT_LE(max_abs_diff(shifted, fresh), 1e-4f * range_of(fresh)) << "range " << range_of(fresh);
+  }
+}
+
 TEST(KvCacheRing, MemoryIsAllocatedOnceAndOptionsAreChecked) {
   KvCache cache(2, 8, 2, 4, {KvType::kF16, 2, 0, true});
   EXPECT_EQ(cache.bytes(), size_t{2} * 2 * 8 * 2 * 4 * 2);

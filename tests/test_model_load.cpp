@@ -290,5 +290,163 @@ TEST(ModelLoad, CpuBackendAlsoRejectsAnUnsupportedWeight) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Other families and RoPE scaling: what the file says is read, what it says that the decoder
+// does not model is refused by name
+
+LlamaSpec phi3_spec() {
+  LlamaSpec s;
+  s.arch = "phi3";
+  return s;
+}
+
+TEST(ModelLoad, Phi3FusedTensorsLoadAndRun) {
+  const TinyLlama file{phi3_spec()};
+  auto backend = make_cpu_backend(1);
+  LlamaModel model(file.gguf(), *backend);
+  EXPECT_TRUE(model.hparams().fused_gate_up);
+  // The fused matrices are counted once, as in the file.
+  EXPECT_EQ(model.n_params(), 2 * (64 * 128 + 64 * 64 + 64 * 256 + 128 * 64) + 2 * 32 * 64);
+  const std::vector<int32_t> tokens = {3, 0, 17, 5};
+  KvCache batch_cache = model.make_cache(8);
+  std::vector<float> batch(32), step(32);
+  model.forward(tokens, batch_cache, batch.data());
+  KvCache step_cache = model.make_cache(8);
+  for (int32_t t : tokens) model.forward(std::span<const int32_t>(&t, 1), step_cache, step.data());
+  EXPECT_TRUE(all_finite(batch));
+  for (size_t i = 0; i < batch.size(); ++i) EXPECT_NEAR(batch[i], step[i], 1e-4f) << "logit " << i;
+}
+
+TEST(ModelLoad, Phi3FusedTensorsWithTheWrongShape) {
+  LlamaSpec qkv = phi3_spec();
+  qkv.shapes["blk.1.attn_qkv.weight"] = {64, 64};
+  EXPECT_THAT(load_error(qkv), ErrorNaming("tensor 'blk.1.attn_qkv.weight'", "[64, 64]", "expected [64, 128]"));
+  LlamaSpec up = phi3_spec();  // gate and up: 2 * n_ff rows
+  up.shapes["blk.0.ffn_up.weight"] = {64, 128};
+  EXPECT_THAT(load_error(up), ErrorNaming("tensor 'blk.0.ffn_up.weight'", "[64, 128]", "expected [64, 256]"));
+}
+
+TEST(ModelLoad, Phi3SeparateGateIsRefused) {
+  // Phi-3's gate lives in ffn_up; an ffn_gate besides it would be ignored, so it is refused.
+  LlamaSpec s = phi3_spec();
+  s.extra_tensors["blk.0.ffn_gate.weight"] = {64, 128};
+  EXPECT_THAT(load_error(s), ErrorNaming("tensor 'blk.0.ffn_gate.weight'", "not part of the 'phi3' decoder"));
+}
+
+TEST(ModelLoad, SlidingWindowIgnoredForPhi3RefusedForLlama) {
+  // llama.cpp disables Phi-3's sliding window, and so does ringlm; a window on a family without
+  // sliding-window layers is not modelled.
+  LlamaSpec phi3 = phi3_spec();
+  phi3.extra_uints["phi3.attention.sliding_window"] = 4;
+  EXPECT_EQ(load_error(phi3), "(loaded)");
+  LlamaSpec llama;
+  llama.extra_uints["llama.attention.sliding_window"] = 4;
+  EXPECT_THAT(load_error(llama), ErrorNaming("'llama.attention.sliding_window'", "not supported"));
+  llama.extra_uints["llama.attention.sliding_window"] = 0;  // no window
+  EXPECT_EQ(load_error(llama), "(loaded)");
+}
+
+TEST(ModelLoad, TensorsTheDecoderDoesNotUseAreRefused) {
+  for (const auto& [arch, name] : {std::pair{"llama", "blk.0.attn_output.bias"}, std::pair{"llama", "output.bias"},
+                                   std::pair{"llama", "rope_factors_long.weight"}, std::pair{"phi3", "rope_freqs.weight"}}) {
+    LlamaSpec s;
+    s.arch = arch;
+    s.extra_tensors[name] = {name == std::string("blk.0.attn_output.bias") || name == std::string("output.bias") ? 64u : 8u};
+    EXPECT_THAT(load_error(s), ErrorNaming("tensor '" + std::string(name) + "'", "not part of the '" + std::string(arch) + "' decoder"));
+  }
+  LlamaSpec rope_freqs;  // Llama 3's frequency factors are the llama decoder's
+  rope_freqs.extra_tensors["rope_freqs.weight"] = {8};
+  EXPECT_EQ(load_error(rope_freqs), "(loaded)");
+}
+
+TEST(ModelLoad, FrequencyFactorsWithTheWrongLength) {
+  LlamaSpec s = phi3_spec();
+  s.extra_tensors["rope_factors_long.weight"] = {7};
+  EXPECT_THAT(load_error(s), ErrorNaming("tensor 'rope_factors_long.weight'", "[7]", "expected [8]"));
+  LlamaSpec llama;
+  llama.extra_tensors["rope_freqs.weight"] = {16};
+  EXPECT_THAT(load_error(llama), ErrorNaming("tensor 'rope_freqs.weight'", "[16]", "expected [8]"));
+}
+
+TEST(ModelLoad, RopeScalingTypesOtherThanNoneLinearYarnAreRefused) {
+  for (const char* type : {"longrope", "dynamic", "YARN", ""}) {
+    LlamaSpec s;
+    s.extra_strings["llama.rope.scaling.type"] = type;
+    EXPECT_THAT(load_error(s), ErrorNaming("'llama.rope.scaling.type'", "'" + std::string(type) + "' is not supported"));
+  }
+}
+
+TEST(ModelLoad, BadYarnMetadataNamesTheKey) {
+  const auto yarn = [] {
+    LlamaSpec s;
+    s.extra_strings["llama.rope.scaling.type"] = "yarn";
+    s.extra_floats["llama.rope.scaling.factor"] = 4.0f;
+    s.extra_uints["llama.rope.scaling.original_context_length"] = 32;
+    return s;
+  };
+  EXPECT_EQ(load_error(yarn()), "(loaded)");
+  for (const auto& [key, value] : {std::pair{"llama.rope.scaling.factor", -2.0f}, std::pair{"llama.rope.scaling.factor", NAN},
+                                   std::pair{"llama.rope.scaling.yarn_beta_fast", 0.0f},
+                                   std::pair{"llama.rope.scaling.yarn_beta_slow", -1.0f},
+                                   std::pair{"llama.rope.scaling.attn_factor", INFINITY}}) {
+    LlamaSpec s = yarn();
+    s.extra_floats[key] = value;
+    EXPECT_THAT(load_error(s), ErrorNaming("'" + std::string(key) + "'", "must be a positive number")) << key << " " << value;
+  }
+  LlamaSpec no_context = yarn();
+  no_context.extra_uints["llama.rope.scaling.original_context_length"] = 0;
+  EXPECT_THAT(load_error(no_context), ErrorNaming("'llama.rope.scaling.original_context_length'", "out of range"));
+  LlamaSpec as_text = yarn();
+  as_text.extra_floats.erase("llama.rope.scaling.factor");
+  as_text.extra_strings["llama.rope.scaling.factor"] = "4";
+  EXPECT_THAT(load_error(as_text), ErrorNaming("'llama.rope.scaling.factor'", "expected a number"));
+  // Variants llama.cpp does not read for these families: refused rather than ignored.
+  for (const char* key : {"yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier"}) {
+    LlamaSpec s = yarn();
+    s.extra_floats["llama.rope.scaling." + std::string(key)] = 1.0f;
+    EXPECT_THAT(load_error(s), ErrorNaming("'llama.rope.scaling." + std::string(key) + "'", "not supported"));
+  }
+  LlamaSpec gemma = yarn();  // the hyperparameters are refused before any Gemma tensor is looked for
+  gemma.arch = "gemma3";
+  gemma.extra_strings = {{"gemma3.rope.scaling.type", "yarn"}};
+  EXPECT_THAT(load_error(gemma), ErrorNaming("'gemma3.rope.scaling.type'", "sliding-window"));
+}
+
+TEST(ModelLoad, RopeScalingHyperparameters) {
+  LlamaSpec s;
+  s.extra_strings["llama.rope.scaling.type"] = "yarn";
+  s.extra_floats["llama.rope.scaling.factor"] = 4.0f;
+  s.extra_floats["llama.rope.scaling.attn_factor"] = 0.5f;
+  const TinyLlama yarn(s);
+  const LlamaHparams hp = LlamaHparams::from_gguf(yarn.gguf());
+  EXPECT_EQ(hp.rope_scaling, RopeScaling::kYarn);
+  EXPECT_EQ(hp.rope_n_ctx_orig, 128);  // the context length, without original_context_length
+  EXPECT_FLOAT_EQ(hp.yarn_beta_fast, 32.0f);
+  EXPECT_FLOAT_EQ(hp.yarn_beta_slow, 1.0f);
+  EXPECT_FLOAT_EQ(hp.rope_mscale(), 0.5f * (1.0f + 0.1f * std::log(4.0f)));
+  // As llama.cpp: without a type, a factor scales linearly; "none" ignores it.
+  LlamaSpec bare;
+  bare.extra_floats["llama.rope.scaling.factor"] = 2.0f;
+  EXPECT_EQ(LlamaHparams::from_gguf(TinyLlama(bare).gguf()).rope_scaling, RopeScaling::kLinear);
+  EXPECT_FLOAT_EQ(LlamaHparams::from_gguf(TinyLlama(bare).gguf()).rope_scale, 2.0f);
+  EXPECT_FLOAT_EQ(LlamaHparams::from_gguf(TinyLlama(bare).gguf()).rope_mscale(), 1.0f);
+  bare.extra_strings["llama.rope.scaling.type"] = "none";
+  EXPECT_FLOAT_EQ(LlamaHparams::from_gguf(TinyLlama(bare).gguf()).rope_scale, 1.0f);
+}
+
+TEST(ModelLoad, Gemma3AttentionScaleFollowsLlamaCppsRule) {
+  // 1/sqrt(head_dim), but 1/sqrt(n_embd / n_head) for 62 layers (Gemma 3 27B).
+  for (const uint32_t n_layer : {26u, 62u}) {
+    LlamaSpec s;
+    s.arch = "gemma3";
+    s.n_layer = n_layer;
+    s.extra_uints["gemma3.attention.key_length"] = 32;
+    s.extra_uints["gemma3.attention.value_length"] = 32;
+    const LlamaHparams hp = LlamaHparams::from_gguf(TinyLlama(s).gguf());
+    EXPECT_FLOAT_EQ(hp.attn_scale, n_layer == 62 ? 0.25f : 1.0f / std::sqrt(32.0f)) << n_layer;
+  }
+  EXPECT_FLOAT_EQ(LlamaHparams::from_gguf(TinyLlama(LlamaSpec{}).gguf()).attn_scale, 0.25f);  // llama: head_dim 16
+}
+
 }  // namespace
 }  // namespace ringlm

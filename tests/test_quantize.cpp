@@ -952,34 +952,38 @@ TEST_F(QuantizeCommand, UnwritableOutputIsAClearErrorAndLeavesNothing) {
 
 // A Llama-shaped F32 model for the mix rules, written with ringlm's writer: the names, row lengths
 // and layer count of a real one, but only 4 rows per matrix and a vocabulary of 8 (the rules read
-// nothing else; the command never loads the model).
+// nothing else; the command never loads the model). Another family's name changes the keys'
+// prefix; "phi3" also Phi-3's fused matrices (attn_qkv, ffn_up holding gate and up).
 struct LlamaShape {
   int n_layer = 16, n_embd = 64, n_ff = 256, n_head = 4, n_head_kv = 2;
   bool untied = false;
-  int n_expert = 0;  // written as llama.expert_count when set
+  int n_expert = 0;  // written as <arch>.expert_count when set
+  std::string arch = "llama";
 };
 
 std::string write_llama_shaped(const std::string& name, const LlamaShape& s) {
   const std::string path = own_file(name);
   GgufWriter w(path);
-  w.set_string("general.architecture", "llama");
-  w.set_uint32("llama.block_count", static_cast<uint32_t>(s.n_layer));
-  w.set_uint32("llama.context_length", 256);
-  w.set_uint32("llama.embedding_length", static_cast<uint32_t>(s.n_embd));
-  w.set_uint32("llama.feed_forward_length", static_cast<uint32_t>(s.n_ff));
-  w.set_uint32("llama.attention.head_count", static_cast<uint32_t>(s.n_head));
-  w.set_uint32("llama.attention.head_count_kv", static_cast<uint32_t>(s.n_head_kv));
-  w.set_float("llama.attention.layer_norm_rms_epsilon", GgufValueType::FLOAT32, 1e-5);
+  const std::string p = s.arch + ".";
+  w.set_string("general.architecture", s.arch);
+  w.set_uint32(p + "block_count", static_cast<uint32_t>(s.n_layer));
+  w.set_uint32(p + "context_length", 256);
+  w.set_uint32(p + "embedding_length", static_cast<uint32_t>(s.n_embd));
+  w.set_uint32(p + "feed_forward_length", static_cast<uint32_t>(s.n_ff));
+  w.set_uint32(p + "attention.head_count", static_cast<uint32_t>(s.n_head));
+  w.set_uint32(p + "attention.head_count_kv", static_cast<uint32_t>(s.n_head_kv));
+  w.set_float(p + "attention.layer_norm_rms_epsilon", GgufValueType::FLOAT32, 1e-5);
   w.set_uint32("general.file_type", 0);
-  if (s.n_expert > 0) w.set_uint32("llama.expert_count", static_cast<uint32_t>(s.n_expert));
+  if (s.n_expert > 0) w.set_uint32(p + "expert_count", static_cast<uint32_t>(s.n_expert));
+  const std::vector<const char*> matrices =
+      s.arch == "phi3" ? std::vector<const char*>{"attn_qkv", "attn_output", "ffn_up"}
+                       : std::vector<const char*>{"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"};
   std::vector<std::pair<std::string, std::vector<int64_t>>> tensors = {{"token_embd.weight", {s.n_embd, 8}},
                                                                        {"output_norm.weight", {s.n_embd}}};
   if (s.untied) tensors.push_back({"output.weight", {s.n_embd, 8}});
   for (int l = 0; l < s.n_layer; ++l) {
     const std::string b = "blk." + std::to_string(l) + ".";
-    for (const char* m : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"}) {
-      tensors.push_back({b + m + ".weight", {s.n_embd, 4}});
-    }
+    for (const char* m : matrices) tensors.push_back({b + m + ".weight", {s.n_embd, 4}});
     tensors.push_back({b + "ffn_down.weight", {s.n_ff, 4}});
     tensors.push_back({b + "attn_norm.weight", {s.n_embd}});
     tensors.push_back({b + "ffn_norm.weight", {s.n_embd}});
@@ -1112,21 +1116,57 @@ TEST(QuantizeMix, EachMixGivesLlamaCppsTypePerTensor) {
   }
 }
 
-// llama.cpp's 70B rule: a llama of 80 layers with grouped-query attention gets Q5_K instead of Q4_K
-// for attn_v; with as many KV heads as query heads (a 65B) it does not.
+// llama.cpp's 70B rule, a type its loader gives by family: a llama of 80 layers with grouped-query
+// attention, or any qwen2 of 80 layers, gets Q5_K instead of Q4_K for attn_v; a llama with as many
+// KV heads as query heads (a 65B) or a qwen3 of 80 layers does not.
 TEST(QuantizeMix, SeventyBGetsQ5_KForAttnVOutsideTheMoreBitsLayers) {
-  for (const int n_head_kv : {2, 4}) {
-    SCOPED_TRACE(n_head_kv);
-    const std::string in = write_llama_shaped("mix80.gguf", {.n_layer = 80, .n_embd = 256, .n_head_kv = n_head_kv});
+  for (const auto& [arch, n_head_kv, is_70b] : {std::tuple{"llama", 2, true}, std::tuple{"llama", 4, false},
+                                                std::tuple{"qwen2", 4, true}, std::tuple{"qwen3", 2, false}}) {
+    SCOPED_TRACE(std::string(arch) + " " + std::to_string(n_head_kv));
+    const std::string in =
+        write_llama_shaped("mix80.gguf", {.n_layer = 80, .n_embd = 256, .n_head_kv = n_head_kv, .arch = arch});
     const QuantizedModel q = quantize_model(in, "--type Q4_K_M", "mix80.Q4_K_M.gguf");
     ASSERT_EQ(q.result.exit_code, 0) << q.result.err;
     const auto f = GgufFile::open(q.path);
     const auto type_of = [&](const std::string& n) { return f->find_tensor(n)->type; };
     // more_bits(i, 80): i < 10, i >= 70, (i - 10) % 3 == 2.
-    EXPECT_EQ(type_of("blk.10.attn_v.weight"), n_head_kv == 2 ? TensorType::Q5_K : TensorType::Q4_K);
+    EXPECT_EQ(type_of("blk.10.attn_v.weight"), is_70b ? TensorType::Q5_K : TensorType::Q4_K);
     EXPECT_EQ(type_of("blk.12.attn_v.weight"), TensorType::Q6_K);
     EXPECT_EQ(type_of("blk.10.ffn_down.weight"), TensorType::Q4_K);
     EXPECT_EQ(type_of("blk.10.attn_q.weight"), TensorType::Q4_K);
+  }
+}
+
+// Phi-3's fused matrices: attn_qkv takes attn_v's rules and counters (llama-quant.cpp tests for
+// attn_v-like tensors before its attn_qkv branch), ffn_up holding gate and up the base type, the tied
+// token_embd the output's Q6_K. llama-quantize (llama.cpp from llama-cpp-python 0.3.36) wrote these
+// same types, tensor for tensor, for a phi3 file of this shape (make_tiny_gguf.py --arch phi3
+// --n-embd 256 --n-ff 512 --n-layer 16) with each of the three mixes.
+TEST(QuantizeMix, Phi3FusedMatricesFollowLlamaCppsRules) {
+  const std::string in = write_llama_shaped("phi3.gguf", {.n_embd = 256, .n_ff = 512, .arch = "phi3"});
+  struct Case {
+    const char* mix;
+    std::vector<std::string> attn_qkv, ffn_down;
+  };
+  const Case cases[] = {
+      {"Q4_K_M", by_more_bits("Q6_K", "Q4_K"), by_more_bits("Q6_K", "Q4_K")},
+      {"Q5_K_M", by_more_bits("Q6_K", "Q5_K"), by_more_bits("Q6_K", "Q5_K")},
+      {"Q4_K_S", first_layers(4, "Q5_K", "Q4_K"), first_layers(2, "Q5_K", "Q4_K")},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.mix);
+    const std::string base = std::string(c.mix).substr(0, 4);
+    std::map<std::string, std::string> e = {{"token_embd.weight", "Q6_K"}, {"output_norm.weight", "F32"}};
+    for (int l = 0; l < 16; ++l) {
+      const std::string b = "blk." + std::to_string(l) + ".";
+      e[b + "attn_qkv.weight"] = c.attn_qkv[static_cast<size_t>(l)];
+      e[b + "ffn_down.weight"] = c.ffn_down[static_cast<size_t>(l)];
+      e[b + "attn_output.weight"] = e[b + "ffn_up.weight"] = base;
+      e[b + "attn_norm.weight"] = e[b + "ffn_norm.weight"] = "F32";
+    }
+    const QuantizedModel q = quantize_model(in, std::string("--type ") + c.mix, std::string("phi3.") + c.mix + ".gguf");
+    ASSERT_EQ(q.result.exit_code, 0) << q.result.err;
+    check_types(q.path, e);
   }
 }
 

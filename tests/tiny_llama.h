@@ -1,5 +1,6 @@
 // A tiny valid Llama GGUF built in memory (F32 weights by default), and the one change a test
-// makes to it: the model the model-level tests load, run and break.
+// makes to it: the model the model-level tests load, run and break. With arch "phi3" the layer
+// has Phi-3's fused tensors (attn_qkv; ffn_up holding gate and up) instead.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,10 @@ struct LlamaSpec {
   std::set<std::string> omit_tensors;                     // tensors not written
   std::map<std::string, std::vector<uint64_t>> shapes;    // tensors written with this shape instead
   std::map<std::string, uint32_t> types;                  // tensors written with this GGML type instead
+  std::map<std::string, uint32_t> extra_uints;            // metadata written in addition
+  std::map<std::string, float> extra_floats;
+  std::map<std::string, std::string> extra_strings;
+  std::map<std::string, std::vector<uint64_t>> extra_tensors;  // tensors written in addition (F32, near 1 if 1-D)
   float matrix_range = 0.1f;                              // F32 matrix weights uniform in +-this
 };
 
@@ -82,6 +87,9 @@ inline std::vector<uint8_t> build_llama(const LlamaSpec& s) {
   put_uint(p + "attention.head_count_kv", s.n_head_kv);
   put_float(p + "attention.layer_norm_rms_epsilon", 1e-5f);
   put_float(p + "rope.freq_base", 10000.0f);
+  for (const auto& [key, value] : s.extra_uints) b.kv<uint32_t>(key, value);
+  for (const auto& [key, value] : s.extra_floats) b.kv<float>(key, value);
+  for (const auto& [key, value] : s.extra_strings) b.kv_string(key, value);
 
   std::mt19937 rng(1234);
   auto put_tensor = [&](const std::string& name, std::vector<uint64_t> shape) {
@@ -93,19 +101,29 @@ inline std::vector<uint8_t> build_llama(const LlamaSpec& s) {
     b.tensor(name, shape, type, tensor_data(type, n, shape.size() == 1, rng, s.matrix_range));
   };
   const uint64_t d = s.n_embd, kv_dim = uint64_t{s.n_embd} / s.n_head * s.n_head_kv;
+  const bool phi3 = s.arch == "phi3";
   put_tensor("token_embd.weight", {d, s.n_vocab});
   for (uint32_t il = 0; il < s.n_layer; ++il) {
     const std::string blk = "blk." + std::to_string(il) + ".";
     put_tensor(blk + "attn_norm.weight", {d});
-    put_tensor(blk + "attn_q.weight", {d, d});
-    put_tensor(blk + "attn_k.weight", {d, kv_dim});
-    put_tensor(blk + "attn_v.weight", {d, kv_dim});
+    if (phi3) {
+      put_tensor(blk + "attn_qkv.weight", {d, d + 2 * kv_dim});
+    } else {
+      put_tensor(blk + "attn_q.weight", {d, d});
+      put_tensor(blk + "attn_k.weight", {d, kv_dim});
+      put_tensor(blk + "attn_v.weight", {d, kv_dim});
+    }
     put_tensor(blk + "attn_output.weight", {d, d});
     put_tensor(blk + "ffn_norm.weight", {d});
-    put_tensor(blk + "ffn_gate.weight", {d, s.n_ff});
-    put_tensor(blk + "ffn_up.weight", {d, s.n_ff});
+    if (phi3) {
+      put_tensor(blk + "ffn_up.weight", {d, 2 * uint64_t{s.n_ff}});
+    } else {
+      put_tensor(blk + "ffn_gate.weight", {d, s.n_ff});
+      put_tensor(blk + "ffn_up.weight", {d, s.n_ff});
+    }
     put_tensor(blk + "ffn_down.weight", {s.n_ff, d});
   }
+  for (const auto& [name, shape] : s.extra_tensors) put_tensor(name, shape);
   put_tensor("output_norm.weight", {d});
   put_tensor("output.weight", {d, s.n_vocab});
   return b.build();

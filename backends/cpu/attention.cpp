@@ -487,7 +487,7 @@ const float* query_row(const AttentionShape& sh, const float* q, const Unit& u, 
 }
 
 // The row path of a unit (decode, and tiles of a few rows): gathers its query rows (pre-scaled by
-// 1/sqrt(d)), then meets the slots a block at a time, a row of scores per query row. Scores of
+// the score scale), then meets the slots a block at a time, a row of scores per query row. Scores of
 // slots a row may not see are -inf.
 // With `phi` (decode: one unified max per row, [rows]), each block's exponentials are taken
 // against phi and nothing is ever rescaled; the unit's state then carries m = phi, so the merge
@@ -497,7 +497,7 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
                    const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max) {
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int rows = (u.token_end - u.token_begin) * group;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float scale = sh.score_scale();
   float* qt = buf.qt;
   float* scores = buf.scores;
   for (int r = 0; r < rows; ++r) {
@@ -571,7 +571,7 @@ void run_unit_tile(const AttentionShape& sh, const float* q, const KvLayer& kv, 
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int rows = (u.token_end - u.token_begin) * group;
   const int ld = HWY_DYNAMIC_DISPATCH(TileRowWidth)(rows);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float scale = sh.score_scale();
   float* qT = buf.qt;
   std::fill_n(qT, static_cast<size_t>(hd) * ld, 0.0f);
   std::fill_n(buf.acc_t, static_cast<size_t>(hd) * ld, 0.0f);

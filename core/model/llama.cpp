@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numbers>
+#include <optional>
 #include <stdexcept>
+#include <unordered_set>
 
 namespace ringlm {
 
@@ -10,7 +13,9 @@ namespace {
 
 // The families that run on this decoder, as data: what each adds to the Llama layer. The RoPE
 // layout is the one their GGUF conversion leaves: llama.cpp's converter permutes Llama's q/k
-// rows for adjacent pairs, and leaves Qwen's in the NeoX layout of the original checkpoints.
+// rows for adjacent pairs, and leaves Qwen's, Gemma's and Phi's in the NeoX layout of the
+// original checkpoints. Any family's file may hold q, k and v as one fused attn_qkv matrix (Phi-3's
+// always do), as llama.cpp accepts for all of them: that is the file's layout, not the family's.
 struct ArchInfo {
   std::string_view name;
   RopeStyle rope_style;
@@ -19,14 +24,28 @@ struct ArchInfo {
   Activation activation = Activation::kSilu;  // of the gated feed-forward block
   bool post_norms = false;   // post_attention_norm / post_ffw_norm on each block's output, before the residual
   bool embed_scale = false;  // token embeddings multiplied by sqrt(n_embd)
+  // ffn_up [n_embd -> 2 * n_ff] holds the gate's rows, then up's (no ffn_gate): the feed-forward
+  // block is act(first half) * second half, as llama.cpp's SwiGLU of a fused tensor.
+  bool fused_gate_up = false;
+  bool rope_freqs = false;  // may carry rope_freqs.weight: per-pair frequency divisors (Llama 3.1+)
+  // May carry LongRoPE's rope_factors_short.weight / rope_factors_long.weight (Phi-3 128k): the
+  // short ones for a context up to rope.scaling.original_context_length, the long ones past it.
+  bool long_rope = false;
+  // <arch>.attention.sliding_window is read and ignored: llama.cpp disables Phi-3's sliding window
+  // ("Phi SWA is currently disabled", its phi3 hparams), the converters' windows not being what the
+  // checkpoints use consistently; every layer attends to the whole context, as there.
+  bool ignores_sliding_window = false;
   // Sliding-window layers (<arch>.attention.sliding_window, when the file gives one): every
   // layer but each swa_period-th, with RoPE base <arch>.rope.freq_base_swa (default
   // swa_rope_base) and no RoPE scaling (which is the global layers').
   int swa_period = 0;
   float swa_rope_base = 0.0f;
+  // A model of this many layers scales its attention scores by 1/sqrt(n_embd / n_head) instead of
+  // 1/sqrt(head_dim): Gemma 3 27B's query_pre_attn_scalar, which llama.cpp applies by layer count.
+  int wide_query_scale_n_layer = 0;
 };
 constexpr ArchInfo kSupportedArchs[] = {
-    {.name = "llama", .rope_style = RopeStyle::kAdjacentPairs},
+    {.name = "llama", .rope_style = RopeStyle::kAdjacentPairs, .rope_freqs = true},
     {.name = "qwen2", .rope_style = RopeStyle::kHalfSplit, .qkv_bias = true},
     {.name = "qwen3", .rope_style = RopeStyle::kHalfSplit, .qk_norm = true},
     {.name = "gemma3",
@@ -36,7 +55,13 @@ constexpr ArchInfo kSupportedArchs[] = {
      .post_norms = true,
      .embed_scale = true,
      .swa_period = 6,
-     .swa_rope_base = 10000.0f},
+     .swa_rope_base = 10000.0f,
+     .wide_query_scale_n_layer = 62},
+    {.name = "phi3",
+     .rope_style = RopeStyle::kHalfSplit,
+     .fused_gate_up = true,
+     .long_rope = true,
+     .ignores_sliding_window = true},
 };
 
 std::string supported_arch_names() {
@@ -82,16 +107,89 @@ std::vector<float> load_vector(const GgufFile& gguf, const std::string& name, in
   return v;
 }
 
+// The file's tensors as the decoder reads them. Each one read is marked, so that what is left at
+// the end (a bias, a fused matrix, a frequency table that llama.cpp would apply and this decoder
+// would not) is refused by name instead of silently ignored.
+class ModelTensors {
+ public:
+  explicit ModelTensors(const GgufFile& gguf) : gguf_(gguf) {}
+  bool has(const std::string& name) const { return gguf_.find_tensor(name) != nullptr; }
+  const GgufTensorInfo& get(const std::string& name, std::vector<int64_t> shape) {
+    used_.insert(name);
+    return expect_tensor(gguf_, name, std::move(shape));
+  }
+  std::vector<float> vector(const std::string& name, int64_t n) {
+    used_.insert(name);
+    return load_vector(gguf_, name, n);
+  }
+  void refuse_unused(const std::string& arch) const {
+    for (const GgufTensorInfo& t : gguf_.tensors()) {
+      if (!used_.contains(t.name)) gguf_.fail("tensor '" + t.name + "' is not part of the '" + arch + "' decoder");
+    }
+  }
+
+ private:
+  const GgufFile& gguf_;
+  std::unordered_set<std::string> used_;
+};
+
+const ArchInfo* find_arch(std::string_view name) {
+  for (const ArchInfo& a : kSupportedArchs) {
+    if (a.name == name) return &a;
+  }
+  return nullptr;
+}
+
+float positive_float(const GgufFile& gguf, const std::string& key, double fallback) {
+  const double v = gguf.get_float(key).value_or(fallback);
+  if (!(v > 0.0) || !std::isfinite(v) || v > 1e30) gguf.fail("metadata '" + key + "': must be a positive number");
+  return static_cast<float>(v);
+}
+
+// <arch>.rope.scaling.*, as llama.cpp reads them: a missing type is linear (so a bare factor
+// scales), "none" never scales, and rope.scale_linear is the factor's old name.
+void read_rope_scaling(const GgufFile& gguf, const std::string& p, const ArchInfo& arch, LlamaHparams& hp) {
+  const std::string type(gguf.get_string(p + "rope.scaling.type").value_or("linear"));
+  if (type == "none") {
+    hp.rope_scaling = RopeScaling::kNone;
+  } else if (type == "linear") {
+    hp.rope_scaling = RopeScaling::kLinear;
+  } else if (type == "yarn") {
+    hp.rope_scaling = RopeScaling::kYarn;
+  } else {
+    gguf.fail("metadata '" + p + "rope.scaling.type': '" + type + "' is not supported (none, linear, yarn)");
+  }
+  if (hp.rope_scaling != RopeScaling::kNone) {
+    const std::string key = p + (gguf.find(p + "rope.scaling.factor") ? "rope.scaling.factor" : "rope.scale_linear");
+    if (gguf.get_float(key).value_or(0.0) != 0.0) hp.rope_scale = positive_float(gguf, key, 1.0);  // 0: none, as llama.cpp
+  }
+  hp.rope_n_ctx_orig = hp.n_ctx_train;
+  if (auto v = gguf.get_uint(p + "rope.scaling.original_context_length")) {
+    hp.rope_n_ctx_orig = checked_dim(gguf, p + "rope.scaling.original_context_length", *v, uint64_t{1} << 24);
+  }
+  // Read for every family, as HF's YaRN does; llama.cpp reads them only for some (Grok, Mistral 3)
+  // and uses 32 and 1 for the others, which is what files without the keys get here.
+  hp.yarn_beta_fast = positive_float(gguf, p + "rope.scaling.yarn_beta_fast", 32.0);
+  hp.yarn_beta_slow = positive_float(gguf, p + "rope.scaling.yarn_beta_slow", 1.0);
+  hp.rope_attn_factor = positive_float(gguf, p + "rope.scaling.attn_factor", 1.0);
+  if (hp.rope_scaling == RopeScaling::kYarn && arch.swa_period > 0) {
+    gguf.fail("metadata '" + p + "rope.scaling.type': yarn is not supported for a family with sliding-window layers");
+  }
+}
 
 }  // namespace
+
+float LlamaHparams::rope_mscale() const {
+  // YaRN's magnitude correction, 0.1 ln(s) + 1 for a factor s > 1 (llama.cpp: yarn_attn_factor
+  // divided by it, ggml's rope_yarn multiplied by it again: the product is this).
+  const bool yarn = rope_scaling == RopeScaling::kYarn && rope_scale > 1.0f;
+  return rope_attn_factor * (yarn ? 1.0f + 0.1f * std::log(rope_scale) : 1.0f);
+}
 
 LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
   LlamaHparams hp;
   hp.arch = std::string(gguf.require_string("general.architecture"));
-  const ArchInfo* arch = nullptr;
-  for (const ArchInfo& a : kSupportedArchs) {
-    if (a.name == hp.arch) arch = &a;
-  }
+  const ArchInfo* arch = find_arch(hp.arch);
   if (arch == nullptr) gguf.fail("unsupported architecture '" + hp.arch + "' (supported: " + supported_arch_names() + ")");
   hp.rope_style = arch->rope_style;
   hp.qkv_bias = arch->qkv_bias;
@@ -99,6 +197,7 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
   hp.activation = arch->activation;
   hp.post_norms = arch->post_norms;
   hp.embed_scale = arch->embed_scale;
+  hp.fused_gate_up = arch->fused_gate_up;
 
   const std::string p = hp.arch + ".";
   auto dim = [&](const std::string& key, uint64_t max) { return checked_dim(gguf, key, gguf.require_uint(key), max); };
@@ -133,15 +232,12 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
   }
   hp.rope_base = static_cast<float>(gguf.get_float(p + "rope.freq_base").value_or(10000.0));
   if (!(hp.rope_base > 1.0f) || !std::isfinite(hp.rope_base)) gguf.fail("metadata '" + p + "rope.freq_base': must be > 1");
-  const std::string scaling = std::string(gguf.get_string(p + "rope.scaling.type").value_or("none"));
-  if (scaling == "linear") {
-    hp.rope_scale = static_cast<float>(gguf.get_float(p + "rope.scaling.factor").value_or(1.0));
-  } else if (scaling != "none") {
-    gguf.fail("metadata '" + p + "rope.scaling.type': '" + scaling + "' is not supported (none, linear)");
-  }
-  if (auto v = gguf.get_float(p + "rope.scale_linear")) hp.rope_scale = static_cast<float>(*v);
-  if (!(hp.rope_scale > 0.0f) || !std::isfinite(hp.rope_scale)) {
-    gguf.fail("metadata '" + p + "rope.scaling.factor': the RoPE scaling factor must be a positive number");
+  read_rope_scaling(gguf, p, *arch, hp);
+  // Gemma 3 27B's scale, by layer count as llama.cpp decides it (with its integer division).
+  const bool wide_query = arch->wide_query_scale_n_layer > 0 && hp.n_layer == arch->wide_query_scale_n_layer;
+  hp.attn_scale = 1.0f / std::sqrt(static_cast<float>(wide_query ? hp.n_embd / hp.n_head : hp.head_dim));
+  if (arch->swa_period == 0 && !arch->ignores_sliding_window && gguf.get_uint(p + "attention.sliding_window").value_or(0) > 0) {
+    gguf.fail("metadata '" + p + "attention.sliding_window' is not supported for '" + hp.arch + "'");
   }
   if (arch->swa_period > 0) {
     // A window of 0 (or none) makes every layer global.
@@ -158,8 +254,11 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
       }
     }
   }
-  // What this decoder does not model is refused, never ignored.
-  for (const char* key : {"attention.sliding_window_pattern", "final_logit_softcapping", "attn_logit_softcapping"}) {
+  // What this decoder does not model is refused, never ignored. (The YaRN variants' keys are read
+  // by llama.cpp only for Grok, DeepSeek and Mistral 3, whose decoders these are not.)
+  for (const char* key : {"attention.sliding_window_pattern", "final_logit_softcapping", "attn_logit_softcapping",
+                          "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor",
+                          "rope.scaling.yarn_log_multiplier"}) {
     if (gguf.find(p + key) != nullptr) gguf.fail("metadata '" + p + key + "' is not supported");
   }
   hp.rms_eps = static_cast<float>(gguf.require_float(p + "attention.layer_norm_rms_epsilon"));
@@ -198,20 +297,89 @@ struct LlamaModel::Scratch {
   std::vector<AttentionCall> attention_calls;
 };
 
+namespace {
+
+// A weight to prepare once every tensor of the file is known to be used, so that a file the
+// decoder refuses fails before anything is packed: where it goes, and its rows in the file.
+struct PendingWeight {
+  std::unique_ptr<PreparedWeight>* slot;
+  WeightView view;
+};
+
+// Rows [row0, row0 + n) of matrix t as a weight of its own. A row is a whole number of blocks,
+// contiguous in the file, so a range of rows of a fused matrix is a view of its bytes: nothing
+// is copied, and the backend prepares it as any other weight.
+WeightView row_range(const GgufFile& gguf, const GgufTensorInfo& t, int64_t row0, int64_t n, const std::string& label) {
+  const int64_t block = type_traits(static_cast<uint32_t>(t.type))->block_elems;
+  if (t.cols() % block != 0) gguf.fail("tensor '" + t.name + "': rows are not whole blocks, cannot be split");
+  const size_t stride = row_bytes(t.type, t.cols());
+  return WeightView{label, t.type, n, t.cols(), t.data + static_cast<size_t>(row0) * stride, true};
+}
+
+// YaRN's correction dimension: the rotary dimension whose pair turns n_turns times over the
+// original context, n_rot * ln(n_ctx_orig / (2 pi n_turns)) / (2 ln base) (ggml's
+// ggml_rope_yarn_corr_dim; HF's find_correction_dim).
+double yarn_corr_dim(int n_rot, int n_ctx_orig, double n_turns, double base) {
+  return n_rot * std::log(n_ctx_orig / (n_turns * 2.0 * std::numbers::pi)) / (2.0 * std::log(base));
+}
+
+// The inverse frequency of every rotary pair i: base^(-2i / n_rot), divided by the file's per-pair
+// factors (Llama 3's rope_freqs, LongRoPE's), then scaled. Linear scaling divides every frequency
+// by the factor s. YaRN mixes, per pair, the interpolated frequency (divided by s) with the
+// original one: pairs below the ramp (many turns over the original context) keep theirs, pairs
+// past it are interpolated. Both are linear in the position, so the forward pass and the shift
+// need nothing else; YaRN's magnitude factor is LlamaHparams::rope_mscale(), apart.
+std::vector<double> rope_frequencies(const LlamaHparams& hp, double base, const std::vector<float>* factors, bool scaled) {
+  const int half = hp.n_rot / 2;
+  const double s = scaled ? hp.rope_scale : 1.0;
+  double ramp_low = 0.0, ramp_high = 0.0;
+  if (scaled && hp.rope_scaling == RopeScaling::kYarn) {
+    ramp_low = std::max(0.0, std::floor(yarn_corr_dim(hp.n_rot, hp.rope_n_ctx_orig, hp.yarn_beta_fast, base)));
+    ramp_high = std::min(hp.n_rot - 1.0, std::ceil(yarn_corr_dim(hp.n_rot, hp.rope_n_ctx_orig, hp.yarn_beta_slow, base)));
+  }
+  std::vector<double> inv_freq(static_cast<size_t>(half));
+  for (int i = 0; i < half; ++i) {
+    double f = std::pow(base, -2.0 * i / hp.n_rot);
+    if (factors != nullptr) f /= (*factors)[static_cast<size_t>(i)];
+    if (scaled && hp.rope_scaling == RopeScaling::kYarn) {
+      const double ramp = std::clamp((i - ramp_low) / std::max(0.001, ramp_high - ramp_low), 0.0, 1.0);
+      f = f / s * ramp + f * (1.0 - ramp);  // ramp 0: kept; 1: interpolated
+    } else {
+      f /= s;
+    }
+    inv_freq[static_cast<size_t>(i)] = f;
+  }
+  return inv_freq;
+}
+
+}  // namespace
+
 LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
     : hp_(LlamaHparams::from_gguf(gguf)), backend_(backend) {
+  const ArchInfo& arch = *find_arch(hp_.arch);
   const int64_t d = hp_.n_embd;
   const int64_t q_dim = static_cast<int64_t>(hp_.n_head) * hp_.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(hp_.n_head_kv) * hp_.head_dim;
+  ModelTensors tensors(gguf);
+  std::vector<PendingWeight> pending;
 
-  auto prepare = [&](const std::string& name, int64_t cols, int64_t rows) {
-    const GgufTensorInfo& t = expect_tensor(gguf, name, {cols, rows});
+  // A matrix of the file, counted once, prepared as one weight or as row ranges.
+  auto matrix = [&](const std::string& name, int64_t cols, int64_t rows) -> const GgufTensorInfo& {
+    const GgufTensorInfo& t = tensors.get(name, {cols, rows});
     weight_bytes_ += t.n_bytes;
     n_params_ += t.n_elements();
-    return backend_.prepare(WeightView{name, t.type, rows, cols, t.data, true});
+    return t;
+  };
+  auto prepare = [&](std::unique_ptr<PreparedWeight>& slot, const std::string& name, int64_t cols, int64_t rows) {
+    const GgufTensorInfo& t = matrix(name, cols, rows);
+    pending.push_back({&slot, WeightView{name, t.type, rows, cols, t.data, true}});
+  };
+  auto prepare_rows = [&](std::unique_ptr<PreparedWeight>& slot, const GgufTensorInfo& t, int64_t row0, int64_t n,
+                          const std::string& part) {
+    pending.push_back({&slot, row_range(gguf, t, row0, n, t.name + " (" + part + ")")});
   };
 
-  token_embd_ = &expect_tensor(gguf, "token_embd.weight", {d, hp_.n_vocab});
+  token_embd_ = &tensors.get("token_embd.weight", {d, hp_.n_vocab});
   weight_bytes_ += token_embd_->n_bytes;
   n_params_ += token_embd_->n_elements();
 
@@ -219,57 +387,79 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   for (int il = 0; il < hp_.n_layer; ++il) {
     Layer& L = layers_[static_cast<size_t>(il)];
     const std::string b = "blk." + std::to_string(il) + ".";
-    L.attn_norm = load_vector(gguf, b + "attn_norm.weight", d);
-    L.ffn_norm = load_vector(gguf, b + "ffn_norm.weight", d);
-    L.wq = prepare(b + "attn_q.weight", d, q_dim);
-    L.wk = prepare(b + "attn_k.weight", d, kv_dim);
-    L.wv = prepare(b + "attn_v.weight", d, kv_dim);
+    L.attn_norm = tensors.vector(b + "attn_norm.weight", d);
+    L.ffn_norm = tensors.vector(b + "ffn_norm.weight", d);
+    // q, k and v: three matrices, or one fused matrix of their rows in that order (llama.cpp's
+    // build_qkv views), with one fused bias or three.
+    const bool fused_qkv = tensors.has(b + "attn_qkv.weight");
+    if (fused_qkv) {
+      const GgufTensorInfo& qkv = matrix(b + "attn_qkv.weight", d, q_dim + 2 * kv_dim);
+      prepare_rows(L.wq, qkv, 0, q_dim, "q");
+      prepare_rows(L.wk, qkv, q_dim, kv_dim, "k");
+      prepare_rows(L.wv, qkv, q_dim + kv_dim, kv_dim, "v");
+    } else {
+      prepare(L.wq, b + "attn_q.weight", d, q_dim);
+      prepare(L.wk, b + "attn_k.weight", d, kv_dim);
+      prepare(L.wv, b + "attn_v.weight", d, kv_dim);
+    }
     // Biases: required where the family has them, read wherever a file has them (as llama.cpp).
-    if (hp_.qkv_bias || gguf.find_tensor(b + "attn_q.bias") != nullptr) {
-      L.q_bias = load_vector(gguf, b + "attn_q.bias", q_dim);
-      L.k_bias = load_vector(gguf, b + "attn_k.bias", kv_dim);
-      L.v_bias = load_vector(gguf, b + "attn_v.bias", kv_dim);
+    if (fused_qkv && tensors.has(b + "attn_qkv.bias")) {
+      const std::vector<float> bias = tensors.vector(b + "attn_qkv.bias", q_dim + 2 * kv_dim);
+      L.q_bias.assign(bias.begin(), bias.begin() + q_dim);
+      L.k_bias.assign(bias.begin() + q_dim, bias.begin() + q_dim + kv_dim);
+      L.v_bias.assign(bias.begin() + q_dim + kv_dim, bias.end());
+    } else if (hp_.qkv_bias || tensors.has(b + "attn_q.bias")) {
+      L.q_bias = tensors.vector(b + "attn_q.bias", q_dim);
+      L.k_bias = tensors.vector(b + "attn_k.bias", kv_dim);
+      L.v_bias = tensors.vector(b + "attn_v.bias", kv_dim);
     }
     if (hp_.qk_norm) {
-      L.q_norm = load_vector(gguf, b + "attn_q_norm.weight", hp_.head_dim);
-      L.k_norm = load_vector(gguf, b + "attn_k_norm.weight", hp_.head_dim);
+      L.q_norm = tensors.vector(b + "attn_q_norm.weight", hp_.head_dim);
+      L.k_norm = tensors.vector(b + "attn_k_norm.weight", hp_.head_dim);
     }
     if (hp_.post_norms) {
-      L.post_attn_norm = load_vector(gguf, b + "post_attention_norm.weight", d);
-      L.post_ffn_norm = load_vector(gguf, b + "post_ffw_norm.weight", d);
+      L.post_attn_norm = tensors.vector(b + "post_attention_norm.weight", d);
+      L.post_ffn_norm = tensors.vector(b + "post_ffw_norm.weight", d);
     }
     if (hp_.swa_period > 0 && (il + 1) % hp_.swa_period != 0) {
       L.window = hp_.sliding_window;
       L.rope_set = 1;
     }
-    L.wo = prepare(b + "attn_output.weight", q_dim, d);
-    L.gate = prepare(b + "ffn_gate.weight", d, hp_.n_ff);
-    L.up = prepare(b + "ffn_up.weight", d, hp_.n_ff);
-    L.down = prepare(b + "ffn_down.weight", hp_.n_ff, d);
+    prepare(L.wo, b + "attn_output.weight", q_dim, d);
+    if (hp_.fused_gate_up) {
+      const GgufTensorInfo& gate_up = matrix(b + "ffn_up.weight", d, 2 * static_cast<int64_t>(hp_.n_ff));
+      prepare_rows(L.gate, gate_up, 0, hp_.n_ff, "gate");
+      prepare_rows(L.up, gate_up, hp_.n_ff, hp_.n_ff, "up");
+    } else {
+      prepare(L.gate, b + "ffn_gate.weight", d, hp_.n_ff);
+      prepare(L.up, b + "ffn_up.weight", d, hp_.n_ff);
+    }
+    prepare(L.down, b + "ffn_down.weight", hp_.n_ff, d);
   }
-  output_norm_ = load_vector(gguf, "output_norm.weight", d);
-  if (gguf.find_tensor("output.weight") != nullptr) {
-    output_ = prepare("output.weight", d, hp_.n_vocab);
+  output_norm_ = tensors.vector("output_norm.weight", d);
+  if (tensors.has("output.weight")) {
+    prepare(output_, "output.weight", d, hp_.n_vocab);
   } else {  // tied embeddings: the output projection reuses token_embd
     tied_output_ = true;
-    output_ = backend_.prepare(WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data, true});
+    pending.push_back({&output_, WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data, true}});
   }
 
-  // RoPE frequencies: theta_i = pos * base^(-2i / n_rot), optionally divided by per-pair factors;
-  // a second set for sliding-window layers with a base of their own.
-  const auto frequencies = [&](float base) {
-    std::vector<float> inv_freq(static_cast<size_t>(hp_.n_rot / 2));
-    for (int i = 0; i < hp_.n_rot / 2; ++i) {
-      inv_freq[static_cast<size_t>(i)] = static_cast<float>(std::pow(static_cast<double>(base), -2.0 * i / hp_.n_rot));
-    }
-    return inv_freq;
+  // RoPE frequencies: set 0 for every layer (scaled; with the file's per-pair factors), set 1
+  // for sliding-window layers, with a base of their own and no scaling.
+  const int half = hp_.n_rot / 2;
+  auto factors = [&](const std::string& name) {
+    return tensors.has(name) ? std::optional(tensors.vector(name, half)) : std::nullopt;
   };
-  rope_inv_freq_.push_back(frequencies(hp_.rope_base));
-  if (gguf.find_tensor("rope_freqs.weight") != nullptr) {
-    const std::vector<float> factors = load_vector(gguf, "rope_freqs.weight", hp_.n_rot / 2);
-    for (size_t i = 0; i < factors.size(); ++i) rope_inv_freq_[0][i] /= factors[i];
-  }
-  if (hp_.swa_period > 0) rope_inv_freq_.push_back(frequencies(hp_.swa_rope_base));
+  const std::optional<std::vector<float>> rope_freqs = arch.rope_freqs ? factors("rope_freqs.weight") : std::nullopt;
+  const std::optional<std::vector<float>> short_factors = arch.long_rope ? factors("rope_factors_short.weight") : std::nullopt;
+  const std::optional<std::vector<float>> long_factors = arch.long_rope ? factors("rope_factors_long.weight") : std::nullopt;
+  const auto ptr = [](const std::optional<std::vector<float>>& v) { return v ? &*v : nullptr; };
+  rope_inv_freq_.push_back(rope_frequencies(hp_, hp_.rope_base, rope_freqs ? ptr(rope_freqs) : ptr(short_factors), true));
+  if (short_factors || long_factors) rope_inv_freq_long_ = rope_frequencies(hp_, hp_.rope_base, ptr(long_factors), true);
+  if (hp_.swa_period > 0) rope_inv_freq_.push_back(rope_frequencies(hp_, hp_.swa_rope_base, nullptr, false));
+
+  tensors.refuse_unused(hp_.arch);
+  for (PendingWeight& w : pending) *w.slot = backend_.prepare(w.view);
 
   // Sliding-window layers keep a ring of their window plus one pass (make_cache), so shorter
   // passes keep it small: with 256, Gemma 3 270M's cache at 8k tokens is 24% of a full one
@@ -285,7 +475,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   scratch_->v.resize(M * kv_dim);
   scratch_->attn.resize(M * q_dim);
   scratch_->gate.resize(M * hp_.n_ff);
-  scratch_->rope_cos.assign(rope_inv_freq_.size(), std::vector<float>(M * static_cast<size_t>(hp_.n_rot / 2)));
+  scratch_->rope_cos.assign(rope_inv_freq_.size(), std::vector<float>(M * static_cast<size_t>(half)));
   scratch_->rope_sin = scratch_->rope_cos;
 }
 
@@ -334,12 +524,13 @@ void LlamaModel::shift_context(KvCache& cache) const {
   const int n_discard = cache.shift_size();
   const KvDiscard moved = cache.discard(n_discard);
   // The rotation by -n_discard positions, per rotary pair (in double, as rope_angles()), of the
-  // layers of each set of frequencies, in each ring.
+  // layers of each set of frequencies, in each ring: a pure rotation, without rope_mscale(), which
+  // the keys already carry from their own RoPE.
   const int half = hp_.n_rot / 2;
   for (size_t set = 0; set < rope_inv_freq_.size(); ++set) {
     std::vector<float> cos(static_cast<size_t>(half)), sin(static_cast<size_t>(half));
     for (int i = 0; i < half; ++i) {
-      const double theta = -static_cast<double>(n_discard) / rope_scale(set) * rope_inv_freq_[set][static_cast<size_t>(i)];
+      const double theta = -static_cast<double>(n_discard) * rope_inv_freq(set, cache.capacity())[static_cast<size_t>(i)];
       cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
       sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
     }
@@ -359,9 +550,12 @@ void LlamaModel::shift_context(KvCache& cache) const {
   }
 }
 
-// Linear RoPE scaling divides the positions of the layers of set 0 only (Gemma 3 scales its
-// global layers, not its sliding-window ones).
-double LlamaModel::rope_scale(size_t set) const { return set == 0 ? hp_.rope_scale : 1.0; }
+// LongRoPE's long factors past the original context, as llama.cpp's get_rope_factors chooses
+// them by the context's size (HF's Phi-3 by the length of the sequence so far).
+const std::vector<double>& LlamaModel::rope_inv_freq(size_t set, int n_ctx) const {
+  const bool long_context = set == 0 && !rope_inv_freq_long_.empty() && n_ctx > hp_.rope_n_ctx_orig;
+  return long_context ? rope_inv_freq_long_ : rope_inv_freq_[set];
+}
 
 RopeAngles LlamaModel::rope_layout(const float* cos, const float* sin) const {
   return RopeAngles{cos, sin, hp_.n_rot, hp_.rope_style == RopeStyle::kAdjacentPairs};
@@ -380,17 +574,19 @@ void LlamaModel::embed(std::span<const int32_t> tokens, float* out) {
 
 // cos and sin of every rotation angle of the tokens at positions pos0.. (rows row0..),
 // computed once per pass for all layers, in double: positions reach millions, where float
-// angles lose digits.
-void LlamaModel::rope_angles(int row0, int64_t pos0, int n_tokens) {
+// angles lose digits. Both carry rope_mscale(): q and k come out of RoPE scaled by it.
+void LlamaModel::rope_angles(int row0, int64_t pos0, int n_tokens, int n_ctx) {
   const int half = hp_.n_rot / 2;
+  const double mscale = hp_.rope_mscale();
   for (size_t set = 0; set < rope_inv_freq_.size(); ++set) {
+    const std::vector<double>& inv_freq = rope_inv_freq(set, n_ctx);
     for (int t = 0; t < n_tokens; ++t) {
-      const double p = static_cast<double>(pos0 + t) / rope_scale(set);
+      const double p = static_cast<double>(pos0 + t);
       const size_t at = static_cast<size_t>(row0 + t) * static_cast<size_t>(half);
       for (int i = 0; i < half; ++i) {
-        const double theta = p * rope_inv_freq_[set][static_cast<size_t>(i)];
-        scratch_->rope_cos[set][at + static_cast<size_t>(i)] = static_cast<float>(std::cos(theta));
-        scratch_->rope_sin[set][at + static_cast<size_t>(i)] = static_cast<float>(std::sin(theta));
+        const double theta = p * inv_freq[static_cast<size_t>(i)];
+        scratch_->rope_cos[set][at + static_cast<size_t>(i)] = static_cast<float>(mscale * std::cos(theta));
+        scratch_->rope_sin[set][at + static_cast<size_t>(i)] = static_cast<float>(mscale * std::sin(theta));
       }
     }
   }
@@ -440,7 +636,7 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
   // Every sequence of a pass has the same rings (one model, one context size per pass).
   const int index = rows[0].cache->place(layer).index;
   const int window = layers_[static_cast<size_t>(layer)].window;
-  backend_.attention(index, {hp_.n_head, hp_.n_head_kv, hp_.head_dim, window}, s.attention_calls);
+  backend_.attention(index, {hp_.n_head, hp_.n_head_kv, hp_.head_dim, window, hp_.attn_scale}, s.attention_calls);
 }
 
 void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
@@ -449,7 +645,7 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   const int kv_dim = hp_.n_head_kv * hp_.head_dim;
   for (const Rows& r : rows) {
     embed(r.tokens, &s.x[static_cast<size_t>(r.row0) * d]);
-    rope_angles(r.row0, r.pos0, static_cast<int>(r.tokens.size()));
+    rope_angles(r.row0, r.pos0, static_cast<int>(r.tokens.size()), r.cache->capacity());
   }
   if (hp_.embed_scale) backend_.scale(s.x.data(), static_cast<int64_t>(n) * d, std::sqrt(static_cast<float>(d)));
   describe_sequences(rows);

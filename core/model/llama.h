@@ -1,8 +1,8 @@
 // The Llama-family decoder: embedding, then per layer RMSNorm -> grouped-query attention with
 // RoPE -> residual -> RMSNorm -> SwiGLU FFN -> residual, then a final RMSNorm and the output
 // projection (tied to the embedding when the file has no output.weight). Every hyperparameter
-// comes from the GGUF metadata; the families that share this decoder (llama, qwen2, qwen3) are
-// entries of kSupportedArchs (llama.cpp), each saying what it adds to the layer.
+// comes from the GGUF metadata; the families that share this decoder (llama, qwen2, qwen3,
+// gemma3, phi3) are entries of kSupportedArchs (llama.cpp), each saying what it adds to the layer.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +22,13 @@ enum class RopeStyle {
   kHalfSplit,      // GGML "neox": rotates (x[i], x[i + n_rot/2])
 };
 
+// How the rotary frequencies are stretched past the trained context (<arch>.rope.scaling.type).
+enum class RopeScaling {
+  kNone,
+  kLinear,  // every frequency divided by the factor (positions interpolated)
+  kYarn,    // YaRN: low frequencies interpolated, high ones kept, a ramp between; q and k scaled up
+};
+
 struct LlamaHparams {
   std::string arch;
   int n_vocab = 0;
@@ -34,14 +41,33 @@ struct LlamaHparams {
   int head_dim = 0;   // key/value length per head
   int n_rot = 0;      // rotary dimensions (<= head_dim)
   float rope_base = 10000.0f;
-  float rope_scale = 1.0f;  // linear position scaling: positions are divided by this
   RopeStyle rope_style = RopeStyle::kAdjacentPairs;
+  // RoPE scaling. The frequencies of the global layers only (Gemma 3's sliding-window layers are
+  // never scaled); rope_mscale() multiplies every layer's rotations, as in llama.cpp.
+  RopeScaling rope_scaling = RopeScaling::kNone;
+  float rope_scale = 1.0f;  // rope.scaling.factor: the context multiplier
+  // rope.scaling.original_context_length (default: context_length): the context the model was
+  // trained for before scaling; YaRN's ramp and LongRoPE's choice of factors depend on it.
+  int rope_n_ctx_orig = 0;
+  // YaRN's ramp: rotary pairs turning more than yarn_beta_fast times over the original context keep
+  // their frequency, those turning fewer than yarn_beta_slow times are interpolated by the factor.
+  float yarn_beta_fast = 32.0f;
+  float yarn_beta_slow = 1.0f;
+  // rope.scaling.attn_factor: multiplies cos and sin of the rotations of q and k (LongRoPE's
+  // magnitude correction; with YaRN, on top of its own).
+  float rope_attn_factor = 1.0f;
+  // What cos and sin of the forward pass's rotations are multiplied by: rope_attn_factor, times
+  // YaRN's 1 + 0.1 ln(factor). Never applied by the StreamingLLM shift, which is a pure rotation.
+  float rope_mscale() const;
   float rms_eps = 1e-5f;
   bool qkv_bias = false;  // the family's q/k/v projections have biases (Qwen2)
   bool qk_norm = false;   // ... RMSNorm every head of q and k before RoPE (Qwen3, Gemma 3)
   Activation activation = Activation::kSilu;  // of the gated feed-forward block (Gemma: GELU)
   bool post_norms = false;   // RMSNorm of each block's output before the residual (Gemma 3)
   bool embed_scale = false;  // embeddings times sqrt(n_embd) (Gemma)
+  bool fused_gate_up = false;  // ffn_up holds gate then up, 2 * n_ff rows (Phi-3)
+  // Attention scores are q·k times this: 1/sqrt(head_dim), but Gemma 3 27B's 1/sqrt(n_embd / n_head).
+  float attn_scale = 0.0f;
   // Sliding-window layers (Gemma 3): all but every swa_period-th layer see the last
   // sliding_window positions, with RoPE base swa_rope_base (and no RoPE scaling). 0: none.
   int sliding_window = 0;
@@ -124,9 +150,11 @@ class LlamaModel {
   void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits);
   void embed(std::span<const int32_t> tokens, float* out);
   void attention(int layer, std::span<const Rows> rows);
-  // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0...
-  void rope_angles(int row0, int64_t pos0, int n_tokens);
-  double rope_scale(size_t set) const;
+  // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0.., of a
+  // sequence whose cache holds n_ctx positions.
+  void rope_angles(int row0, int64_t pos0, int n_tokens, int n_ctx);
+  // The inverse frequencies of a RoPE set for a cache of n_ctx positions.
+  const std::vector<double>& rope_inv_freq(size_t set, int n_ctx) const;
   // Angle tables in this model's RoPE layout.
   RopeAngles rope_layout(const float* cos, const float* sin) const;
 
@@ -137,7 +165,12 @@ class LlamaModel {
   std::vector<float> output_norm_;
   std::unique_ptr<PreparedWeight> output_;
   bool tied_output_ = false;  // output_ is token_embd: embeddings are read through the backend
-  std::vector<std::vector<float>> rope_inv_freq_;  // [set][n_rot / 2]: 0 every layer's, 1 sliding-window layers'
+  // [set][n_rot / 2]: position p turns rotary pair i by p * rope_inv_freq_[set][i], every scaling
+  // folded in (all are linear in p). Set 0: every layer's; 1: sliding-window layers'.
+  std::vector<std::vector<double>> rope_inv_freq_;
+  // LongRoPE (Phi-3 128k): set 0's frequencies for caches longer than rope_n_ctx_orig, where
+  // rope_inv_freq_[0] has the short factors' (as llama.cpp picks by context size). Empty: none.
+  std::vector<double> rope_inv_freq_long_;
 
   static constexpr int kWindowedMaxBatch = 256;  // max_batch of a model with sliding-window layers
   int max_batch_ = 512;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent numpy reference of the GGUF `llama`, `qwen2`, `qwen3` and `gemma3` forward passes.
+"""Independent numpy reference of the GGUF `llama`, `qwen2`, `qwen3`, `gemma3` and `phi3` forward passes.
 
 This is the oracle that ringlm's C++ forward pass is checked against, so it is
 written to be obviously correct rather than fast:
@@ -51,8 +51,37 @@ Architectures (general.architecture; hyperparameters under "<arch>."):
          Keys llama.cpp honours that are not modelled here are refused
          (final_logit_softcapping, attention.sliding_window_pattern, the *_swa head
          sizes); attn_logit_softcapping too (llama.cpp ignores it, HF would apply it).
+  phi3   HF transformers' Phi3ForCausalLM (Phi-3, Phi-3.5, Phi-4; llama.cpp's LLM_ARCH_PHI3):
+         the llama layer with
+         * q, k and v in one matrix, qkv_proj -> blk.N.attn_qkv.weight [n_embd -> q_dim + 2 kv_dim]:
+           its first q_dim output rows are q, the next kv_dim k, the last kv_dim v (HF slices
+           the projection's output in that order);
+         * gate and up in one matrix, gate_up_proj -> blk.N.ffn_up.weight [n_embd -> 2 n_ff]:
+           HF's `gate, up = gate_up.chunk(2)`: the first n_ff outputs are the gate, the FFN is
+           down(silu(gate) * up);
+         * NEOX RoPE over rope.dimension_count dims (partial: Phi-4-mini rotates 3/4 of each head,
+           the rest passes through);
+         * LongRoPE (Phi-3 128k): per-pair factors rope_factors_short.weight / _long.weight divide
+           the inverse frequencies, and cos and sin are multiplied by rope.scaling.attn_factor.
+           HF picks the long factors when the sequence so far is longer than
+           rope.scaling.original_context_length; llama.cpp (get_rope_factors) when the context
+           size is, and so does this reference: n_ctx of reset();
+         * attention.sliding_window is ignored: llama.cpp disables Phi-3's window ("Phi SWA is
+           currently disabled"), and so does this reference.
+         Separate attn_q/k/v matrices are also read (llama.cpp accepts both layouts, for every
+         family here).
+  RoPE scaling (rope.scaling.*, as llama.cpp reads them): a missing type is "linear", "none" never
+  scales; linear divides every frequency by rope.scaling.factor; "yarn" is HF's
+  _compute_yarn_parameters: with s = factor, L = original_context_length and the correction
+  range [floor(d(beta_fast)), ceil(d(beta_slow))] clamped to [0, n_rot - 1], where
+  d(b) = n_rot ln(L / (2 pi b)) / (2 ln base) (beta_fast 32, beta_slow 1 unless the file has
+  rope.scaling.yarn_beta_fast/_slow), each pair's inverse frequency is
+  interp * ramp + extrap * (1 - ramp), interp = extrap / s, ramp = clamp((i - low) / (high - low), 0, 1),
+  and cos and sin are multiplied by 0.1 ln(s) + 1 (s > 1) times rope.scaling.attn_factor.
+  The other YaRN keys (yarn_ext_factor, yarn_attn_factor, yarn_log_multiplier) are refused:
+  llama.cpp ignores them for these families. gemma3 with yarn is refused.
   Any of them: q/k/v biases are added when the file has them (llama.cpp loads them
-  as optional for all four); a tensor the reference would not use is an error.
+  as optional for all five); a tensor the reference would not use is an error.
 
 RoPE layout (the one detail that is easy to get silently wrong): llama.cpp maps
 LLM_ARCH_LLAMA to LLAMA_ROPE_TYPE_NORM ("a normal RoPE, operating on pairs of
@@ -98,7 +127,7 @@ SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, 
                    QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS}
 
 # The RoPE pairing of each architecture (llama.cpp's llama_model_rope_type; see the docstring).
-ROPE_STYLE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+ROPE_STYLE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "phi3": "neox"}
 
 
 class GGUFModelError(RuntimeError):
@@ -172,29 +201,40 @@ class LlamaModel:
             raise GGUFModelError(f"head_count {self.n_head} not a multiple of head_count_kv {self.n_head_kv}")
         # llama.cpp rejects partial RoPE for the llama arch ("invalid n_rot") and asserts
         # n_rot == head_dim in the qwen2/qwen3 graphs; so do we, rather than define
-        # semantics the runtime we compare against does not have.
-        if self.n_rot != self.hd_k or self.n_rot % 2:
+        # semantics the runtime we compare against does not have. phi3 rotates part of each head.
+        if (self.n_rot != self.hd_k and arch != "phi3") or self.n_rot % 2 or self.n_rot > self.hd_k:
             raise GGUFModelError(f"rope.dimension_count {self.n_rot} != key_length {self.hd_k} "
                                  f"(llama.cpp requires them equal for {arch})")
         if arch == "qwen2" and self.n_head * self.hd_k != self.n_embd:
             raise GGUFModelError(f"head_count * key_length = {self.n_head * self.hd_k} != embedding_length "
                                  f"{self.n_embd} (llama.cpp's qwen2 tensors are [n_embd, n_embd])")
 
-        # Linear RoPE scaling divides positions by the factor (freq_scale = 1/factor).
-        # Other scaling types change the math in ways this reference does not model.
-        self.freq_scale = 1.0
-        scaling = _field(r, a + "rope.scaling.type", required=False)
-        factor = _field(r, a + "rope.scaling.factor", required=False)
-        if scaling not in (None, "none", "linear"):
+        # RoPE scaling of the global layers (see the docstring): per layer a base and whether it
+        # is scaled; the frequencies themselves are built by inv_freq().
+        scaling = _field(r, a + "rope.scaling.type", default="linear", required=False)
+        if scaling not in ("none", "linear", "yarn"):
             raise GGUFModelError(f"rope.scaling.type '{scaling}' not supported by the reference")
-        if scaling == "linear" and factor:
-            self.freq_scale = 1.0 / float(factor)
+        for key in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_log_multiplier"):
+            if (a + key) in r.fields:
+                raise GGUFModelError(f"'{a + key}' is not modelled by this reference")
+        self.scaling = scaling
+        factor = _field(r, a + "rope.scaling.factor", required=False)
+        self.scale_factor = float(factor) if (factor and scaling != "none") else 1.0
+        self.n_ctx_orig = int(_field(r, a + "rope.scaling.original_context_length", required=False,
+                                     default=_field(r, a + "context_length")))
+        self.beta_fast = float(_field(r, a + "rope.scaling.yarn_beta_fast", default=32.0, required=False))
+        self.beta_slow = float(_field(r, a + "rope.scaling.yarn_beta_slow", default=1.0, required=False))
+        self.mscale = float(_field(r, a + "rope.scaling.attn_factor", default=1.0, required=False))
+        if scaling == "yarn" and self.scale_factor > 1.0:
+            self.mscale *= 0.1 * float(np.log(self.scale_factor)) + 1.0
+        if scaling == "yarn" and arch == "gemma3":
+            raise GGUFModelError("yarn RoPE scaling on gemma3 is not modelled by this reference")
 
         # Attention scale and, for gemma3, the per-layer window / RoPE base / scaling.
         self.attn_scale = 1.0 / float(np.sqrt(self.hd_k))
         self.embd_scale = None
         self.window = [0] * self.n_layer                              # 0: no sliding window
-        self.layer_rope = [(self.rope_base, self.freq_scale)] * self.n_layer
+        self.layer_rope = [(self.rope_base, True)] * self.n_layer    # (base, scaled)
         if arch == "gemma3":
             for key in ("final_logit_softcapping", "attn_logit_softcapping", "attention.sliding_window_pattern",
                         "attention.key_length_swa", "attention.value_length_swa", "rope.dimension_count_swa"):
@@ -211,7 +251,7 @@ class LlamaModel:
                 for il in range(self.n_layer):
                     if (il + 1) % 6 != 0:                            # local layer
                         self.window[il] = n_swa
-                        self.layer_rope[il] = (base_swa, 1.0)
+                        self.layer_rope[il] = (base_swa, False)
         self.context_length = int(_field(r, a + "context_length", default=0, required=False))
         self.eos_id = _field(r, "tokenizer.ggml.eos_token_id", required=False)
         self._tok_field = r.fields.get("tokenizer.ggml.tokens")
@@ -243,36 +283,53 @@ class LlamaModel:
         self.tied = "output.weight" not in tensors
         self.output = self.tok_embd if self.tied else get("output.weight", (self.n_vocab, d))
 
-        # Llama-3 style per-dimension frequency factors, if the file has them (llama.cpp's
-        # qwen2/qwen3 graphs pass no frequency factors, so there the tensor is refused below).
-        self.rope_freqs = None
+        # Per-pair frequency divisors: Llama 3's rope_freqs (llama.cpp's qwen2/qwen3/gemma3/phi3
+        # graphs pass none, so there the tensor is refused below) and phi3's LongRoPE factors.
+        half = self.n_rot // 2
+        self.rope_freqs = self.short_factors = self.long_factors = None
         if arch == "llama" and "rope_freqs.weight" in tensors:
-            self.rope_freqs = get("rope_freqs.weight", (self.n_rot // 2,)).astype(np.float64)
+            self.rope_freqs = get("rope_freqs.weight", (half,)).astype(np.float64)
+        if arch == "phi3":
+            for name in ("short", "long"):
+                f = get(f"rope_factors_{name}.weight", (half,), required=False)
+                setattr(self, f"{name}_factors", None if f is None else f.astype(np.float64))
 
         bias_required = arch == "qwen2"     # optional (and absent in practice) for the others
         qk_norm = arch in ("qwen3", "gemma3")
         gemma = arch == "gemma3"
+        nq, nk, nv = self.n_head * hk, self.n_head_kv * hk, self.n_head_kv * hv
         self.layers = []
         for i in range(self.n_layer):
             p = f"blk.{i}."
-            self.layers.append(dict(
-                attn_norm=get(p + "attn_norm.weight", (d,)),
-                wq=get(p + "attn_q.weight", (self.n_head * hk, d)),
-                wk=get(p + "attn_k.weight", (self.n_head_kv * hk, d)),
-                wv=get(p + "attn_v.weight", (self.n_head_kv * hv, d)),
-                bq=get(p + "attn_q.bias", (self.n_head * hk,), required=bias_required),
-                bk=get(p + "attn_k.bias", (self.n_head_kv * hk,), required=bias_required),
-                bv=get(p + "attn_v.bias", (self.n_head_kv * hv,), required=bias_required),
+            L = dict(attn_norm=get(p + "attn_norm.weight", (d,)))
+            if p + "attn_qkv.weight" in tensors:           # fused: q's rows, then k's, then v's
+                wqkv = get(p + "attn_qkv.weight", (nq + nk + nv, d))
+                L.update(wq=wqkv[:nq], wk=wqkv[nq:nq + nk], wv=wqkv[nq + nk:])
+                bqkv = get(p + "attn_qkv.bias", (nq + nk + nv,), required=False)
+                if bqkv is not None:
+                    L.update(bq=bqkv[:nq], bk=bqkv[nq:nq + nk], bv=bqkv[nq + nk:])
+            else:
+                L.update(wq=get(p + "attn_q.weight", (nq, d)), wk=get(p + "attn_k.weight", (nk, d)),
+                         wv=get(p + "attn_v.weight", (nv, d)))
+            if "bq" not in L:
+                L.update(bq=get(p + "attn_q.bias", (nq,), required=bias_required),
+                         bk=get(p + "attn_k.bias", (nk,), required=bias_required),
+                         bv=get(p + "attn_v.bias", (nv,), required=bias_required))
+            L.update(
                 q_norm=get(p + "attn_q_norm.weight", (hk,)) if qk_norm else None,
                 k_norm=get(p + "attn_k_norm.weight", (hk,)) if qk_norm else None,
                 wo=get(p + "attn_output.weight", (d, self.n_head * hv)),
                 post_attn_norm=get(p + "post_attention_norm.weight", (d,)) if gemma else None,
                 ffn_norm=get(p + "ffn_norm.weight", (d,)),
-                w_gate=get(p + "ffn_gate.weight", (self.n_ff, d)),
-                w_up=get(p + "ffn_up.weight", (self.n_ff, d)),
                 w_down=get(p + "ffn_down.weight", (d, self.n_ff)),
                 post_ffn_norm=get(p + "post_ffw_norm.weight", (d,)) if gemma else None,
-            ))
+            )
+            if arch == "phi3":                             # gate_up_proj: the gate's rows, then up's
+                gate_up = get(p + "ffn_up.weight", (2 * self.n_ff, d))
+                L.update(w_gate=gate_up[:self.n_ff], w_up=gate_up[self.n_ff:])
+            else:
+                L.update(w_gate=get(p + "ffn_gate.weight", (self.n_ff, d)), w_up=get(p + "ffn_up.weight", (self.n_ff, d)))
+            self.layers.append(L)
         self.act = gelu_tanh if gemma else silu
         # A tensor we do not read may be one llama.cpp applies (an attn_output or output
         # bias, a fused attn_qkv...): refuse rather than "verify" a different model.
@@ -291,23 +348,47 @@ class LlamaModel:
         self.v_cache = [np.zeros((n_ctx, self.n_head_kv, self.hd_v), self.dtype) for _ in range(self.n_layer)]
 
     # ---- RoPE ---------------------------------------------------------------
-    def rope(self, x: np.ndarray, pos: np.ndarray, base: float, freq_scale: float) -> np.ndarray:
-        """x: [T, heads, head_dim]; rotates the first n_rot dims of each head."""
+    def inv_freq(self, base: float, scaled: bool) -> np.ndarray:
+        """Inverse frequency of each rotary pair (float64): base^(-2i/n_rot), then for the scaled
+        (global) layers divided by the file's per-pair factors and scaled (see the docstring)."""
+        half = self.n_rot // 2
+        inv = base ** (-2.0 * np.arange(half, dtype=np.float64) / self.n_rot)
+        if not scaled:
+            return inv
+        factors = self.rope_freqs
+        if self.short_factors is not None or self.long_factors is not None:   # LongRoPE, by context size
+            factors = self.long_factors if self.n_ctx > self.n_ctx_orig else self.short_factors
+        if factors is not None:
+            inv = inv / factors
+        s = self.scale_factor
+        if self.scaling != "yarn":
+            return inv / s
+        # HF's _compute_yarn_parameters (find_correction_range, linear_ramp_factor).
+        def corr_dim(turns):
+            return self.n_rot * np.log(self.n_ctx_orig / (turns * 2 * np.pi)) / (2 * np.log(base))
+        low = max(np.floor(corr_dim(self.beta_fast)), 0)
+        high = min(np.ceil(corr_dim(self.beta_slow)), self.n_rot - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(half, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        return (inv / s) * (1 - extrapolation) + inv * extrapolation
+
+    def rope(self, x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+        """x: [T, heads, head_dim]; rotates the first n_rot dims of each head, cos and sin times
+        the scaling's magnitude factor (1 without LongRoPE/YaRN)."""
         half = self.n_rot // 2
         # Angles in float64 regardless of dtype: ggml builds them in fp32 by
         # repeated multiplication, which is the less accurate of the two.
-        inv_freq = base ** (-2.0 * np.arange(half, dtype=np.float64) / self.n_rot)
-        if self.rope_freqs is not None:
-            inv_freq = inv_freq / self.rope_freqs
-        theta = (pos.astype(np.float64) * freq_scale)[:, None] * inv_freq[None, :]  # [T, half]
-        cos = np.cos(theta)[:, None, :].astype(self.dtype)
-        sin = np.sin(theta)[:, None, :].astype(self.dtype)
+        theta = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, half]
+        cos = (self.mscale * np.cos(theta))[:, None, :].astype(self.dtype)
+        sin = (self.mscale * np.sin(theta))[:, None, :].astype(self.dtype)
         out = x.copy()
         if self.rope_style == "norm":
             x0, x1 = x[..., 0:self.n_rot:2], x[..., 1:self.n_rot:2]   # adjacent pairs
             out[..., 0:self.n_rot:2] = x0 * cos - x1 * sin
             out[..., 1:self.n_rot:2] = x0 * sin + x1 * cos
-        else:  # "neox": pairs (i, i + n_rot/2) -- qwen2/qwen3/gemma3, NOT llama
+        else:  # "neox": pairs (i, i + n_rot/2) -- qwen2/qwen3/gemma3/phi3, NOT llama
             x0, x1 = x[..., :half], x[..., half:self.n_rot]
             out[..., :half] = x0 * cos - x1 * sin
             out[..., half:self.n_rot] = x0 * sin + x1 * cos
@@ -340,14 +421,14 @@ class LlamaModel:
             x = x * self.embd_scale
         for il, L in enumerate(self.layers):
             mask = masks[self.window[il]]
-            base, freq_scale = self.layer_rope[il]
+            inv_freq = self.inv_freq(*self.layer_rope[il])
             h = rms_norm(x, L["attn_norm"], self.eps)
             q = linear(h, L["wq"], L["bq"]).reshape(T, self.n_head, self.hd_k)
             k = linear(h, L["wk"], L["bk"]).reshape(T, self.n_head_kv, self.hd_k)
             v = linear(h, L["wv"], L["bv"]).reshape(T, self.n_head_kv, self.hd_v)
             if L["q_norm"] is not None:                  # qwen3, gemma3: per-head RMSNorm, before RoPE
                 q, k = rms_norm(q, L["q_norm"], self.eps), rms_norm(k, L["k_norm"], self.eps)
-            q, k = self.rope(q, pos, base, freq_scale), self.rope(k, pos, base, freq_scale)
+            q, k = self.rope(q, pos, inv_freq), self.rope(k, pos, inv_freq)
             self.k_cache[il][start:S] = k
             self.v_cache[il][start:S] = v
             K, V = self.k_cache[il][:S], self.v_cache[il][:S]   # [S, n_kv, hd]

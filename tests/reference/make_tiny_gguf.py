@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write a small llama / qwen2 / qwen3 / gemma3 GGUF with random weights, for fast unit tests.
+"""Write a small llama / qwen2 / qwen3 / gemma3 / phi3 GGUF with random weights, for fast unit tests.
 
     make_tiny_gguf.py OUT.gguf --vocab ../shared/data/vocab/ggml-vocab-starcoder.gguf \
         [--type Q4_0] [--untied] [--n-layer 2] [--n-head 4 --n-head-kv 2] [--seed 0] ...
@@ -26,6 +26,25 @@ that the global base differs from the local layers' 10000) and, only when
 --rope-base-swa is given, rope.freq_base_swa; rope.dimension_count only with
 --rope-dims (the real files have none). Every 6th layer (il % 6 == 5) is
 global: use --n-layer 6 or more to have both kinds.
+
+--arch phi3 writes Phi-3's layout: q, k and v in one blk.N.attn_qkv.weight (q's rows, then
+k's, then v's) and gate and up in one blk.N.ffn_up.weight (the gate's n_ff rows, then up's; no
+ffn_gate), rope.dimension_count (always, as the converter; --rope-dims below the head size for
+Phi-4-mini's partial rotary), rope.scaling.original_context_length (= --ctx) and
+attention.sliding_window = --sliding-window (which llama.cpp, and so ringlm, ignores for phi3).
+--long-rope N makes it a LongRoPE file (Phi-3 128k): original_context_length N,
+rope_factors_short.weight (random, 1 to 1.5) and rope_factors_long.weight (random, growing from 1
+to ~20 over the pairs), rope.scaling.attn_factor = sqrt(1 + ln(ctx / N) / ln N) as the converter
+computes it. --fused-qkv writes the fused attn_qkv (and a fused attn_qkv.bias for qwen2) for the
+other families too.
+
+--rope-freqs N (llama) writes Llama 3.1's rope_freqs.weight as the converter computes it
+(factor 8, low/high frequency factors 1 and 4) for an original context of N.
+
+RoPE scaling for any family: --yarn FACTOR writes rope.scaling.type yarn, rope.scaling.factor
+and rope.scaling.original_context_length = --orig-ctx (default --ctx / FACTOR);
+--yarn-beta-fast / --yarn-beta-slow write those keys; --rope-attn-factor writes
+rope.scaling.attn_factor.
 
 Error-path tests: --arch NAME writes NAME to general.architecture (and uses it
 as the prefix of the hyperparameter keys, as a real file of that arch would;
@@ -116,6 +135,15 @@ def main(argv=None) -> int:
                     help="gemma3: write rope.freq_base_swa (the local layers' base; default: key omitted = 10000)")
     ap.add_argument("--sliding-window", type=int, default=8,
                     help="gemma3: attention.sliding_window (default 8; 0 omits the key)")
+    ap.add_argument("--long-rope", type=int, metavar="N",
+                    help="phi3: LongRoPE factors and attn_factor, original context length N")
+    ap.add_argument("--fused-qkv", action="store_true", help="one attn_qkv matrix (phi3: always)")
+    ap.add_argument("--rope-freqs", type=int, metavar="N", help="llama: Llama 3.1's rope_freqs for an original context N")
+    ap.add_argument("--yarn", type=float, metavar="FACTOR", help="YaRN RoPE scaling by FACTOR")
+    ap.add_argument("--orig-ctx", type=int, help="rope.scaling.original_context_length with --yarn")
+    ap.add_argument("--yarn-beta-fast", type=float, help="write rope.scaling.yarn_beta_fast")
+    ap.add_argument("--yarn-beta-slow", type=float, help="write rope.scaling.yarn_beta_slow")
+    ap.add_argument("--rope-attn-factor", type=float, help="write rope.scaling.attn_factor")
     ap.add_argument("--eps", type=float, default=1e-5, help="attention.layer_norm_rms_epsilon")
     ap.add_argument("--ctx", type=int, default=512, help="context_length")
     ap.add_argument("--init-scale", type=float, default=1.0, help="multiplier on all random weight scales")
@@ -140,6 +168,8 @@ def main(argv=None) -> int:
     rot = args.rope_dims or hd
     qwen = args.arch in ("qwen2", "qwen3", "gemma3")    # NEOX families: rope.dimension_count only on request
     gemma = args.arch == "gemma3"
+    phi3 = args.arch == "phi3"
+    fused_qkv = phi3 or args.fused_qkv
     rope_base = args.rope_base if args.rope_base is not None else (1e6 if gemma else 10000.0)
     if args.arch == "qwen2" and args.n_head * hd != d:
         raise SystemExit("qwen2 needs n_head * head_dim == n_embd (llama.cpp's qwen2 attn_q and attn_output "
@@ -175,8 +205,21 @@ def main(argv=None) -> int:
     if args.head_dim or args.arch in ("qwen3", "gemma3"):   # the converter writes them when config.json has head_dim
         w.add_uint32(a + "attention.key_length", hd)
         w.add_uint32(a + "attention.value_length", hd)
-    if gemma and args.sliding_window:
+    if (gemma or phi3) and args.sliding_window:
         w.add_uint32(a + "attention.sliding_window", args.sliding_window)
+    if phi3:
+        w.add_uint32(a + "rope.scaling.original_context_length", args.long_rope or args.ctx)
+        if args.long_rope:
+            scale = args.ctx / args.long_rope
+            w.add_float32(a + "rope.scaling.attn_factor", float(np.sqrt(1 + np.log(scale) / np.log(args.long_rope))))
+    if args.yarn:
+        w.add_string(a + "rope.scaling.type", "yarn")
+        w.add_float32(a + "rope.scaling.factor", args.yarn)
+        w.add_uint32(a + "rope.scaling.original_context_length", args.orig_ctx or int(args.ctx / args.yarn))
+    for key, value in (("yarn_beta_fast", args.yarn_beta_fast), ("yarn_beta_slow", args.yarn_beta_slow),
+                       ("attn_factor", args.rope_attn_factor)):
+        if value is not None:
+            w.add_float32(a + "rope.scaling." + key, value)
     if gemma and args.rope_base_swa is not None:
         w.add_float32(a + "rope.freq_base_swa", args.rope_base_swa)
 
@@ -194,34 +237,55 @@ def main(argv=None) -> int:
                ("output_norm.weight", norm_weight(), "F32")]
     if args.untied:
         tensors.append(("output.weight", normal((n_vocab, d), 2.0 * d ** -0.5), out_type))
+    if args.rope_freqs:
+        # Llama 3.1's frequency divisors (convert_hf_to_gguf's "llama3" rope type): 1 for
+        # wavelengths under N/4, 8 over N, a smooth step between.
+        factors = []
+        for i in range(rot // 2):
+            wavelen = 2 * np.pi / rope_base ** (-2.0 * i / rot)
+            smooth = (args.rope_freqs / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1.0 if wavelen < args.rope_freqs / 4 else 8.0 if wavelen > args.rope_freqs
+                           else 1 / ((1 - smooth) / 8.0 + smooth))
+        tensors += [("rope_freqs.weight", np.array(factors, dtype=np.float32), "F32")]
+    if phi3 and args.long_rope:
+        half = rot // 2
+        tensors += [("rope_factors_short.weight", np.sort(1.0 + 0.5 * rng.random(half)).astype(np.float32), "F32"),
+                    ("rope_factors_long.weight",
+                     (np.exp(np.linspace(0.0, 3.0, half)) * (0.9 + 0.2 * rng.random(half))).astype(np.float32), "F32")]
     for i in range(args.n_layer):
         p = f"blk.{i}."
+        tensors += [(p + "attn_norm.weight", norm_weight(), "F32")]
         # 1/sqrt(fan_in) keeps each projection's output O(1) per element.
-        tensors += [
-            (p + "attn_norm.weight", norm_weight(), "F32"),
-            (p + "attn_q.weight", normal((args.n_head * hd, d), d ** -0.5), args.type),
-            (p + "attn_k.weight", normal((args.n_head_kv * hd, d), d ** -0.5), args.type),
-            (p + "attn_v.weight", normal((args.n_head_kv * hd, d), d ** -0.5), args.type),
-        ]
+        wq = normal((args.n_head * hd, d), d ** -0.5)
+        wk = normal((args.n_head_kv * hd, d), d ** -0.5)
+        wv = normal((args.n_head_kv * hd, d), d ** -0.5)
+        if fused_qkv:
+            tensors += [(p + "attn_qkv.weight", np.concatenate([wq, wk, wv]), args.type)]
+        else:
+            tensors += [(p + "attn_q.weight", wq, args.type), (p + "attn_k.weight", wk, args.type),
+                        (p + "attn_v.weight", wv, args.type)]
         if args.arch == "qwen2":
             # A fifth of the projections' O(1) outputs: dropping one bias moves the logits by 5-30%
             # of their range. Larger v biases (a constant added at every position) make a tied
             # model repeat one token.
-            tensors += [(p + "attn_q.bias", normal(args.n_head * hd, 0.2), "F32"),
-                        (p + "attn_k.bias", normal(args.n_head_kv * hd, 0.2), "F32"),
-                        (p + "attn_v.bias", normal(args.n_head_kv * hd, 0.2), "F32")]
+            bq, bk, bv = normal(args.n_head * hd, 0.2), normal(args.n_head_kv * hd, 0.2), normal(args.n_head_kv * hd, 0.2)
+            if fused_qkv:
+                tensors += [(p + "attn_qkv.bias", np.concatenate([bq, bk, bv]), "F32")]
+            else:
+                tensors += [(p + "attn_q.bias", bq, "F32"), (p + "attn_k.bias", bk, "F32"), (p + "attn_v.bias", bv, "F32")]
         if args.arch in ("qwen3", "gemma3"):
             tensors += [(p + "attn_q_norm.weight", norm_weight(hd), "F32"),
                         (p + "attn_k_norm.weight", norm_weight(hd), "F32")]
         tensors += [(p + "attn_output.weight", normal((d, args.n_head * hd), (args.n_head * hd) ** -0.5), args.type)]
         if gemma:
             tensors += [(p + "post_attention_norm.weight", norm_weight(), "F32")]
-        tensors += [
-            (p + "ffn_norm.weight", norm_weight(), "F32"),
-            (p + "ffn_gate.weight", normal((ff, d), d ** -0.5), args.type),
-            (p + "ffn_up.weight", normal((ff, d), d ** -0.5), args.type),
-            (p + "ffn_down.weight", normal((d, ff), ff ** -0.5), args.type),
-        ]
+        tensors += [(p + "ffn_norm.weight", norm_weight(), "F32")]
+        gate, up = normal((ff, d), d ** -0.5), normal((ff, d), d ** -0.5)
+        if phi3:
+            tensors += [(p + "ffn_up.weight", np.concatenate([gate, up]), args.type)]
+        else:
+            tensors += [(p + "ffn_gate.weight", gate, args.type), (p + "ffn_up.weight", up, args.type)]
+        tensors += [(p + "ffn_down.weight", normal((d, ff), ff ** -0.5), args.type)]
         if gemma:
             tensors += [(p + "post_ffw_norm.weight", norm_weight(), "F32")]
     names = {t[0] for t in tensors}
