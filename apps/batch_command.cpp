@@ -158,9 +158,7 @@ class InputReader {
       messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
     }
     if (messages.empty() || messages.back().role != "user") throw std::runtime_error("\"messages\" must end with a user message");
-    const ChatTemplate& t = chat_template();
-    const bool bos = t.starts_with_bos() || model_.tokenizer->add_bos_by_default();
-    return model_.tokenizer->encode(t.render(messages), bos, /*parse_special=*/true);
+    return conversation_prompt(chat_template(), *model_.tokenizer, std::move(messages));
   }
 
   const ChatTemplate& chat_template() {

@@ -35,6 +35,8 @@ struct BatchScheduler::Slot {
   std::optional<Generation> generation;  // over prompt + generated tokens
   size_t prefilled = 0;                  // prompt tokens in the cache
   int32_t drawn = -1;                    // sampled from the latest logits, not yet taken
+  std::vector<float> raw_logits;         // the logits before the draw, when log-probabilities are wanted
+  TokenLogprobs logprobs;                // of the drawn token
   int32_t next_token = -1;               // taken, to be evaluated in the next step
   GenerationResult result;               // what is known before the end: index, sample, prompt size
   Clock::time_point submitted, started, first_token;
@@ -57,17 +59,7 @@ BatchScheduler::BatchScheduler(LlamaModel& model, const Tokenizer& tokenizer, co
 BatchScheduler::~BatchScheduler() = default;
 
 void BatchScheduler::submit(GenerationRequest request) {
-  if (request.prompt.empty()) throw std::invalid_argument("the prompt is empty");
-  if (static_cast<int>(request.prompt.size()) >= options_.n_ctx) {
-    throw std::invalid_argument("the prompt is " + std::to_string(request.prompt.size()) +
-                                " tokens, which leaves no room in the context of " + std::to_string(options_.n_ctx) +
-                                " tokens (raise -c)");
-  }
-  if (request.n_samples < 1 || request.n_samples > options_.n_parallel) {
-    throw std::invalid_argument("n = " + std::to_string(request.n_samples) + " samples: must be between 1 and --parallel (" +
-                                std::to_string(options_.n_parallel) + ")");
-  }
-  if (request.max_tokens < 0) throw std::invalid_argument("max_tokens must not be negative");
+  check(request);
   if (!options_.share_prompt && request.n_samples > 1) {
     const int n = request.n_samples;
     for (int i = 0; i < n; ++i) {
@@ -82,6 +74,20 @@ void BatchScheduler::submit(GenerationRequest request) {
   queue_.push_back({std::move(request), Clock::now()});
 }
 
+void BatchScheduler::check(const GenerationRequest& request) const {
+  if (request.prompt.empty()) throw std::invalid_argument("the prompt is empty");
+  if (static_cast<int>(request.prompt.size()) >= options_.n_ctx) {
+    throw std::invalid_argument("the prompt is " + std::to_string(request.prompt.size()) +
+                                " tokens, which leaves no room in the context of " + std::to_string(options_.n_ctx) +
+                                " tokens (raise -c)");
+  }
+  if (request.n_samples < 1 || request.n_samples > options_.n_parallel) {
+    throw std::invalid_argument("n = " + std::to_string(request.n_samples) + " samples: must be between 1 and --parallel (" +
+                                std::to_string(options_.n_parallel) + ")");
+  }
+  if (request.max_tokens < -1) throw std::invalid_argument("max_tokens must be -1 (no limit) or more");
+}
+
 bool BatchScheduler::idle() const { return queue_.empty() && n_running() == 0; }
 
 int BatchScheduler::n_running() const {
@@ -90,9 +96,54 @@ int BatchScheduler::n_running() const {
   return n;
 }
 
+bool BatchScheduler::cancel(size_t index) {
+  bool found = false;
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (it->request.index == index) {
+      it = queue_.erase(it);
+      found = true;
+    } else {
+      ++it;
+    }
+  }
+  for (auto& s : slots_) {
+    if (s->state == Slot::State::kFree || s->request.index != index) continue;
+    s->state = Slot::State::kFree;
+    s->generation.reset();
+    s->sampler.reset();
+    s->cache.clear();
+    found = true;
+  }
+  return found;
+}
+
+struct BatchScheduler::Reuse {
+  PromptSegment* segment;
+  int n;       // its tokens read
+  bool whole;  // the prompt is the segment's, whose logits are kept: nothing to prefill
+};
+
+std::optional<BatchScheduler::Reuse> BatchScheduler::find_reuse(const GenerationRequest& request, const KvCache& cache) {
+  std::optional<Reuse> best;
+  const auto prompt_size = static_cast<int>(request.prompt.size());
+  for (PromptSegment& seg : segments_) {
+    const auto common = static_cast<int>(
+        std::mismatch(seg.tokens.begin(), seg.tokens.end(), request.prompt.begin(), request.prompt.end()).first -
+        seg.tokens.begin());
+    const bool whole = common == prompt_size && common == static_cast<int>(seg.tokens.size());
+    // Otherwise the last prompt token is evaluated here, for its logits; n samples share a
+    // prompt only when it is all prefilled in one cache (share_prompt).
+    const int n = whole ? common : std::min(common, prompt_size - 1);
+    if (!whole && (request.n_samples > 1 || n < options_.min_reused_tokens)) continue;
+    if (!cache.can_read_prefix(*seg.cache, n)) continue;
+    if (!best || n > best->n || (n == best->n && whole)) best = Reuse{&seg, n, whole};
+  }
+  return best;
+}
+
 // Requests take free slots in arrival order; one with n samples waits until n slots are free
 // (first come, first served: a large request is not overtaken by smaller ones behind it).
-void BatchScheduler::admit() {
+void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done) {
   while (!queue_.empty()) {
     std::vector<Slot*> free;
     for (auto& s : slots_) {
@@ -102,6 +153,7 @@ void BatchScheduler::admit() {
     if (static_cast<int>(free.size()) < next.n_samples) return;
     Queued q = std::move(queue_.front());
     queue_.pop_front();
+    const std::optional<Reuse> reuse = segments_.empty() ? std::nullopt : find_reuse(q.request, free[0]->cache);
     for (int i = 0; i < q.request.n_samples; ++i) {
       Slot& s = *free[static_cast<size_t>(i)];
       s.state = i == 0 ? Slot::State::kPrefill : Slot::State::kWaitingForPrompt;
@@ -115,6 +167,7 @@ void BatchScheduler::admit() {
       StopConditions stop;
       stop.max_tokens = q.request.max_tokens;
       stop.stop_strings = q.request.stop;
+      stop.end_tokens = q.request.end_tokens;
       s.generation.emplace(tokenizer_, *s.sampler, std::move(stop), q.request.prompt);
       s.prefilled = 0;
       s.next_token = -1;
@@ -123,12 +176,30 @@ void BatchScheduler::admit() {
       s.result.sample = s.sample;
       s.result.prompt_tokens = static_cast<int>(q.request.prompt.size());
       s.submitted = q.submitted;
+      if (reuse) read_kept_prompt(s, *reuse, on_done);
     }
   }
 }
 
+void BatchScheduler::read_kept_prompt(Slot& s, const Reuse& reuse, const std::function<void(GenerationResult)>& on_done) {
+  s.cache.attach_prefix(reuse.segment->cache, reuse.n);
+  s.prefilled = static_cast<size_t>(reuse.n);
+  s.prompt_owner = nullptr;
+  reuse.segment->last_used = steps_;
+  reused_prompt_tokens_ += reuse.n;
+  if (!reuse.whole) {
+    s.state = Slot::State::kPrefill;
+    return;
+  }
+  // The whole prompt was kept with the logits after it: the first token is drawn now.
+  s.logits = reuse.segment->logits;
+  s.started = Clock::now();
+  s.state = Slot::State::kDecode;
+  advance(s, on_done);
+}
+
 bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) {
-  admit();
+  admit(on_done);
   if (idle()) return false;
 
   // The pass: every decoding sequence's pending token, then the next chunks of joining prompts,
@@ -168,7 +239,11 @@ bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) 
       s.prefilled += batch[i].tokens.size();
       if (s.prefilled < s.request.prompt.size()) continue;
       s.state = Slot::State::kDecode;
-      if (s.request.n_samples > 1) share_prompt(s, on_done);
+      if (s.request.n_samples > 1) {
+        share_prompt(s, on_done);
+      } else if (options_.prompt_cache_bytes > 0 && s.cache.prefix() == nullptr) {
+        keep_prompt(detach_prompt(s), s);
+      }
     }
     fresh.push_back(&s);
   }
@@ -178,12 +253,37 @@ bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) 
   return true;
 }
 
-void BatchScheduler::share_prompt(Slot& owner, const std::function<void(GenerationResult)>& on_done) {
+std::shared_ptr<const KvCache> BatchScheduler::detach_prompt(Slot& owner) {
   // The prompt's cache moves out of the owner's slot, which gets an empty one (reserved address
   // space only), and becomes read-only and shared.
   auto prompt = std::make_shared<KvCache>(std::move(owner.cache));
   owner.cache = model_.make_cache(options_.n_ctx, KvCacheOptions{options_.cache_type, 0, 0, false});
   owner.cache.attach_prefix(prompt);
+  return prompt;
+}
+
+void BatchScheduler::keep_prompt(std::shared_ptr<const KvCache> prompt, const Slot& owner) {
+  segments_.push_back({owner.request.prompt, std::move(prompt), owner.logits, steps_});
+  // The least recently read go first, until the rest fits.
+  size_t total = prompt_cache_bytes_in_use();
+  while (total > options_.prompt_cache_bytes && !segments_.empty()) {
+    const auto oldest = std::min_element(segments_.begin(), segments_.end(),
+                                         [](const PromptSegment& a, const PromptSegment& b) { return a.last_used < b.last_used; });
+    total -= oldest->cache->bytes_in_use();
+    segments_.erase(oldest);
+  }
+}
+
+size_t BatchScheduler::prompt_cache_bytes_in_use() const {
+  size_t total = 0;
+  for (const PromptSegment& seg : segments_) total += seg.cache->bytes_in_use();
+  return total;
+}
+
+void BatchScheduler::share_prompt(Slot& owner, const std::function<void(GenerationResult)>& on_done) {
+  const bool keep = options_.prompt_cache_bytes > 0 && owner.cache.prefix() == nullptr;
+  std::shared_ptr<const KvCache> prompt = detach_prompt(owner);
+  if (keep) keep_prompt(prompt, owner);
   for (auto& other : slots_) {
     if (other->state != Slot::State::kWaitingForPrompt || other->prompt_owner != &owner) continue;
     other->cache.clear();
@@ -195,6 +295,21 @@ void BatchScheduler::share_prompt(Slot& owner, const std::function<void(Generati
     shared_prefill_tokens_ += static_cast<int64_t>(owner.prefilled);
     advance(*other, on_done);
   }
+}
+
+size_t BatchScheduler::kv_bytes_in_use() const {
+  size_t held = 0;
+  std::vector<const KvCache*> prefixes;
+  for (const auto& s : slots_) {
+    if (s->state == Slot::State::kFree) continue;
+    held += s->cache.bytes_in_use();
+    const KvCache* prefix = s->cache.prefix();
+    if (prefix != nullptr && std::find(prefixes.begin(), prefixes.end(), prefix) == prefixes.end()) {
+      prefixes.push_back(prefix);
+      held += prefix->bytes_in_use();
+    }
+  }
+  return held;
 }
 
 void BatchScheduler::account_memory() {
@@ -228,7 +343,14 @@ void BatchScheduler::draw_tokens(std::span<Slot* const> slots) {
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
   for (int64_t i = 0; i < n; ++i) {
     Slot& s = *slots[static_cast<size_t>(i)];
-    s.drawn = s.generation->finished() ? -1 : s.generation->draw(s.logits);
+    if (s.generation->finished()) {
+      s.drawn = -1;
+      continue;
+    }
+    const bool wants_logprobs = s.request.top_logprobs >= 0;
+    if (wants_logprobs) s.raw_logits = s.logits;  // the draw's penalties change the logits in place
+    s.drawn = s.generation->draw(s.logits);
+    if (wants_logprobs) s.logprobs = token_logprobs(s.raw_logits, s.drawn, s.request.top_logprobs);
   }
 }
 
@@ -237,9 +359,9 @@ bool BatchScheduler::take_token(Slot& s, const std::function<void(GenerationResu
   if (g.n_tokens() == 0) s.first_token = Clock::now();
   if (!g.finished()) {  // max_tokens 0 finishes before any token
     const int taken_before = g.n_tokens();
-    g.take(s.drawn);  // the text is read whole at the end
+    emit(s, s.drawn, g.take(s.drawn));
     generated_tokens_ += g.n_tokens() - taken_before;
-    if (!g.finished() && !has_room(s.cache)) g.finish(FinishReason::kContextFull);
+    if (!g.finished() && !has_room(s.cache)) emit(s, -1, g.finish(FinishReason::kContextFull));
   }
   if (g.finished()) {
     finish(s, on_done);
@@ -247,6 +369,19 @@ bool BatchScheduler::take_token(Slot& s, const std::function<void(GenerationResu
   }
   s.next_token = s.drawn;
   return true;
+}
+
+void BatchScheduler::emit(const Slot& s, int32_t token, const GenerationStep& step) {
+  if (!on_token_) return;
+  const bool took = token >= 0 && !s.generation->is_end_token(token);
+  if (!took && step.text.empty()) return;
+  TokenEvent e;
+  e.index = s.request.index;
+  e.sample = s.sample;
+  e.token = took ? token : -1;
+  e.text = step.text;
+  e.logprobs = took && s.request.top_logprobs >= 0 ? &s.logprobs : nullptr;
+  on_token_(e);
 }
 
 void BatchScheduler::finish(Slot& s, const std::function<void(GenerationResult)>& on_done) {

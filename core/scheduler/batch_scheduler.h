@@ -12,6 +12,14 @@
 // once into a cache of its own, which every sample reads as the prefix of its cache
 // (KvCache::attach_prefix) while holding only its own response; each sample has its own sampler
 // (seed + sample index). The prompt's memory is freed when its last sample finishes.
+//
+// With a prompt cache (BatchOptions::prompt_cache_bytes, what a server wants), prefilled prompts
+// stay as read-only segments, the least recently used dropped past that size: a request whose
+// prompt begins with the same tokens as a kept one reads that beginning from it and prefills only
+// the rest (the same prompt again: nothing, its logits are kept too).
+//
+// Callers that stream (a server) listen to every token taken (set_token_listener) and may
+// cancel a request between steps (cancel).
 #pragma once
 
 #include <chrono>
@@ -35,10 +43,21 @@ struct GenerationRequest {
   size_t index = 0;               // the caller's handle, echoed in the results
   std::vector<int32_t> prompt;
   SamplingParams sampling;
-  int max_tokens = 256;
+  int max_tokens = 256;           // -1: until the end of generation or the context
   std::vector<std::string> stop;  // the text ends before the first of these it contains
   int n_samples = 1;
   int first_sample = 0;           // the sample index of the first of these samples
+  int top_logprobs = -1;          // >= 0: each token's log-probability and this many alternatives
+  std::vector<int32_t> end_tokens;  // end the text besides the vocabulary's end-of-generation tokens
+};
+
+// A token a sequence took (or its end), as a streaming caller sees it.
+struct TokenEvent {
+  size_t index = 0;
+  int sample = 0;
+  int32_t token = -1;                     // -1: no token (the end released the text held back)
+  std::string_view text;                  // the text safe to show now, maybe empty
+  const TokenLogprobs* logprobs = nullptr;  // when the request asked for them
 };
 
 struct GenerationResult {
@@ -61,6 +80,9 @@ struct BatchOptions {
   // false: n samples are n independent sequences, each prefilling and holding the prompt (the
   // baseline that the segment cache is measured against).
   bool share_prompt = true;
+  // KV memory of prefilled prompts kept for reuse by later requests (0: none kept).
+  size_t prompt_cache_bytes = 0;
+  int min_reused_tokens = 16;  // a kept prompt is read when at least this many tokens match
 };
 
 class BatchScheduler {
@@ -71,9 +93,16 @@ class BatchScheduler {
   // Queues a request. std::invalid_argument when it can never run (an empty prompt, a prompt
   // that leaves no room in the context, more samples than parallel slots).
   void submit(GenerationRequest request);
+  // submit()'s checks alone (reads only the options: callable from any thread).
+  void check(const GenerationRequest& request) const;
   // Runs one step (one forward pass) and hands every sequence that finished in it to
   // `on_done`. Returns false when nothing is queued or running.
   bool step(const std::function<void(GenerationResult)>& on_done);
+  // Called for every token a sequence takes and for the end of each, during step().
+  void set_token_listener(std::function<void(const TokenEvent&)> listener) { on_token_ = std::move(listener); }
+  // Drops request `index` (its queued entry, or its running samples, whose slots are free for the
+  // next step), without a result. Not to be called from inside step(). Returns whether it was there.
+  bool cancel(size_t index);
 
   bool idle() const;
   int n_running() const;
@@ -86,6 +115,12 @@ class BatchScheduler {
   // same sequences would have held with a whole copy of the prompt each.
   size_t peak_kv_bytes() const { return peak_kv_bytes_; }
   size_t peak_kv_bytes_unshared() const { return peak_kv_bytes_unshared_; }
+  // KV memory the running sequences hold now (their prefixes counted once), and the prompt cache's.
+  size_t kv_bytes_in_use() const;
+  size_t prompt_cache_bytes_in_use() const;
+  size_t prompt_cache_entries() const { return segments_.size(); }
+  // Prompt tokens read from the prompt cache instead of prefilled.
+  int64_t reused_prompt_tokens() const { return reused_prompt_tokens_; }
 
  private:
   struct Slot;
@@ -96,7 +131,7 @@ class BatchScheduler {
     Clock::time_point submitted;
   };
 
-  void admit();
+  void admit(const std::function<void(GenerationResult)>& on_done);
   // Hands the result of the slot's finished generation to on_done and frees the slot.
   void finish(Slot& slot, const std::function<void(GenerationResult)>& on_done);
   // Samples the next token of a slot whose logits are fresh; false once it has finished.
@@ -105,8 +140,19 @@ class BatchScheduler {
   // take_token then ends the slot or queues its drawn token, one slot at a time.
   static void draw_tokens(std::span<Slot* const> slots);
   bool take_token(Slot& slot, const std::function<void(GenerationResult)>& on_done);
-  // The prompt that `owner` prefilled becomes the shared prefix of every one of its samples.
+  // The prompt that `owner` prefilled becomes the shared prefix of every one of its samples (and
+  // is kept in the prompt cache, when there is one).
   void share_prompt(Slot& owner, const std::function<void(GenerationResult)>& on_done);
+  // The owner's prompt, moved out of its cache into a read-only segment that its cache reads.
+  std::shared_ptr<const KvCache> detach_prompt(Slot& owner);
+  // The kept prompt whose beginning this request's prompt shares the most of (what it can read:
+  // one token short of the whole prompt, unless the kept logits follow the whole of it).
+  struct Reuse;
+  std::optional<Reuse> find_reuse(const GenerationRequest& request, const KvCache& cache);
+  void keep_prompt(std::shared_ptr<const KvCache> prompt, const Slot& owner);
+  // The slot reads the kept prompt (and starts decoding when it was the whole prompt).
+  void read_kept_prompt(Slot& slot, const Reuse& reuse, const std::function<void(GenerationResult)>& on_done);
+  void emit(const Slot& slot, int32_t token, const GenerationStep& step);
   void account_memory();
 
   LlamaModel& model_;
@@ -114,6 +160,16 @@ class BatchScheduler {
   BatchOptions options_;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::deque<Queued> queue_;
+  std::function<void(const TokenEvent&)> on_token_;
+  // The prompt cache: prefilled prompts, their tokens and the logits after them.
+  struct PromptSegment {
+    std::vector<int32_t> tokens;
+    std::shared_ptr<const KvCache> cache;
+    std::vector<float> logits;
+    int64_t last_used = 0;  // steps_ when last read
+  };
+  std::vector<PromptSegment> segments_;
+  int64_t reused_prompt_tokens_ = 0;
   int64_t generated_tokens_ = 0;
   int64_t steps_ = 0;
   int64_t shared_prefill_tokens_ = 0;

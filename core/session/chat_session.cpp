@@ -49,6 +49,16 @@ ChatTemplate chat_template_for(const GgufFile& gguf, const Tokenizer& tokenizer,
   return ChatTemplate::from_name("chatml", special);
 }
 
+std::vector<int32_t> conversation_prompt(const ChatTemplate& chat_template, const Tokenizer& tokenizer,
+                                         std::vector<ChatMessage> messages) {
+  const bool has_system = !messages.empty() && messages.front().role == "system";
+  if (!has_system && !chat_template.default_system_prompt().empty()) {
+    messages.insert(messages.begin(), ChatMessage{"system", chat_template.default_system_prompt()});
+  }
+  const bool bos = chat_template.starts_with_bos() || tokenizer.add_bos_by_default();
+  return tokenizer.encode(chat_template.render(messages), bos, /*parse_special=*/true);
+}
+
 ChatSession::ChatSession(LlamaModel& model, const Tokenizer& tokenizer, ChatTemplate chat_template,
                          const ChatSessionOptions& options)
     : model_(model),

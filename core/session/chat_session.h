@@ -36,6 +36,12 @@ class Tokenizer;
 ChatTemplate chat_template_for(const GgufFile& gguf, const Tokenizer& tokenizer, const std::string& name,
                                std::string& notice);
 
+// A conversation ending with a user message as the model reads it, the reply header last: the
+// template's default system prompt first when the conversation has no system message (as the
+// Jinja template writes it), BOS when the format or the vocabulary starts with one.
+std::vector<int32_t> conversation_prompt(const ChatTemplate& chat_template, const Tokenizer& tokenizer,
+                                         std::vector<ChatMessage> messages);
+
 struct ChatSessionOptions {
   int n_ctx = 4096;
   KvCacheOptions cache;  // n_keep is a minimum: the session raises it to cover the system prompt

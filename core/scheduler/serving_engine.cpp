@@ -1,0 +1,202 @@
+#include "core/scheduler/serving_engine.h"
+
+#include <utility>
+
+namespace ringlm {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+// tokens_per_second looks this far back.
+constexpr auto kRateWindow = std::chrono::seconds(10);
+
+}  // namespace
+
+// --- RequestStream --------------------------------------------------------------------------
+
+std::vector<StreamEvent> RequestStream::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  ready_.wait_for(lock, timeout, [&] { return !events_.empty(); });
+  std::vector<StreamEvent> out(std::make_move_iterator(events_.begin()), std::make_move_iterator(events_.end()));
+  events_.clear();
+  return out;
+}
+
+bool RequestStream::finished() const {
+  std::lock_guard lock(mutex_);
+  return remaining_ == 0 && events_.empty();
+}
+
+void RequestStream::cancel() {
+  if (cancelled_.exchange(true)) return;
+  std::function<void()> wake;
+  {
+    std::lock_guard lock(mutex_);
+    wake = on_cancel_;
+  }
+  if (wake) wake();
+}
+
+void RequestStream::push(StreamEvent event) {
+  {
+    std::lock_guard lock(mutex_);
+    if (event.kind == StreamEvent::Kind::kDone) --remaining_;
+    if (event.kind == StreamEvent::Kind::kCancelled) remaining_ = 0;
+    events_.push_back(std::move(event));
+  }
+  ready_.notify_all();
+}
+
+// --- ServingEngine --------------------------------------------------------------------------
+
+ServingEngine::ServingEngine(LlamaModel& model, const Tokenizer& tokenizer, const BatchOptions& options, int max_queued)
+    : scheduler_(model, tokenizer, options), max_queued_(max_queued) {
+  stats_.n_parallel = options.n_parallel;
+  scheduler_.set_token_listener([this](const TokenEvent& e) { on_token(e); });
+  thread_ = std::thread([this] { run(); });
+}
+
+ServingEngine::~ServingEngine() { stop(Clock::now()); }
+
+std::shared_ptr<RequestStream> ServingEngine::submit(GenerationRequest request) {
+  scheduler_.check(request);  // reads only the options
+  auto stream = std::make_shared<RequestStream>(request.n_samples);
+  std::lock_guard lock(mutex_);
+  if (stopping_) throw std::logic_error("the server is shutting down");
+  if (static_cast<int>(submitted_.size()) + stats_.queued >= max_queued_) {
+    throw EngineBusy("the queue is full (" + std::to_string(max_queued_) + " requests waiting)");
+  }
+  request.index = next_index_++;
+  const size_t index = request.index;
+  stream->on_cancel_ = [this, index] {
+    {
+      std::lock_guard engine_lock(mutex_);
+      cancelled_.push_back(index);
+    }
+    wake_.notify_all();
+  };
+  submitted_.emplace_back(std::move(request), stream);
+  wake_.notify_all();
+  return stream;
+}
+
+EngineStats ServingEngine::stats() const {
+  std::lock_guard lock(mutex_);
+  EngineStats s = stats_;
+  s.queued += static_cast<int>(submitted_.size());
+  return s;
+}
+
+void ServingEngine::stop(Clock::time_point deadline) {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    deadline_ = deadline;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void ServingEngine::take_submissions() {
+  std::deque<std::pair<GenerationRequest, std::shared_ptr<RequestStream>>> submitted;
+  std::vector<size_t> cancelled;
+  {
+    std::lock_guard lock(mutex_);
+    submitted.swap(submitted_);
+    cancelled.swap(cancelled_);
+  }
+  int64_t prompt_tokens = 0;
+  for (auto& [request, stream] : submitted) {
+    const size_t index = request.index;
+    prompt_tokens += static_cast<int64_t>(request.prompt.size());
+    scheduler_.submit(std::move(request));  // checked in submit()
+    streams_[index] = std::move(stream);
+  }
+  if (prompt_tokens > 0) {
+    std::lock_guard lock(mutex_);
+    stats_.prompt_tokens += prompt_tokens;
+  }
+  for (size_t index : cancelled) {
+    scheduler_.cancel(index);
+    streams_.erase(index);
+  }
+}
+
+void ServingEngine::on_token(const TokenEvent& e) {
+  const auto it = streams_.find(e.index);
+  if (it == streams_.end()) return;
+  StreamEvent event;
+  event.sample = e.sample;
+  event.text = std::string(e.text);
+  event.token = e.token;
+  if (e.logprobs != nullptr) event.logprobs = *e.logprobs;
+  it->second->push(std::move(event));
+}
+
+void ServingEngine::on_done(GenerationResult result) {
+  const auto it = streams_.find(result.index);
+  if (it == streams_.end()) return;
+  {
+    std::lock_guard lock(mutex_);
+    ++stats_.requests;
+  }
+  const std::shared_ptr<RequestStream> stream = it->second;
+  StreamEvent event;
+  event.kind = StreamEvent::Kind::kDone;
+  event.sample = result.sample;
+  event.result = std::move(result);
+  stream->push(std::move(event));
+  std::lock_guard lock(stream->mutex_);
+  if (stream->remaining_ == 0) streams_.erase(it);
+}
+
+void ServingEngine::cancel_all() {
+  for (auto& [index, stream] : streams_) {
+    scheduler_.cancel(index);
+    StreamEvent event;
+    event.kind = StreamEvent::Kind::kCancelled;
+    stream->push(std::move(event));
+  }
+  streams_.clear();
+}
+
+void ServingEngine::run() {
+  const auto on_done = [this](GenerationResult r) { this->on_done(std::move(r)); };
+  while (true) {
+    take_submissions();
+    bool past_deadline = false;
+    {
+      std::unique_lock lock(mutex_);
+      past_deadline = stopping_ && deadline_ && Clock::now() >= *deadline_;
+    }
+    if (past_deadline) cancel_all();
+    if (scheduler_.idle()) {
+      std::unique_lock lock(mutex_);
+      if (stopping_ && submitted_.empty()) break;
+      // Woken by a submission, a cancellation or stop(); the deadline needs no wake-up here:
+      // an idle engine has nothing to cancel.
+      wake_.wait(lock, [&] { return !submitted_.empty() || !cancelled_.empty() || stopping_; });
+      continue;
+    }
+    scheduler_.step(on_done);
+
+    const Clock::time_point now = Clock::now();
+    std::lock_guard lock(mutex_);
+    stats_.running = scheduler_.n_running();
+    stats_.queued = static_cast<int>(scheduler_.n_queued());
+    stats_.generated_tokens = scheduler_.generated_tokens();
+    stats_.reused_prompt_tokens = scheduler_.reused_prompt_tokens();
+    stats_.kv_bytes = scheduler_.kv_bytes_in_use();
+    stats_.prompt_cache_bytes = scheduler_.prompt_cache_bytes_in_use();
+    rate_window_.emplace_back(now, stats_.generated_tokens);
+    while (rate_window_.size() > 2 && now - rate_window_.front().first > kRateWindow) rate_window_.pop_front();
+    const double seconds = std::chrono::duration<double>(now - rate_window_.front().first).count();
+    stats_.tokens_per_second =
+        seconds > 0 ? static_cast<double>(stats_.generated_tokens - rate_window_.front().second) / seconds : 0.0;
+  }
+  std::lock_guard lock(mutex_);
+  stats_.running = stats_.queued = 0;
+  stats_.tokens_per_second = 0;
+}
+
+}  // namespace ringlm
