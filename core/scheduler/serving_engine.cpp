@@ -1,5 +1,6 @@
 #include "core/scheduler/serving_engine.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace ringlm {
@@ -84,6 +85,12 @@ EngineStats ServingEngine::stats() const {
   std::lock_guard lock(mutex_);
   EngineStats s = stats_;
   s.queued += static_cast<int>(submitted_.size());
+  // Generated over the steps of the last kRateWindow, per second of it (0 once idle that long).
+  const Clock::time_point now = Clock::now();
+  const auto recent = std::find_if(rate_window_.begin(), rate_window_.end(),
+                                   [&](const auto& sample) { return now - sample.first <= kRateWindow; });
+  const double seconds = recent == rate_window_.end() ? 0.0 : std::chrono::duration<double>(now - recent->first).count();
+  s.tokens_per_second = seconds > 0 ? static_cast<double>(s.generated_tokens - recent->second) / seconds : 0.0;
   return s;
 }
 
@@ -120,6 +127,20 @@ void ServingEngine::take_submissions() {
     scheduler_.cancel(index);
     streams_.erase(index);
   }
+  if (!cancelled.empty()) publish_stats();  // the slots are free now, not after the next step
+}
+
+void ServingEngine::publish_stats() {
+  const Clock::time_point now = Clock::now();
+  std::lock_guard lock(mutex_);
+  stats_.running = scheduler_.n_running();
+  stats_.queued = static_cast<int>(scheduler_.n_queued());
+  stats_.generated_tokens = scheduler_.generated_tokens();
+  stats_.reused_prompt_tokens = scheduler_.reused_prompt_tokens();
+  stats_.kv_bytes = scheduler_.kv_bytes_in_use();
+  stats_.prompt_cache_bytes = scheduler_.prompt_cache_bytes_in_use();
+  rate_window_.emplace_back(now, stats_.generated_tokens);
+  while (now - rate_window_.front().first > kRateWindow) rate_window_.pop_front();
 }
 
 void ServingEngine::on_token(const TokenEvent& e) {
@@ -179,24 +200,10 @@ void ServingEngine::run() {
       continue;
     }
     scheduler_.step(on_done);
-
-    const Clock::time_point now = Clock::now();
-    std::lock_guard lock(mutex_);
-    stats_.running = scheduler_.n_running();
-    stats_.queued = static_cast<int>(scheduler_.n_queued());
-    stats_.generated_tokens = scheduler_.generated_tokens();
-    stats_.reused_prompt_tokens = scheduler_.reused_prompt_tokens();
-    stats_.kv_bytes = scheduler_.kv_bytes_in_use();
-    stats_.prompt_cache_bytes = scheduler_.prompt_cache_bytes_in_use();
-    rate_window_.emplace_back(now, stats_.generated_tokens);
-    while (rate_window_.size() > 2 && now - rate_window_.front().first > kRateWindow) rate_window_.pop_front();
-    const double seconds = std::chrono::duration<double>(now - rate_window_.front().first).count();
-    stats_.tokens_per_second =
-        seconds > 0 ? static_cast<double>(stats_.generated_tokens - rate_window_.front().second) / seconds : 0.0;
+    publish_stats();
   }
   std::lock_guard lock(mutex_);
   stats_.running = stats_.queued = 0;
-  stats_.tokens_per_second = 0;
 }
 
 }  // namespace ringlm

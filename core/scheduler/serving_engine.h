@@ -77,7 +77,7 @@ struct EngineStats {
   int64_t prompt_tokens = 0;
   int64_t generated_tokens = 0;
   int64_t reused_prompt_tokens = 0;
-  double tokens_per_second = 0;  // generated, over the last few seconds
+  double tokens_per_second = 0;  // generated per second over the last 10 s
   size_t kv_bytes = 0;           // held by the running sequences
   size_t prompt_cache_bytes = 0;
   int n_parallel = 0;
@@ -106,6 +106,8 @@ class ServingEngine {
   void take_submissions();
   void on_token(const TokenEvent& e);
   void on_done(GenerationResult result);
+  // The scheduler's counts into stats_ (the engine thread's, read by stats()).
+  void publish_stats();
   void cancel_all();
 
   BatchScheduler scheduler_;
@@ -119,7 +121,8 @@ class ServingEngine {
   bool stopping_ = false;
   std::optional<std::chrono::steady_clock::time_point> deadline_;
   EngineStats stats_;
-  std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> rate_window_;  // (time, generated so far)
+  // (time of a step, generated so far) for the steps of the last 10 s.
+  std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> rate_window_;
 
   std::map<size_t, std::shared_ptr<RequestStream>> streams_;  // the engine thread's: by request index
   std::thread thread_;
