@@ -136,6 +136,8 @@ class RequestCounter {
 
 // --- The server --------------------------------------------------------------------------------
 
+struct WholeAnswer;
+
 class Server {
  public:
   explicit Server(const ServeOptions& o) : o_(o) {}
@@ -149,7 +151,9 @@ class Server {
   GenerationRequest generation_request(const CompletionRequest& request) const;
   void completions(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
   void answer_whole(std::shared_ptr<RequestStream> stream, const CompletionRequest& request, int prompt_tokens,
-                    httplib::Response& res);
+                    std::shared_ptr<InFlight> in_flight, httplib::Response& res);
+  void gather(std::vector<StreamEvent> events, const CompletionRequest& request, WholeAnswer& answer) const;
+  std::string whole_body(const CompletionRequest& request, const WholeAnswer& answer) const;
   void answer_streaming(std::shared_ptr<RequestStream> stream, const CompletionRequest& request, int prompt_tokens,
                         std::shared_ptr<InFlight> in_flight, httplib::Response& res);
   serve::TokenInfo token_info(const StreamEvent& e) const;
@@ -246,7 +250,7 @@ void Server::completions(const httplib::Request& req, httplib::Response& res, En
   if (request.stream) {
     answer_streaming(std::move(stream), request, prompt_tokens, std::move(in_flight), res);
   } else {
-    answer_whole(std::move(stream), request, prompt_tokens, res);
+    answer_whole(std::move(stream), request, prompt_tokens, std::move(in_flight), res);
   }
 }
 
@@ -261,29 +265,69 @@ serve::TokenInfo Server::token_info(const StreamEvent& e) const {
   return t;
 }
 
-void Server::answer_whole(std::shared_ptr<RequestStream> stream, const CompletionRequest& request, int prompt_tokens,
-                          httplib::Response& res) {
-  std::vector<serve::Choice> choices(static_cast<size_t>(request.n));
-  serve::Usage usage{prompt_tokens, 0};
+// The choices of a request answered whole, gathered from its stream's events.
+struct WholeAnswer {
+  WholeAnswer(int n, int prompt_tokens) : choices(static_cast<size_t>(n)), usage{prompt_tokens, 0} {}
+  std::vector<serve::Choice> choices;
+  serve::Usage usage;
   bool cancelled = false;
-  while (!stream->finished()) {
-    for (StreamEvent& e : stream->wait(std::chrono::milliseconds(500))) {
-      serve::Choice& c = choices[static_cast<size_t>(e.sample)];
-      c.index = e.sample;
-      if (e.kind == StreamEvent::Kind::kCancelled) cancelled = true;
-      if (e.kind == StreamEvent::Kind::kPiece && e.token >= 0 && request.logprobs) c.tokens.push_back(token_info(e));
-      if (e.kind == StreamEvent::Kind::kDone) {
-        c.text = e.result.text;
-        c.finish_reason = e.result.finish_reason;
-        usage.completion_tokens += e.result.n_tokens;
-      }
+};
+
+void Server::gather(std::vector<StreamEvent> events, const CompletionRequest& request, WholeAnswer& answer) const {
+  for (StreamEvent& e : events) {
+    serve::Choice& c = answer.choices[static_cast<size_t>(e.sample)];
+    c.index = e.sample;
+    if (e.kind == StreamEvent::Kind::kCancelled) answer.cancelled = true;
+    if (e.kind == StreamEvent::Kind::kPiece && e.token >= 0 && request.logprobs) c.tokens.push_back(token_info(e));
+    if (e.kind == StreamEvent::Kind::kDone) {
+      c.text = e.result.text;
+      c.finish_reason = e.result.finish_reason;
+      answer.usage.completion_tokens += e.result.n_tokens;
     }
   }
-  if (cancelled) throw ApiError(503, "the server is shutting down");
-  current_log.completion_tokens = usage.completion_tokens;
+}
+
+std::string Server::whole_body(const CompletionRequest& request, const WholeAnswer& answer) const {
+  if (answer.cancelled) return serve::error_body(ApiError(503, "the server is shutting down")).dump();
+  current_log.completion_tokens = answer.usage.completion_tokens;
   const serve::ResponseHead head{random_id(request.endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-"),
                                  static_cast<int64_t>(std::time(nullptr)), model_name_};
-  send_json(res, 200, serve::completion_response(request, head, choices, usage));
+  return serve::completion_response(request, head, answer.choices, answer.usage)
+      .dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+void Server::answer_whole(std::shared_ptr<RequestStream> stream, const CompletionRequest& request, int prompt_tokens,
+                          std::shared_ptr<InFlight> in_flight, httplib::Response& res) {
+  auto answer = std::make_shared<WholeAnswer>(request.n, prompt_tokens);
+  // Most answers come within a second: a plain response, its status decided by its outcome.
+  const Clock::time_point until = Clock::now() + std::chrono::seconds(1);
+  while (!stream->finished() && Clock::now() < until) gather(stream->wait(std::chrono::milliseconds(100)), request, *answer);
+  if (stream->finished()) {
+    if (answer->cancelled) throw ApiError(503, "the server is shutting down");
+    res.status = 200;
+    res.set_content(whole_body(request, *answer), "application/json");
+    return;
+  }
+  // A longer one is sent chunked, a space every half second until the JSON (which may begin with
+  // whitespace): cpp-httplib tells a handler nothing of a connection the client closed, but a
+  // write to it fails, and that cancels the request, so a client that gave up frees its slot.
+  res.set_chunked_content_provider(
+      "application/json",
+      [this, stream, request, answer](size_t, httplib::DataSink& sink) {
+        gather(stream->wait(std::chrono::milliseconds(500)), request, *answer);
+        if (!stream->finished()) {
+          if (sink.write(" ", 1)) return true;
+          stream->cancel();
+          return false;
+        }
+        const std::string body = whole_body(request, *answer);
+        sink.write(body.data(), body.size());
+        sink.done();
+        return true;
+      },
+      [stream, in_flight](bool success) {
+        if (!success) stream->cancel();
+      });
 }
 
 void Server::answer_streaming(std::shared_ptr<RequestStream> stream, const CompletionRequest& request, int prompt_tokens,

@@ -9,7 +9,7 @@ For each round (rounds interleaved, medians reported):
           first request to the last [DONE], and each request's time to first token;
   llama   the same clients against `llama-server -np N -c N*ctx` (when --llama-server is given).
 
-    python3 bench/serve_throughput.py --llama-server PATH [--clients 16] [--prompts 64] [-n 128] [-t 2] [-r 3]
+    python3 bench/serve_throughput.py [--llama-server PATH] [--clients 16] [--prompts 64] [-n 128] [-t 2] [-r 3]
 """
 import argparse
 import http.client
@@ -140,7 +140,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", default="build/bin/ringlm")
     ap.add_argument("-m", "--model", default=os.path.expanduser("~/.cache/ringlm/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    ap.add_argument("--llama-server", default=None)
+    default_llama = os.path.join(os.environ.get("LLAMA_CPP_DIR", os.path.expanduser("~/.cache/llama.cpp-anchor")),
+                                 "build", "bin", "llama-server")
+    ap.add_argument("--llama-server", default=default_llama if os.path.exists(default_llama) else None,
+                    help="llama.cpp's llama-server (default: the one ../shared/tools/build-llama-cpp.sh built, if any)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("-n", "--max-tokens", type=int, default=128)

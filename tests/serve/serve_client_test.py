@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -290,8 +291,9 @@ class Limits(unittest.TestCase):
         finally:
             self.assertEqual(s.stop(), 0)
 
+    # -c 16384: a request that kept running would hold the one slot for minutes, not seconds.
     def test_a_client_that_goes_away_frees_its_slot(self):
-        s = Server("--parallel", "1")
+        s = Server("--parallel", "1", "-c", "16384")
         try:
             body = json.dumps({"prompt": "Once upon a time", "max_tokens": 100000, "temperature": 0, "stream": True})
             req = urllib.request.Request(s.url + "/v1/completions", data=body.encode())
@@ -301,9 +303,33 @@ class Limits(unittest.TestCase):
             started = time.time()
             status, _ = curl(s.url + "/v1/completions", "-d", json.dumps({"prompt": "Hi", "max_tokens": 4}))
             self.assertEqual(status, 200)
-            self.assertLess(time.time() - started, 30)
+            self.assertLess(time.time() - started, 15)
             _, metrics = curl(s.url + "/metrics")
+            self.assertRegex(metrics, r"(?m)^ringlm_requests_finished_total 1$")
             self.assertRegex(metrics, r"(?m)^ringlm_sequences_running 0$")
+        finally:
+            self.assertEqual(s.stop(), 0)
+
+    def test_a_client_that_gives_up_on_a_whole_answer_frees_its_slot(self):
+        s = Server("--parallel", "1", "-c", "16384")
+        try:
+            body = json.dumps({"prompt": "Once upon a time", "max_tokens": 100000, "temperature": 0})
+            sock = socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1])))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body.encode())
+            time.sleep(1.5)  # running, no answer yet
+            sock.close()
+            started = time.time()
+            status, text = curl(s.url + "/v1/completions", "-d", json.dumps({"prompt": "Hi", "max_tokens": 4}))
+            self.assertEqual(status, 200, text)
+            self.assertLess(time.time() - started, 15)
+            _, metrics = curl(s.url + "/metrics")
+            self.assertRegex(metrics, r"(?m)^ringlm_requests_finished_total 1$")  # the abandoned one: cancelled
+            # A long whole answer arrives chunked, after spaces: still one JSON document.
+            status, text = curl(s.url + "/v1/completions", "-d", json.dumps({"prompt": "Hi", "max_tokens": 400,
+                                                                            "temperature": 0}))
+            self.assertEqual(status, 200)
+            self.assertEqual(json.loads(text)["usage"]["completion_tokens"] > 0, True)
         finally:
             self.assertEqual(s.stop(), 0)
 
