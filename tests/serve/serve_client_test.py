@@ -280,7 +280,10 @@ class Limits(unittest.TestCase):
             first = subprocess.Popen(["curl", "-sN", s.url + "/v1/completions", "-d", long], stdout=subprocess.PIPE)
             first.stdout.readline()  # running
             second = subprocess.Popen(["curl", "-sN", s.url + "/v1/completions", "-d", long], stdout=subprocess.PIPE)
-            time.sleep(0.3)  # queued
+            deadline = time.time() + 60
+            while not re.search(r"(?m)^ringlm_requests_queued 1$", curl(s.url + "/metrics")[1]):
+                self.assertLess(time.time(), deadline, "the second request never queued")
+                time.sleep(0.05)
             headers = curl_headers(s.url + "/v1/completions", "-d", long)
             self.assertRegex(headers, r"^HTTP/1\.1 503")
             self.assertRegex(headers, r"(?im)^Retry-After: \d+")
@@ -334,8 +337,8 @@ class Limits(unittest.TestCase):
             self.assertEqual(s.stop(), 0)
 
     def test_sigterm_finishes_the_running_stream_and_exits_0(self):
-        s = Server("--parallel", "2")
-        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 120, "temperature": 0, "stream": True})
+        s = Server("--parallel", "2", "--shutdown-grace", "120")  # ample, for a sanitizer build too
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "stream": True})
         stream = subprocess.Popen(["curl", "-sN", s.url + "/v1/completions", "-d", body], stdout=subprocess.PIPE,
                                   text=True)
         first = stream.stdout.readline()
@@ -347,7 +350,7 @@ class Limits(unittest.TestCase):
         self.assertTrue(rest.endswith("data: [DONE]\n\n"), rest[-200:])
         text = "".join(json.loads(line[6:])["choices"][0]["text"]
                        for line in (first + rest).splitlines() if line.startswith("data: {"))
-        self.assertEqual(text, ringlm_run("Once upon a time", 120))
+        self.assertEqual(text, ringlm_run("Once upon a time", 60))
         self.assertEqual(s.stop(), 0)
         stream.wait()
         stream.stdout.close()
