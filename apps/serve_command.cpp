@@ -159,6 +159,7 @@ class Server {
   serve::TokenInfo token_info(const StreamEvent& e) const;
   std::string metrics() const;
   void shut_down_on_signal();
+  void stop_http();
 
   const ServeOptions& o_;
   httplib::Server http_;
@@ -171,7 +172,6 @@ class Server {
   std::string model_name_;
   int64_t created_ = 0;
   RequestCounter counter_;
-  std::atomic<int64_t> completion_requests_{0};
   std::atomic<int> in_flight_{0};  // completion requests whose answer is not fully written
 };
 
@@ -196,9 +196,7 @@ void Server::load() {
   } catch (const std::exception& e) {
     load_error_ = e.what();
     stopping_ = true;
-    // listen_after_bind() may not have started yet: stop() before it would be lost.
-    while (!http_.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    http_.stop();
+    stop_http();
   }
 }
 
@@ -222,7 +220,6 @@ GenerationRequest Server::generation_request(const CompletionRequest& request) c
 }
 
 void Server::completions(const httplib::Request& req, httplib::Response& res, Endpoint endpoint) {
-  ++completion_requests_;
   auto in_flight = std::make_shared<InFlight>(in_flight_);
   if (stopping_) throw ApiError(503, "the server is shutting down");
   if (!ready_) throw ApiError(503, "the model is loading");
@@ -546,7 +543,13 @@ void Server::shut_down_on_signal() {
   while (in_flight_ > 0 && Clock::now() < deadline + std::chrono::seconds(2)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  while (!http_.is_running()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  stop_http();
+}
+
+void Server::stop_http() {
+  // listen_after_bind() may not have started yet (a stop() before it would be lost); it may also
+  // have ended already: wait for it a bounded time.
+  for (int i = 0; i < 1000 && !http_.is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   http_.stop();
 }
 

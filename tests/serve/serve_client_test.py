@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import unittest
@@ -247,6 +248,15 @@ class OpenAiClient(unittest.TestCase):
 
 
 class Limits(unittest.TestCase):
+    def test_a_file_that_is_not_a_model_is_a_clear_error(self):
+        with tempfile.NamedTemporaryFile(suffix=".gguf") as bad:
+            bad.write(b"not a model at all")
+            bad.flush()
+            r = subprocess.run([RINGLM, "serve", "-m", bad.name, "--port", "0"], capture_output=True, text=True,
+                               timeout=60)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("not a GGUF file", r.stderr)
+
     def test_body_over_the_limit_is_413(self):
         s = Server("--max-body", "4096")
         try:
