@@ -97,21 +97,10 @@ int BatchScheduler::n_running() const {
 }
 
 bool BatchScheduler::cancel(size_t index) {
-  bool found = false;
-  for (auto it = queue_.begin(); it != queue_.end();) {
-    if (it->request.index == index) {
-      it = queue_.erase(it);
-      found = true;
-    } else {
-      ++it;
-    }
-  }
+  bool found = std::erase_if(queue_, [&](const Queued& q) { return q.request.index == index; }) > 0;
   for (auto& s : slots_) {
     if (s->state == Slot::State::kFree || s->request.index != index) continue;
-    s->state = Slot::State::kFree;
-    s->generation.reset();
-    s->sampler.reset();
-    s->cache.clear();
+    release(*s);
     found = true;
   }
   return found;
@@ -393,11 +382,15 @@ void BatchScheduler::finish(Slot& s, const std::function<void(GenerationResult)>
   s.result.queue_ms = ms_between(s.submitted, s.started);
   s.result.prefill_ms = ms_between(s.started, s.first_token);
   s.result.decode_ms = ms_between(s.first_token, now);
+  release(s);
+  on_done(std::move(s.result));
+}
+
+void BatchScheduler::release(Slot& s) {
   s.state = Slot::State::kFree;
   s.generation.reset();
   s.sampler.reset();
   s.cache.clear();  // its memory goes back now, and its share of a prompt segment with it
-  on_done(std::move(s.result));
 }
 
 }  // namespace ringlm

@@ -134,6 +134,8 @@ class BatchScheduler {
   void admit(const std::function<void(GenerationResult)>& on_done);
   // Hands the result of the slot's finished generation to on_done and frees the slot.
   void finish(Slot& slot, const std::function<void(GenerationResult)>& on_done);
+  // Frees the slot (finished or cancelled): its sequence state and KV memory go.
+  static void release(Slot& slot);
   // Samples the next token of a slot whose logits are fresh; false once it has finished.
   bool advance(Slot& slot, const std::function<void(GenerationResult)>& on_done);
   // advance() split in two: draw_tokens samples every slot's token at once, in parallel;
