@@ -23,6 +23,8 @@ import sys
 import numpy as np
 import gguf
 
+from gguf_fast import GGUFReader  # gguf's own reader, without np.memmap's per-read cost
+
 
 def plain(value):
     """numpy scalars and arrays to JSON-able Python values."""
@@ -36,7 +38,7 @@ def plain(value):
 
 
 def dump(path: str, with_data: bool) -> None:
-    r = gguf.GGUFReader(path)
+    r = GGUFReader(path)
     fields = {}
     for key, f in r.fields.items():
         if key.startswith("GGUF."):
@@ -58,7 +60,7 @@ def quantize(type_name: str, src: str, cols: int, out: str) -> None:
 
 
 def dequantize(path: str, out_dir: str) -> None:
-    for t in gguf.GGUFReader(path).tensors:
+    for t in GGUFReader(path).tensors:
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         np.ascontiguousarray(values, dtype=np.float32).tofile(f"{out_dir}/{t.name}.f32")
 

@@ -120,6 +120,8 @@ import numpy as np  # noqa: E402
 import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
+from gguf_fast import GGUFReader  # noqa: E402  (gguf's own reader, without np.memmap's per-read cost)
+
 # Formats the reference promises to read. gguf.quants can dequantize more, but
 # these are the ones ringlm supports, and limiting the set keeps a model in an
 # unexpected format from being "verified" by accident.
@@ -134,7 +136,7 @@ class GGUFModelError(RuntimeError):
     pass
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None, required=True):
+def _field(reader: GGUFReader, key: str, default=None, required=True):
     f = reader.fields.get(key)
     if f is None:
         if required and default is None:
@@ -176,7 +178,7 @@ def linear(x: np.ndarray, w: np.ndarray, b=None) -> np.ndarray:
 class LlamaModel:
     def __init__(self, path: str, dtype=np.float64, rope_style: str | None = None):
         self.dtype = np.dtype(dtype)
-        r = gguf.GGUFReader(path)
+        r = GGUFReader(path)
         arch = _field(r, "general.architecture")
         if arch not in ROPE_STYLE:
             raise GGUFModelError(f"unsupported architecture '{arch}' (this reference implements "

@@ -65,6 +65,7 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kquants  # noqa: E402
+from gguf_fast import GGUFReader  # noqa: E402
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
          "IQ4_NL", "IQ4_XS"]
@@ -93,7 +94,7 @@ def encode(name: str, w: np.ndarray, type_name: str):
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, vocab_path: str) -> int:
-    r = gguf.GGUFReader(vocab_path)
+    r = GGUFReader(vocab_path)
     n_vocab = None
     for key, f in r.fields.items():
         if not (key.startswith("tokenizer.ggml.") or key == "tokenizer.chat_template"):
