@@ -7,6 +7,12 @@
 #ifndef HWY_WANT_AVX3_DL
 #define HWY_WANT_AVX3_DL
 #endif
+// SSSE3 and SSE4 would compile the same portable code as the baseline target (the x86 kernels
+// below need AVX2): CPUs without AVX2 run the baseline's copy of it, and the build makes one copy
+// instead of three.
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
+#endif
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "backends/cpu/kernel_packed.cpp"
@@ -590,8 +596,8 @@ HWY_NOINLINE void FloatTile(const uint8_t* group, int64_t cols, const float* x, 
 
 #else
 // =============================================================================================
-// Portable fallback (SSE4, SSSE3, emulation, other architectures): the same sums in scalar
-// code, read through packed_format.h's accessors.
+// Portable fallback (the baseline target: x86 without AVX2, other architectures): the same sums
+// in scalar code, read through packed_format.h's accessors.
 
 template <ScaleType S>
 HWY_INLINE float ScaleAt(const uint8_t* p, int r) {
@@ -610,80 +616,115 @@ HWY_INLINE int WeightOf(int code) {
   return code - Fm::F.offset;
 }
 
-// Integer dot of weights [i0, i0 + n) of row r's sub-block with the activations q.
+// A sub-block's signed weights, decoded once for every token of the tile: w[r][i] for row r.
+// (Plain nibbles and bytes, the most common codes, are read a byte at a time; the others through
+// code_at.)
 template <class Fm>
-HWY_INLINE int32_t SubDot(const uint8_t* sub, int r, const int8_t* q, int i0, int n) {
+HWY_INLINE void DecodeSub(const uint8_t* sub, int64_t stored, int8_t (*w)[kSubWeights]) {
+  constexpr Codes C = Fm::F.codes;
+  for (int r = 0; r < stored; ++r) {
+    for (int chunk = 0; chunk < (C == Codes::kNib4 ? 4 : C == Codes::kBytes ? 8 : 0); ++chunk) {
+      for (int j = 0; j < 4; ++j) {
+        const int byte = sub[chunk_byte(static_cast<size_t>(chunk), r, j)];
+        if constexpr (C == Codes::kNib4) {  // quads 2 chunk and 2 chunk + 1
+          w[r][8 * chunk + j] = static_cast<int8_t>(WeightOf<Fm>(byte & 0x0F));
+          w[r][8 * chunk + 4 + j] = static_cast<int8_t>(WeightOf<Fm>(byte >> 4));
+        } else {  // quad `chunk`
+          w[r][4 * chunk + j] = static_cast<int8_t>(WeightOf<Fm>(byte));
+        }
+      }
+    }
+    if constexpr (C != Codes::kNib4 && C != Codes::kBytes) {
+      for (int i = 0; i < static_cast<int>(kSubWeights); ++i) w[r][i] = static_cast<int8_t>(WeightOf<Fm>(code_at(C, sub, r, i)));
+    }
+  }
+}
+
+// Integer dot of n weights with n activations.
+HWY_INLINE int32_t Dot(const int8_t* w, const int8_t* q, int n) {
   int32_t dot = 0;
-  for (int i = i0; i < i0 + n; ++i) dot += WeightOf<Fm>(code_at(Fm::F.codes, sub, r, i)) * q[i];
+  for (int i = 0; i < n; ++i) dot += w[i] * q[i];
   return dot;
 }
 
+// The group's sub-blocks are decoded one at a time into w, then met by every row and token;
+// each output sums its blocks in order, as the x86 kernels do.
 template <class Fm, int MT>
 HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const QuantizedActs& x, int64_t m0, float* y,
                             int64_t ldy, int64_t stored, const Prefetch&) {
   constexpr PackedFormat F = Fm::F;
   const int64_t nb = x.blocks();
-  for (int r = 0; r < stored; ++r) {
-    for (int t = 0; t < MT; ++t) {
-      float acc = 0.0f;
-      const uint8_t* p = group;
-      for (int64_t k0 = 0; k0 < cols; k0 += F.kblock) {
-        const int64_t n = std::min<int64_t>(F.kblock, cols - k0);
-        const uint8_t* header = p;
-        p += F.header_bytes_for(n);
-        const int blocks = static_cast<int>(n / F.group);
-        for (int b = 0; b < blocks; ++b) {
+  float acc[MT][kPackRows] = {};
+  int8_t w[kPackRows][kSubWeights];
+  const uint8_t* p = group;
+  for (int64_t k0 = 0; k0 < cols; k0 += F.kblock) {
+    const int64_t n = std::min<int64_t>(F.kblock, cols - k0);
+    const uint8_t* header = p;
+    p += F.header_bytes_for(n);
+    const int blocks = static_cast<int>(n / F.group);
+    for (int b = 0; b < blocks; ++b) {
+      for (int s = 0; s < F.group / static_cast<int>(kSubWeights); ++s, p += F.sub_code_bytes()) {
+        DecodeSub<Fm>(p, stored, w);
+        const int64_t ab = (k0 + b * F.group) / kActBlock + s;
+        for (int r = 0; r < stored; ++r) {
           const float dw = ScaleAt<F.scale>(header + static_cast<size_t>(b) * kPackRows * F.value_bytes(), r);
           float mv = 0.0f;
           if constexpr (F.min) mv = ScaleAt<F.scale>(header + static_cast<size_t>(blocks + b) * kPackRows * F.value_bytes(), r);
-          for (int s = 0; s < F.group / static_cast<int>(kSubWeights); ++s, p += F.sub_code_bytes()) {
-            const int64_t ab = (k0 + b * F.group) / kActBlock + s;
-            const int32_t dot = SubDot<Fm>(p, r, x.q + (m0 + t) * x.k + ab * kActBlock, 0, 32);
+          for (int t = 0; t < MT; ++t) {
+            const int32_t dot = Dot(w[r], x.q + (m0 + t) * x.k + ab * kActBlock, static_cast<int>(kSubWeights));
             const float dx = x.d[(m0 + t) * nb + ab];
-            acc += dw * (static_cast<float>(dot) * dx);
-            if constexpr (F.min) acc += mv * x.s[(m0 + t) * nb + ab];
+            acc[t][r] += dw * (static_cast<float>(dot) * dx);
+            if constexpr (F.min) acc[t][r] += mv * x.s[(m0 + t) * nb + ab];
           }
         }
       }
-      y[t * ldy + r] = acc;
     }
   }
+  for (int t = 0; t < MT; ++t) std::copy(acc[t], acc[t] + stored, y + t * ldy);
 }
 
 template <class Fm, int MT>
 HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs& x, int64_t m0, float* y,
                             int64_t ldy, int64_t stored, const Prefetch&) {
   constexpr PackedFormat F = Fm::F;
+  constexpr int kHalves = static_cast<int>(kSubWeights) / F.sub;  // sub-block scales per 32 weights
   (void)cols;
   const int64_t nb = x.blocks();
-  for (int r = 0; r < stored; ++r) {
-    for (int t = 0; t < MT; ++t) {
-      float acc = 0.0f;
-      const uint8_t* p = group;
-      for (int64_t kb = 0; kb < nb; ++kb) {
-        const uint8_t* header = p;
-        p += F.header_bytes;
-        int32_t isum = 0, imin = 0;
-        for (int s = 0; s < 8; ++s, p += F.sub_code_bytes()) {
+  float acc[MT][kPackRows] = {};
+  int8_t w[kPackRows][kSubWeights];
+  const uint8_t* p = group;
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const uint8_t* header = p;
+    p += F.header_bytes;
+    int32_t isum[MT][kPackRows] = {}, imin[MT][kPackRows] = {};
+    for (int s = 0; s < 8; ++s, p += F.sub_code_bytes()) {
+      DecodeSub<Fm>(p, stored, w);
+      for (int r = 0; r < stored; ++r) {
+        for (int t = 0; t < MT; ++t) {
           const int8_t* q = x.q + (m0 + t) * x.k + kb * kSuperBlock + s * kSubWeights;
-          for (int h = 0; h < static_cast<int>(kSubWeights) / F.sub; ++h) {
-            const int j = s * (static_cast<int>(kSubWeights) / F.sub) + h;
+          for (int h = 0; h < kHalves; ++h) {
+            const int j = s * kHalves + h;
             const SubScale sm = sub_scale_at(F, header, j, r);
-            isum += sm.scale * SubDot<Fm>(p, r, q, h * F.sub, F.sub);
+            isum[t][r] += sm.scale * Dot(w[r] + h * F.sub, q + h * F.sub, F.sub);
             const int32_t sum = F.sub == 16 ? x.sum16[(m0 + t) * (x.k / 16) + kb * 16 + j]
                                             : x.sum32[(m0 + t) * (x.k / 32) + kb * 8 + j];
-            imin += sm.min * sum;
+            imin[t][r] += sm.min * sum;
           }
         }
-        uint16_t d, dmin = 0;
-        std::memcpy(&d, header + 2 * r, 2);
-        if (F.min) std::memcpy(&dmin, header + 32 + 2 * r, 2);
-        const float dx = x.d[(m0 + t) * nb + kb];
-        acc += fp16_to_fp32(d) * dx * static_cast<float>(isum) - fp16_to_fp32(dmin) * dx * static_cast<float>(imin);
       }
-      y[t * ldy + r] = acc;
+    }
+    for (int r = 0; r < stored; ++r) {
+      uint16_t d, dmin = 0;
+      std::memcpy(&d, header + 2 * r, 2);
+      if (F.min) std::memcpy(&dmin, header + 32 + 2 * r, 2);
+      for (int t = 0; t < MT; ++t) {
+        const float dx = x.d[(m0 + t) * nb + kb];
+        acc[t][r] += fp16_to_fp32(d) * dx * static_cast<float>(isum[t][r]) -
+                     fp16_to_fp32(dmin) * dx * static_cast<float>(imin[t][r]);
+      }
     }
   }
+  for (int t = 0; t < MT; ++t) std::copy(acc[t], acc[t] + stored, y + t * ldy);
 }
 
 template <class Fm, int MT>
