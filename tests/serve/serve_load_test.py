@@ -2,7 +2,7 @@
 """A bounded load test of `ringlm serve` on loopback: many concurrent streaming clients, some of
 which hang up mid-stream, for a fixed time.
 
-  serve_load_test.py RINGLM MODEL [--clients 32] [--seconds 60] [--parallel 16]
+  serve_load_test.py RINGLM MODEL [--clients 32] [--seconds 60] [--parallel 16] [--max-tokens 24]
 
 Checks that every stream that was read to its end is well-formed server-sent events ending in
 `data: [DONE]`, that every chunk of a stream carries that stream's id only, that each greedy text
@@ -22,11 +22,8 @@ import time
 PROMPTS = ["The capital of France is", "Once upon a time", "The three primary colors are",
            "My favourite food is", "The best way to learn a language is", "In the year 2050,",
            "The ocean is", "Python is a programming language that"]
-MAX_TOKENS = 24
-
-
-def ringlm_run(ringlm, model, prompt):
-    return subprocess.run([ringlm, "run", "-m", model, "-p", prompt, "-n", str(MAX_TOKENS), "--temp", "0", "-t", "1"],
+def ringlm_run(ringlm, model, prompt, max_tokens):
+    return subprocess.run([ringlm, "run", "-m", model, "-p", prompt, "-n", str(max_tokens), "--temp", "0", "-t", "1"],
                           capture_output=True, text=True, check=True, timeout=300).stdout
 
 
@@ -39,10 +36,10 @@ class Failure(Exception):
     pass
 
 
-def stream_once(port, prompt, hang_up_after=None):
+def stream_once(port, prompt, max_tokens, hang_up_after=None):
     """One streamed completion. Returns its text, or None when this client hung up on purpose."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True})
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True})
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     r = conn.getresponse()
     if r.status != 200:
@@ -92,12 +89,13 @@ def main():
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--parallel", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=24, help="tokens per request")
     ap.add_argument("--sanitized", action="store_true",
                     help="ringlm is built with AddressSanitizer, whose quarantine of freed memory grows the "
                          "resident size: leave memory to LeakSanitizer (a leak fails the exit)")
     args = ap.parse_args()
 
-    expected = {p: ringlm_run(args.ringlm, args.model, p) for p in PROMPTS}
+    expected = {p: ringlm_run(args.ringlm, args.model, p, args.max_tokens) for p in PROMPTS}
     if len(set(expected.values())) != len(PROMPTS):
         sys.exit("FAIL: two prompts continue alike; mixing would not show")
     server = subprocess.Popen([args.ringlm, "serve", "-m", args.model, "--port", "0", "--parallel", str(args.parallel),
@@ -126,7 +124,7 @@ def main():
             hang_up = rng.randint(1, 10) if not warm_up and i % 4 == 3 and j % 2 == 0 else None
             j += 1
             try:
-                text = stream_once(port, prompt, hang_up)
+                text = stream_once(port, prompt, args.max_tokens, hang_up)
             except (Failure, OSError, ValueError, KeyError) as e:
                 with lock:
                     failures.append(f"client {i}: {prompt!r}: {e}")
