@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tests/command_runner.h"
+#include "tests/build_scale.h"
 
 namespace ringlm {
 namespace {
@@ -124,7 +125,8 @@ TEST(BatchCli, GreedyOutputsDoNotDependOnParallel) {
   std::map<std::string, std::string> reference;
   for (const char* parallel : {"1", "3", "8"}) {
     const std::string name = std::string("parallel") + parallel;
-    const BatchRunResult r = run_batch(name, eight_prompts(40), std::string("--parallel ") + parallel + " --prefill-chunk 4");
+    const BatchRunResult r =
+        run_batch(name, eight_prompts(test::scaled(40, 24)), std::string("--parallel ") + parallel + " --prefill-chunk 4");
     ASSERT_EQ(r.exit_code, 0) << r.err;
     const auto texts = texts_by_id(records(work_dir() + "/" + name + ".out"));
     ASSERT_EQ(texts.size(), 8u);
@@ -157,7 +159,8 @@ TEST(BatchCli, ShortPromptsArePrefilledInOneStep) {
 TEST(BatchCli, KilledRunResumesAndLosesNothing) {
   const std::string name = "resume";
   const std::string in = work_dir() + "/" + name + ".in", out = work_dir() + "/" + name + ".out";
-  std::ofstream(in) << eight_prompts(60);
+  const int max_tokens = test::scaled(60, 24);
+  std::ofstream(in) << eight_prompts(max_tokens);
   std::filesystem::remove(out);
 
   const pid_t child = fork();
@@ -175,7 +178,7 @@ TEST(BatchCli, KilledRunResumesAndLosesNothing) {
   ASSERT_GE(before, 2u);
   ASSERT_LT(before, 8u) << "the run finished before it could be killed";
 
-  const BatchRunResult again = run_batch(name, eight_prompts(60), "--parallel 2", /*fresh=*/false);
+  const BatchRunResult again = run_batch(name, eight_prompts(max_tokens), "--parallel 2", /*fresh=*/false);
   EXPECT_EQ(again.exit_code, 0) << again.err;
   EXPECT_THAT(again.err, HasSubstr(std::to_string(before) + " skipped"));
   const std::vector<json> recs = records(out);
@@ -185,7 +188,7 @@ TEST(BatchCli, KilledRunResumesAndLosesNothing) {
   for (const auto& [id, n] : count) EXPECT_EQ(n, 1) << id;
 
   // And the resumed results are the ones an uninterrupted run gives.
-  const BatchRunResult clean = run_batch("resume_clean", eight_prompts(60), "--parallel 2");
+  const BatchRunResult clean = run_batch("resume_clean", eight_prompts(max_tokens), "--parallel 2");
   ASSERT_EQ(clean.exit_code, 0) << clean.err;
   EXPECT_EQ(texts_by_id(recs), texts_by_id(records(work_dir() + "/resume_clean.out")));
 }
@@ -218,11 +221,13 @@ std::map<int, std::string> texts_by_sample(const std::vector<json>& recs) {
 // depends on the rows it shares the call with (without sharing, a sample's prompt is prefilled
 // next to the other samples' decode rows).
 TEST(BatchCli, ThreeSamplesShareOnePromptPrefill) {
-  const std::string input =
-      R"({"id": "s", "prompt": "Roses are red, violets are blue, the sea is wide and the sky is too. Write the next )"
-      R"(four lines of this poem about a sailor who comes home after many years away", "n": 3, "temperature": 1.0, )"
-      R"("seed": 11, "max_tokens": 16})"
-      "\n";
+  // (fp32 is slow under the sanitizers: that build shares a prompt of its first ten words.)
+  const std::string poem = test::kSanitizedBuild ? "Roses are red, violets are blue, the sea is wide"
+                                                 : "Roses are red, violets are blue, the sea is wide and the sky is too. "
+                                                   "Write the next four lines of this poem about a sailor who comes home "
+                                                   "after many years away";
+  const std::string input = json{{"id", "s"}, {"prompt", poem}, {"n", 3}, {"temperature", 1.0}, {"seed", 11},
+                                 {"max_tokens", test::scaled(16, 4)}}.dump() + "\n";
   const BatchRunResult r = run_batch("samples", input, "--parallel 4 --compute fp32 --prefill-chunk 8");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::vector<json> recs = records(work_dir() + "/samples.out");

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "tests/command_runner.h"
+#include "tests/build_scale.h"
 
 extern char** environ;
 
@@ -295,13 +296,16 @@ TEST(ChatTerminal, LongChatOverflowsTheContextAndKeepsAnswering) {
 // fp32 compute, whose rows do not depend on how many are evaluated together (with int8 compute
 // a prefilled turn and a generated one round differently, and a 135M model's greedy reply can
 // drift after a few words).
+// (The fp32 path is slow: the sanitizer build's replies are 6 tokens long.)
+const char* const kSaveReplyTokens = test::kSanitizedBuild ? "6" : "30";
+
 TEST(ChatTerminal, SaveThenLoadRestoresTheContext) {
   const std::string file = work_dir() + "/saved_conversation.json";
   std::filesystem::remove(file);
   nlohmann::json before;
   std::string reply_in_saved_session;
   {
-    PtyChat chat({"-n", "30", "--compute", "fp32"}, "save");
+    PtyChat chat({"-n", kSaveReplyTokens, "--compute", "fp32"}, "save");
     ASSERT_THAT(chat.wait_for_prompt(), HasSubstr("/help"));
     chat.say(kFirstTurn);
     EXPECT_THAT(chat.say("/save " + file), HasSubstr("saved 3 messages"));
@@ -317,7 +321,7 @@ TEST(ChatTerminal, SaveThenLoadRestoresTheContext) {
   EXPECT_EQ(saved["messages"][1]["content"], kFirstTurn);
   EXPECT_EQ(saved["messages"][2]["role"], "assistant");
 
-  PtyChat chat({"-n", "30", "--compute", "fp32", "--system", "A different system prompt, replaced by the file's."},
+  PtyChat chat({"-n", kSaveReplyTokens, "--compute", "fp32", "--system", "A different system prompt, replaced by the file's."},
                "load");
   ASSERT_THAT(chat.wait_for_prompt(), HasSubstr("/help"));
   EXPECT_THAT(chat.say("/load " + file), HasSubstr("loaded 3 messages"));

@@ -20,6 +20,7 @@
 #include "backends/plugin_backend.h"
 #include "core/model/loader.h"
 #include "tests/command_runner.h"
+#include "tests/build_scale.h"
 
 namespace ringlm {
 namespace {
@@ -104,13 +105,16 @@ TEST_F(DeviceModel, StreamingOverflowMatchesTheCpu) {
   KvCacheOptions options;
   options.n_keep = 4;
   options.context_shift = true;
-  KvCache cpu_cache = cpu_->model->make_cache(32, options), device_cache = device_->model->make_cache(32, options);
+  // (The sanitizer build: a ring of 16 and the first 36 tokens, still three shifts.)
+  const int ctx = test::scaled(32, 16);
+  KvCache cpu_cache = cpu_->model->make_cache(ctx, options), device_cache = device_->model->make_cache(ctx, options);
   std::vector<int32_t> text = tokens(
       "In the beginning God created the heaven and the earth. And the earth was without form, and void; and darkness "
       "was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God said, Let there "
       "be light: and there was light. And God saw the light, that it was good: and God divided the light from the "
       "darkness.");
   ASSERT_GT(text.size(), 70u);
+  text.resize(std::min(text.size(), static_cast<size_t>(test::scaled(1000, 36))));
   std::vector<float> cpu_logits(vocab()), device_logits(vocab());
   // Chunks of 7 tokens: prefill chunks that straddle the ring's wrap, then shifts.
   for (size_t at = 0; at < text.size(); at += 7) {
@@ -169,7 +173,8 @@ using Output = test::CommandResult;
 Output run_ringlm(const std::string& args) { return test::run_command(std::string(RINGLM_BINARY) + " " + args, work_dir()); }
 
 std::string run_args(const std::string& device, const std::string& extra = "") {
-  return "run -m " + std::string(RINGLM_TEST_MODEL) + " -t 1 --temp 0 -n 32 --ignore-eos -p 'The capital of France is' " +
+  return "run -m " + std::string(RINGLM_TEST_MODEL) + " -t 1 --temp 0 -n " + std::to_string(test::scaled(32, 12)) +
+         " --ignore-eos -p 'The capital of France is' " +
          "--device " + device + " --plugin-dir " + plugin_dir() + " " + extra;
 }
 
@@ -178,7 +183,7 @@ TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpu) {
   const Output device = run_ringlm(run_args("opencl"));
   ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
   ASSERT_EQ(device.exit_code, 0) << device.err;
-  EXPECT_GT(cpu.out.size(), 40u);
+  EXPECT_GT(cpu.out.size(), static_cast<size_t>(test::scaled(40, 10)));
   EXPECT_EQ(device.out, cpu.out);
 }
 
@@ -187,7 +192,8 @@ TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpu) {
 // the CPU's (both fp32).
 TEST(DeviceCli, GemmaSaysWhatStaysOnTheCpuAndWritesTheCpusText) {
   const std::string args = "run -m " + std::string(RINGLM_GEMMA3_MODEL) +
-                           " -t 2 --temp 0 -n 12 -p 'The capital of France is' --compute fp32 --plugin-dir " + plugin_dir();
+                           " -t 2 --temp 0 -n 12 -p 'The capital of France is' --compute fp32 --plugin-dir " +
+                           plugin_dir();
   const Output cpu = run_ringlm(args + " --device cpu");
   const Output device = run_ringlm(args + " --device opencl");
   ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
