@@ -17,14 +17,14 @@ import xml.etree.ElementTree as ET
 
 # Seconds per phase: (cold, warm). Keep in step with tests/README.md.
 BUDGETS = {
-    "setup: Debian packages": (240, 30),
-    "setup: Python packages": (90, 10),
-    "setup: models": (120, 10),
-    "setup: Release build": (420, 90),
+    "setup: Debian packages": (180, 30),
+    "setup: Python packages": (60, 10),
+    "setup: models": (60, 10),
+    "setup: Release build": (420, 60),
     "Release build": (30, 30),
-    "Release suite": (480, 480),
-    "ASan+UBSan build": (780, 120),
-    "ASan+UBSan suite": (540, 540),
+    "Release suite": (360, 360),
+    "ASan+UBSan build": (660, 90),
+    "ASan+UBSan suite": (630, 600),
 }
 TOTAL_BUDGET = {"cold": 2400, "warm": 1200}  # the 40 and 20 minutes
 
