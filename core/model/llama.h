@@ -14,69 +14,9 @@
 #include "backends/backend.h"
 #include "core/gguf/gguf.h"
 #include "core/kv/kv_cache.h"
+#include "core/model/hparams.h"
 
 namespace ringlm {
-
-enum class RopeStyle {
-  kAdjacentPairs,  // GGML "normal": rotates (x[2i], x[2i+1]); llama GGUFs are converted for this
-  kHalfSplit,      // GGML "neox": rotates (x[i], x[i + n_rot/2])
-};
-
-// How the rotary frequencies are stretched past the trained context (<arch>.rope.scaling.type).
-enum class RopeScaling {
-  kNone,
-  kLinear,  // every frequency divided by the factor (positions interpolated)
-  kYarn,    // YaRN: low frequencies interpolated, high ones kept, a ramp between; q and k scaled up
-};
-
-struct LlamaHparams {
-  std::string arch;
-  int n_vocab = 0;
-  int n_ctx_train = 0;
-  int n_embd = 0;
-  int n_layer = 0;
-  int n_ff = 0;
-  int n_head = 0;
-  int n_head_kv = 0;
-  int head_dim = 0;   // key/value length per head
-  int n_rot = 0;      // rotary dimensions (<= head_dim)
-  float rope_base = 10000.0f;
-  RopeStyle rope_style = RopeStyle::kAdjacentPairs;
-  // RoPE scaling. The frequencies of the global layers only (Gemma 3's sliding-window layers are
-  // never scaled); rope_mscale() multiplies every layer's rotations, as in llama.cpp.
-  RopeScaling rope_scaling = RopeScaling::kNone;
-  float rope_scale = 1.0f;  // rope.scaling.factor: the context multiplier
-  // rope.scaling.original_context_length (default: context_length): the context the model was
-  // trained for before scaling; YaRN's ramp and LongRoPE's choice of factors depend on it.
-  int rope_n_ctx_orig = 0;
-  // YaRN's ramp: rotary pairs turning more than yarn_beta_fast times over the original context keep
-  // their frequency, those turning fewer than yarn_beta_slow times are interpolated by the factor.
-  float yarn_beta_fast = 32.0f;
-  float yarn_beta_slow = 1.0f;
-  // rope.scaling.attn_factor: multiplies cos and sin of the rotations of q and k (LongRoPE's
-  // magnitude correction; with YaRN, on top of its own).
-  float rope_attn_factor = 1.0f;
-  // What cos and sin of the forward pass's rotations are multiplied by: rope_attn_factor, times
-  // YaRN's 1 + 0.1 ln(factor). Never applied by the StreamingLLM shift, which is a pure rotation.
-  float rope_mscale() const;
-  float rms_eps = 1e-5f;
-  bool qkv_bias = false;  // the family's q/k/v projections have biases (Qwen2)
-  bool qk_norm = false;   // ... RMSNorm every head of q and k before RoPE (Qwen3, Gemma 3)
-  Activation activation = Activation::kSilu;  // of the gated feed-forward block (Gemma: GELU)
-  bool post_norms = false;   // RMSNorm of each block's output before the residual (Gemma 3)
-  bool embed_scale = false;  // embeddings times sqrt(n_embd) (Gemma)
-  bool fused_gate_up = false;  // ffn_up holds gate then up, 2 * n_ff rows (Phi-3)
-  // Attention scores are q·k times this: 1/sqrt(head_dim), but Gemma 3 27B's 1/sqrt(n_embd / n_head).
-  float attn_scale = 0.0f;
-  // Sliding-window layers (Gemma 3): all but every swa_period-th layer see the last
-  // sliding_window positions, with RoPE base swa_rope_base (and no RoPE scaling). 0: none.
-  int sliding_window = 0;
-  int swa_period = 0;
-  float swa_rope_base = 0.0f;
-
-  // Reads and checks every field; GgufError naming the key on a missing or absurd value.
-  static LlamaHparams from_gguf(const GgufFile& gguf);
-};
 
 class LlamaModel {
  public:
