@@ -55,7 +55,7 @@ std::string device_description(const ringlm_device_info& info, const LoadedPlugi
   if (info.compute_units > 0) text += std::string(", ") + std::to_string(info.compute_units) + " compute units";
   if (info.memory_bytes > 0) text += std::string(", ") + memory_text(info.memory_bytes);
   if (info.version[0] != '\0') text += std::string(", ") + info.version;
-  return text + "   [" + plugin.path().string() + "]";
+  return text + ", plugin ABI " + std::to_string(plugin.abi_version()) + "   [" + plugin.path().string() + "]";
 }
 
 // The loader's messages start with the file name; in a row that already shows it, drop it.

@@ -23,7 +23,8 @@
 extern "C" {
 #endif
 
-#define RINGLM_PLUGIN_ABI_VERSION 1u
+#define RINGLM_PLUGIN_ABI_VERSION 2u
+#define RINGLM_PLUGIN_ABI_MIN_VERSION 1u
 #define RINGLM_PLUGIN_ENTRY "ringlm_plugin_entry"
 
 enum ringlm_status {
@@ -62,6 +63,9 @@ enum ringlm_op {
   RINGLM_OP_MATMUL = 1,      /* y = x · Wᵀ, W quantized */
   RINGLM_OP_ATTENTION = 2,   /* causal attention over a slot cache */
   RINGLM_OP_ROPE_SHIFT = 3,  /* re-rotation of cached keys (StreamingLLM shift-RoPE) */
+  /* Version 2. supports() answers for these only on a version-2 table. */
+  RINGLM_OP_ROW_OPS = 4,     /* rms_norm, add, scale, glu, rope, store_kv (f32/f16 KV), get_rows (weight_format), copy */
+  RINGLM_OP_WINDOW_ATTENTION = 5, /* attention2 with window > 0 (and everything attention takes) */
 };
 
 /* What supports() is asked about; fields an op does not use are 0. */
@@ -141,6 +145,109 @@ typedef struct ringlm_rope_shift_args {
   const ringlm_buffer* cos_sin;
 } ringlm_rope_shift_args;
 
+/* --- Version 2 ------------------------------------------------------------------------------
+ * Every offset is in bytes, a multiple of 4 for fp32 data; n, rows and widths are element
+ * counts, at least 1. An op's output either is exactly one of its inputs (in place) or overlaps
+ * none of them. The ops are enqueued in order after everything issued before them on the context and
+ * return without waiting; an op's arguments are checked (buffers, offsets and sizes) before
+ * anything is enqueued. */
+
+/* out[r][c] = x[r][c] / sqrt(mean_c(x[r][c]^2) + eps) * weight[c] for r < n_rows, c < width
+ * (out may be x). */
+typedef struct ringlm_rms_norm_args {
+  const ringlm_buffer* x;
+  size_t x_offset;
+  ringlm_buffer* out;
+  size_t out_offset;
+  const ringlm_buffer* weight;
+  size_t weight_offset;
+  int64_t n_rows, width;
+  float eps;
+} ringlm_rms_norm_args;
+
+/* x[i] += delta[i % delta_n] for i < n: a residual (delta_n = n) or a bias added to every row
+ * (delta_n = the row width; n a multiple of it). */
+typedef struct ringlm_add_args {
+  ringlm_buffer* x;
+  size_t x_offset;
+  const ringlm_buffer* delta;
+  size_t delta_offset;
+  int64_t n, delta_n;
+} ringlm_add_args;
+
+enum ringlm_activation {
+  RINGLM_ACT_SILU = 0,       /* x / (1 + exp(-x)) */
+  RINGLM_ACT_GELU_TANH = 1,  /* x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))) */
+};
+
+/* gate[i] = act(gate[i]) * up[i] for i < n. */
+typedef struct ringlm_glu_args {
+  ringlm_buffer* gate;
+  size_t gate_offset;
+  const ringlm_buffer* up;
+  size_t up_offset;
+  int64_t n;
+  uint32_t activation; /* ringlm_activation */
+} ringlm_glu_args;
+
+/* RoPE in place: row r (of n_rows, n_heads * head_dim floats each) turns the first n_rot
+ * elements of each head by its angles, cos[r][i] and sin[r][i] for i < n_rot / 2 (rows of
+ * n_rot / 2 floats), pairs as in ringlm_rope_shift_args:
+ *   x_a' = x_a cos - x_b sin,  x_b' = x_a sin + x_b cos. */
+typedef struct ringlm_rope_args {
+  ringlm_buffer* x;
+  size_t x_offset;
+  int64_t n_rows;
+  int32_t n_heads, head_dim, n_rot;
+  int32_t adjacent_pairs;
+  const ringlm_buffer* cos;
+  size_t cos_offset;
+  const ringlm_buffer* sin;
+  size_t sin_offset;
+} ringlm_rope_args;
+
+/* dst row r (row_width elements of kv_format, rows contiguous from dst_offset) = src row r
+ * (row_width fp32) for r < n_rows, rounded to nearest-even for F16. */
+typedef struct ringlm_store_kv_args {
+  const ringlm_buffer* src;
+  size_t src_offset;
+  ringlm_buffer* dst;
+  size_t dst_offset;
+  uint32_t kv_format;
+  int64_t n_rows, row_width;
+} ringlm_store_kv_args;
+
+/* out[i] = row ids[i] of the weight (n_weight_rows rows of cols, weight_format's blocks),
+ * dequantized to fp32 ([n_ids][cols]); ids are int32, each checked on the device: an id
+ * outside 0 .. n_weight_rows - 1 gives a row of zeros. */
+typedef struct ringlm_get_rows_args {
+  const ringlm_buffer* weight;
+  uint32_t weight_format;
+  int64_t n_weight_rows, cols;
+  const ringlm_buffer* ids;
+  size_t ids_offset;
+  int64_t n_ids;
+  ringlm_buffer* out;
+  size_t out_offset;
+} ringlm_get_rows_args;
+
+/* Attention as ringlm_attention_args, and with window > 0 a query at position p sees only the
+ * slots of positions p - window + 1 .. p. */
+typedef struct ringlm_attention2_args {
+  ringlm_attention_args base;
+  int32_t window;
+} ringlm_attention2_args;
+
+/* What a context did since it was opened: kernels launched (a copy counts as one), bytes moved
+ * each way (upload, upload_async, download), and the times the host waited for the device (a
+ * blocking call: download, the version-1 upload, finish, rope_shift's check of its slots). */
+typedef struct ringlm_counters {
+  uint64_t launches;
+  uint64_t upload_bytes;
+  uint64_t download_bytes;
+  uint64_t waits;
+} ringlm_counters;
+
 typedef struct ringlm_plugin {
   uint32_t abi_version; /* RINGLM_PLUGIN_ABI_VERSION */
   uint32_t struct_size; /* sizeof(ringlm_plugin) */
@@ -171,7 +278,29 @@ typedef struct ringlm_plugin {
   int32_t (*matmul)(ringlm_context* ctx, const ringlm_matmul_args* args);
   int32_t (*attention)(ringlm_context* ctx, const ringlm_attention_args* args);
   int32_t (*rope_shift)(ringlm_context* ctx, const ringlm_rope_shift_args* args);
+
+  /* --- Version 2 --- */
+  /* Copies `bytes` from src before it returns and uploads them without waiting for the device. */
+  int32_t (*upload_async)(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes);
+  /* Waits until everything enqueued on the context has run. */
+  int32_t (*finish)(ringlm_context* ctx);
+  /* dst[dst_offset ..] = src[src_offset ..], `bytes` bytes, on the device (the ranges may not overlap). */
+  int32_t (*copy)(ringlm_context* ctx, ringlm_buffer* dst, size_t dst_offset, const ringlm_buffer* src,
+                  size_t src_offset, size_t bytes);
+  int32_t (*rms_norm)(ringlm_context* ctx, const ringlm_rms_norm_args* args);
+  int32_t (*add)(ringlm_context* ctx, const ringlm_add_args* args);
+  /* x[i] *= factor for i < n. */
+  int32_t (*scale)(ringlm_context* ctx, ringlm_buffer* x, size_t x_offset, int64_t n, float factor);
+  int32_t (*glu)(ringlm_context* ctx, const ringlm_glu_args* args);
+  int32_t (*rope)(ringlm_context* ctx, const ringlm_rope_args* args);
+  int32_t (*store_kv)(ringlm_context* ctx, const ringlm_store_kv_args* args);
+  int32_t (*get_rows)(ringlm_context* ctx, const ringlm_get_rows_args* args);
+  int32_t (*attention2)(ringlm_context* ctx, const ringlm_attention2_args* args);
+  int32_t (*counters)(const ringlm_context* ctx, ringlm_counters* out);
 } ringlm_plugin;
+
+/* The size of a version-1 table: a version-1 plugin's struct_size is at least this. */
+#define RINGLM_PLUGIN_V1_SIZE (offsetof(ringlm_plugin, rope_shift) + sizeof(void*))
 
 typedef const ringlm_plugin* (*ringlm_plugin_entry_fn)(void);
 

@@ -69,20 +69,39 @@ void check_required_fields(const ringlm_plugin& api, const fs::path& library) {
   }
 }
 
+// Every version-2 function: a table that says it is version 2 has them all.
+void check_v2_fields(const ringlm_plugin& api, const fs::path& library) {
+  const std::pair<const char*, bool> functions[] = {
+      {"upload_async", api.upload_async != nullptr}, {"finish", api.finish != nullptr},
+      {"copy", api.copy != nullptr},                 {"rms_norm", api.rms_norm != nullptr},
+      {"add", api.add != nullptr},                   {"scale", api.scale != nullptr},
+      {"glu", api.glu != nullptr},                   {"rope", api.rope != nullptr},
+      {"store_kv", api.store_kv != nullptr},         {"get_rows", api.get_rows != nullptr},
+      {"attention2", api.attention2 != nullptr},     {"counters", api.counters != nullptr},
+  };
+  for (const auto& [field, present] : functions) {
+    if (!present) throw PluginLoadError(library, std::string("plugin table (ABI 2) has no '") + field + "' function");
+  }
+}
+
 // Checks the table the entry point returned: ABI version first (its first two fields are the
-// same in every ABI version, so they can be read whatever the plugin was built for).
+// same in every ABI version, so they can be read whatever the plugin was built for). Any version
+// this ringlm speaks loads; only its own entries are read.
 void check_table(const ringlm_plugin* api, const fs::path& library) {
   if (api == nullptr) throw PluginLoadError(library, std::string(RINGLM_PLUGIN_ENTRY) + " returned NULL");
-  if (api->abi_version != RINGLM_PLUGIN_ABI_VERSION) {
+  if (api->abi_version < RINGLM_PLUGIN_ABI_MIN_VERSION || api->abi_version > RINGLM_PLUGIN_ABI_VERSION) {
     throw PluginLoadError(library, std::string("built for plugin ABI ") + std::to_string(api->abi_version) +
-                                       ", this ringlm speaks " + std::to_string(RINGLM_PLUGIN_ABI_VERSION));
+                                       ", this ringlm speaks " + std::to_string(RINGLM_PLUGIN_ABI_MIN_VERSION) +
+                                       " to " + std::to_string(RINGLM_PLUGIN_ABI_VERSION));
   }
-  if (api->struct_size < sizeof(ringlm_plugin)) {
+  const size_t needed = api->abi_version >= 2 ? sizeof(ringlm_plugin) : RINGLM_PLUGIN_V1_SIZE;
+  if (api->struct_size < needed) {
     throw PluginLoadError(library, std::string("plugin table is ") + std::to_string(api->struct_size) +
-                                       " bytes, this ringlm needs " + std::to_string(sizeof(ringlm_plugin)) +
-                                       " (plugin ABI " + std::to_string(RINGLM_PLUGIN_ABI_VERSION) + ")");
+                                       " bytes, plugin ABI " + std::to_string(api->abi_version) + " needs " +
+                                       std::to_string(needed));
   }
   check_required_fields(*api, library);
+  if (api->abi_version >= 2) check_v2_fields(*api, library);
 }
 
 bool is_plugin_file_name(const std::string& name) {

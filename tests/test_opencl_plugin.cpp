@@ -8,6 +8,11 @@
 // (an error status and a reason, never a crash), device_info, and the disk cache of the
 // compiled program.
 //
+// Version 2's entries: rms_norm, add, scale, glu, rope, store_kv, get_rows and attention2 with a
+// sliding window against references computed here (plain C++, not the plugin), copy,
+// upload_async, finish, and the counters, which must grow by exactly what a known sequence of
+// calls does.
+//
 // The plugin is loaded with dlopen + dlsym, as ringlm's loader does. Compiling the kernels is the
 // slow part (PoCL runs LLVM), so one context is opened for the whole executable (the test
 // environment below), and that opening is also what the disk-cache test inspects.
@@ -17,10 +22,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <ostream>
 #include <random>
@@ -220,8 +227,16 @@ std::vector<float> random_floats(size_t n, std::mt19937& rng, float scale = 1.0f
 TEST(OpenclPlugin, TableAndDeviceInfo) {
   REQUIRE_PLUGIN();
   EXPECT_EQ(api().abi_version, RINGLM_PLUGIN_ABI_VERSION);
+  EXPECT_EQ(api().abi_version, 2u);
   EXPECT_EQ(api().struct_size, sizeof(ringlm_plugin));
   EXPECT_STREQ(api().name, "opencl");
+  // Every entry of the table is filled, version 2's included.
+  const auto* entries = reinterpret_cast<const unsigned char*>(&api());
+  for (size_t at = offsetof(ringlm_plugin, last_error); at < sizeof(ringlm_plugin); at += sizeof(void*)) {
+    void* entry = nullptr;
+    std::memcpy(&entry, entries + at, sizeof(entry));
+    EXPECT_NE(entry, nullptr) << "table entry at byte " << at;
+  }
 
   const int32_t n = api().device_count();
   ASSERT_GE(n, 1);
@@ -859,6 +874,815 @@ TEST(OpenclPlugin, BadArgumentsAreErrorsNotCrashes) {
   // After all that, the context still works.
   ASSERT_EQ(api().matmul(ctx(), &good), RINGLM_OK) << last_error();
   EXPECT_EQ(yd.download<float>(m * n).size(), static_cast<size_t>(m * n));
+}
+
+// --- Version 2: row ops -----------------------------------------------------------------------
+
+// |got - want| <= tol, with the index in the message.
+void expect_close(const std::vector<float>& got, const std::vector<double>& want, double rel, double abs,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_LE(std::fabs(static_cast<double>(got[i]) - want[i]), rel * std::fabs(want[i]) + abs)
+        << what << " [" << i << "] = " << got[i] << ", reference " << want[i];
+  }
+}
+
+TEST(OpenclPlugin, RmsNormMatchesReferenceInPlaceAndNot) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(11);
+  const int64_t n_rows = 3;
+  const float eps = 1e-5f;
+  for (const int64_t width : {37, 64, 576}) {
+    const std::vector<float> x = random_floats(static_cast<size_t>(n_rows * width), rng, 3.0f);
+    const std::vector<float> w = random_floats(static_cast<size_t>(width), rng, 2.0f);
+    std::vector<double> want(x.size());
+    for (int64_t r = 0; r < n_rows; ++r) {
+      double sum = 0.0;
+      for (int64_t c = 0; c < width; ++c) sum += static_cast<double>(x[r * width + c]) * x[r * width + c];
+      const double inv = 1.0 / std::sqrt(sum / static_cast<double>(width) + eps);
+      for (int64_t c = 0; c < width; ++c) want[r * width + c] = x[r * width + c] * inv * w[c];
+    }
+    const size_t bytes = x.size() * sizeof(float), x_offset = 32, w_offset = 16;
+    DeviceBuffer wd(w, w_offset);
+    for (const bool in_place : {false, true}) {
+      SCOPED_TRACE("width " + std::to_string(width) + (in_place ? " in place" : " out of place"));
+      DeviceBuffer xd(x, x_offset);
+      DeviceBuffer od(8 + bytes);
+      const ringlm_rms_norm_args args{.x = xd.get(),
+                                      .x_offset = x_offset,
+                                      .out = in_place ? xd.get() : od.get(),
+                                      .out_offset = in_place ? x_offset : 8,
+                                      .weight = wd.get(),
+                                      .weight_offset = w_offset,
+                                      .n_rows = n_rows,
+                                      .width = width,
+                                      .eps = eps};
+      ASSERT_EQ(api().rms_norm(ctx(), &args), RINGLM_OK) << last_error();
+      const std::vector<float> got =
+          in_place ? xd.download<float>(x.size(), x_offset) : od.download<float>(x.size(), 8);
+      expect_close(got, want, 1e-5, 1e-6, "rms_norm");
+      if (!in_place) {
+        EXPECT_EQ(xd.download<float>(x.size(), x_offset), x);  // x itself untouched
+      }
+    }
+  }
+}
+
+TEST(OpenclPlugin, AddResidualAndRowBias) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(12);
+  const int64_t rows = 5, width = 48, n = rows * width;
+  const std::vector<float> x = random_floats(static_cast<size_t>(n), rng, 4.0f);
+  const std::vector<float> residual = random_floats(static_cast<size_t>(n), rng, 4.0f);
+  const std::vector<float> bias = random_floats(static_cast<size_t>(width), rng, 4.0f);
+  const size_t x_offset = 64, d_offset = 4;
+  for (const bool row_bias : {false, true}) {
+    SCOPED_TRACE(row_bias ? "row bias" : "residual");
+    const std::vector<float>& delta = row_bias ? bias : residual;
+    DeviceBuffer xd(x, x_offset);
+    DeviceBuffer dd(delta, d_offset);
+    const ringlm_add_args args{.x = xd.get(),
+                               .x_offset = x_offset,
+                               .delta = dd.get(),
+                               .delta_offset = d_offset,
+                               .n = n,
+                               .delta_n = static_cast<int64_t>(delta.size())};
+    ASSERT_EQ(api().add(ctx(), &args), RINGLM_OK) << last_error();
+    std::vector<float> want(x.size());
+    for (size_t i = 0; i < x.size(); ++i) want[i] = x[i] + delta[i % delta.size()];
+    EXPECT_EQ(xd.download<float>(x.size(), x_offset), want);  // one float addition each: exact
+  }
+}
+
+TEST(OpenclPlugin, ScaleMultipliesEveryElement) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(13);
+  const std::vector<float> x = random_floats(300, rng, 5.0f);
+  DeviceBuffer xd(x, 12);
+  ASSERT_EQ(api().scale(ctx(), xd.get(), 12, 299, 0.125f), RINGLM_OK) << last_error();  // all but the last
+  std::vector<float> want = x;
+  for (size_t i = 0; i + 1 < want.size(); ++i) want[i] *= 0.125f;
+  EXPECT_EQ(xd.download<float>(x.size(), 12), want);
+  ASSERT_EQ(api().scale(ctx(), xd.get(), 12, 300, -3.0f), RINGLM_OK) << last_error();
+  for (float& v : want) v *= -3.0f;
+  EXPECT_EQ(xd.download<float>(x.size(), 12), want);
+}
+
+TEST(OpenclPlugin, GluBothActivations) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(14);
+  const size_t n = 1000;
+  std::vector<float> gate = random_floats(n, rng, 8.0f);
+  gate[0] = -8.0f, gate[1] = 8.0f, gate[2] = 0.0f, gate[3] = -1e-3f;
+  const std::vector<float> up = random_floats(n, rng, 2.0f);
+  for (const uint32_t act : {static_cast<uint32_t>(RINGLM_ACT_SILU), static_cast<uint32_t>(RINGLM_ACT_GELU_TANH)}) {
+    SCOPED_TRACE(act == RINGLM_ACT_SILU ? "silu" : "gelu_tanh");
+    DeviceBuffer gd(gate, 16);
+    DeviceBuffer ud(up, 4);
+    const ringlm_glu_args args{.gate = gd.get(),
+                               .gate_offset = 16,
+                               .up = ud.get(),
+                               .up_offset = 4,
+                               .n = static_cast<int64_t>(n),
+                               .activation = act};
+    ASSERT_EQ(api().glu(ctx(), &args), RINGLM_OK) << last_error();
+    std::vector<double> want(n);
+    const double sqrt_2_over_pi = std::sqrt(2.0 / 3.14159265358979323846);
+    for (size_t i = 0; i < n; ++i) {
+      const double g = gate[i];
+      const double a = act == RINGLM_ACT_SILU
+                           ? g / (1.0 + std::exp(-g))
+                           : g / 2.0 * (1.0 + std::tanh(sqrt_2_over_pi * (g + 0.044715 * g * g * g)));
+      want[i] = a * up[i];
+    }
+    // 1e-5 relative; GELU's 1 + tanh(z) for z near -3 loses digits to cancellation in float,
+    // hence an absolute term of a few float roundings of g * up.
+    const std::vector<float> got = gd.download<float>(n, 16);
+    for (size_t i = 0; i < n; ++i) {
+      const double tol = 1e-5 * std::fabs(want[i]) + 2e-6 * std::fabs(up[i]) * std::max(1.0, std::fabs(gate[i] * 1.0));
+      ASSERT_LE(std::fabs(got[i] - want[i]), tol) << "gate " << gate[i] << " up " << up[i] << ": " << got[i]
+                                                  << ", reference " << want[i];
+    }
+  }
+}
+
+struct RowRopeCase {
+  bool adjacent;
+  int head_dim, n_rot;
+};
+
+class RowRope : public ::testing::TestWithParam<RowRopeCase> {};
+
+TEST_P(RowRope, RotatesTheFirstNRotOfEveryHead) {
+  REQUIRE_PLUGIN();
+  const RowRopeCase c = GetParam();
+  std::mt19937 rng(static_cast<unsigned>(c.head_dim * 3 + c.n_rot + c.adjacent));
+  const int n_rows = 2, n_heads = 3, half = c.n_rot / 2;
+  const size_t width = static_cast<size_t>(n_heads * c.head_dim);
+  const std::vector<float> x = random_floats(n_rows * width, rng, 2.0f);
+  // Row r's angles: (r + 1) * theta_i, so the two rows turn differently.
+  std::vector<float> cos_t(static_cast<size_t>(n_rows * half)), sin_t(cos_t.size());
+  for (int r = 0; r < n_rows; ++r) {
+    for (int i = 0; i < half; ++i) {
+      const double angle = (r + 1) * std::pow(10000.0, -2.0 * i / c.n_rot) * 7.0;
+      cos_t[static_cast<size_t>(r * half + i)] = static_cast<float>(std::cos(angle));
+      sin_t[static_cast<size_t>(r * half + i)] = static_cast<float>(std::sin(angle));
+    }
+  }
+  // The formula in float, as rope_shift's test.
+  std::vector<float> want = x;
+  for (int r = 0; r < n_rows; ++r) {
+    for (int h = 0; h < n_heads; ++h) {
+      float* row = &want[r * width + static_cast<size_t>(h * c.head_dim)];
+      for (int i = 0; i < half; ++i) {
+        const int a = c.adjacent ? 2 * i : i, b = c.adjacent ? 2 * i + 1 : i + half;
+        const float xa = row[a], xb = row[b], cs = cos_t[static_cast<size_t>(r * half + i)],
+                    sn = sin_t[static_cast<size_t>(r * half + i)];
+        row[a] = xa * cs - xb * sn;
+        row[b] = xa * sn + xb * cs;
+      }
+    }
+  }
+  // cos and sin in one buffer, as a host's table could keep them.
+  std::vector<float> table = cos_t;
+  table.insert(table.end(), sin_t.begin(), sin_t.end());
+  DeviceBuffer xd(x, 40);
+  DeviceBuffer td(table, 8);
+  const ringlm_rope_args args{.x = xd.get(),
+                              .x_offset = 40,
+                              .n_rows = n_rows,
+                              .n_heads = n_heads,
+                              .head_dim = c.head_dim,
+                              .n_rot = c.n_rot,
+                              .adjacent_pairs = c.adjacent,
+                              .cos = td.get(),
+                              .cos_offset = 8,
+                              .sin = td.get(),
+                              .sin_offset = 8 + cos_t.size() * sizeof(float)};
+  ASSERT_EQ(api().rope(ctx(), &args), RINGLM_OK) << last_error();
+  const std::vector<float> got = xd.download<float>(x.size(), 40);
+  for (size_t i = 0; i < got.size(); ++i) {
+    const int e = static_cast<int>(i % static_cast<size_t>(c.head_dim));
+    if (e >= c.n_rot) {
+      ASSERT_EQ(got[i], x[i]) << "element " << i << " is past n_rot and must not change";
+    } else {
+      ASSERT_LE(std::fabs(got[i] - want[i]), 1e-6f * (1.0f + std::fabs(want[i]))) << "element " << i;
+    }
+  }
+  EXPECT_NE(got, x);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, RowRope,
+                         ::testing::Values(RowRopeCase{true, 64, 64}, RowRopeCase{false, 64, 64},
+                                           RowRopeCase{true, 64, 32}, RowRopeCase{false, 16, 8}),
+                         [](const auto& info) {
+                           return std::string(info.param.adjacent ? "adjacent" : "halves") + "_d" +
+                                  std::to_string(info.param.head_dim) + "_rot" + std::to_string(info.param.n_rot);
+                         });
+
+TEST(OpenclPlugin, StoreKvF32ExactAndF16RoundedToNearestEven) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(15);
+  const int64_t n_rows = 3, row_width = 40;
+  const size_t n = static_cast<size_t>(n_rows * row_width);
+  std::vector<float> src = random_floats(n, rng, 10.0f);
+  // Edge cases of the fp16 rounding: ties (to even), the largest half, overflow, subnormals, zeros.
+  const std::vector<float> edges = {1.0f + 0x1p-11f,    1.0f + 3 * 0x1p-11f, 65504.0f,   65519.0f, 65520.0f,
+                                    1e9f,               -1e9f,               0x1p-24f,   0x1p-25f, 0x1.8p-24f,
+                                    3e-6f,              -7.5e-5f,            -0.0f,      0.0f,     1e-30f,
+                                    std::numeric_limits<float>::infinity(), 2049.0f,    -2051.0f};
+  std::copy(edges.begin(), edges.end(), src.begin() + 7);
+  const size_t src_offset = 20;
+  DeviceBuffer sd(src, src_offset);
+
+  for (const bool f16 : {false, true}) {
+    SCOPED_TRACE(f16 ? "f16" : "f32");
+    const size_t elem = f16 ? 2 : 4, dst_offset = 6 * elem, total = dst_offset + n * elem + 32;
+    DeviceBuffer dd(std::vector<uint8_t>(total, 0xAB));
+    const ringlm_store_kv_args args{.src = sd.get(),
+                                    .src_offset = src_offset,
+                                    .dst = dd.get(),
+                                    .dst_offset = dst_offset,
+                                    .kv_format = f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32,
+                                    .n_rows = n_rows,
+                                    .row_width = row_width};
+    ASSERT_EQ(api().store_kv(ctx(), &args), RINGLM_OK) << last_error();
+    std::vector<uint8_t> want(total, 0xAB);
+    for (size_t i = 0; i < n; ++i) {
+      if (f16) {
+        const uint16_t h = fp32_to_fp16(src[i]);  // ringlm's own round-to-nearest-even conversion
+        std::memcpy(&want[dst_offset + i * 2], &h, 2);
+      } else {
+        std::memcpy(&want[dst_offset + i * 4], &src[i], 4);
+      }
+    }
+    const std::vector<uint8_t> got = dd.download<uint8_t>(total);
+    for (size_t at = 0; at < total; at += elem) {
+      ASSERT_EQ(std::memcmp(&got[at], &want[at], elem), 0)
+          << "byte " << at << (at >= dst_offset && at < dst_offset + n * elem
+                                   ? ": element of " + std::to_string(src[(at - dst_offset) / elem])
+                                   : std::string(": outside the rows"));
+    }
+  }
+}
+
+class GetRows : public ::testing::TestWithParam<TensorType> {};
+
+TEST_P(GetRows, MatchesDequantizeRowAndZerosOutOfRange) {
+  REQUIRE_PLUGIN();
+  const TensorType type = GetParam();
+  std::mt19937 rng(static_cast<unsigned>(type) + 16);
+  const bool float_type = type == TensorType::F32 || type == TensorType::F16;
+  // Float rows need not be whole blocks of 32.
+  const int64_t n_rows = 5, cols = float_type ? 40 : 96;
+  const Weights w = make_weights(type, n_rows, cols, rng);
+  const std::vector<int32_t> ids = {3, 0, 4, -1, 5, 3, std::numeric_limits<int32_t>::min()};
+  const size_t ids_offset = 8, out_offset = 12;
+  DeviceBuffer wd(w.bytes);
+  DeviceBuffer id(ids, ids_offset);
+  DeviceBuffer od(std::vector<float>(out_offset / sizeof(float) + ids.size() * cols, 42.0f));
+  const ringlm_get_rows_args args{.weight = wd.get(),
+                                  .weight_format = static_cast<uint32_t>(type),
+                                  .n_weight_rows = n_rows,
+                                  .cols = cols,
+                                  .ids = id.get(),
+                                  .ids_offset = ids_offset,
+                                  .n_ids = static_cast<int64_t>(ids.size()),
+                                  .out = od.get(),
+                                  .out_offset = out_offset};
+  ASSERT_EQ(api().get_rows(ctx(), &args), RINGLM_OK) << last_error();
+  const std::vector<float> got = od.download<float>(ids.size() * cols, out_offset);
+  const size_t row_size = row_bytes(type, cols);
+  std::vector<float> want(static_cast<size_t>(cols));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] >= 0 && ids[i] < n_rows) {
+      dequantize_row(type, &w.bytes[row_size * static_cast<size_t>(ids[i])], want.data(), cols);
+    } else {
+      std::fill(want.begin(), want.end(), 0.0f);
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      ASSERT_EQ(got[i * cols + c], want[static_cast<size_t>(c)]) << "id " << ids[i] << " column " << c;
+    }
+  }
+  EXPECT_EQ(od.download<float>(out_offset / sizeof(float))[0], 42.0f);  // before out_offset: untouched
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, GetRows,
+                         ::testing::Values(TensorType::Q4_0, TensorType::Q4_1, TensorType::Q8_0, TensorType::F16,
+                                           TensorType::F32),
+                         [](const auto& info) {
+                           return std::string(type_traits(static_cast<uint32_t>(info.param))->name);
+                         });
+
+// Sliding-window attention against a reference written here (cpu::attention_causal has no window):
+// a ring of slots in random order with empty ones (NaN on the device), a prefill chunk of queries,
+// windows from 1 (each query sees only its own key) to wider than the cache (no window).
+TEST(OpenclPlugin, Attention2WindowMatchesReference) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(17);
+  const int n_head = 4, n_head_kv = 2, hd = 32, n_keys = 40, n_tokens = 6, n_slots = 48;
+  const int kv_width = n_head_kv * hd, q_width = n_head * hd, row_stride = kv_width + 4;
+  const int64_t q_pos0 = n_keys - n_tokens;
+  std::vector<int> slot_of(n_slots);
+  std::iota(slot_of.begin(), slot_of.end(), 0);
+  std::shuffle(slot_of.begin(), slot_of.end(), rng);
+  std::vector<int32_t> positions(n_slots, -1);
+  for (int t = 0; t < n_keys; ++t) positions[static_cast<size_t>(slot_of[static_cast<size_t>(t)])] = t;
+  const size_t cache = static_cast<size_t>(n_slots * row_stride);
+  std::vector<float> k = random_floats(cache, rng, 1.5f), v = random_floats(cache, rng);
+  for (size_t j = 0; j < static_cast<size_t>(n_slots); ++j) {
+    if (positions[j] >= 0) continue;
+    for (int e = 0; e < row_stride; ++e) k[j * row_stride + e] = v[j * row_stride + e] = std::nanf("");
+  }
+  const std::vector<float> q = random_floats(static_cast<size_t>(n_tokens * q_width), rng, 1.5f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+
+  DeviceBuffer qd(q);
+  DeviceBuffer pd(positions);
+  DeviceBuffer od(q.size() * sizeof(float));
+  DeviceBuffer od_v1(q.size() * sizeof(float));
+  for (const bool f16 : {false, true}) {
+    std::vector<uint16_t> k16(cache), v16(cache);
+    for (size_t i = 0; i < cache; ++i) k16[i] = fp32_to_fp16(k[i]), v16[i] = fp32_to_fp16(v[i]);
+    // What the reference reads: the cache as the device holds it.
+    const auto key = [&](size_t at) { return f16 ? fp16_to_fp32(k16[at]) : k[at]; };
+    const auto value = [&](size_t at) { return f16 ? fp16_to_fp32(v16[at]) : v[at]; };
+    DeviceBuffer kd = f16 ? DeviceBuffer(k16) : DeviceBuffer(k);
+    DeviceBuffer vd = f16 ? DeviceBuffer(v16) : DeviceBuffer(v);
+    const ringlm_attention_args base{.q = qd.get(),
+                                     .q_offset = 0,
+                                     .out = od.get(),
+                                     .out_offset = 0,
+                                     .keys = kd.get(),
+                                     .keys_offset = 0,
+                                     .values = vd.get(),
+                                     .values_offset = 0,
+                                     .kv_format = f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32,
+                                     .row_stride = row_stride,
+                                     .positions = pd.get(),
+                                     .n_slots = n_slots,
+                                     .n_tokens = n_tokens,
+                                     .q_pos0 = q_pos0,
+                                     .n_head = n_head,
+                                     .n_head_kv = n_head_kv,
+                                     .head_dim = hd,
+                                     .scale = scale};
+    for (const int window : {0, 1, 3, 8, 1000}) {
+      SCOPED_TRACE(std::string(f16 ? "f16" : "f32") + " window " + std::to_string(window));
+      const ringlm_attention2_args args{.base = base, .window = window};
+      ASSERT_EQ(api().attention2(ctx(), &args), RINGLM_OK) << last_error();
+      const std::vector<float> got = od.download<float>(q.size());
+
+      std::vector<double> want(q.size(), 0.0);
+      for (int i = 0; i < n_tokens; ++i) {
+        const int64_t p = q_pos0 + i;
+        for (int h = 0; h < n_head; ++h) {
+          const size_t q_row = static_cast<size_t>(i * q_width + h * hd);
+          const size_t kv_col = static_cast<size_t>((h / (n_head / n_head_kv)) * hd);
+          std::vector<std::pair<size_t, double>> scores;  // (slot, score)
+          for (size_t j = 0; j < static_cast<size_t>(n_slots); ++j) {
+            const int64_t pos = positions[j];
+            if (pos < 0 || pos > p || (window > 0 && pos <= p - window)) continue;
+            double dot = 0.0;
+            for (int d = 0; d < hd; ++d) dot += static_cast<double>(q[q_row + d]) * key(j * row_stride + kv_col + d);
+            scores.emplace_back(j, dot * scale);
+          }
+          ASSERT_FALSE(scores.empty());
+          double max_score = -INFINITY, denominator = 0.0;
+          for (const auto& [j, sc] : scores) max_score = std::max(max_score, sc);
+          for (const auto& [j, sc] : scores) denominator += std::exp(sc - max_score);
+          for (const auto& [j, sc] : scores) {
+            const double weight = std::exp(sc - max_score) / denominator;
+            for (int d = 0; d < hd; ++d) want[q_row + d] += weight * value(j * row_stride + kv_col + d);
+          }
+        }
+      }
+      expect_close(got, want, 0.0, 1e-4, "attention2");
+      if (window == 1) {  // each query sees its own key only: its value row, exactly
+        for (int i = 0; i < n_tokens; ++i) {
+          const size_t j = static_cast<size_t>(slot_of[static_cast<size_t>(q_pos0 + i)]);
+          EXPECT_EQ(got[static_cast<size_t>(i * q_width)], value(j * row_stride));
+        }
+      }
+      if (window == 0) {  // attention (v1) is the same kernel with window 0: bit for bit
+        ringlm_attention_args v1 = base;
+        v1.out = od_v1.get();
+        ASSERT_EQ(api().attention(ctx(), &v1), RINGLM_OK) << last_error();
+        EXPECT_EQ(od_v1.download<float>(q.size()), got);
+      }
+    }
+  }
+}
+
+// --- Version 2: transfers and counters --------------------------------------------------------
+
+TEST(OpenclPlugin, CopyMovesBytesOnTheDevice) {
+  REQUIRE_PLUGIN();
+  std::vector<uint8_t> a(256), b(128, 0);
+  std::iota(a.begin(), a.end(), uint8_t{0});
+  DeviceBuffer ad(a);
+  DeviceBuffer bd(b);
+  ASSERT_EQ(api().copy(ctx(), bd.get(), 10, ad.get(), 100, 50), RINGLM_OK) << last_error();
+  std::vector<uint8_t> want_b = b;
+  std::copy(a.begin() + 100, a.begin() + 150, want_b.begin() + 10);
+  EXPECT_EQ(bd.download<uint8_t>(b.size()), want_b);
+  // Within one buffer, the ranges apart.
+  ASSERT_EQ(api().copy(ctx(), ad.get(), 0, ad.get(), 128, 128), RINGLM_OK) << last_error();
+  std::vector<uint8_t> want_a = a;
+  std::copy(a.begin() + 128, a.end(), want_a.begin());
+  EXPECT_EQ(ad.download<uint8_t>(a.size()), want_a);
+  EXPECT_EQ(api().copy(ctx(), ad.get(), 0, ad.get(), 0, 0), RINGLM_OK) << last_error();  // nothing to copy
+}
+
+TEST(OpenclPlugin, UploadAsyncKeepsItsOwnCopy) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(18);
+  const size_t n = 4096;
+  DeviceBuffer d(n * sizeof(float) + 64);
+  std::vector<float> want;
+  {
+    // The caller's memory is reused and then freed as soon as upload_async returns.
+    auto host = std::make_unique<std::vector<float>>(random_floats(n, rng));
+    want = *host;
+    ASSERT_EQ(api().upload_async(ctx(), d.get(), 64, host->data(), n * sizeof(float)), RINGLM_OK) << last_error();
+    std::fill(host->begin(), host->end(), -1.0f);
+  }
+  EXPECT_EQ(d.download<float>(n, 64), want);
+
+  // Many in a row, each over part of the last: the device ends with the last one's bytes.
+  for (int round = 0; round < 20; ++round) {
+    std::vector<float> chunk = random_floats(n / 2, rng);
+    const size_t at = 64 + static_cast<size_t>(round % 3) * 1024;
+    ASSERT_EQ(api().upload_async(ctx(), d.get(), at, chunk.data(), chunk.size() * sizeof(float)), RINGLM_OK)
+        << last_error();
+    std::copy(chunk.begin(), chunk.end(), want.begin() + static_cast<std::ptrdiff_t>((at - 64) / sizeof(float)));
+  }
+  ASSERT_EQ(api().finish(ctx()), RINGLM_OK) << last_error();
+  EXPECT_EQ(d.download<float>(n, 64), want);
+  // Zero bytes: nothing to do, and no source needed.
+  EXPECT_EQ(api().upload_async(ctx(), d.get(), 0, nullptr, 0), RINGLM_OK) << last_error();
+}
+
+ringlm_counters counters_now() {
+  ringlm_counters c{};
+  EXPECT_EQ(api().counters(ctx(), &c), RINGLM_OK) << last_error();
+  return c;
+}
+
+// Expects `after` - `before` to be exactly (launches, upload bytes, download bytes, waits).
+void expect_delta(const ringlm_counters& before, const ringlm_counters& after, uint64_t launches, uint64_t up,
+                  uint64_t down, uint64_t waits, const char* what) {
+  EXPECT_EQ(after.launches - before.launches, launches) << what;
+  EXPECT_EQ(after.upload_bytes - before.upload_bytes, up) << what;
+  EXPECT_EQ(after.download_bytes - before.download_bytes, down) << what;
+  EXPECT_EQ(after.waits - before.waits, waits) << what;
+}
+
+TEST(OpenclPlugin, CountersCountExactlyWhatWasDone) {
+  REQUIRE_PLUGIN();
+  DeviceBuffer a(256);
+  DeviceBuffer b(256);
+  const std::vector<float> host(16, 1.5f);
+  std::vector<float> back(16);
+  const std::vector<float> ones(16, 1.0f);
+  DeviceBuffer w(ones);
+
+  ringlm_counters c0 = counters_now();
+  ASSERT_EQ(api().upload_async(ctx(), a.get(), 0, host.data(), 64), RINGLM_OK) << last_error();
+  ringlm_counters c1 = counters_now();
+  expect_delta(c0, c1, 0, 64, 0, 0, "upload_async of 64 bytes");
+
+  ASSERT_EQ(api().download(ctx(), a.get(), 0, back.data(), 64), RINGLM_OK) << last_error();
+  ringlm_counters c2 = counters_now();
+  expect_delta(c1, c2, 0, 0, 64, 1, "download of 64 bytes");
+  EXPECT_EQ(back, host);
+
+  const ringlm_rms_norm_args norm{.x = a.get(),
+                                  .x_offset = 0,
+                                  .out = b.get(),
+                                  .out_offset = 0,
+                                  .weight = w.get(),
+                                  .weight_offset = 0,
+                                  .n_rows = 1,
+                                  .width = 16,
+                                  .eps = 1e-6f};
+  ASSERT_EQ(api().rms_norm(ctx(), &norm), RINGLM_OK) << last_error();
+  ringlm_counters c3 = counters_now();
+  expect_delta(c2, c3, 1, 0, 0, 0, "rms_norm");
+
+  ASSERT_EQ(api().scale(ctx(), b.get(), 0, 16, 2.0f), RINGLM_OK) << last_error();
+  ASSERT_EQ(api().copy(ctx(), a.get(), 128, b.get(), 0, 64), RINGLM_OK) << last_error();  // a launch too
+  ringlm_counters c4 = counters_now();
+  expect_delta(c3, c4, 2, 0, 0, 0, "scale and copy");
+
+  ASSERT_EQ(api().finish(ctx()), RINGLM_OK) << last_error();
+  ringlm_counters c5 = counters_now();
+  expect_delta(c4, c5, 0, 0, 0, 1, "finish");
+
+  ASSERT_EQ(api().upload(ctx(), a.get(), 0, host.data(), 32), RINGLM_OK) << last_error();
+  ringlm_counters c6 = counters_now();
+  expect_delta(c5, c6, 0, 32, 0, 1, "blocking upload of 32 bytes");
+
+  // Refused calls do nothing, and zero-byte transfers move nothing.
+  EXPECT_NE(api().scale(ctx(), b.get(), 0, 0, 2.0f), RINGLM_OK);
+  EXPECT_NE(api().download(ctx(), a.get(), 250, back.data(), 64), RINGLM_OK);
+  EXPECT_NE(api().upload_async(ctx(), a.get(), 250, host.data(), 64), RINGLM_OK);
+  EXPECT_EQ(api().download(ctx(), a.get(), 0, back.data(), 0), RINGLM_OK);
+  ringlm_counters c7 = counters_now();
+  expect_delta(c6, c7, 0, 0, 0, 0, "refused and empty calls");
+
+  // And the result of that sequence: b = rms_norm(1.5 ...) * 2 = 2, copied to a[128..].
+  ASSERT_EQ(api().download(ctx(), a.get(), 128, back.data(), 64), RINGLM_OK) << last_error();
+  for (const float v : back) EXPECT_NEAR(v, 2.0f, 1e-5f);
+
+  ringlm_counters unused{};
+  expect_error(api().counters(nullptr, &unused), RINGLM_ERROR_INVALID_ARGUMENT, "null context");
+  expect_error(api().counters(ctx(), nullptr), RINGLM_ERROR_INVALID_ARGUMENT, "null output");
+}
+
+// --- Version 2: what it refuses --------------------------------------------------------------
+
+TEST(OpenclPlugin, SupportsRowOpsAndWindowAttention) {
+  REQUIRE_PLUGIN();
+  const auto row_ops = [](uint32_t kv_format, uint32_t weight_format) {
+    ringlm_op_desc d{};
+    d.op = RINGLM_OP_ROW_OPS;
+    d.kv_format = kv_format;
+    d.weight_format = weight_format;
+    return api().supports(ctx(), &d);
+  };
+  EXPECT_TRUE(row_ops(0, 0));  // nothing asked: F32 both
+  EXPECT_TRUE(row_ops(RINGLM_FORMAT_F16, RINGLM_FORMAT_Q4_0));
+  EXPECT_TRUE(row_ops(RINGLM_FORMAT_F32, RINGLM_FORMAT_Q4_1));
+  EXPECT_TRUE(row_ops(RINGLM_FORMAT_F16, RINGLM_FORMAT_Q8_0));
+  EXPECT_TRUE(row_ops(RINGLM_FORMAT_F16, RINGLM_FORMAT_F16));
+  EXPECT_FALSE(row_ops(RINGLM_FORMAT_Q8_0, RINGLM_FORMAT_F32));  // not a KV format
+  EXPECT_FALSE(row_ops(RINGLM_FORMAT_F16, 12));                  // Q4_K
+  EXPECT_FALSE(row_ops(RINGLM_FORMAT_F16, 99));
+
+  const auto window = [](uint32_t kv_format, int n_head, int n_head_kv, int head_dim) {
+    ringlm_op_desc d{};
+    d.op = RINGLM_OP_WINDOW_ATTENTION;
+    d.kv_format = kv_format;
+    d.n_head = n_head;
+    d.n_head_kv = n_head_kv;
+    d.head_dim = head_dim;
+    return api().supports(ctx(), &d);
+  };
+  EXPECT_TRUE(window(RINGLM_FORMAT_F16, 9, 3, 64));
+  EXPECT_TRUE(window(RINGLM_FORMAT_F32, 8, 8, 256));
+  EXPECT_FALSE(window(RINGLM_FORMAT_F16, 9, 2, 64));
+  EXPECT_FALSE(window(RINGLM_FORMAT_Q4_0, 8, 8, 64));
+  EXPECT_FALSE(window(RINGLM_FORMAT_F16, 8, 8, 66));
+}
+
+TEST(OpenclPlugin, BadArgumentsOfVersion2AreErrorsNotCrashes) {
+  REQUIRE_PLUGIN();
+  const int64_t rows = 2, width = 32, n = rows * width;
+  DeviceBuffer x(std::vector<float>(n, 1.0f));
+  DeviceBuffer y(std::vector<float>(n, 2.0f));
+  DeviceBuffer w(std::vector<float>(width, 1.0f));
+  std::mt19937 rng(19);
+  const Weights q = make_weights(TensorType::Q8_0, 4, 64, rng);
+  DeviceBuffer qd(q.bytes);
+  DeviceBuffer ids(std::vector<int32_t>{0, 1});
+  DeviceBuffer pos(std::vector<int32_t>{0, 1});
+  const ringlm_counters before = counters_now();  // every upload of the test's data done
+
+  // upload_async, finish, copy.
+  std::vector<uint8_t> host(64);
+  expect_error(api().upload_async(nullptr, x.get(), 0, host.data(), 16), RINGLM_ERROR_INVALID_ARGUMENT,
+               "null context");
+  expect_error(api().upload_async(ctx(), nullptr, 0, host.data(), 16), RINGLM_ERROR_INVALID_ARGUMENT, "null buffer");
+  expect_error(api().upload_async(ctx(), x.get(), n * sizeof(float) - 8, host.data(), 16),
+               RINGLM_ERROR_INVALID_ARGUMENT, "past the buffer");
+  expect_error(api().upload_async(ctx(), x.get(), SIZE_MAX - 4, host.data(), 16), RINGLM_ERROR_INVALID_ARGUMENT,
+               "overflows");
+  expect_error(api().upload_async(ctx(), x.get(), 0, nullptr, 16), RINGLM_ERROR_INVALID_ARGUMENT, "null source");
+  expect_error(api().finish(nullptr), RINGLM_ERROR_INVALID_ARGUMENT, "null context");
+  expect_error(api().copy(ctx(), nullptr, 0, y.get(), 0, 16), RINGLM_ERROR_INVALID_ARGUMENT, "copy dst: null buffer");
+  expect_error(api().copy(ctx(), x.get(), 0, nullptr, 0, 16), RINGLM_ERROR_INVALID_ARGUMENT, "copy src: null buffer");
+  expect_error(api().copy(ctx(), x.get(), 0, y.get(), n * sizeof(float) - 8, 16), RINGLM_ERROR_INVALID_ARGUMENT,
+               "copy src");
+  expect_error(api().copy(ctx(), x.get(), n * sizeof(float) - 8, y.get(), 0, 16), RINGLM_ERROR_INVALID_ARGUMENT,
+               "copy dst");
+  expect_error(api().copy(ctx(), x.get(), 0, x.get(), 8, 16), RINGLM_ERROR_INVALID_ARGUMENT, "overlap");
+  expect_error(api().copy(ctx(), x.get(), 8, x.get(), 0, 16), RINGLM_ERROR_INVALID_ARGUMENT, "overlap");
+  expect_error(api().copy(nullptr, x.get(), 0, y.get(), 0, 16), RINGLM_ERROR_INVALID_ARGUMENT, "null context");
+
+  // rms_norm.
+  const ringlm_rms_norm_args norm{.x = x.get(),
+                                  .x_offset = 0,
+                                  .out = y.get(),
+                                  .out_offset = 0,
+                                  .weight = w.get(),
+                                  .weight_offset = 0,
+                                  .n_rows = rows,
+                                  .width = width,
+                                  .eps = 1e-6f};
+  ringlm_rms_norm_args nm = norm;
+  nm.x = nullptr;
+  expect_error(api().rms_norm(ctx(), &nm), RINGLM_ERROR_INVALID_ARGUMENT, "rms_norm x: null buffer");
+  nm = norm;
+  nm.n_rows = 3;  // past both x and out
+  expect_error(api().rms_norm(ctx(), &nm), RINGLM_ERROR_INVALID_ARGUMENT, "past the buffer");
+  nm = norm;
+  nm.width = 0;
+  expect_error(api().rms_norm(ctx(), &nm), RINGLM_ERROR_INVALID_ARGUMENT, "width");
+  nm = norm;
+  nm.n_rows = -1;
+  expect_error(api().rms_norm(ctx(), &nm), RINGLM_ERROR_INVALID_ARGUMENT, "n_rows");
+  nm = norm;
+  nm.n_rows = INT64_MAX / 2;  // the size overflows
+  expect_error(api().rms_norm(ctx(), &nm), RINGLM_ERROR_INVALID_ARGUMENT, "overflows");
+  nm = norm;
+  nm.weight_offset = 8;  // the weight runs past its buffer
+  expect_error(api().rms_norm(ctx(), &nm), RINGLM_ERROR_INVALID_ARGUMENT, "rms_norm weight");
+  nm = norm;
+  nm.out_offset = 2;
+  expect_error(api().rms_norm(ctx(), &nm), RINGLM_ERROR_INVALID_ARGUMENT, "multiple");
+  nm = norm;
+  nm.n_rows = 1;
+  nm.out = x.get();
+  nm.out_offset = 64;  // out = x's second half of the row: partly over x
+  expect_error(api().rms_norm(ctx(), &nm), RINGLM_ERROR_INVALID_ARGUMENT, "overlaps");
+  expect_error(api().rms_norm(ctx(), nullptr), RINGLM_ERROR_INVALID_ARGUMENT, "null arguments");
+  expect_error(api().rms_norm(nullptr, &norm), RINGLM_ERROR_INVALID_ARGUMENT, "null context");
+
+  // add, scale, glu.
+  const ringlm_add_args add{.x = x.get(), .x_offset = 0, .delta = y.get(), .delta_offset = 0, .n = n, .delta_n = n};
+  ringlm_add_args ad = add;
+  ad.delta = nullptr;
+  expect_error(api().add(ctx(), &ad), RINGLM_ERROR_INVALID_ARGUMENT, "add delta: null buffer");
+  ad = add;
+  ad.n = 0;
+  expect_error(api().add(ctx(), &ad), RINGLM_ERROR_INVALID_ARGUMENT, "n = 0");
+  ad = add;
+  ad.delta_n = 24;  // does not divide 64
+  expect_error(api().add(ctx(), &ad), RINGLM_ERROR_INVALID_ARGUMENT, "delta_n");
+  ad = add;
+  ad.delta_offset = 4;
+  expect_error(api().add(ctx(), &ad), RINGLM_ERROR_INVALID_ARGUMENT, "add delta");
+  ad = add;
+  ad.n = ad.delta_n = n / 2;
+  ad.delta = x.get();
+  ad.delta_offset = 16;
+  expect_error(api().add(ctx(), &ad), RINGLM_ERROR_INVALID_ARGUMENT, "overlaps");
+  expect_error(api().scale(ctx(), nullptr, 0, 4, 2.0f), RINGLM_ERROR_INVALID_ARGUMENT, "null buffer");
+  expect_error(api().scale(ctx(), x.get(), 0, -5, 2.0f), RINGLM_ERROR_INVALID_ARGUMENT, "n = -5");
+  expect_error(api().scale(ctx(), x.get(), 4, n, 2.0f), RINGLM_ERROR_INVALID_ARGUMENT, "past the buffer");
+  expect_error(api().scale(ctx(), x.get(), 0, INT64_MAX, 2.0f), RINGLM_ERROR_INVALID_ARGUMENT, "overflows");
+  expect_error(api().scale(nullptr, x.get(), 0, 4, 2.0f), RINGLM_ERROR_INVALID_ARGUMENT, "null context");
+  const ringlm_glu_args glu{
+      .gate = x.get(), .gate_offset = 0, .up = y.get(), .up_offset = 0, .n = n, .activation = RINGLM_ACT_SILU};
+  ringlm_glu_args gl = glu;
+  gl.up = nullptr;
+  expect_error(api().glu(ctx(), &gl), RINGLM_ERROR_INVALID_ARGUMENT, "glu up: null buffer");
+  gl = glu;
+  gl.n = n + 1;
+  expect_error(api().glu(ctx(), &gl), RINGLM_ERROR_INVALID_ARGUMENT, "past the buffer");
+  gl = glu;
+  gl.n = 0;
+  expect_error(api().glu(ctx(), &gl), RINGLM_ERROR_INVALID_ARGUMENT, "n = 0");
+  gl = glu;
+  gl.activation = 7;
+  expect_error(api().glu(ctx(), &gl), RINGLM_ERROR_UNSUPPORTED, "activation 7");
+
+  // rope.
+  const ringlm_rope_args rope{.x = x.get(),
+                              .x_offset = 0,
+                              .n_rows = rows,
+                              .n_heads = 2,
+                              .head_dim = 16,
+                              .n_rot = 16,
+                              .adjacent_pairs = 1,
+                              .cos = w.get(),
+                              .cos_offset = 0,
+                              .sin = w.get(),
+                              .sin_offset = 64};
+  ringlm_rope_args rp = rope;
+  rp.cos = nullptr;
+  expect_error(api().rope(ctx(), &rp), RINGLM_ERROR_INVALID_ARGUMENT, "rope cos: null buffer");
+  rp = rope;
+  rp.sin_offset = 68;  // the sines run past w
+  expect_error(api().rope(ctx(), &rp), RINGLM_ERROR_INVALID_ARGUMENT, "rope sin");
+  rp = rope;
+  rp.n_rows = 0;
+  expect_error(api().rope(ctx(), &rp), RINGLM_ERROR_INVALID_ARGUMENT, "n_rows = 0");
+  rp = rope;
+  rp.n_rot = 15;
+  expect_error(api().rope(ctx(), &rp), RINGLM_ERROR_INVALID_ARGUMENT, "n_rot = 15");
+  rp = rope;
+  rp.n_rot = 18;
+  expect_error(api().rope(ctx(), &rp), RINGLM_ERROR_INVALID_ARGUMENT, "n_rot = 18");
+  rp = rope;
+  rp.sin = x.get();
+  rp.sin_offset = 0;
+  expect_error(api().rope(ctx(), &rp), RINGLM_ERROR_INVALID_ARGUMENT, "overlaps");
+
+  // store_kv.
+  const ringlm_store_kv_args store{.src = x.get(),
+                                   .src_offset = 0,
+                                   .dst = y.get(),
+                                   .dst_offset = 0,
+                                   .kv_format = RINGLM_FORMAT_F16,
+                                   .n_rows = rows,
+                                   .row_width = width};
+  ringlm_store_kv_args st = store;
+  st.dst = nullptr;
+  expect_error(api().store_kv(ctx(), &st), RINGLM_ERROR_INVALID_ARGUMENT, "store_kv dst: null buffer");
+  st = store;
+  st.kv_format = RINGLM_FORMAT_F32;
+  st.dst_offset = 4;  // fp32 rows one element past y
+  expect_error(api().store_kv(ctx(), &st), RINGLM_ERROR_INVALID_ARGUMENT, "store_kv dst");
+  st = store;
+  st.dst_offset = 1;  // not a whole fp16
+  expect_error(api().store_kv(ctx(), &st), RINGLM_ERROR_INVALID_ARGUMENT, "multiple");
+  st = store;
+  st.row_width = -3;
+  expect_error(api().store_kv(ctx(), &st), RINGLM_ERROR_INVALID_ARGUMENT, "row_width");
+  st = store;
+  st.kv_format = RINGLM_FORMAT_Q8_0;
+  expect_error(api().store_kv(ctx(), &st), RINGLM_ERROR_UNSUPPORTED, "KV format");
+
+  // get_rows.
+  const ringlm_get_rows_args get{.weight = qd.get(),
+                                 .weight_format = RINGLM_FORMAT_Q8_0,
+                                 .n_weight_rows = 4,
+                                 .cols = 64,
+                                 .ids = ids.get(),
+                                 .ids_offset = 0,
+                                 .n_ids = 1,
+                                 .out = y.get(),
+                                 .out_offset = 0};
+  ringlm_get_rows_args gr = get;
+  gr.ids = nullptr;
+  expect_error(api().get_rows(ctx(), &gr), RINGLM_ERROR_INVALID_ARGUMENT, "get_rows ids: null buffer");
+  gr = get;
+  gr.n_weight_rows = 5;  // more rows than the buffer holds
+  expect_error(api().get_rows(ctx(), &gr), RINGLM_ERROR_INVALID_ARGUMENT, "get_rows weight");
+  gr = get;
+  gr.n_ids = 3;
+  expect_error(api().get_rows(ctx(), &gr), RINGLM_ERROR_INVALID_ARGUMENT, "get_rows ids");
+  gr = get;
+  gr.n_ids = 0;
+  expect_error(api().get_rows(ctx(), &gr), RINGLM_ERROR_INVALID_ARGUMENT, "n_ids = 0");
+  gr = get;
+  gr.cols = 48;
+  expect_error(api().get_rows(ctx(), &gr), RINGLM_ERROR_INVALID_ARGUMENT, "multiple of 32");
+  gr = get;
+  gr.out_offset = 4;
+  gr.n_ids = 2;  // 2 rows of 64 floats from byte 4: past y's 256 bytes
+  expect_error(api().get_rows(ctx(), &gr), RINGLM_ERROR_INVALID_ARGUMENT, "get_rows out");
+  gr = get;
+  gr.weight_format = 12;
+  expect_error(api().get_rows(ctx(), &gr), RINGLM_ERROR_UNSUPPORTED, "format");
+
+  // attention2: everything attention checks, and the window.
+  const ringlm_attention2_args att{.base = {.q = x.get(),
+                                            .q_offset = 0,
+                                            .out = y.get(),
+                                            .out_offset = 0,
+                                            .keys = x.get(),
+                                            .keys_offset = 0,
+                                            .values = x.get(),
+                                            .values_offset = 0,
+                                            .kv_format = RINGLM_FORMAT_F32,
+                                            .row_stride = 32,
+                                            .positions = pos.get(),
+                                            .n_slots = 2,
+                                            .n_tokens = 1,
+                                            .q_pos0 = 1,
+                                            .n_head = 2,
+                                            .n_head_kv = 2,
+                                            .head_dim = 16,
+                                            .scale = 0.25f},
+                                   .window = 1};
+  ringlm_attention2_args at = att;
+  at.window = -1;
+  expect_error(api().attention2(ctx(), &at), RINGLM_ERROR_INVALID_ARGUMENT, "window = -1");
+  at = att;
+  at.base.n_slots = 3;
+  expect_error(api().attention2(ctx(), &at), RINGLM_ERROR_INVALID_ARGUMENT, "attention keys");
+  at = att;
+  at.base.positions = nullptr;
+  expect_error(api().attention2(ctx(), &at), RINGLM_ERROR_INVALID_ARGUMENT, "null buffer");
+  at = att;
+  at.base.head_dim = 18;
+  expect_error(api().attention2(ctx(), &at), RINGLM_ERROR_UNSUPPORTED, "head_dim");
+  expect_error(api().attention2(ctx(), nullptr), RINGLM_ERROR_INVALID_ARGUMENT, "null arguments");
+
+  // Nothing of that reached the device; the good calls still work.
+  expect_delta(before, counters_now(), 0, 0, 0, 0, "refused calls");
+  ASSERT_EQ(api().rms_norm(ctx(), &norm), RINGLM_OK) << last_error();
+  ASSERT_EQ(api().add(ctx(), &add), RINGLM_OK) << last_error();
+  ASSERT_EQ(api().glu(ctx(), &glu), RINGLM_OK) << last_error();
+  ASSERT_EQ(api().rope(ctx(), &rope), RINGLM_OK) << last_error();
+  ASSERT_EQ(api().store_kv(ctx(), &store), RINGLM_OK) << last_error();
+  ASSERT_EQ(api().get_rows(ctx(), &get), RINGLM_OK) << last_error();
+  ASSERT_EQ(api().attention2(ctx(), &att), RINGLM_OK) << last_error();
+  ASSERT_EQ(api().finish(ctx()), RINGLM_OK) << last_error();
 }
 
 }  // namespace

@@ -121,7 +121,7 @@ TEST(LoadPlugin, LoadsTheWorkingFakeAndListsItsDevices) {
   ASSERT_NE(plugin, nullptr);
   EXPECT_EQ(plugin->name(), "fake");
   EXPECT_EQ(plugin->path(), library);
-  EXPECT_EQ(plugin->api().abi_version, RINGLM_PLUGIN_ABI_VERSION);
+  EXPECT_EQ(plugin->abi_version(), 1u);  // a version-1 plugin loads as it did
   EXPECT_EQ(plugin->last_error(), "");
   const std::vector<ringlm_device_info> devices = plugin->devices();
   ASSERT_EQ(devices.size(), 2u);
@@ -152,7 +152,7 @@ TEST(LoadPlugin, MissingFileIsNamedAsNotFound) {
 
 TEST(LoadPlugin, WrongAbiVersionSaysBothVersions) {
   const fs::path library = broken_dir() / "libringlm-badabi.so";
-  EXPECT_EQ(load_error(library), library.string() + ": built for plugin ABI 7, this ringlm speaks 1");
+  EXPECT_EQ(load_error(library), library.string() + ": built for plugin ABI 7, this ringlm speaks 1 to 2");
 }
 
 TEST(LoadPlugin, MissingEntrySymbolIsNamed) {
@@ -175,8 +175,13 @@ TEST(LoadPlugin, TooSmallTableSaysBothSizes) {
   const fs::path library = broken_dir() / "libringlm-small.so";
   EXPECT_THAT(load_error(library),
               AllOf(StartsWith(library.string() + ": "),
-                    HasSubstr(std::string("plugin table is 16 bytes, this ringlm needs ") +
-                              std::to_string(sizeof(ringlm_plugin)))));
+                    HasSubstr(std::string("plugin table is 16 bytes, plugin ABI 1 needs ") +
+                              std::to_string(RINGLM_PLUGIN_V1_SIZE))));
+}
+
+TEST(LoadPlugin, Version2TableWithoutItsFunctionsIsRefused) {
+  const fs::path library = fs::path(RINGLM_TEST_PLUGIN_DIR) / "half_v2" / "libringlm-halfv2.so";
+  EXPECT_EQ(load_error(library), library.string() + ": plugin table (ABI 2) has no 'upload_async' function");
 }
 
 TEST(LoadPlugin, UndefinedSymbolPassesDlerrorThrough) {
@@ -209,7 +214,7 @@ TEST(ScanPlugins, CollectsLoadedAndFailedWithTheirCauses) {
   EXPECT_THAT(names_of(scan), ElementsAre("exploding"));
   const auto failed = failures_by_file(scan);
   ASSERT_EQ(failed.size(), 6u) << ::testing::PrintToString(failed);
-  EXPECT_EQ(failed.at("libringlm-badabi.so"), "built for plugin ABI 7, this ringlm speaks 1");
+  EXPECT_EQ(failed.at("libringlm-badabi.so"), "built for plugin ABI 7, this ringlm speaks 1 to 2");
   EXPECT_THAT(failed.at("libringlm-garbage.so"), AllOf(StartsWith("cannot load: "), HasSubstr("invalid ELF header")));
   EXPECT_THAT(failed.at("libringlm-noentry.so"), HasSubstr("entry symbol 'ringlm_plugin_entry' missing"));
   EXPECT_EQ(failed.at("libringlm-nullentry.so"), "ringlm_plugin_entry returned NULL");
@@ -358,7 +363,7 @@ TEST(OpenPluginDevice, UnknownNameListsWhatWasFoundAndWhatFailed) {
   EXPECT_THAT(message, HasSubstr(std::string("found: fake (") + fake.string() + ")"));
   EXPECT_THAT(message, HasSubstr("found: exploding ("));
   EXPECT_THAT(message, HasSubstr(std::string("could not load: ") + (broken_dir() / "libringlm-badabi.so").string() +
-                                 ": built for plugin ABI 7, this ringlm speaks 1"));
+                                 ": built for plugin ABI 7, this ringlm speaks 1 to 2"));
   EXPECT_THAT(message, HasSubstr(std::string("could not load: ") + (broken_dir() / "libringlm-garbage.so").string()));
 }
 
@@ -438,7 +443,7 @@ TEST(OpenAutoDevice, BrokenPluginsAreReasonsToo) {
   EXPECT_EQ(open_auto_device({broken_dir()}, "", why), nullptr);
   EXPECT_THAT(why, StartsWith("no GPU found ("));
   EXPECT_THAT(why, HasSubstr("exploding: cannot list devices: driver exploded"));
-  EXPECT_THAT(why, HasSubstr("libringlm-badabi.so did not load: built for plugin ABI 7, this ringlm speaks 1"));
+  EXPECT_THAT(why, HasSubstr("libringlm-badabi.so did not load: built for plugin ABI 7, this ringlm speaks 1 to 2"));
   EXPECT_THAT(why, Not(HasSubstr("\n")));
 }
 
@@ -548,7 +553,7 @@ TEST(DevicesCommand, ReportsTheCpuAndEveryBrokenPluginAndExitsZero) {
   const auto failure_line = [&](const std::string& file, const std::string& cause) {
     return HasSubstr(std::string("\n  ") + (dir / file).string() + ": " + cause);
   };
-  EXPECT_THAT(r.out, failure_line("libringlm-badabi.so", "built for plugin ABI 7, this ringlm speaks 1\n"));
+  EXPECT_THAT(r.out, failure_line("libringlm-badabi.so", "built for plugin ABI 7, this ringlm speaks 1 to 2\n"));
   EXPECT_THAT(r.out, failure_line("libringlm-garbage.so", "cannot load: invalid ELF header\n"));
   EXPECT_THAT(r.out, failure_line("libringlm-noentry.so", "entry symbol 'ringlm_plugin_entry' missing"));
   EXPECT_THAT(r.out, failure_line("libringlm-nullentry.so", "ringlm_plugin_entry returned NULL\n"));
@@ -574,8 +579,8 @@ TEST(DevicesCommand, ListsEachDeviceOfAPluginOnThePluginPath) {
   const CommandResult r = ringlm.run({"devices"}, good.string());
   EXPECT_EQ(r.exit_code, 0) << r.out;
   const std::string where = std::string("   [") + (good / "libringlm-fake.so").string() + "]";
-  EXPECT_EQ(row_of(r.out, "fake:0"), std::string("Fake CPU — CPU, 4 compute units, 512 MiB, FakeCL 1.0") + where);
-  EXPECT_EQ(row_of(r.out, "fake:1"), std::string("Fake GPU — GPU, 32 compute units, 8.0 GiB, FakeCL 1.0") + where);
+  EXPECT_EQ(row_of(r.out, "fake:0"), std::string("Fake CPU — CPU, 4 compute units, 512 MiB, FakeCL 1.0, plugin ABI 1") + where);
+  EXPECT_EQ(row_of(r.out, "fake:1"), std::string("Fake GPU — GPU, 32 compute units, 8.0 GiB, FakeCL 1.0, plugin ABI 1") + where);
   EXPECT_THAT(r.out, HasSubstr(searched_line({good.string(), ringlm.dir().string()})));
   EXPECT_THAT(r.out, Not(HasSubstr("plugins that could not load")));
 }
@@ -585,7 +590,7 @@ TEST(DevicesCommand, FindsAPluginNextToTheExecutable) {
   ringlm.add_plugin(plugin_dir("cpu_only") / "libringlm-fake.so");
   const CommandResult r = ringlm.run({"devices"});
   EXPECT_EQ(r.exit_code, 0) << r.out;
-  EXPECT_EQ(row_of(r.out, "fake:0"), std::string("Fake CPU — CPU, 4 compute units, 512 MiB, FakeCL 1.0   [") +
+  EXPECT_EQ(row_of(r.out, "fake:0"), std::string("Fake CPU — CPU, 4 compute units, 512 MiB, FakeCL 1.0, plugin ABI 1   [") +
                                          (ringlm.dir() / "libringlm-fake.so").string() + "]");
   EXPECT_EQ(row_of(r.out, "fake:1"), "(no row)");
   EXPECT_THAT(r.out, HasSubstr(searched_line({ringlm.dir().string()})));

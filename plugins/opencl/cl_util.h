@@ -74,6 +74,7 @@ using QueueHandle = Handle<cl_command_queue, clReleaseCommandQueue>;
 using ProgramHandle = Handle<cl_program, clReleaseProgram>;
 using KernelHandle = Handle<cl_kernel, clReleaseKernel>;
 using MemHandle = Handle<cl_mem, clReleaseMemObject>;
+using EventHandle = Handle<cl_event, clReleaseEvent>;
 
 // clGetDeviceInfo of a fixed-size value (cl_uint, cl_ulong, size_t, ...).
 template <typename T>

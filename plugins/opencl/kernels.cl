@@ -1,5 +1,6 @@
-// The kernels of ringlm's OpenCL plugin: flat GEMM on quantized weights, causal attention over a
-// ring of KV slots, and the shift-RoPE re-rotation of cached keys.
+// The kernels of ringlm's OpenCL plugin: flat GEMM on quantized weights, causal (optionally
+// sliding-window) attention over a ring of KV slots, the shift-RoPE re-rotation of cached keys,
+// and the row ops of ABI version 2 (RMS norm, add, scale, GLU, RoPE, KV stores, row gathers).
 //
 // OpenCL C 1.2 and nothing optional: fp16 data is read and written with vload_half /
 // vstore_half_rte (core in 1.2), never as `half` arithmetic, so every OpenCL 1.2 device runs it.
@@ -163,9 +164,10 @@ float4 load_kv4(const int f16, __global const void* base, const ulong i) {
 }
 
 // out[i][h] = softmax(q[i][h] · K_visibleᵀ · scale) · V_visible for query token i =
-// get_group_id(1) at position q_pos0 + i and query head h = get_group_id(0), which reads KV head
-// h / (n_head / n_head_kv). Slot j is visible when 0 <= positions[j] <= q_pos0 + i; the slots
-// may be in any order (a ring), and a decode step and a prefill chunk are the same kernel.
+// get_group_id(1) at position p = q_pos0 + i and query head h = get_group_id(0), which reads KV
+// head h / (n_head / n_head_kv). Slot j is visible when 0 <= positions[j] <= p and, with a
+// sliding window (window > 0), positions[j] > p - window; window 0 is plain causal attention.
+// The slots may be in any order (a ring), and a decode step and a prefill chunk are the same kernel.
 //
 // The keys are met a block of B = get_local_size(0) slots at a time, with the online softmax of
 // FlashAttention: a running max, by which the output sums and the denominator are rescaled
@@ -184,11 +186,12 @@ float4 load_kv4(const int f16, __global const void* base, const ulong i) {
 void attention_one(const int f16, __global const float* q, __global float* out, __global const void* keys,
                    __global const void* values, const long row_stride, __global const int* positions, const int n_slots,
                    const long q_pos0, const int n_head, const int n_head_kv, const int head_dim, const float scale,
-                   __local float* lq, __local float* ls, __local float* lp) {
+                   const int window, __local float* lq, __local float* ls, __local float* lp) {
   const int h = get_group_id(0), i = get_group_id(1);
   const int tid = get_local_id(0), B = get_local_size(0);
   const int g = h / (n_head / n_head_kv);
   const long pos = q_pos0 + i;
+  const long oldest = window > 0 ? pos - window + 1 : 0;  // the first visible position
   const ulong q_row = ((ulong)i * n_head + h) * head_dim;
   const ulong kv_col = (ulong)g * head_dim;
 
@@ -203,13 +206,13 @@ void attention_one(const int f16, __global const float* q, __global float* out, 
 
   for (int j0 = 0; j0 < n_slots; j0 += B) {
     const int n_block = min(B, n_slots - j0);
-    // Score of slot j0 + tid; -inf when the slot is past n_slots, empty or in this query's
-    // future. (The previous block's readers of ls finished before its second barrier.)
+    // Score of slot j0 + tid; -inf when the slot is past n_slots, empty, in this query's future
+    // or out of its window. (The previous block's readers of ls finished before its second barrier.)
     const int j = j0 + tid;
     float s = -INFINITY;
     if (j < n_slots) {
       const int p = positions[j];
-      if (p >= 0 && p <= pos) {
+      if (p >= 0 && p <= pos && p >= oldest) {
         const ulong k_row = (ulong)j * row_stride + kv_col;
         float dot_qk = 0.0f;
         for (int c = 0; c < head_dim; c += 4) dot_qk += dot(vload4(0, lq + c), load_kv4(f16, keys, k_row + c));
@@ -255,9 +258,9 @@ void attention_one(const int f16, __global const float* q, __global float* out, 
                      __global const kv_type* keys, const ulong k_off, __global const kv_type* values,                  \
                      const ulong v_off, const long row_stride, __global const int* positions, const int n_slots,       \
                      const long q_pos0, const int n_head, const int n_head_kv, const int head_dim, const float scale,  \
-                     __local float* lq, __local float* ls, __local float* lp) {                                        \
+                     const int window, __local float* lq, __local float* ls, __local float* lp) {                      \
     attention_one(f16, q + q_off, out + out_off, keys + k_off, values + v_off, row_stride, positions, n_slots, q_pos0, \
-                  n_head, n_head_kv, head_dim, scale, lq, ls, lp);                                                     \
+                  n_head, n_head_kv, head_dim, scale, window, lq, ls, lp);                                             \
   }
 
 ATTENTION_KERNEL(attention_f32, 0, float)
@@ -303,3 +306,141 @@ void rope_shift_one(const int f16, __global void* keys, const ulong layer_stride
 
 ROPE_SHIFT_KERNEL(rope_shift_f32, 0, float)
 ROPE_SHIFT_KERNEL(rope_shift_f16, 1, half)
+
+// --- Row ops (ABI version 2) ------------------------------------------------------------------
+
+// Every offset below (x_off, ...) is in elements of its buffer's type. The element-wise kernels
+// run on a grid rounded up to whole work-groups: the work-items past n do nothing.
+
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+
+// out[r][c] = x[r][c] / sqrt(mean_c(x[r][c]^2) + eps) * weight[c]: one work-group per row r =
+// get_group_id(0), its get_local_size(0) work-items (a power of two) each summing the squares of
+// columns tid, tid + G, ... in float, then a tree reduction in local memory (`partial`, G
+// floats). Each work-item writes exactly the columns it read, after the reduction: out may be x.
+__kernel void rms_norm(__global const float* x, const ulong x_off, __global float* out, const ulong out_off,
+                       __global const float* weight, const ulong w_off, const int width, const float eps,
+                       __local float* partial) {
+  const int tid = get_local_id(0), G = get_local_size(0);
+  const ulong row = (ulong)get_group_id(0) * (ulong)width;
+  __global const float* xr = x + x_off + row;
+  __global float* outr = out + out_off + row;
+  __global const float* w = weight + w_off;
+
+  float sum = 0.0f;
+  for (int c = tid; c < width; c += G) {
+    const float v = xr[c];
+    sum += v * v;
+  }
+  partial[tid] = sum;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int stride = G / 2; stride > 0; stride /= 2) {
+    if (tid < stride) partial[tid] += partial[tid + stride];
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }
+  const float inv = 1.0f / sqrt(partial[0] / (float)width + eps);
+  for (int c = tid; c < width; c += G) outr[c] = xr[c] * inv * w[c];
+}
+
+// x[i] += delta[i % delta_n] for i < n: a residual (delta_n = n) or a bias on every row.
+__kernel void add_rows(__global float* x, const ulong x_off, __global const float* delta, const ulong d_off,
+                       const ulong n, const ulong delta_n) {
+  const ulong i = get_global_id(0);
+  if (i >= n) return;
+  x[x_off + i] += delta[d_off + (delta_n == n ? i : i % delta_n)];
+}
+
+// x[i] *= factor for i < n.
+__kernel void scale_rows(__global float* x, const ulong x_off, const ulong n, const float factor) {
+  const ulong i = get_global_id(0);
+  if (i >= n) return;
+  x[x_off + i] *= factor;
+}
+
+// gate[i] = act(gate[i]) * up[i] for i < n, act being SiLU, x / (1 + exp(-x)), or GELU's tanh
+// form, x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))).
+__kernel void glu(__global float* gate, const ulong g_off, __global const float* up, const ulong u_off,
+                  const ulong n, const int activation) {
+  const ulong i = get_global_id(0);
+  if (i >= n) return;
+  const float g = gate[g_off + i];
+  float a;
+  if (activation == ACT_GELU_TANH) {
+    const float sqrt_2_over_pi = 0.79788456080286535588f;
+    a = 0.5f * g * (1.0f + tanh(sqrt_2_over_pi * (g + 0.044715f * g * g * g)));
+  } else {  // ACT_SILU
+    a = g / (1.0f + exp(-g));
+  }
+  gate[g_off + i] = a * up[u_off + i];
+}
+
+// RoPE in place: pair i = get_global_id(0) (< n_rot / 2) of head get_global_id(1) of row
+// r = get_global_id(2) (n_heads * head_dim floats) turns by the angle whose cosine and sine are
+// cos_t[r][i] and sin_t[r][i] (rows of n_rot / 2 floats), the pair being (x[2i], x[2i+1]) when
+// adjacent_pairs, else (x[i], x[i + n_rot/2]):
+//   x_a' = x_a cos - x_b sin,  x_b' = x_a sin + x_b cos.
+__kernel void rope(__global float* x, const ulong x_off, const int n_heads, const int head_dim, const int n_rot,
+                   const int adjacent_pairs, __global const float* cos_t, const ulong cos_off,
+                   __global const float* sin_t, const ulong sin_off) {
+  const int i = get_global_id(0), head = get_global_id(1);
+  const ulong r = get_global_id(2);
+  const int half_rot = n_rot / 2;
+  const ulong row = x_off + (r * (ulong)n_heads + (ulong)head) * (ulong)head_dim;
+  const ulong a = row + (adjacent_pairs ? 2 * i : i);
+  const ulong b = row + (adjacent_pairs ? 2 * i + 1 : i + half_rot);
+  const ulong angle = r * (ulong)half_rot + (ulong)i;
+  const float c = cos_t[cos_off + angle], s = sin_t[sin_off + angle];
+  const float xa = x[a], xb = x[b];
+  x[a] = xa * c - xb * s;
+  x[b] = xa * s + xb * c;
+}
+
+// dst[i] = src[i] for i < n, fp32 to the cache's element type (fp16: rounded to nearest even).
+__kernel void store_kv_f32(__global const float* src, const ulong src_off, __global float* dst, const ulong dst_off,
+                           const ulong n) {
+  const ulong i = get_global_id(0);
+  if (i >= n) return;
+  dst[dst_off + i] = src[src_off + i];
+}
+__kernel void store_kv_f16(__global const float* src, const ulong src_off, __global half* dst, const ulong dst_off,
+                           const ulong n) {
+  const ulong i = get_global_id(0);
+  if (i >= n) return;
+  vstore_half_rte(src[src_off + i], dst_off + i, dst);
+}
+
+// Weight c of a row in `format`: the block layouts of load_block (blocks of 32 for the quantized
+// formats, dequantized as quant/formats.cpp does: Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q).
+float weight_at(const int format, __global const uchar* row, const int c) {
+  const int j = c % BLOCK;
+  if (format == FMT_Q4_0) {
+    __global const uchar* p = row + (ulong)(c / BLOCK) * 18;
+    const int q = j < 16 ? (p[2 + j] & 0x0F) : (p[2 + j - 16] >> 4);
+    return vload_half(0, (__global const half*)p) * (float)(q - 8);
+  } else if (format == FMT_Q4_1) {
+    __global const uchar* p = row + (ulong)(c / BLOCK) * 20;
+    const int q = j < 16 ? (p[4 + j] & 0x0F) : (p[4 + j - 16] >> 4);
+    return vload_half(0, (__global const half*)p) * (float)q + vload_half(1, (__global const half*)p);
+  } else if (format == FMT_Q8_0) {
+    __global const uchar* p = row + (ulong)(c / BLOCK) * 34;
+    return vload_half(0, (__global const half*)p) * (float)((__global const char*)(p + 2))[j];
+  } else if (format == FMT_F16) {
+    return vload_half(c, (__global const half*)row);
+  } else {  // FMT_F32
+    return ((__global const float*)row)[c];
+  }
+}
+
+// out[i][c] = row ids[i] of W (n_rows rows of row_bytes bytes), element c, dequantized: column
+// c = get_global_id(0) (< cols), i = get_global_id(1). An id outside 0 .. n_rows - 1 gives zeros.
+__kernel void get_rows(__global const uchar* W, const int format, const ulong row_bytes, const long n_rows,
+                       const int cols, __global const int* ids, const ulong ids_off, __global float* out,
+                       const ulong out_off) {
+  const ulong column = get_global_id(0), i = get_global_id(1);
+  if (column >= (ulong)cols) return;
+  const int c = (int)column;
+  const int id = ids[ids_off + i];
+  const bool valid = id >= 0 && (long)id < n_rows;
+  out[out_off + i * (ulong)cols + c] = valid ? weight_at(format, W + (ulong)id * row_bytes, c) : 0.0f;
+}

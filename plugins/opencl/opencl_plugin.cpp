@@ -1,15 +1,19 @@
-// libringlm-opencl.so: the plugin table of backends/plugin_api.h on OpenCL 1.2 devices.
+// libringlm-opencl.so: the plugin table of backends/plugin_api.h (ABI version 2) on OpenCL 1.2
+// devices.
 //
 // One program (kernels.cl) per device and process, shared by every context opened on that device
-// and cached on disk (program_cache.h); each context has its own in-order queue and kernel
-// objects. Every entry point validates its arguments (buffers, offsets and sizes against the
-// buffers' sizes, shapes against supports()) before a CL call sees them, turns any failure into
-// a status and the thread's last error, and lets no C++ exception through.
+// and cached on disk (program_cache.h); each context has its own in-order queue, kernel objects,
+// staged asynchronous uploads and counters. Every entry point validates its arguments (buffers,
+// offsets and sizes against the buffers' sizes, shapes against supports()) before a CL call sees
+// them, turns any failure into a status and the thread's last error, and lets no C++ exception
+// through.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -48,11 +52,20 @@ enum KernelId {
   kAttentionF16,
   kRopeShiftF32,
   kRopeShiftF16,
+  kRmsNorm,
+  kAddRows,
+  kScaleRows,
+  kGlu,
+  kRope,
+  kStoreKvF32,
+  kStoreKvF16,
+  kGetRows,
   kKernelCount
 };
 constexpr std::array<const char*, kKernelCount> kKernelNames = {
-    "matmul_q4_0",   "matmul_q4_1",   "matmul_q8_0",    "matmul_f16",     "matmul_f32",
-    "attention_f32", "attention_f16", "rope_shift_f32", "rope_shift_f16",
+    "matmul_q4_0",    "matmul_q4_1",    "matmul_q8_0",  "matmul_f16",   "matmul_f32", "attention_f32",
+    "attention_f16",  "rope_shift_f32", "rope_shift_f16", "rms_norm",   "add_rows",   "scale_rows",
+    "glu",            "rope",           "store_kv_f32", "store_kv_f16", "get_rows",
 };
 
 // --- The thread's last error ------------------------------------------------------------------
@@ -179,12 +192,43 @@ Kernel make_kernel(const DeviceProgram& dp, const char* name) {
 }  // namespace
 }  // namespace ringlm::opencl
 
+namespace ringlm::opencl {
+namespace {
+
+// The host copy of an upload_async, kept until its write has run.
+struct StagedUpload {
+  uint64_t seq = 0;                // the context's count of staged uploads when it was enqueued
+  std::unique_ptr<uint8_t[]> bytes;
+  EventHandle written;             // the write's event
+};
+
+// What a context did (ringlm_counters), updated by whichever thread calls in.
+struct Counters {
+  std::atomic<uint64_t> launches{0};
+  std::atomic<uint64_t> upload_bytes{0};
+  std::atomic<uint64_t> download_bytes{0};
+  std::atomic<uint64_t> waits{0};
+};
+
+}  // namespace
+}  // namespace ringlm::opencl
+
 // The C API's opaque types (global namespace).
 struct ringlm_context {
   std::shared_ptr<ringlm::opencl::DeviceProgram> device;
   ringlm::opencl::QueueHandle queue;
   std::array<ringlm::opencl::Kernel, ringlm::opencl::kKernelCount> kernels;
   std::mutex mutex;  // a kernel's arguments are set and its launch enqueued as one step
+
+  // upload_async's copies, in the order of their writes on the (in-order) queue. Under
+  // staging_mutex a copy's write is enqueued and next_seq counts it as one step, so a blocking
+  // call that read next_seq before it enqueued itself knows, once it returns, that every copy
+  // with a smaller seq has been written.
+  std::mutex staging_mutex;
+  std::deque<ringlm::opencl::StagedUpload> staged;
+  uint64_t next_seq = 0;
+
+  ringlm::opencl::Counters counters;
 };
 
 struct ringlm_buffer {
@@ -367,7 +411,7 @@ void set_arg(const Kernel& k, cl_uint i, cl_float v) { set_arg(k, i, sizeof(v), 
 void set_arg(const Kernel& k, cl_uint i, LocalFloats v) { set_arg(k, i, v.count * sizeof(float), nullptr); }
 
 // Sets the kernel's arguments in order (each exactly of the kernel parameter's CL type) and
-// enqueues it on the context's queue.
+// enqueues it on the context's queue: one launch in the context's counters.
 template <typename... Args>
 void launch(ringlm_context& ctx, KernelId id, cl_uint dims, const size_t* global, const size_t* local,
             const Args&... args) {
@@ -377,9 +421,131 @@ void launch(ringlm_context& ctx, KernelId id, cl_uint dims, const size_t* global
   (set_arg(k, i++, args), ...);
   check(clEnqueueNDRangeKernel(ctx.queue.get(), k.handle.get(), dims, nullptr, global, local, 0, nullptr, nullptr),
         "clEnqueueNDRangeKernel", k.name);
+  ctx.counters.launches.fetch_add(1, std::memory_order_relaxed);
+}
+
+// An element-wise kernel over n items (n >= 1): a 1-D grid of whole work-groups of the kernel's
+// largest power-of-two size (up to kMaxGroup), the items past n idle.
+template <typename... Args>
+void launch_1d(ringlm_context& ctx, KernelId id, size_t n, const Args&... args) {
+  const size_t group = group_cap(ctx, ctx.kernels[id], 0);
+  const size_t global = mul(ceil_div(n, group), group, "grid size");
+  launch(ctx, id, 1, &global, &group, args...);
 }
 
 cl_int as_int(int64_t v) { return static_cast<cl_int>(v); }
+
+// --- Staged uploads and blocking calls --------------------------------------------------------
+
+// Frees the staged upload_async copies whose writes have run: those older than `upto` (a
+// blocking call that read next_seq before it enqueued itself has returned, and the queue is in
+// order), and from the oldest on, those whose write event says so.
+void release_staged(ringlm_context& ctx, uint64_t upto) {
+  std::lock_guard lock(ctx.staging_mutex);
+  while (!ctx.staged.empty()) {
+    const StagedUpload& oldest = ctx.staged.front();
+    if (oldest.seq >= upto) {
+      cl_int status = CL_QUEUED;
+      const cl_int err = clGetEventInfo(oldest.written.get(), CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof(status),
+                                        &status, nullptr);
+      // Complete, or ended in error (a negative status): either way the copy is no longer read.
+      if (err != CL_SUCCESS || (status != CL_COMPLETE && status >= 0)) break;
+    }
+    ctx.staged.pop_front();
+  }
+}
+
+// Runs `call`, a CL call that blocks until the device is done with it (a blocking read or
+// write, clFinish): one wait in the counters, and then every staged copy enqueued before it is free.
+template <typename Call>
+void blocking(ringlm_context& ctx, Call call) {
+  uint64_t upto = 0;
+  {
+    std::lock_guard lock(ctx.staging_mutex);
+    upto = ctx.next_seq;
+  }
+  call();
+  ctx.counters.waits.fetch_add(1, std::memory_order_relaxed);
+  release_staged(ctx, upto);
+}
+
+void run_upload(ringlm_context& ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
+  const cl_mem mem = buffer_range(ctx, dst, offset, bytes, 1, "upload");
+  if (bytes == 0) return;
+  require(src != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload: null source");
+  blocking(ctx, [&] {
+    check(clEnqueueWriteBuffer(ctx.queue.get(), mem, CL_TRUE, offset, bytes, src, 0, nullptr, nullptr),
+          "clEnqueueWriteBuffer");
+  });
+  ctx.counters.upload_bytes.fetch_add(bytes, std::memory_order_relaxed);
+}
+
+// The caller's bytes are copied into a StagedUpload, written from there without waiting, and
+// the copy kept until the write has run (release_staged).
+void run_upload_async(ringlm_context& ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
+  const cl_mem mem = buffer_range(ctx, dst, offset, bytes, 1, "upload_async");
+  if (bytes == 0) return;
+  require(src != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload_async: null source");
+  release_staged(ctx, 0);  // the copies of writes already done
+  std::unique_ptr<uint8_t[]> copy(new uint8_t[bytes]);
+  std::memcpy(copy.get(), src, bytes);
+
+  std::lock_guard lock(ctx.staging_mutex);
+  // The copy joins the list before its write is enqueued (nothing can throw after the enqueue,
+  // which would free a copy the device still reads) and counts as enqueued (next_seq) after.
+  ctx.staged.push_back(StagedUpload{ctx.next_seq, std::move(copy), EventHandle()});
+  StagedUpload& staged = ctx.staged.back();
+  cl_event written = nullptr;
+  const cl_int err = clEnqueueWriteBuffer(ctx.queue.get(), mem, CL_FALSE, offset, bytes, staged.bytes.get(), 0,
+                                          nullptr, &written);
+  if (err != CL_SUCCESS) {
+    ctx.staged.pop_back();
+    check(err, "clEnqueueWriteBuffer", "upload_async");
+  }
+  staged.written = EventHandle(written);
+  ++ctx.next_seq;
+  ctx.counters.upload_bytes.fetch_add(bytes, std::memory_order_relaxed);
+}
+
+void run_download(ringlm_context& ctx, const ringlm_buffer* src, size_t offset, void* dst, size_t bytes) {
+  const cl_mem mem = buffer_range(ctx, src, offset, bytes, 1, "download");
+  if (bytes == 0) return;
+  require(dst != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "download: null destination");
+  blocking(ctx, [&] {
+    check(clEnqueueReadBuffer(ctx.queue.get(), mem, CL_TRUE, offset, bytes, dst, 0, nullptr, nullptr),
+          "clEnqueueReadBuffer");
+  });
+  ctx.counters.download_bytes.fetch_add(bytes, std::memory_order_relaxed);
+}
+
+void run_finish(ringlm_context& ctx) {
+  blocking(ctx, [&] { check(clFinish(ctx.queue.get()), "clFinish"); });
+}
+
+// Whether byte ranges [a_offset, + a_bytes) of a and [b_offset, + b_bytes) of b share a byte.
+bool overlap(const ringlm_buffer* a, size_t a_offset, size_t a_bytes, const ringlm_buffer* b, size_t b_offset,
+             size_t b_bytes) {
+  return a == b && a_bytes > 0 && b_bytes > 0 && a_offset < b_offset + b_bytes && b_offset < a_offset + a_bytes;
+}
+// Whether they overlap other than as the very same range (which an element-wise op may update in place).
+bool partly_overlap(const ringlm_buffer* a, size_t a_offset, size_t a_bytes, const ringlm_buffer* b,
+                    size_t b_offset, size_t b_bytes) {
+  return overlap(a, a_offset, a_bytes, b, b_offset, b_bytes) && !(a_offset == b_offset && a_bytes == b_bytes);
+}
+
+// Device-side copy. It is device work enqueued like a kernel, so the counters take it as one
+// launch; it moves no bytes between host and device, so neither byte counter changes.
+void run_copy(ringlm_context& ctx, ringlm_buffer* dst, size_t dst_offset, const ringlm_buffer* src,
+              size_t src_offset, size_t bytes) {
+  const cl_mem d = buffer_range(ctx, dst, dst_offset, bytes, 1, "copy dst");
+  const cl_mem s = buffer_range(ctx, src, src_offset, bytes, 1, "copy src");
+  require(!overlap(dst, dst_offset, bytes, src, src_offset, bytes), RINGLM_ERROR_INVALID_ARGUMENT,
+          "copy: the source and destination ranges overlap");
+  if (bytes == 0) return;
+  check(clEnqueueCopyBuffer(ctx.queue.get(), s, d, src_offset, dst_offset, bytes, 0, nullptr, nullptr),
+        "clEnqueueCopyBuffer");
+  ctx.counters.launches.fetch_add(1, std::memory_order_relaxed);
+}
 
 // --- Matmul -----------------------------------------------------------------------------------
 
@@ -445,7 +611,10 @@ void run_matmul(ringlm_context& ctx, const ringlm_matmul_args& a) {
 
 // --- Attention --------------------------------------------------------------------------------
 
-void run_attention(ringlm_context& ctx, const ringlm_attention_args& a) {
+// Attention (v1: window 0) and attention2: one kernel, a key at position pos being visible to the
+// query at position p iff 0 <= pos <= p and (window == 0 || pos > p - window).
+void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, int32_t window) {
+  require(window >= 0, RINGLM_ERROR_INVALID_ARGUMENT, "attention2: window = " + std::to_string(window));
   const std::string why = attention_unsupported(ctx, a.kv_format, a.n_head, a.n_head_kv, a.head_dim);
   if (!why.empty()) throw Error(RINGLM_ERROR_UNSUPPORTED, why);
   require(a.n_tokens >= 1, RINGLM_ERROR_INVALID_ARGUMENT, "attention: n_tokens = " + std::to_string(a.n_tokens));
@@ -487,8 +656,13 @@ void run_attention(ringlm_context& ctx, const ringlm_attention_args& a) {
   launch(ctx, id, 2, global, local, q, cl_ulong{a.q_offset / sizeof(float)}, out,
          cl_ulong{a.out_offset / sizeof(float)}, keys, cl_ulong{a.keys_offset / elem}, values,
          cl_ulong{a.values_offset / elem}, cl_long{a.row_stride}, positions, cl_int{a.n_slots}, cl_long{a.q_pos0},
-         cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim}, cl_float{a.scale}, LocalFloats{head_dim},
-         LocalFloats{group}, LocalFloats{group});
+         cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim}, cl_float{a.scale}, cl_int{window},
+         LocalFloats{head_dim}, LocalFloats{group}, LocalFloats{group});
+}
+
+void run_attention(ringlm_context& ctx, const ringlm_attention_args& a) { run_attention_window(ctx, a, 0); }
+void run_attention2(ringlm_context& ctx, const ringlm_attention2_args& a) {
+  run_attention_window(ctx, a.base, a.window);
 }
 
 // --- Shift-RoPE -------------------------------------------------------------------------------
@@ -498,9 +672,11 @@ void run_attention(ringlm_context& ctx, const ringlm_attention_args& a) {
 // A blocking read, but a shift happens once per thousands of tokens.
 void check_slots(ringlm_context& ctx, const ringlm_rope_shift_args& a, cl_mem slots, size_t max_slot) {
   std::vector<int32_t> sorted(static_cast<size_t>(a.n_moved));
-  check(clEnqueueReadBuffer(ctx.queue.get(), slots, CL_TRUE, 0, sorted.size() * sizeof(int32_t), sorted.data(), 0,
-                            nullptr, nullptr),
-        "clEnqueueReadBuffer", "rope_shift slots");
+  blocking(ctx, [&] {
+    check(clEnqueueReadBuffer(ctx.queue.get(), slots, CL_TRUE, 0, sorted.size() * sizeof(int32_t), sorted.data(), 0,
+                              nullptr, nullptr),
+          "clEnqueueReadBuffer", "rope_shift slots");
+  });
   std::sort(sorted.begin(), sorted.end());
   require(sorted.front() >= 0 && static_cast<size_t>(sorted.back()) <= max_slot, RINGLM_ERROR_INVALID_ARGUMENT,
           "rope_shift: slot " + std::to_string(sorted.front() < 0 ? sorted.front() : sorted.back()) +
@@ -539,6 +715,147 @@ void run_rope_shift(ringlm_context& ctx, const ringlm_rope_shift_args& a) {
   launch(ctx, id, 3, global, nullptr, keys, cl_ulong{a.keys_offset / elem}, cl_ulong{a.layer_stride_bytes / elem},
          cl_long{a.row_stride}, slots, cl_int{a.n_moved}, cl_int{a.head_dim}, cl_int{a.n_rot}, cl_int{a.adjacent_pairs},
          cos_sin);
+}
+
+// --- Row ops (version 2) ----------------------------------------------------------------------
+
+// Bytes of fp32 arrays of n elements (n >= 1, checked by the caller), overflow-checked.
+size_t float_bytes(int64_t n, const char* what) { return mul(static_cast<size_t>(n), sizeof(float), what); }
+size_t float_bytes(int64_t rows, int64_t cols, const char* what) {
+  return mul(mul(static_cast<size_t>(rows), static_cast<size_t>(cols), what), sizeof(float), what);
+}
+
+void run_rms_norm(ringlm_context& ctx, const ringlm_rms_norm_args& a) {
+  require(a.n_rows >= 1 && a.width >= 1 && a.width <= INT32_MAX, RINGLM_ERROR_INVALID_ARGUMENT,
+          "rms_norm: n_rows = " + std::to_string(a.n_rows) + ", width = " + std::to_string(a.width));
+  require(a.eps >= 0.0f, RINGLM_ERROR_INVALID_ARGUMENT, "rms_norm: eps = " + std::to_string(a.eps));
+  const size_t bytes = float_bytes(a.n_rows, a.width, "rms_norm: x size");
+  const size_t w_bytes = float_bytes(a.width, "rms_norm: weight size");
+  const cl_mem x = buffer_range(ctx, a.x, a.x_offset, bytes, sizeof(float), "rms_norm x");
+  const cl_mem out = buffer_range(ctx, a.out, a.out_offset, bytes, sizeof(float), "rms_norm out");
+  const cl_mem w = buffer_range(ctx, a.weight, a.weight_offset, w_bytes, sizeof(float), "rms_norm weight");
+  require(!partly_overlap(a.out, a.out_offset, bytes, a.x, a.x_offset, bytes), RINGLM_ERROR_INVALID_ARGUMENT,
+          "rms_norm: out overlaps x without being x");
+  require(!overlap(a.out, a.out_offset, bytes, a.weight, a.weight_offset, w_bytes), RINGLM_ERROR_INVALID_ARGUMENT,
+          "rms_norm: out overlaps weight");
+
+  // One group per row, of up to kMaxGroup work-items (a power of two, for the reduction tree).
+  const Kernel& k = ctx.kernels[kRmsNorm];
+  const size_t group = std::min(group_cap(ctx, k, 0), pow2_ceil(static_cast<size_t>(a.width)));
+  require(group * sizeof(float) <= local_budget(ctx, k), RINGLM_ERROR_UNSUPPORTED,
+          "rms_norm: not enough local memory on this device");
+  const size_t global = mul(static_cast<size_t>(a.n_rows), group, "rms_norm: grid");
+  launch(ctx, kRmsNorm, 1, &global, &group, x, cl_ulong{a.x_offset / sizeof(float)}, out,
+         cl_ulong{a.out_offset / sizeof(float)}, w, cl_ulong{a.weight_offset / sizeof(float)}, as_int(a.width),
+         cl_float{a.eps}, LocalFloats{group});
+}
+
+void run_add(ringlm_context& ctx, const ringlm_add_args& a) {
+  require(a.n >= 1 && a.delta_n >= 1 && a.delta_n <= a.n && a.n % a.delta_n == 0, RINGLM_ERROR_INVALID_ARGUMENT,
+          "add: n = " + std::to_string(a.n) + ", delta_n = " + std::to_string(a.delta_n) +
+              " (both positive, delta_n dividing n)");
+  const size_t bytes = float_bytes(a.n, "add: x size");
+  const size_t d_bytes = float_bytes(a.delta_n, "add: delta size");
+  const cl_mem x = buffer_range(ctx, a.x, a.x_offset, bytes, sizeof(float), "add x");
+  const cl_mem delta = buffer_range(ctx, a.delta, a.delta_offset, d_bytes, sizeof(float), "add delta");
+  require(!partly_overlap(a.x, a.x_offset, bytes, a.delta, a.delta_offset, d_bytes), RINGLM_ERROR_INVALID_ARGUMENT,
+          "add: delta overlaps x");
+  launch_1d(ctx, kAddRows, static_cast<size_t>(a.n), x, cl_ulong{a.x_offset / sizeof(float)}, delta,
+            cl_ulong{a.delta_offset / sizeof(float)}, static_cast<cl_ulong>(a.n), static_cast<cl_ulong>(a.delta_n));
+}
+
+void run_scale(ringlm_context& ctx, ringlm_buffer* x_buffer, size_t x_offset, int64_t n, float factor) {
+  require(n >= 1, RINGLM_ERROR_INVALID_ARGUMENT, "scale: n = " + std::to_string(n));
+  const cl_mem x = buffer_range(ctx, x_buffer, x_offset, float_bytes(n, "scale: x size"), sizeof(float), "scale x");
+  launch_1d(ctx, kScaleRows, static_cast<size_t>(n), x, cl_ulong{x_offset / sizeof(float)}, static_cast<cl_ulong>(n),
+            cl_float{factor});
+}
+
+void run_glu(ringlm_context& ctx, const ringlm_glu_args& a) {
+  require(a.activation == RINGLM_ACT_SILU || a.activation == RINGLM_ACT_GELU_TANH, RINGLM_ERROR_UNSUPPORTED,
+          "glu: activation " + std::to_string(a.activation) + " (SILU or GELU_TANH)");
+  require(a.n >= 1, RINGLM_ERROR_INVALID_ARGUMENT, "glu: n = " + std::to_string(a.n));
+  const size_t bytes = float_bytes(a.n, "glu: size");
+  const cl_mem gate = buffer_range(ctx, a.gate, a.gate_offset, bytes, sizeof(float), "glu gate");
+  const cl_mem up = buffer_range(ctx, a.up, a.up_offset, bytes, sizeof(float), "glu up");
+  require(!partly_overlap(a.gate, a.gate_offset, bytes, a.up, a.up_offset, bytes), RINGLM_ERROR_INVALID_ARGUMENT,
+          "glu: up overlaps gate");
+  launch_1d(ctx, kGlu, static_cast<size_t>(a.n), gate, cl_ulong{a.gate_offset / sizeof(float)}, up,
+            cl_ulong{a.up_offset / sizeof(float)}, static_cast<cl_ulong>(a.n), static_cast<cl_int>(a.activation));
+}
+
+void run_rope(ringlm_context& ctx, const ringlm_rope_args& a) {
+  require(a.n_rows >= 1 && a.n_heads >= 1 && a.head_dim >= 1, RINGLM_ERROR_INVALID_ARGUMENT,
+          "rope: n_rows = " + std::to_string(a.n_rows) + ", n_heads = " + std::to_string(a.n_heads) +
+              ", head_dim = " + std::to_string(a.head_dim));
+  require(a.n_rot >= 2 && a.n_rot % 2 == 0 && a.n_rot <= a.head_dim, RINGLM_ERROR_INVALID_ARGUMENT,
+          "rope: n_rot = " + std::to_string(a.n_rot) + " (even, 2 up to head_dim = " + std::to_string(a.head_dim) +
+              ")");
+  const size_t width = static_cast<size_t>(a.n_heads) * static_cast<size_t>(a.head_dim);  // < 2^62
+  const size_t bytes = float_bytes(a.n_rows, static_cast<int64_t>(width), "rope: x size");
+  const size_t half = static_cast<size_t>(a.n_rot / 2);
+  const size_t angle_bytes = float_bytes(a.n_rows, static_cast<int64_t>(half), "rope: cos/sin size");
+  const cl_mem x = buffer_range(ctx, a.x, a.x_offset, bytes, sizeof(float), "rope x");
+  const cl_mem cos_mem = buffer_range(ctx, a.cos, a.cos_offset, angle_bytes, sizeof(float), "rope cos");
+  const cl_mem sin_mem = buffer_range(ctx, a.sin, a.sin_offset, angle_bytes, sizeof(float), "rope sin");
+  require(!overlap(a.x, a.x_offset, bytes, a.cos, a.cos_offset, angle_bytes) &&
+              !overlap(a.x, a.x_offset, bytes, a.sin, a.sin_offset, angle_bytes),
+          RINGLM_ERROR_INVALID_ARGUMENT, "rope: cos or sin overlaps x");
+  const size_t global[3] = {half, static_cast<size_t>(a.n_heads), static_cast<size_t>(a.n_rows)};
+  launch(ctx, kRope, 3, global, nullptr, x, cl_ulong{a.x_offset / sizeof(float)}, cl_int{a.n_heads},
+         cl_int{a.head_dim}, cl_int{a.n_rot}, cl_int{a.adjacent_pairs}, cos_mem,
+         cl_ulong{a.cos_offset / sizeof(float)}, sin_mem, cl_ulong{a.sin_offset / sizeof(float)});
+}
+
+void run_store_kv(ringlm_context& ctx, const ringlm_store_kv_args& a) {
+  const size_t elem = kv_element_bytes(a.kv_format);
+  require(elem != 0, RINGLM_ERROR_UNSUPPORTED, "store_kv: KV format " + std::to_string(a.kv_format) + " (F16 or F32)");
+  require(a.n_rows >= 1 && a.row_width >= 1, RINGLM_ERROR_INVALID_ARGUMENT,
+          "store_kv: n_rows = " + std::to_string(a.n_rows) + ", row_width = " + std::to_string(a.row_width));
+  const size_t n = mul(static_cast<size_t>(a.n_rows), static_cast<size_t>(a.row_width), "store_kv: size");
+  const size_t src_bytes = mul(n, sizeof(float), "store_kv: size"), dst_bytes = mul(n, elem, "store_kv: size");
+  const cl_mem src = buffer_range(ctx, a.src, a.src_offset, src_bytes, sizeof(float), "store_kv src");
+  const cl_mem dst = buffer_range(ctx, a.dst, a.dst_offset, dst_bytes, elem, "store_kv dst");
+  require(!overlap(a.src, a.src_offset, src_bytes, a.dst, a.dst_offset, dst_bytes), RINGLM_ERROR_INVALID_ARGUMENT,
+          "store_kv: dst overlaps src");
+  launch_1d(ctx, a.kv_format == RINGLM_FORMAT_F16 ? kStoreKvF16 : kStoreKvF32, n, src,
+            cl_ulong{a.src_offset / sizeof(float)}, dst, cl_ulong{a.dst_offset / elem}, cl_ulong{n});
+}
+
+void run_get_rows(ringlm_context& ctx, const ringlm_get_rows_args& a) {
+  const char* format = format_name(a.weight_format);
+  require(format != nullptr, RINGLM_ERROR_UNSUPPORTED,
+          "get_rows: unknown weight format " + std::to_string(a.weight_format));
+  require(a.n_weight_rows >= 1 && a.cols >= 1 && a.cols <= INT32_MAX && a.n_ids >= 1, RINGLM_ERROR_INVALID_ARGUMENT,
+          "get_rows: n_weight_rows = " + std::to_string(a.n_weight_rows) + ", cols = " + std::to_string(a.cols) +
+              ", n_ids = " + std::to_string(a.n_ids));
+  const size_t cols = static_cast<size_t>(a.cols);
+  size_t row_bytes = 0;
+  if (a.weight_format == RINGLM_FORMAT_F32 || a.weight_format == RINGLM_FORMAT_F16) {
+    row_bytes = cols * (a.weight_format == RINGLM_FORMAT_F32 ? 4 : 2);
+  } else {
+    require(a.cols % kBlock == 0, RINGLM_ERROR_INVALID_ARGUMENT,
+            "get_rows: cols = " + std::to_string(a.cols) + " is not a multiple of " + std::to_string(kBlock) +
+                " (a row of whole " + format + " blocks)");
+    row_bytes = cols / kBlock * weight_block_bytes(a.weight_format);
+  }
+  const size_t w_bytes = mul(static_cast<size_t>(a.n_weight_rows), row_bytes, "get_rows: weight size");
+  const size_t ids_bytes = mul(static_cast<size_t>(a.n_ids), sizeof(int32_t), "get_rows: ids size");
+  const size_t out_bytes = float_bytes(a.n_ids, a.cols, "get_rows: out size");
+  const cl_mem w = buffer_range(ctx, a.weight, 0, w_bytes, 1, "get_rows weight");
+  const cl_mem ids = buffer_range(ctx, a.ids, a.ids_offset, ids_bytes, sizeof(int32_t), "get_rows ids");
+  const cl_mem out = buffer_range(ctx, a.out, a.out_offset, out_bytes, sizeof(float), "get_rows out");
+  require(!overlap(a.out, a.out_offset, out_bytes, a.weight, 0, w_bytes) &&
+              !overlap(a.out, a.out_offset, out_bytes, a.ids, a.ids_offset, ids_bytes),
+          RINGLM_ERROR_INVALID_ARGUMENT, "get_rows: out overlaps the weight or the ids");
+
+  // A row of `group` work-items per id, one column each.
+  const size_t group = std::min(group_cap(ctx, ctx.kernels[kGetRows], 0), pow2_ceil(cols));
+  const size_t global[2] = {mul(ceil_div(cols, group), group, "get_rows: grid"), static_cast<size_t>(a.n_ids)};
+  const size_t local[2] = {group, 1};
+  launch(ctx, kGetRows, 2, global, local, w, static_cast<cl_int>(a.weight_format), cl_ulong{row_bytes},
+         cl_long{a.n_weight_rows}, as_int(a.cols), ids, cl_ulong{a.ids_offset / sizeof(int32_t)}, out,
+         cl_ulong{a.out_offset / sizeof(float)});
 }
 
 // --- The C entry points -----------------------------------------------------------------------
@@ -628,22 +945,14 @@ void api_free(ringlm_context* /*ctx*/, ringlm_buffer* buffer) { delete buffer; }
 int32_t api_upload(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
   return guarded([&] {
     require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload: null context");
-    const cl_mem mem = buffer_range(*ctx, dst, offset, bytes, 1, "upload");
-    if (bytes == 0) return;
-    require(src != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload: null source");
-    check(clEnqueueWriteBuffer(ctx->queue.get(), mem, CL_TRUE, offset, bytes, src, 0, nullptr, nullptr),
-          "clEnqueueWriteBuffer");
+    run_upload(*ctx, dst, offset, src, bytes);
   });
 }
 
 int32_t api_download(ringlm_context* ctx, const ringlm_buffer* src, size_t offset, void* dst, size_t bytes) {
   return guarded([&] {
     require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "download: null context");
-    const cl_mem mem = buffer_range(*ctx, src, offset, bytes, 1, "download");
-    if (bytes == 0) return;
-    require(dst != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "download: null destination");
-    check(clEnqueueReadBuffer(ctx->queue.get(), mem, CL_TRUE, offset, bytes, dst, 0, nullptr, nullptr),
-          "clEnqueueReadBuffer");
+    run_download(*ctx, src, offset, dst, bytes);
   });
 }
 
@@ -661,6 +970,13 @@ int32_t api_supports(const ringlm_context* ctx, const ringlm_op_desc* d) {
       case RINGLM_OP_ROPE_SHIFT:
         yes = rope_shift_unsupported(d->kv_format, d->n_head_kv, d->head_dim, d->n_rot).empty();
         break;
+      case RINGLM_OP_ROW_OPS:
+        // kv_format 0 (not asked) is F32 and weight_format 0 is F32: both are fine.
+        yes = kv_element_bytes(d->kv_format) != 0 && format_name(d->weight_format) != nullptr;
+        break;
+      case RINGLM_OP_WINDOW_ATTENTION:
+        yes = attention_unsupported(*ctx, d->kv_format, d->n_head, d->n_head_kv, d->head_dim).empty();
+        break;
       default:
         break;
     }
@@ -668,7 +984,7 @@ int32_t api_supports(const ringlm_context* ctx, const ringlm_op_desc* d) {
   return yes;
 }
 
-// The three ops: a context and arguments, checked, then the run_* above.
+// The ops: a context and arguments, checked, then the run_* above.
 template <typename Args, typename Run>
 int32_t op(ringlm_context* ctx, const Args* args, const char* name, Run run) {
   return guarded([&] {
@@ -686,11 +1002,64 @@ int32_t api_rope_shift(ringlm_context* ctx, const ringlm_rope_shift_args* args) 
   return op(ctx, args, "rope_shift", run_rope_shift);
 }
 
+int32_t api_upload_async(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
+  return guarded([&] {
+    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload_async: null context");
+    run_upload_async(*ctx, dst, offset, src, bytes);
+  });
+}
+int32_t api_finish(ringlm_context* ctx) {
+  return guarded([&] {
+    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "finish: null context");
+    run_finish(*ctx);
+  });
+}
+int32_t api_copy(ringlm_context* ctx, ringlm_buffer* dst, size_t dst_offset, const ringlm_buffer* src,
+                 size_t src_offset, size_t bytes) {
+  return guarded([&] {
+    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "copy: null context");
+    run_copy(*ctx, dst, dst_offset, src, src_offset, bytes);
+  });
+}
+int32_t api_rms_norm(ringlm_context* ctx, const ringlm_rms_norm_args* args) {
+  return op(ctx, args, "rms_norm", run_rms_norm);
+}
+int32_t api_add(ringlm_context* ctx, const ringlm_add_args* args) { return op(ctx, args, "add", run_add); }
+int32_t api_scale(ringlm_context* ctx, ringlm_buffer* x, size_t x_offset, int64_t n, float factor) {
+  return guarded([&] {
+    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "scale: null context");
+    run_scale(*ctx, x, x_offset, n, factor);
+  });
+}
+int32_t api_glu(ringlm_context* ctx, const ringlm_glu_args* args) { return op(ctx, args, "glu", run_glu); }
+int32_t api_rope(ringlm_context* ctx, const ringlm_rope_args* args) { return op(ctx, args, "rope", run_rope); }
+int32_t api_store_kv(ringlm_context* ctx, const ringlm_store_kv_args* args) {
+  return op(ctx, args, "store_kv", run_store_kv);
+}
+int32_t api_get_rows(ringlm_context* ctx, const ringlm_get_rows_args* args) {
+  return op(ctx, args, "get_rows", run_get_rows);
+}
+int32_t api_attention2(ringlm_context* ctx, const ringlm_attention2_args* args) {
+  return op(ctx, args, "attention2", run_attention2);
+}
+int32_t api_counters(const ringlm_context* ctx, ringlm_counters* out) {
+  return guarded([&] {
+    require(ctx != nullptr && out != nullptr, RINGLM_ERROR_INVALID_ARGUMENT,
+            std::string("counters: null ") + (ctx == nullptr ? "context" : "output"));
+    const Counters& c = ctx->counters;
+    *out = ringlm_counters{.launches = c.launches.load(std::memory_order_relaxed),
+                           .upload_bytes = c.upload_bytes.load(std::memory_order_relaxed),
+                           .download_bytes = c.download_bytes.load(std::memory_order_relaxed),
+                           .waits = c.waits.load(std::memory_order_relaxed)};
+  });
+}
+
 constexpr ringlm_plugin kPlugin = {
     .abi_version = RINGLM_PLUGIN_ABI_VERSION,
     .struct_size = sizeof(ringlm_plugin),
     .name = "opencl",
-    .description = "OpenCL 1.2 devices: flat GEMM on Q4_0/Q4_1/Q8_0/F16/F32 weights, causal attention, shift-RoPE",
+    .description = "OpenCL 1.2 devices: flat GEMM on Q4_0/Q4_1/Q8_0/F16/F32 weights, causal and sliding-window "
+                   "attention, shift-RoPE, row ops",
     .last_error = api_last_error,
     .device_count = api_device_count,
     .device_info = api_device_info,
@@ -704,6 +1073,18 @@ constexpr ringlm_plugin kPlugin = {
     .matmul = api_matmul,
     .attention = api_attention,
     .rope_shift = api_rope_shift,
+    .upload_async = api_upload_async,
+    .finish = api_finish,
+    .copy = api_copy,
+    .rms_norm = api_rms_norm,
+    .add = api_add,
+    .scale = api_scale,
+    .glu = api_glu,
+    .rope = api_rope,
+    .store_kv = api_store_kv,
+    .get_rows = api_get_rows,
+    .attention2 = api_attention2,
+    .counters = api_counters,
 };
 
 }  // namespace

@@ -2,8 +2,8 @@
  * definitions that make it a working plugin or one particular kind of broken one.
  *
  *   FAKE_NAME="fake"        the plugin's name (required)
- *   FAKE_ABI=7              the abi_version it claims (default: the real one)
- *   FAKE_STRUCT_SIZE=n      the struct_size it claims (default: sizeof(ringlm_plugin))
+ *   FAKE_ABI=7              the abi_version it claims (default: 1, a plugin built before ABI 2)
+ *   FAKE_STRUCT_SIZE=n      the struct_size it claims (default: a version-1 table's)
  *   FAKE_NO_ENTRY           exports a misspelt entry point instead of ringlm_plugin_entry
  *   FAKE_NULL_ENTRY         the entry point returns NULL
  *   FAKE_COUNT_FAILS        device_count returns -1, last_error "driver exploded"
@@ -23,10 +23,10 @@
 #error FAKE_NAME must be defined
 #endif
 #ifndef FAKE_ABI
-#define FAKE_ABI RINGLM_PLUGIN_ABI_VERSION
+#define FAKE_ABI 1
 #endif
 #ifndef FAKE_STRUCT_SIZE
-#define FAKE_STRUCT_SIZE sizeof(ringlm_plugin)
+#define FAKE_STRUCT_SIZE RINGLM_PLUGIN_V1_SIZE
 #endif
 
 #define FAKE_EXPORT __attribute__((visibility("default")))
