@@ -42,6 +42,10 @@ struct RunStats {
   int64_t n_shifts = 0;        // context shifts done
   int64_t n_discarded = 0;     // tokens they dropped
   std::string stop_reason;
+  // On a device backend, what each of those passes did there: kernels launched, bytes up and
+  // down, host waits (Backend::counters()).
+  bool device = false;
+  std::vector<DeviceCounters> token_device;
 };
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -74,6 +78,17 @@ void print_stats(const RunStats& s, const std::string& format) {
         {"n_shifts", s.n_shifts},           {"n_discarded", s.n_discarded},     {"token_ms", s.token_ms},
         {"load_ms", s.load_ms},             {"n_threads", s.n_threads}, {"stop_reason", s.stop_reason},
     };
+    if (s.device) {
+      nlohmann::json launches = nlohmann::json::array(), up = nlohmann::json::array(), down = nlohmann::json::array(),
+                     waits = nlohmann::json::array();
+      for (const DeviceCounters& c : s.token_device) {
+        launches.push_back(c.launches);
+        up.push_back(c.upload_bytes);
+        down.push_back(c.download_bytes);
+        waits.push_back(c.waits);
+      }
+      j["token_device"] = {{"launches", launches}, {"upload_bytes", up}, {"download_bytes", down}, {"waits", waits}};
+    }
     std::fprintf(stderr, "%s\n", j.dump().c_str());
     return;
   }
@@ -101,6 +116,7 @@ void run(const RunOptions& o) {
   if (o.n_predict > 0) stats.token_ms.reserve(static_cast<size_t>(o.n_predict));
   stats.load_ms = m.load_ms;
   stats.n_threads = n_threads;
+  stats.device = m.backend->offloads();
   stats.prompt_tokens = prompt.size();
   KvCache cache = m.model->make_cache(n_ctx, o.cache);
   Sampler sampler(o.sampling, hp.n_vocab);
@@ -118,8 +134,14 @@ void run(const RunOptions& o) {
   SequenceModel sequence;
   sequence.evaluate = [&](int32_t token) {
     const auto step = std::chrono::steady_clock::now();
+    const DeviceCounters before = m.backend->counters();
     m.model->forward(std::span<const int32_t>(&token, 1), cache, logits.data());
     stats.token_ms.push_back(ms_since(step));
+    if (stats.device) {
+      const DeviceCounters after = m.backend->counters();
+      stats.token_device.push_back({after.launches - before.launches, after.upload_bytes - before.upload_bytes,
+                                    after.download_bytes - before.download_bytes, after.waits - before.waits});
+    }
     ++stats.decode_evals;
   };
   sequence.has_room = [&] { return has_room(cache); };

@@ -1,6 +1,7 @@
 #include "backends/backend.h"
 
 #include <cmath>
+#include <cstring>
 
 namespace ringlm {
 
@@ -20,6 +21,34 @@ const float* normalized_input_row(const MatmulInput& in, int64_t m, int64_t cols
   const auto scale = static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(cols) + in.rms_eps));
   for (i = 0; i < cols; ++i) out[i] = x[i] * scale * in.rms_weight[i];
   return out;
+}
+
+namespace {
+
+// Host activation memory: a zeroed array of floats.
+class HostActivations final : public ActivationBuffer {
+ public:
+  HostActivations(std::unique_ptr<float[]> storage, size_t n) : ActivationBuffer(storage.get(), n), storage_(std::move(storage)) {}
+
+ private:
+  std::unique_ptr<float[]> storage_;
+};
+
+}  // namespace
+
+std::unique_ptr<ActivationBuffer> Backend::alloc_activations(size_t n) {
+  auto storage = std::make_unique<float[]>(n > 0 ? n : 1);  // zeroed
+  return std::make_unique<HostActivations>(std::move(storage), n);
+}
+
+void Backend::write(float* dst, const float* src, size_t n) {
+  if (n > 0) std::memcpy(dst, src, n * sizeof(float));
+}
+void Backend::read(const float* src, float* dst, size_t n) {
+  if (n > 0) std::memcpy(dst, src, n * sizeof(float));
+}
+void Backend::copy(float* dst, const float* src, size_t n) {
+  if (n > 0) std::memcpy(dst, src, n * sizeof(float));
 }
 
 }  // namespace ringlm

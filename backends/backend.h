@@ -1,5 +1,14 @@
 // The backend seam: every op a layer runs, for the CPU and a plugin's device alike.
 //
+// Activations (the hidden state, q, k, v, the attention output, the logits; also the model's
+// norm weights and biases) live in memory the backend allocates (alloc_activations): host memory
+// for the CPU, a device's memory for a device backend, reached through the host address range of
+// the allocation. Ops take addresses inside such allocations; the host writes into them only
+// through write() and reads what the ops wrote only through read(), so a device backend keeps
+// the whole forward pass where its ops run and moves only what the host asks for (token ids and
+// RoPE angles in, logits out). Host pointers that are no allocation's still work as inputs and
+// outputs of every op (tests, a CPU-only caller): a device backend then runs the op on the CPU.
+//
 // The model hands every weight matrix to the backend once, at load (prepare), and from then on
 // only asks for products with it (matmul). What "prepare" does is the backend's business:
 // reference the mmap in place, repack into a kernel layout, or upload to a device. The other
@@ -86,6 +95,10 @@ struct KvView {
   std::span<const int64_t> positions;
   const KvView* prefix = nullptr;
   std::unique_ptr<BackendKvState>* state = nullptr;
+  // A read-only view (a prefix) has no state of its own to keep, but the cache it reads may have
+  // one (a device copy holding rows newer than these): the backend brings `rows` up to date
+  // from it before the host reads them.
+  std::unique_ptr<BackendKvState>* source_state = nullptr;
 
   size_t row_bytes() const { return static_cast<size_t>(row_width) * (f16 ? 2 : 4); }
   uint8_t* key(int layer, int slot) const { return rows + row_index(layer, false, slot) * row_bytes(); }
@@ -137,10 +150,49 @@ struct AttentionCall {
   float* softmax_phi = nullptr;
 };
 
+// Activation memory from Backend::alloc_activations: `size()` floats at `data()`, an address
+// range the backend's ops understand (host memory for the CPU backend; for a device backend, a
+// host range standing for the device memory behind it, not to be read or written directly).
+class ActivationBuffer {
+ public:
+  ActivationBuffer(float* data, size_t size) : data_(data), size_(size) {}
+  virtual ~ActivationBuffer() = default;
+  ActivationBuffer(const ActivationBuffer&) = delete;
+  ActivationBuffer& operator=(const ActivationBuffer&) = delete;
+  float* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  float* data_;
+  size_t size_;
+};
+
+// What a device backend did, counted since it was made: kernels launched, bytes moved each way
+// between host and device, and how often the host waited for the device.
+struct DeviceCounters {
+  uint64_t launches = 0;
+  uint64_t upload_bytes = 0;
+  uint64_t download_bytes = 0;
+  uint64_t waits = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string_view name() const = 0;
+
+  // --- Activation memory --------------------------------------------------------------------
+  // n floats of activation memory (zeroed). The host memory of this default serves every
+  // backend whose ops run on the host.
+  virtual std::unique_ptr<ActivationBuffer> alloc_activations(size_t n);
+  // dst[0..n) = src[0..n): host values into activation memory.
+  virtual void write(float* dst, const float* src, size_t n);
+  // dst[0..n) = src[0..n): activation values (after every op issued before) to the host.
+  virtual void read(const float* src, float* dst, size_t n);
+  // dst[0..n) = src[0..n) within activation memory (the ranges do not overlap).
+  virtual void copy(float* dst, const float* src, size_t n);
+  // Counters of a device backend (all zero for the CPU).
+  virtual DeviceCounters counters() const { return {}; }
 
   // Called once per weight at load. Throws std::runtime_error naming the weight if its
   // type or shape cannot be run.

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <compare>
+#include <cstring>
+#include <functional>
 #include <cstdio>
 #include <map>
 #include <set>
@@ -83,6 +85,39 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// A range of floats, [begin, end), offsets into one activation allocation.
+struct FloatRange {
+  size_t begin = 0, end = 0;
+  bool empty() const { return begin >= end; }
+  bool overlaps(FloatRange o) const { return !empty() && !o.empty() && begin < o.end && o.begin < end; }
+  FloatRange hull(FloatRange o) const {
+    if (empty()) return o;
+    if (o.empty()) return *this;
+    return {std::min(begin, o.begin), std::max(end, o.end)};
+  }
+};
+
+// Activation memory of a device backend: a device buffer and a host mirror of it, each newer
+// than the other in places. Host writes (write(), an op the CPU runs) are listed exactly and
+// uploaded before the device next touches the allocation; device writes widen one range that is
+// downloaded before the host next reads inside it. The device writes only once every host write
+// is uploaded, so the device holds the newest values everywhere in that range when it is read.
+class MirroredActivations final : public ActivationBuffer {
+ public:
+  MirroredActivations(std::unique_ptr<float[]> host, size_t n, DeviceBuffer device)
+      : ActivationBuffer(host.get(), n), device(std::move(device)), host_(std::move(host)) {}
+  DeviceBuffer device;
+  std::vector<FloatRange> device_stale;  // written on the host, not yet uploaded
+  FloatRange host_stale;                 // written on the device, not yet downloaded
+  std::function<void()> on_destroy;      // unregisters it from its backend
+  ~MirroredActivations() override {
+    if (on_destroy) on_destroy();
+  }
+
+ private:
+  std::unique_ptr<float[]> host_;
+};
+
 // A weight in device memory, or (device == false) one the CPU backend prepared.
 class PluginWeight final : public PreparedWeight {
  public:
@@ -130,13 +165,26 @@ class PluginKvCache final : public BackendKvState {
   // What the device's `positions` holds, slot for slot (each slot ever uploaded): a forward
   // pass uploads only the slots that changed since.
   std::vector<int32_t> host_positions;
+  // The device's rows are newer than the host's (a store on the device, ABI v2): the host's are
+  // brought up to date (sync_host_rows) before anything reads them there.
+  bool host_stale = false;
+  // The device does not run this cache's attention (its geometry): its rows live on the host.
+  bool host_only = false;
+  int stored_extent = 0;  // slots 0 .. stored_extent - 1 hold rows the device stored
 };
 
 class PluginBackend final : public Backend {
  public:
   PluginBackend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu)
-      : device_(std::move(device)), api_(device_->plugin->api()), cpu_(std::move(cpu)) {
+      : device_(std::move(device)),
+        api_(device_->plugin->api()),
+        v2_(device_->plugin->abi_version() >= 2),
+        cpu_(std::move(cpu)) {
     name_ = device_->plugin->name();
+  }
+  ~PluginBackend() override {
+    // Allocations the model still holds must not call back into a backend that is gone.
+    for (auto& [base, mirror] : mirrors_) mirror->on_destroy = nullptr;
   }
 
   std::string_view name() const override { return name_; }
@@ -154,6 +202,57 @@ class PluginBackend final : public Backend {
     return device_label(*device_) + ": " + std::to_string(n_cpu) + " of " + std::to_string(n_weights_) +
            " weights run on the CPU (" + types + "; the plugin does not take them)";
   }
+
+  DeviceCounters counters() const override {
+    DeviceCounters c;
+    if (!v2_) return c;
+    ringlm_counters raw{};
+    check(*device_, api_.counters(device_->context, &raw), "counters");
+    c.launches = raw.launches;
+    c.upload_bytes = raw.upload_bytes;
+    c.download_bytes = raw.download_bytes;
+    c.waits = raw.waits;
+    return c;
+  }
+
+  // --- Activation memory ------------------------------------------------------------------
+  // With ABI v2 every allocation has a device buffer and a host mirror (MirroredActivations);
+  // a version-1 plugin runs no op on activations in device memory, so its are host memory.
+
+  std::unique_ptr<ActivationBuffer> alloc_activations(size_t n) override {
+    if (!v2_) return Backend::alloc_activations(n);
+    auto host = std::make_unique<float[]>(n > 0 ? n : 1);
+    DeviceBuffer device(device_, std::max<size_t>(n, 1) * sizeof(float));
+    auto made = std::make_unique<MirroredActivations>(std::move(host), n, std::move(device));
+    MirroredActivations* raw = made.get();
+    raw->device_stale.push_back({0, n});  // the host's zeros go up before the device first uses it
+    mirrors_[raw->data()] = raw;
+    raw->on_destroy = [this, base = raw->data()] { mirrors_.erase(base); };
+    return made;
+  }
+
+  void write(float* dst, const float* src, size_t n) override {
+    float* host = host_write(dst, n);
+    if (n > 0) std::memcpy(host, src, n * sizeof(float));
+  }
+  void read(const float* src, float* dst, size_t n) override {
+    const float* host = host_read(src, n);
+    if (n > 0) std::memcpy(dst, host, n * sizeof(float));
+  }
+  void copy(float* dst, const float* src, size_t n) override {
+    if (n == 0) return;
+    if (on_device(dst, n) && on_device(src, n)) {
+      const DeviceSpan from = device_read(src, n);
+      const DeviceSpan to = device_write(dst, n);
+      check(*device_, api_.copy(device_->context, to.buffer, to.offset, from.buffer, from.offset, n * sizeof(float)),
+            "copy");
+      return;
+    }
+    const float* from = host_read(src, n);
+    std::memcpy(host_write(dst, n), from, n * sizeof(float));
+  }
+
+  // --- Weights and products ---------------------------------------------------------------
 
   std::unique_ptr<PreparedWeight> prepare(const WeightView& w) override {
     auto prepared = std::make_unique<PluginWeight>(w.rows, w.cols);
@@ -175,25 +274,47 @@ class PluginBackend final : public Backend {
 
   void rows(const PreparedWeight& weight, std::span<const int32_t> ids, float* out) override {
     const PluginWeight& w = as_plugin_weight(weight);
-    if (!w.on_device) return cpu_->rows(*w.cpu, ids, out);
+    const size_t n = ids.size() * static_cast<size_t>(w.cols());
+    if (w.on_device && on_device(out, n)) {
+      ensure(ids_buffer_, ids.size_bytes());
+      upload_staged(ids_buffer_, ids.data(), ids.size_bytes());
+      const DeviceSpan to = device_write(out, n);
+      ringlm_get_rows_args args{};
+      args.weight = w.data.get();
+      args.weight_format = static_cast<uint32_t>(w.type);
+      args.n_weight_rows = w.rows();
+      args.cols = w.cols();
+      args.ids = ids_buffer_.get();
+      args.n_ids = static_cast<int64_t>(ids.size());
+      args.out = to.buffer;
+      args.out_offset = to.offset;
+      check(*device_, api_.get_rows(device_->context, &args), "get_rows");
+      return;
+    }
+    float* host = host_write(out, n);
+    if (!w.on_device) return cpu_->rows(*w.cpu, ids, host);
     // The device copy was uploaded whole; the file's pages are still mapped (only the CPU
     // backend gives them back).
     const size_t stride = row_bytes(w.type, w.cols());
     for (size_t i = 0; i < ids.size(); ++i) {
-      dequantize_row(w.type, w.source + static_cast<size_t>(ids[i]) * stride, out + static_cast<int64_t>(i) * w.cols(), w.cols());
+      dequantize_row(w.type, w.source + static_cast<size_t>(ids[i]) * stride, host + static_cast<int64_t>(i) * w.cols(),
+                     w.cols());
     }
   }
 
   void matmul(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) override {
     const PluginWeight& w = as_plugin_weight(weight);
-    if (!w.on_device) return cpu_->matmul(*w.cpu, x, n_tokens, y);
-    upload_input(x, n_tokens, w.cols());
-    device_product(w, n_tokens, y);
+    const size_t nx = static_cast<size_t>(n_tokens * w.cols()), ny = static_cast<size_t>(n_tokens * w.rows());
+    if (!w.on_device) return cpu_->matmul(*w.cpu, host_read(x, nx), n_tokens, host_write(y, ny));
+    const DeviceSpan in = device_input(x, nx);
+    device_product(w, in, n_tokens, y);
   }
 
   void matmul_many(std::span<const PreparedWeight* const> weights, const MatmulInput& input,
                    std::span<float* const> ys) override {
-    // The CPU's weights in one fused call, the device's on one upload of the normalised input.
+    const int64_t cols = weights[0]->cols();
+    const size_t nx = static_cast<size_t>(input.n_tokens * cols);
+    // The CPU's weights in one fused call, the device's on one normalised input.
     std::vector<const PreparedWeight*> cpu_weights;
     std::vector<float*> cpu_ys;
     bool any_on_device = false;
@@ -203,15 +324,20 @@ class PluginBackend final : public Backend {
         any_on_device = true;
       } else {
         cpu_weights.push_back(w.cpu.get());
-        cpu_ys.push_back(ys[i]);
+        cpu_ys.push_back(host_write(ys[i], static_cast<size_t>(input.n_tokens * w.rows())));
       }
     }
-    if (!cpu_weights.empty()) cpu_->matmul_many(cpu_weights, input, cpu_ys);
+    if (!cpu_weights.empty()) {
+      MatmulInput host_input = input;
+      host_input.x = host_read(input.x, nx);
+      if (input.rms_weight != nullptr) host_input.rms_weight = host_read(input.rms_weight, static_cast<size_t>(cols));
+      cpu_->matmul_many(cpu_weights, host_input, cpu_ys);
+    }
     if (!any_on_device) return;
-    upload_input(normalised(input, weights[0]->cols()), input.n_tokens, weights[0]->cols());
+    const DeviceSpan in = normalised_input(input, cols);
     for (size_t i = 0; i < weights.size(); ++i) {
       const PluginWeight& w = as_plugin_weight(*weights[i]);
-      if (w.on_device) device_product(w, input.n_tokens, ys[i]);
+      if (w.on_device) device_product(w, in, input.n_tokens, ys[i]);
     }
   }
 
@@ -219,39 +345,118 @@ class PluginBackend final : public Backend {
                   float* out) override {
     const PluginWeight& g = as_plugin_weight(gate);
     const PluginWeight& u = as_plugin_weight(up);
-    if (!g.on_device && !u.on_device) return cpu_->matmul_glu(*g.cpu, *u.cpu, input, act, out);
-    const int64_t n = input.n_tokens * g.rows();
-    if (up_out_.size() < static_cast<size_t>(n)) up_out_.resize(static_cast<size_t>(n));
+    const size_t n = static_cast<size_t>(input.n_tokens * g.rows());
+    if (!g.on_device && !u.on_device) {
+      MatmulInput host_input = input;
+      host_input.x = host_read(input.x, static_cast<size_t>(input.n_tokens * g.cols()));
+      if (input.rms_weight != nullptr) host_input.rms_weight = host_read(input.rms_weight, static_cast<size_t>(g.cols()));
+      return cpu_->matmul_glu(*g.cpu, *u.cpu, host_input, act, host_write(out, n));
+    }
+    float* up_out = scratch(up_out_, n);
     const PreparedWeight* both[] = {&gate, &up};
-    float* const outs[] = {out, up_out_.data()};
+    float* const outs[] = {out, up_out};
     matmul_many(both, input, outs);
-    cpu::glu(act, out, up_out_.data(), n);
+    if (on_device(out, n) && on_device(up_out, n)) {
+      ringlm_glu_args args{};
+      const DeviceSpan up_span = device_read(up_out, n);
+      const DeviceSpan gate_span = device_write(out, n);
+      args.gate = gate_span.buffer;
+      args.gate_offset = gate_span.offset;
+      args.up = up_span.buffer;
+      args.up_offset = up_span.offset;
+      args.n = static_cast<int64_t>(n);
+      args.activation = act == Activation::kGeluTanh ? RINGLM_ACT_GELU_TANH : RINGLM_ACT_SILU;
+      check(*device_, api_.glu(device_->context, &args), "glu");
+      return;
+    }
+    const float* up_host = host_read(up_out, n);
+    cpu::glu(act, host_write(out, n), up_host, static_cast<int64_t>(n));
+  }
+
+  // --- Row-wise ops: on the device when their data is there -------------------------------
+
+  void rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) override {
+    const size_t n = static_cast<size_t>(n_rows) * n_heads * head_dim;
+    const size_t n_angles = static_cast<size_t>(n_rows) * static_cast<size_t>(angles.n_rot / 2);
+    if (on_device(x, n) && on_device(angles.cos, n_angles) && on_device(angles.sin, n_angles)) {
+      ringlm_rope_args args{};
+      const DeviceSpan c = device_read(angles.cos, n_angles);
+      const DeviceSpan s = device_read(angles.sin, n_angles);
+      const DeviceSpan io = device_write(x, n);
+      args.x = io.buffer;
+      args.x_offset = io.offset;
+      args.n_rows = n_rows;
+      args.n_heads = n_heads;
+      args.head_dim = head_dim;
+      args.n_rot = angles.n_rot;
+      args.adjacent_pairs = angles.adjacent_pairs ? 1 : 0;
+      args.cos = c.buffer;
+      args.cos_offset = c.offset;
+      args.sin = s.buffer;
+      args.sin_offset = s.offset;
+      check(*device_, api_.rope(device_->context, &args), "rope");
+      return;
+    }
+    RopeAngles host_angles = angles;
+    host_angles.cos = host_read(angles.cos, n_angles);
+    host_angles.sin = host_read(angles.sin, n_angles);
+    cpu_->rope(host_write(x, n), n_rows, n_heads, head_dim, host_angles);
+  }
+
+  void add(float* x, const float* delta, int64_t n) override { add_repeated(x, delta, n, n); }
+  void add_row(float* x, const float* row, int64_t n_rows, int64_t width) override {
+    add_repeated(x, row, n_rows * width, width);
+  }
+
+  void scale(float* x, int64_t n, float factor) override {
+    const auto count = static_cast<size_t>(n);
+    if (on_device(x, count)) {
+      const DeviceSpan io = device_write(x, count);
+      check(*device_, api_.scale(device_->context, io.buffer, io.offset, n, factor), "scale");
+      return;
+    }
+    cpu_->scale(host_write(x, count), n, factor);
+  }
+
+  void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) override {
+    const size_t n = static_cast<size_t>(n_rows * width);
+    if (on_device(x, n) && on_device(weight, static_cast<size_t>(width))) {
+      const DeviceSpan w = device_read(weight, static_cast<size_t>(width));
+      const DeviceSpan io = device_write(x, n);
+      device_rms_norm(io, io, w, n_rows, width, eps);
+      return;
+    }
+    const float* host_weight = host_read(weight, static_cast<size_t>(width));
+    cpu_->rms_norm(host_write(x, n), n_rows, width, host_weight, eps);
   }
 
   // --- The attention block ----------------------------------------------------------------
-  // The host rows of every cache are the truth, written by the CPU's ops. A cache whose
-  // attention the device runs (a geometry it supports, no shared prefix) gets a device copy
-  // when its attention first runs there (KvView::state), and from then on every store and
-  // shift reaches the copy too, so it is never stale.
-
-  void rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) override {
-    cpu_->rope(x, n_rows, n_heads, head_dim, angles);
-  }
-  void add(float* x, const float* delta, int64_t n) override { cpu_->add(x, delta, n); }
-  void add_row(float* x, const float* row, int64_t n_rows, int64_t width) override {
-    cpu_->add_row(x, row, n_rows, width);
-  }
-  void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) override {
-    cpu_->rms_norm(x, n_rows, width, weight, eps);
-  }
+  // A cache gets a device copy when the device first stores into it or attends over it
+  // (KvView::state). With ABI v2 the device's rows are the newest once it stored there
+  // (host_stale); the host's are brought up to date before the CPU reads them (a prefix that
+  // other sequences read, a cache whose attention the device cannot run). With ABI v1 the host
+  // rows are the truth and every store and shift reaches the copy too.
 
   void store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) override {
-    cpu_->store_kv(kv, layer, first_slot, n, k, v);
-    if (PluginKvCache* copy = device_copy(kv)) {
+    const size_t count = static_cast<size_t>(n) * static_cast<size_t>(kv.row_width);
+    if (kv.state != nullptr && kv.prefix == nullptr && on_device(k, count) && on_device(v, count)) {
+      PluginKvCache& copy = ensure_device_copy(kv);
+      if (!copy.host_only) {
+        device_store(copy, copy.keys, layer, first_slot, n, device_read(k, count));
+        device_store(copy, copy.values, layer, first_slot, n, device_read(v, count));
+        copy.host_stale = true;
+        copy.stored_extent = std::max(copy.stored_extent, first_slot + n);
+        return;
+      }
+    }
+    PluginKvCache* copy = device_copy(kv);
+    if (copy != nullptr) sync_host_rows(kv, *copy);
+    cpu_->store_kv(kv, layer, first_slot, n, host_read(k, count), host_read(v, count));
+    if (copy != nullptr) {
       const size_t at = static_cast<size_t>(layer) * copy->layer_bytes + static_cast<size_t>(first_slot) * copy->row_bytes;
       const size_t bytes = static_cast<size_t>(n) * copy->row_bytes;
-      copy->keys.upload(at, kv.key(layer, first_slot), bytes);
-      copy->values.upload(at, kv.value(layer, first_slot), bytes);
+      upload_staged(copy->keys, kv.key(layer, first_slot), bytes, at);
+      upload_staged(copy->values, kv.value(layer, first_slot), bytes, at);
     }
   }
 
@@ -260,7 +465,7 @@ class PluginBackend final : public Backend {
     for (const AttentionCall& call : calls) {
       if (const char* why = why_not_on_device(*call.kv, shape)) {
         notice_once(why);
-        cpu_calls_.push_back(call);
+        host_attention_call(call, shape);
         continue;
       }
       PluginKvCache& copy = ensure_device_copy(*call.kv);
@@ -275,33 +480,267 @@ class PluginBackend final : public Backend {
 
   void shift_keys(const KvView& kv, std::span<const int> layers, std::span<const int> slots, const RopeAngles& angles,
                   int n_head_kv, int head_dim) override {
-    cpu_->shift_keys(kv, layers, slots, angles, n_head_kv, head_dim);
     PluginKvCache* copy = device_copy(kv);
-    if (copy == nullptr) return;
     // The device turns every layer of its copy at once. When only some layers turn (a model
-    // with two RoPE bases shifts each set of layers apart), the copy is dropped instead: the
-    // host rows are the truth, and the next attention on the device uploads them afresh.
-    if (static_cast<int>(layers.size()) != kv.n_layer) {
+    // with two RoPE bases in one ring), the host rows turn and the copy is dropped: the next
+    // device op on the cache uploads them afresh.
+    if (copy != nullptr && static_cast<int>(layers.size()) != kv.n_layer) {
+      sync_host_rows(kv, *copy);
       kv.state->reset();
-      return;
+      copy = nullptr;
     }
-    shift_device_keys(*copy, slots, angles, n_head_kv, head_dim);
+    if (copy == nullptr || !copy->host_stale) cpu_->shift_keys(kv, layers, slots, angles, n_head_kv, head_dim);
+    if (copy != nullptr) shift_device_keys(*copy, slots, angles, n_head_kv, head_dim);
   }
-  void scale(float* x, int64_t n, float factor) override { cpu_->scale(x, n, factor); }
 
  private:
+  // A place in device memory: a buffer and a byte offset into it.
+  struct DeviceSpan {
+    ringlm_buffer* buffer = nullptr;
+    size_t offset = 0;
+  };
+
+  // --- Keeping the two copies of an activation in step -------------------------------------
+
+  // The allocation holding [p, p + n), or nullptr when it is no allocation of this backend's.
+  MirroredActivations* mirror_of(const float* p, size_t n) const {
+    if (p == nullptr || mirrors_.empty()) return nullptr;
+    auto it = mirrors_.upper_bound(p);
+    if (it == mirrors_.begin()) return nullptr;
+    --it;
+    MirroredActivations* m = it->second;
+    const float* base = m->data();
+    return p >= base && p + n <= base + m->size() ? m : nullptr;
+  }
+  bool on_device(const float* p, size_t n) const { return mirror_of(p, n) != nullptr; }
+
+  static FloatRange range_in(const MirroredActivations& m, const float* p, size_t n) {
+    const auto begin = static_cast<size_t>(p - m.data());
+    return {begin, begin + n};
+  }
+
+  // Uploads what the host wrote since the device last saw the allocation.
+  void flush_to_device(MirroredActivations& m) {
+    for (const FloatRange r : m.device_stale) {
+      upload_staged(m.device, m.data() + r.begin, (r.end - r.begin) * sizeof(float), r.begin * sizeof(float));
+    }
+    m.device_stale.clear();
+  }
+
+  // [p, p + n) of an allocation, for an op the device runs that reads it.
+  DeviceSpan device_read(const float* p, size_t n) {
+    MirroredActivations& m = *mirror_of(p, n);
+    flush_to_device(m);
+    return {m.device.get(), static_cast<size_t>(p - m.data()) * sizeof(float)};
+  }
+  // ... that writes it (and may read it first).
+  DeviceSpan device_write(float* p, size_t n) {
+    MirroredActivations& m = *mirror_of(p, n);
+    flush_to_device(m);
+    m.host_stale = m.host_stale.hull(range_in(m, p, n));
+    return {m.device.get(), static_cast<size_t>(p - m.data()) * sizeof(float)};
+  }
+
+  // [p, p + n) as the host may read it: an allocation's mirror is brought up to date first
+  // (one download, a wait); any other pointer is host memory already.
+  const float* host_read(const float* p, size_t n) {
+    MirroredActivations* m = mirror_of(p, n);
+    if (m == nullptr || !m->host_stale.overlaps(range_in(*m, p, n))) return p;
+    flush_to_device(*m);  // the device then holds the newest values in all of host_stale
+    const FloatRange r = m->host_stale;
+    m->device.download(r.begin * sizeof(float), m->data() + r.begin, (r.end - r.begin) * sizeof(float));
+    m->host_stale = {};
+    return p;
+  }
+  // ... as the host may write it (after reading it, as an op in place does).
+  float* host_write(float* p, size_t n) {
+    host_read(p, n);
+    if (MirroredActivations* m = mirror_of(p, n)) {
+      const FloatRange r = range_in(*m, p, n);
+      if (!m->device_stale.empty() && m->device_stale.back().end == r.begin) {
+        m->device_stale.back().end = r.end;
+      } else {
+        m->device_stale.push_back(r);
+      }
+    }
+    return p;
+  }
+
+  // The input of a product on the device: an allocation's own buffer, or (any other pointer,
+  // or a version-1 plugin) the rows uploaded to a staging buffer.
+  DeviceSpan device_input(const float* x, size_t n) {
+    if (on_device(x, n)) return device_read(x, n);
+    ensure(x_buffer_, n * sizeof(float));
+    upload_staged(x_buffer_, x, n * sizeof(float));
+    return {x_buffer_.get(), 0};
+  }
+
+  // The input rows of a product as the products should see them: RMS-normalised when asked,
+  // on the device when the rows are there, else on the host (normalized_input_row).
+  DeviceSpan normalised_input(const MatmulInput& in, int64_t cols) {
+    const size_t n = static_cast<size_t>(in.n_tokens * cols);
+    if (in.rms_weight == nullptr) return device_input(in.x, n);
+    if (on_device(in.x, n) && on_device(in.rms_weight, static_cast<size_t>(cols))) {
+      float* normed = scratch(normed_device_, n);
+      const DeviceSpan w = device_read(in.rms_weight, static_cast<size_t>(cols));
+      const DeviceSpan from = device_read(in.x, n);
+      const DeviceSpan to = device_write(normed, n);
+      device_rms_norm(from, to, w, in.n_tokens, cols, in.rms_eps);
+      return device_read(normed, n);
+    }
+    MatmulInput host_in = in;
+    host_in.x = host_read(in.x, n);
+    host_in.rms_weight = host_read(in.rms_weight, static_cast<size_t>(cols));
+    if (normed_.size() < n) normed_.resize(n);
+    for (int64_t m = 0; m < in.n_tokens; ++m) normalized_input_row(host_in, m, cols, normed_.data() + m * cols);
+    return device_input(normed_.data(), n);
+  }
+
+  // y = x · wᵀ for n_tokens rows at `in`, in chunks of the device's flat-GEMM rows, into y on
+  // the device (an allocation) or downloaded to it (any other pointer).
+  void device_product(const PluginWeight& w, DeviceSpan in, int64_t n_tokens, float* y) {
+    const size_t ny = static_cast<size_t>(n_tokens * w.rows());
+    const bool direct = on_device(y, ny);
+    DeviceSpan out;
+    if (direct) {
+      out = device_write(y, ny);
+    } else {
+      ensure(y_buffer_, ny * sizeof(float));
+      out = {y_buffer_.get(), 0};
+    }
+    for (int64_t m0 = 0; m0 < n_tokens; m0 += w.max_rows) {
+      ringlm_matmul_args args{};
+      args.weight = w.data.get();
+      args.weight_format = static_cast<uint32_t>(w.type);
+      args.n = w.rows();
+      args.k = w.cols();
+      args.x = in.buffer;
+      args.x_offset = in.offset + static_cast<size_t>(m0 * w.cols()) * sizeof(float);
+      args.y = out.buffer;
+      args.y_offset = out.offset + static_cast<size_t>(m0 * w.rows()) * sizeof(float);
+      args.m = std::min(w.max_rows, n_tokens - m0);
+      check(*device_, api_.matmul(device_->context, &args), "matmul");
+    }
+    if (!direct) y_buffer_.download(0, host_write(y, ny), ny * sizeof(float));
+  }
+
+  void device_rms_norm(DeviceSpan from, DeviceSpan to, DeviceSpan weight, int64_t n_rows, int64_t width, float eps) {
+    ringlm_rms_norm_args args{};
+    args.x = from.buffer;
+    args.x_offset = from.offset;
+    args.out = to.buffer;
+    args.out_offset = to.offset;
+    args.weight = weight.buffer;
+    args.weight_offset = weight.offset;
+    args.n_rows = n_rows;
+    args.width = width;
+    args.eps = eps;
+    check(*device_, api_.rms_norm(device_->context, &args), "rms_norm");
+  }
+
+  // x[i] += delta[i % delta_n] for i < n: a residual (delta_n = n) or a bias on every row.
+  void add_repeated(float* x, const float* delta, int64_t n, int64_t delta_n) {
+    const auto count = static_cast<size_t>(n), delta_count = static_cast<size_t>(delta_n);
+    if (on_device(x, count) && on_device(delta, delta_count)) {
+      ringlm_add_args args{};
+      const DeviceSpan d = device_read(delta, delta_count);
+      const DeviceSpan io = device_write(x, count);
+      args.x = io.buffer;
+      args.x_offset = io.offset;
+      args.delta = d.buffer;
+      args.delta_offset = d.offset;
+      args.n = n;
+      args.delta_n = delta_n;
+      check(*device_, api_.add(device_->context, &args), "add");
+      return;
+    }
+    const float* host_delta = host_read(delta, delta_count);
+    float* host_x = host_write(x, count);
+    if (delta_n == n) return cpu_->add(host_x, host_delta, n);
+    cpu_->add_row(host_x, host_delta, n / delta_n, delta_n);
+  }
+
+  // An internal activation of at least n floats (grown on demand), kept in device memory with
+  // ABI v2.
+  float* scratch(std::unique_ptr<ActivationBuffer>& buffer, size_t n) {
+    if (buffer == nullptr || buffer->size() < n) buffer = alloc_activations(std::max(n, 2 * (buffer ? buffer->size() : 0)));
+    return buffer->data();
+  }
+
+  // An upload that does not wait (ABI v2: the plugin copies the bytes), or the v1 upload.
+  void upload_staged(DeviceBuffer& buffer, const void* src, size_t bytes, size_t offset = 0) {
+    if (bytes == 0) return;
+    if (v2_) {
+      check(*device_, api_.upload_async(device_->context, buffer.get(), offset, src, bytes), "upload_async");
+    } else {
+      buffer.upload(offset, src, bytes);
+    }
+  }
+
+  // --- KV caches on the device ------------------------------------------------------------
+
   // The device copy the backend keeps for `kv`, or nullptr.
   static PluginKvCache* device_copy(const KvView& kv) {
     return kv.state != nullptr ? static_cast<PluginKvCache*>(kv.state->get()) : nullptr;
   }
 
+  // The host rows of a cache whose device copy is newer, downloaded (a wait): every slot the
+  // device ever stored into, in every layer (a prefix's view may show fewer).
+  void sync_host_rows(const KvView& kv, PluginKvCache& copy) {
+    if (!copy.host_stale) return;
+    const auto extent = static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(kv.positions.size()), copy.stored_extent));
+    if (extent > 0) {
+      const size_t bytes = extent * copy.row_bytes;
+      for (int layer = 0; layer < kv.n_layer; ++layer) {
+        copy.keys.download(static_cast<size_t>(layer) * copy.layer_bytes, kv.key(layer, 0), bytes);
+        copy.values.download(static_cast<size_t>(layer) * copy.layer_bytes, kv.value(layer, 0), bytes);
+      }
+    }
+    copy.host_stale = false;
+  }
+
+  // n rows of fp32 at `from` into slots first_slot.. of `layer` in `rows` (keys or values).
+  void device_store(const PluginKvCache& copy, DeviceBuffer& rows, int layer, int first_slot, int n, DeviceSpan from) {
+    ringlm_store_kv_args args{};
+    args.src = from.buffer;
+    args.src_offset = from.offset;
+    args.dst = rows.get();
+    args.dst_offset = static_cast<size_t>(layer) * copy.layer_bytes + static_cast<size_t>(first_slot) * copy.row_bytes;
+    args.kv_format = copy.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
+    args.n_rows = n;
+    args.row_width = copy.shape.row_width;
+    check(*device_, api_.store_kv(device_->context, &args), "store_kv");
+  }
+
+  // One sequence's attention on the CPU: its cache's rows (and its prefix's) up to date on the
+  // host first.
+  void host_attention_call(const AttentionCall& call, const AttentionShape& shape) {
+    if (PluginKvCache* copy = device_copy(*call.kv)) {
+      sync_host_rows(*call.kv, *copy);
+      copy->host_only = true;  // from now on its rows are the host's
+    }
+    if (const KvView* prefix = call.kv->prefix; prefix != nullptr && prefix->source_state != nullptr) {
+      if (auto* source = static_cast<PluginKvCache*>(prefix->source_state->get())) sync_host_rows(*prefix, *source);
+    }
+    const size_t n = static_cast<size_t>(call.n_tokens) * shape.n_head * shape.head_dim;
+    AttentionCall host = call;
+    host.q = host_read(call.q, n);
+    host.out = host_write(call.out, n);
+    cpu_calls_.push_back(host);
+  }
+
   // Why this cache's attention cannot run on the device, or nullptr when it can: the device
   // must run the geometry (asked once per geometry and cache type), and the cache must read no
-  // shared prefix and have no sliding window (ABI v1's attention has neither).
+  // shared prefix (the device's attention reads one cache); a sliding window needs ABI v2.
   const char* why_not_on_device(const KvView& kv, const AttentionShape& shape) {
     if (kv.prefix != nullptr) return "attention over a shared prompt segment runs on the CPU";
-    if (shape.window != 0) return "sliding-window attention runs on the CPU (the plugin's attention has no window)";
+    if (shape.window != 0 && !v2_) {
+      return "sliding-window attention runs on the CPU (the plugin's attention has no window: plugin ABI 1)";
+    }
     if (kv.state == nullptr) return "attention over a read-only cache runs on the CPU";
+    if (const PluginKvCache* copy = device_copy(kv); copy != nullptr && copy->host_only) {
+      return "attention of this head geometry runs on the CPU (the plugin does not take it)";
+    }
     const GeometryKey key{shape.n_head, shape.n_head_kv, shape.head_dim, kv.f16};
     auto known = geometries_.find(key);
     if (known == geometries_.end()) known = geometries_.emplace(key, supports(shape, kv.f16)).first;
@@ -315,7 +754,7 @@ class PluginBackend final : public Backend {
 
   bool supports(const AttentionShape& shape, bool f16_kv) const {
     ringlm_op_desc attention{};
-    attention.op = RINGLM_OP_ATTENTION;
+    attention.op = shape.window != 0 ? RINGLM_OP_WINDOW_ATTENTION : RINGLM_OP_ATTENTION;
     attention.kv_format = f16_kv ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
     attention.n_head = shape.n_head;
     attention.n_head_kv = shape.n_head_kv;
@@ -364,7 +803,7 @@ class PluginBackend final : public Backend {
     }
     if (first < end) {
       try {
-        c.positions.upload(first * sizeof(int32_t), &c.host_positions[first], (end - first) * sizeof(int32_t));
+        upload_staged(c.positions, &c.host_positions[first], (end - first) * sizeof(int32_t), first * sizeof(int32_t));
       } catch (...) {
         c.host_positions.clear();  // the device's copy is unknown now: the next call uploads it all
         throw;
@@ -374,29 +813,46 @@ class PluginBackend final : public Backend {
   }
 
   void attend(PluginKvCache& c, int layer, const AttentionCall& call, const AttentionShape& shape) {
-    const size_t bytes = static_cast<size_t>(call.n_tokens) * shape.n_head * shape.head_dim * sizeof(float);
-    ensure(q_buffer_, bytes);
-    ensure(out_buffer_, bytes);
-    q_buffer_.upload(0, call.q, bytes);
-    ringlm_attention_args args{};
-    args.q = q_buffer_.get();
-    args.out = out_buffer_.get();
-    args.keys = c.keys.get();
-    args.keys_offset = static_cast<size_t>(layer) * c.layer_bytes;
-    args.values = c.values.get();
-    args.values_offset = args.keys_offset;
-    args.kv_format = c.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
-    args.row_stride = c.shape.row_width;
-    args.positions = c.positions.get();
-    args.n_slots = c.n_slots;
-    args.n_tokens = call.n_tokens;
-    args.q_pos0 = call.pos0;
-    args.n_head = shape.n_head;
-    args.n_head_kv = shape.n_head_kv;
-    args.head_dim = shape.head_dim;
-    args.scale = shape.score_scale();
-    check(*device_, api_.attention(device_->context, &args), "attention");
-    out_buffer_.download(0, call.out, bytes);
+    const size_t n = static_cast<size_t>(call.n_tokens) * shape.n_head * shape.head_dim;
+    const bool direct = on_device(call.q, n) && on_device(call.out, n);
+    DeviceSpan q, out;
+    if (direct) {
+      q = device_read(call.q, n);
+      out = device_write(call.out, n);
+    } else {
+      ensure(q_buffer_, n * sizeof(float));
+      ensure(out_buffer_, n * sizeof(float));
+      upload_staged(q_buffer_, host_read(call.q, n), n * sizeof(float));
+      q = {q_buffer_.get(), 0};
+      out = {out_buffer_.get(), 0};
+    }
+    ringlm_attention2_args args{};
+    ringlm_attention_args& a = args.base;
+    a.q = q.buffer;
+    a.q_offset = q.offset;
+    a.out = out.buffer;
+    a.out_offset = out.offset;
+    a.keys = c.keys.get();
+    a.keys_offset = static_cast<size_t>(layer) * c.layer_bytes;
+    a.values = c.values.get();
+    a.values_offset = a.keys_offset;
+    a.kv_format = c.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
+    a.row_stride = c.shape.row_width;
+    a.positions = c.positions.get();
+    a.n_slots = c.n_slots;
+    a.n_tokens = call.n_tokens;
+    a.q_pos0 = call.pos0;
+    a.n_head = shape.n_head;
+    a.n_head_kv = shape.n_head_kv;
+    a.head_dim = shape.head_dim;
+    a.scale = shape.score_scale();
+    args.window = shape.window;
+    if (v2_) {
+      check(*device_, api_.attention2(device_->context, &args), "attention");
+    } else {
+      check(*device_, api_.attention(device_->context, &a), "attention");
+    }
+    if (!direct) out_buffer_.download(0, host_write(call.out, n), n * sizeof(float));
   }
 
   void shift_device_keys(PluginKvCache& c, std::span<const int> slots, const RopeAngles& angles, int n_kv_head,
@@ -446,50 +902,18 @@ class PluginBackend final : public Backend {
     if (buffer.get() == nullptr || buffer.bytes() < bytes) buffer = DeviceBuffer(device_, std::max(bytes, 2 * buffer.bytes()));
   }
 
-  // The input rows as the products should see them: normalised on the host when asked.
-  const float* normalised(const MatmulInput& in, int64_t cols) {
-    if (in.rms_weight == nullptr) return in.x;
-    const size_t n = static_cast<size_t>(in.n_tokens * cols);
-    if (normed_.size() < n) normed_.resize(n);
-    for (int64_t m = 0; m < in.n_tokens; ++m) normalized_input_row(in, m, cols, normed_.data() + m * cols);
-    return normed_.data();
-  }
-
-  void upload_input(const float* x, int64_t n_tokens, int64_t cols) {
-    const size_t bytes = static_cast<size_t>(n_tokens * cols) * sizeof(float);
-    ensure(x_buffer_, bytes);
-    x_buffer_.upload(0, x, bytes);
-  }
-
-  // y = x · wᵀ for the n_tokens rows in x_buffer_, in chunks of the device's flat-GEMM rows.
-  void device_product(const PluginWeight& w, int64_t n_tokens, float* y) {
-    const size_t bytes = static_cast<size_t>(n_tokens * w.rows()) * sizeof(float);
-    ensure(y_buffer_, bytes);
-    for (int64_t m0 = 0; m0 < n_tokens; m0 += w.max_rows) {
-      ringlm_matmul_args args{};
-      args.weight = w.data.get();
-      args.weight_format = static_cast<uint32_t>(w.type);
-      args.n = w.rows();
-      args.k = w.cols();
-      args.x = x_buffer_.get();
-      args.x_offset = static_cast<size_t>(m0 * w.cols()) * sizeof(float);
-      args.y = y_buffer_.get();
-      args.y_offset = static_cast<size_t>(m0 * w.rows()) * sizeof(float);
-      args.m = std::min(w.max_rows, n_tokens - m0);
-      check(*device_, api_.matmul(device_->context, &args), "matmul");
-    }
-    y_buffer_.download(0, y, bytes);
-  }
-
   std::shared_ptr<OpenedDevice> device_;
   const ringlm_plugin& api_;
+  bool v2_;  // the plugin speaks ABI v2: activations live on the device
   std::unique_ptr<Backend> cpu_;
   int n_weights_ = 0;                            // prepared here
   std::map<std::string, int> cpu_weight_types_;  // of those, left on the CPU, by type
   std::set<std::string> told_;                    // fallbacks already said
   std::string name_;
-  DeviceBuffer x_buffer_, y_buffer_, q_buffer_, out_buffer_;
-  std::vector<float> normed_, up_out_;
+  std::map<const float*, MirroredActivations*> mirrors_;  // every live allocation, by address
+  DeviceBuffer x_buffer_, y_buffer_, q_buffer_, out_buffer_, ids_buffer_;  // staging
+  std::unique_ptr<ActivationBuffer> up_out_, normed_device_;  // matmul_glu's up, a normalised input
+  std::vector<float> normed_;
   std::map<GeometryKey, bool> geometries_;   // whether the device runs each attention geometry
   std::vector<AttentionCall> cpu_calls_;     // attention()'s calls left to the CPU, reused
 };

@@ -2,10 +2,14 @@
 //
 // The products of every weight the plugin supports run on the device, the weight uploaded once
 // at prepare; attention runs there over copies of the KV caches kept in the device's memory,
-// with the StreamingLLM key shift done there too. Whatever the plugin does not take (a weight
-// format or shape it refuses, an attention geometry) runs on the CPU backend it wraps. Between
-// ops, activations come back to the host: RMSNorm, RoPE, SiLU and the residual adds stay on the
-// CPU (a few microseconds per layer at decode sizes).
+// with the StreamingLLM key shift done there too. With a plugin of ABI v2 the activations live
+// on the device as well (alloc_activations: a device buffer with a host mirror), and so do the
+// row-wise ops (RMSNorm, RoPE, the KV store, the gated activation, residual adds, biases, the
+// embedding rows): a decode step sends token ids, RoPE angles and changed slot positions, and
+// reads back the logits, one wait. Whatever the plugin does not take (a weight format, an
+// attention geometry, a shared prompt segment; every row-wise op of an ABI v1 plugin) runs on
+// the CPU backend it wraps, its inputs brought to the host first and its outputs sent back
+// before the device next reads them.
 #pragma once
 
 #include <filesystem>

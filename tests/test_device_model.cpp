@@ -148,6 +148,29 @@ TEST_F(DeviceModel, BatchedSequencesMatchSequencesAlone) {
   EXPECT_EQ(lb, alone_lb);
 }
 
+// A decode step on the device (plugin ABI v2): the host sends the token id, the RoPE angles and
+// the new slot's position, and reads back the logits: one wait, and no more bytes than the
+// logits plus 1 KiB (the goal of issue 28). Every op ran there: launches, and nothing else moved.
+TEST_F(DeviceModel, DecodeStepSendsTheTokenAndReadsTheLogitsWithOneWait) {
+  LlamaModel& model = *device_->model;
+  const Backend& backend = *device_->backend;
+  const std::vector<int32_t> prompt = tokens("The capital of France is");
+  KvCache cache = model.make_cache(64);
+  std::vector<float> logits(vocab());
+  model.forward(prompt, cache, logits.data());
+  for (int step = 0; step < 3; ++step) {
+    const std::vector<int32_t> next = {argmax(logits)};
+    const DeviceCounters before = backend.counters();
+    model.forward(next, cache, logits.data());
+    const DeviceCounters after = backend.counters();
+    SCOPED_TRACE("decode step " + std::to_string(step));
+    EXPECT_EQ(after.waits - before.waits, 1u);
+    EXPECT_EQ(after.download_bytes - before.download_bytes, 4 * vocab());
+    EXPECT_LE(after.upload_bytes - before.upload_bytes, 1024u);
+    EXPECT_GE(after.launches - before.launches, static_cast<uint64_t>(model.hparams().n_layer));
+  }
+}
+
 // A cache that reads a shared prompt prefix (batch sampling) attends on the CPU from the host
 // copy: still the right answer on a device backend.
 TEST_F(DeviceModel, PrefixCachesFallBackToTheCpuCorrectly) {
@@ -187,8 +210,8 @@ TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpu) {
   EXPECT_EQ(device.out, cpu.out);
 }
 
-// Gemma 3 270M on the device: what the plugin does not take (Q5_0, Q4_K, Q6_K weights; the
-// sliding-window layers' attention) runs on the CPU, each said once on stderr, and the text is
+// Gemma 3 270M on the device: what the plugin does not take (Q5_0, Q4_K, Q6_K weights) runs on the
+// CPU, said once on stderr; the sliding-window layers' attention runs on the device; the text is
 // the CPU's (both fp32).
 TEST(DeviceCli, GemmaSaysWhatStaysOnTheCpuAndWritesTheCpusText) {
   const std::string args = "run -m " + std::string(RINGLM_GEMMA3_MODEL) +
@@ -199,10 +222,29 @@ TEST(DeviceCli, GemmaSaysWhatStaysOnTheCpuAndWritesTheCpusText) {
   ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
   ASSERT_EQ(device.exit_code, 0) << device.err;
   EXPECT_THAT(device.err, HasSubstr("weights run on the CPU (Q4_K x"));
-  EXPECT_THAT(device.err, HasSubstr("sliding-window attention runs on the CPU"));
+  EXPECT_THAT(device.err, Not(HasSubstr("sliding-window attention runs on the CPU")));  // ABI v2 has windows
   EXPECT_THAT(cpu.err, Not(HasSubstr("on the CPU")));
   EXPECT_THAT(cpu.out, HasSubstr("France"));
   EXPECT_EQ(device.out, cpu.out);
+}
+
+// A plugin of ABI version 1 (the OpenCL plugin's version-1 entries, tests/plugins/v1_shim.c)
+// still loads, says so in `ringlm devices`, and runs the model as before: products and attention
+// on its device, every other op on the CPU, the CPU's greedy text.
+TEST(DeviceCli, Version1PluginStillLoadsAndRuns) {
+  const std::string v1_dir = RINGLM_V1_PLUGIN_DIR;
+  const Output devices = run_ringlm("devices --plugin-dir " + v1_dir);
+  ASSERT_EQ(devices.exit_code, 0) << devices.err;
+  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 1"));  // the shim
+  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 2"));  // the OpenCL plugin beside ringlm
+  const std::string args = "run -m " + std::string(RINGLM_TEST_MODEL) + " -t 1 --temp 0 -n " +
+                           std::to_string(test::scaled(12, 6)) + " --ignore-eos -p 'The capital of France is' ";
+  const Output cpu = run_ringlm(args + "--device cpu --compute fp32");
+  const Output v1 = run_ringlm(args + "--device openclv1 --plugin-dir " + v1_dir);
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  ASSERT_EQ(v1.exit_code, 0) << v1.err;
+  EXPECT_FALSE(cpu.out.empty());
+  EXPECT_EQ(v1.out, cpu.out);
 }
 
 TEST(DeviceCli, MissingDeviceIndexIsAClearError) {

@@ -202,6 +202,7 @@ KvView KvCache::view(KvRing ring) {
 KvView KvCache::prefix_view(KvRing ring) const {
   KvView v = const_cast<KvCache&>(*prefix_).view(ring);  // the ops only read a prefix's rows
   v.positions = prefix_positions_[ring == KvRing::kWindow ? 1 : 0];
+  v.source_state = v.state;
   v.state = nullptr;
   return v;
 }

@@ -69,22 +69,34 @@ class ModelTensors {
 
 }  // namespace
 
+// The norm weights and biases live in the backend's activation memory (constants_), where its
+// ops read them; nullptr: the layer has none.
 struct LlamaModel::Layer {
-  std::vector<float> attn_norm;
-  std::vector<float> ffn_norm;
-  std::vector<float> q_bias, k_bias, v_bias;  // qkv_bias families
-  std::vector<float> q_norm, k_norm;          // qk_norm families: [head_dim]
-  std::vector<float> post_attn_norm, post_ffn_norm;  // post_norms families
+  const float* attn_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  const float* q_bias = nullptr;  // qkv_bias families
+  const float* k_bias = nullptr;
+  const float* v_bias = nullptr;
+  const float* q_norm = nullptr;  // qk_norm families: [head_dim]
+  const float* k_norm = nullptr;
+  const float* post_attn_norm = nullptr;  // post_norms families
+  const float* post_ffn_norm = nullptr;
   int window = 0;    // sliding window of its attention (0: none)
   int rope_set = 0;  // its RoPE frequencies: rope_inv_freq_[rope_set]
   std::unique_ptr<PreparedWeight> wq, wk, wv, wo, gate, up, down;
 };
 
-// Activations for one chunk of up to max_batch tokens, allocated once.
+// Activations for one chunk of up to max_batch tokens, allocated once in the backend's memory
+// (one allocation each: a device backend keeps each one's copies in step separately).
 struct LlamaModel::Scratch {
-  std::vector<float> x, xn, q, k, v, attn, gate;
-  // [rope set][tokens][n_rot / 2]: each row's RoPE angles, per set of frequencies.
-  std::vector<std::vector<float>> rope_cos, rope_sin;
+  std::unique_ptr<ActivationBuffer> x, xn, q, k, v, attn, gate;
+  // [rope set][tokens][n_rot / 2]: each row's RoPE angles, per set of frequencies; computed on
+  // the host (host_cos, host_sin) and written to the backend's (rope_cos, rope_sin) once per pass.
+  std::vector<std::unique_ptr<ActivationBuffer>> rope_cos, rope_sin;
+  std::vector<std::vector<float>> host_cos, host_sin;
+  // The logits of the rows that want them, read back to the caller's buffer; grown on demand.
+  std::unique_ptr<ActivationBuffer> logits;
+  std::vector<float> host_rows;  // embedding rows dequantized on the host, before write()
   // The pass's sequences as the backend sees them: their caches' rings ([sequence][ring]), the
   // rings of their prefixes, and one attention call each (reused, sized before any pointer into
   // them is taken).
@@ -121,6 +133,9 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   const int64_t kv_dim = static_cast<int64_t>(hp_.n_head_kv) * hp_.head_dim;
   ModelTensors tensors(gguf);
   std::vector<PendingWeight> pending;
+  // Norm weights and biases, read now and written to the backend's memory once all are known.
+  std::vector<std::pair<const float**, std::vector<float>>> constants;
+  auto constant = [&](const float*& slot, std::vector<float> values) { constants.emplace_back(&slot, std::move(values)); };
 
   // A matrix of the file, counted once, prepared as one weight or as row ranges.
   auto matrix = [&](const std::string& name, int64_t cols, int64_t rows) -> const GgufTensorInfo& {
@@ -146,8 +161,8 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   for (int il = 0; il < hp_.n_layer; ++il) {
     Layer& L = layers_[static_cast<size_t>(il)];
     const std::string b = "blk." + std::to_string(il) + ".";
-    L.attn_norm = tensors.vector(b + "attn_norm.weight", d);
-    L.ffn_norm = tensors.vector(b + "ffn_norm.weight", d);
+    constant(L.attn_norm, tensors.vector(b + "attn_norm.weight", d));
+    constant(L.ffn_norm, tensors.vector(b + "ffn_norm.weight", d));
     // q, k and v: three matrices, or one fused matrix of their rows in that order (llama.cpp's
     // build_qkv views), with one fused bias or three.
     const bool fused_qkv = tensors.has(b + "attn_qkv.weight");
@@ -164,21 +179,21 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
     // Biases: required where the family has them, read wherever a file has them (as llama.cpp).
     if (fused_qkv && tensors.has(b + "attn_qkv.bias")) {
       const std::vector<float> bias = tensors.vector(b + "attn_qkv.bias", q_dim + 2 * kv_dim);
-      L.q_bias.assign(bias.begin(), bias.begin() + q_dim);
-      L.k_bias.assign(bias.begin() + q_dim, bias.begin() + q_dim + kv_dim);
-      L.v_bias.assign(bias.begin() + q_dim + kv_dim, bias.end());
+      constant(L.q_bias, {bias.begin(), bias.begin() + q_dim});
+      constant(L.k_bias, {bias.begin() + q_dim, bias.begin() + q_dim + kv_dim});
+      constant(L.v_bias, {bias.begin() + q_dim + kv_dim, bias.end()});
     } else if (hp_.qkv_bias || tensors.has(b + "attn_q.bias")) {
-      L.q_bias = tensors.vector(b + "attn_q.bias", q_dim);
-      L.k_bias = tensors.vector(b + "attn_k.bias", kv_dim);
-      L.v_bias = tensors.vector(b + "attn_v.bias", kv_dim);
+      constant(L.q_bias, tensors.vector(b + "attn_q.bias", q_dim));
+      constant(L.k_bias, tensors.vector(b + "attn_k.bias", kv_dim));
+      constant(L.v_bias, tensors.vector(b + "attn_v.bias", kv_dim));
     }
     if (hp_.qk_norm) {
-      L.q_norm = tensors.vector(b + "attn_q_norm.weight", hp_.head_dim);
-      L.k_norm = tensors.vector(b + "attn_k_norm.weight", hp_.head_dim);
+      constant(L.q_norm, tensors.vector(b + "attn_q_norm.weight", hp_.head_dim));
+      constant(L.k_norm, tensors.vector(b + "attn_k_norm.weight", hp_.head_dim));
     }
     if (hp_.post_norms) {
-      L.post_attn_norm = tensors.vector(b + "post_attention_norm.weight", d);
-      L.post_ffn_norm = tensors.vector(b + "post_ffw_norm.weight", d);
+      constant(L.post_attn_norm, tensors.vector(b + "post_attention_norm.weight", d));
+      constant(L.post_ffn_norm, tensors.vector(b + "post_ffw_norm.weight", d));
     }
     if (hp_.swa_period > 0 && (il + 1) % hp_.swa_period != 0) {
       L.window = hp_.sliding_window;
@@ -195,7 +210,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
     }
     prepare(L.down, b + "ffn_down.weight", hp_.n_ff, d);
   }
-  output_norm_ = tensors.vector("output_norm.weight", d);
+  constant(output_norm_, tensors.vector("output_norm.weight", d));
   if (tensors.has("output.weight")) {
     prepare(output_, "output.weight", d, hp_.n_vocab);
   } else {  // tied embeddings: the output projection reuses token_embd
@@ -219,6 +234,15 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
 
   tensors.refuse_unused(hp_.arch);
   for (PendingWeight& w : pending) *w.slot = backend_.prepare(w.view);
+  size_t n_constants = 0;
+  for (const auto& c : constants) n_constants += c.second.size();
+  constants_ = backend_.alloc_activations(n_constants);
+  float* at = constants_->data();
+  for (auto& [slot, values] : constants) {
+    backend_.write(at, values.data(), values.size());
+    *slot = at;
+    at += values.size();
+  }
 
   // Sliding-window layers keep a ring of their window plus one pass (make_cache), so shorter
   // passes keep it small: with 256, Gemma 3 270M's cache at 8k tokens is 24% of a full one
@@ -226,16 +250,21 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   if (hp_.sliding_window > 0) max_batch_ = kWindowedMaxBatch;
 
   scratch_ = std::make_unique<Scratch>();
+  Scratch& s = *scratch_;
   const auto M = static_cast<size_t>(max_batch_);
-  scratch_->x.resize(M * d);
-  scratch_->xn.resize(M * d);
-  scratch_->q.resize(M * q_dim);
-  scratch_->k.resize(M * kv_dim);
-  scratch_->v.resize(M * kv_dim);
-  scratch_->attn.resize(M * q_dim);
-  scratch_->gate.resize(M * hp_.n_ff);
-  scratch_->rope_cos.assign(rope_inv_freq_.size(), std::vector<float>(M * static_cast<size_t>(half)));
-  scratch_->rope_sin = scratch_->rope_cos;
+  s.x = backend_.alloc_activations(M * d);
+  s.xn = backend_.alloc_activations(M * d);
+  s.q = backend_.alloc_activations(M * q_dim);
+  s.k = backend_.alloc_activations(M * kv_dim);
+  s.v = backend_.alloc_activations(M * kv_dim);
+  s.attn = backend_.alloc_activations(M * q_dim);
+  s.gate = backend_.alloc_activations(M * hp_.n_ff);
+  for (size_t set = 0; set < rope_inv_freq_.size(); ++set) {
+    s.rope_cos.push_back(backend_.alloc_activations(M * half));
+    s.rope_sin.push_back(backend_.alloc_activations(M * half));
+  }
+  s.host_cos.assign(rope_inv_freq_.size(), std::vector<float>(M * static_cast<size_t>(half)));
+  s.host_sin = s.host_cos;
 }
 
 LlamaModel::~LlamaModel() = default;
@@ -325,29 +354,37 @@ void LlamaModel::embed(std::span<const int32_t> tokens, float* out) {
   // pages of it may have been given back).
   if (tied_output_) return backend_.rows(*output_, tokens, out);
   const size_t stride = row_bytes(token_embd_->type, hp_.n_embd);
+  std::vector<float>& rows = scratch_->host_rows;
+  rows.resize(tokens.size() * static_cast<size_t>(hp_.n_embd));
   for (size_t i = 0; i < tokens.size(); ++i) {
     dequantize_row(token_embd_->type, token_embd_->data + static_cast<size_t>(tokens[i]) * stride,
-                   out + i * static_cast<size_t>(hp_.n_embd), hp_.n_embd);
+                   rows.data() + i * static_cast<size_t>(hp_.n_embd), hp_.n_embd);
   }
+  backend_.write(out, rows.data(), rows.size());
 }
 
 // cos and sin of every rotation angle of the tokens at positions pos0.. (rows row0..),
 // computed once per pass for all layers, in double: positions reach millions, where float
 // angles lose digits. Both carry rope_mscale(): q and k come out of RoPE scaled by it.
 void LlamaModel::rope_angles(int row0, int64_t pos0, int n_tokens, int n_ctx) {
+  Scratch& s = *scratch_;
   const int half = hp_.n_rot / 2;
   const double mscale = hp_.rope_mscale();
   for (size_t set = 0; set < rope_inv_freq_.size(); ++set) {
     const std::vector<double>& inv_freq = rope_inv_freq(set, n_ctx);
+    const size_t first = static_cast<size_t>(row0) * static_cast<size_t>(half);
     for (int t = 0; t < n_tokens; ++t) {
       const double p = static_cast<double>(pos0 + t);
-      const size_t at = static_cast<size_t>(row0 + t) * static_cast<size_t>(half);
+      const size_t at = first + static_cast<size_t>(t) * static_cast<size_t>(half);
       for (int i = 0; i < half; ++i) {
         const double theta = p * inv_freq[static_cast<size_t>(i)];
-        scratch_->rope_cos[set][at + static_cast<size_t>(i)] = static_cast<float>(mscale * std::cos(theta));
-        scratch_->rope_sin[set][at + static_cast<size_t>(i)] = static_cast<float>(mscale * std::sin(theta));
+        s.host_cos[set][at + static_cast<size_t>(i)] = static_cast<float>(mscale * std::cos(theta));
+        s.host_sin[set][at + static_cast<size_t>(i)] = static_cast<float>(mscale * std::sin(theta));
       }
     }
+    const size_t n = static_cast<size_t>(n_tokens) * static_cast<size_t>(half);
+    backend_.write(s.rope_cos[set]->data() + first, s.host_cos[set].data() + first, n);
+    backend_.write(s.rope_sin[set]->data() + first, s.host_sin[set].data() + first, n);
   }
 }
 
@@ -376,8 +413,8 @@ void LlamaModel::describe_sequences(std::span<const Rows> rows) {
       if (phi.size() != n) phi.assign(n, NAN);
     }
     const size_t q_at = static_cast<size_t>(rows[i].row0) * q_dim;
-    s.attention_calls[i] = AttentionCall{s.q.data() + q_at, static_cast<int>(rows[i].tokens.size()), rows[i].pos0,
-                                         s.attn.data() + q_at, nullptr, nullptr};
+    s.attention_calls[i] = AttentionCall{s.q->data() + q_at, static_cast<int>(rows[i].tokens.size()), rows[i].pos0,
+                                         s.attn->data() + q_at, nullptr, nullptr};
   }
 }
 
@@ -402,43 +439,49 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   Scratch& s = *scratch_;
   const int d = hp_.n_embd;
   const int kv_dim = hp_.n_head_kv * hp_.head_dim;
+  float* const x = s.x->data();    // the hidden state, [n][d]
+  float* const xn = s.xn->data();  // a block's output before the residual
+  float* const q = s.q->data();
+  float* const k = s.k->data();
+  float* const v = s.v->data();
+  float* const attn = s.attn->data();
+  float* const gate = s.gate->data();
   for (const Rows& r : rows) {
-    embed(r.tokens, &s.x[static_cast<size_t>(r.row0) * d]);
+    embed(r.tokens, x + static_cast<size_t>(r.row0) * d);
     rope_angles(r.row0, r.pos0, static_cast<int>(r.tokens.size()), r.cache->capacity());
   }
-  if (hp_.embed_scale) backend_.scale(s.x.data(), static_cast<int64_t>(n) * d, std::sqrt(static_cast<float>(d)));
+  if (hp_.embed_scale) backend_.scale(x, static_cast<int64_t>(n) * d, std::sqrt(static_cast<float>(d)));
   describe_sequences(rows);
   for (int il = 0; il < hp_.n_layer; ++il) {
     const Layer& L = layers_[static_cast<size_t>(il)];
-    const RopeAngles angles = rope_layout(s.rope_cos[L.rope_set].data(), s.rope_sin[L.rope_set].data());
+    const RopeAngles angles = rope_layout(s.rope_cos[L.rope_set]->data(), s.rope_sin[L.rope_set]->data());
     // Attention block: one QKV projection of the normalised input (the norm is fused into the
     // backend's input preparation), RoPE on q and k, k and v into each sequence's cache.
     const PreparedWeight* qkv[] = {L.wq.get(), L.wk.get(), L.wv.get()};
-    float* const qkv_out[] = {s.q.data(), s.k.data(), s.v.data()};
-    backend_.matmul_many(qkv, MatmulInput{s.x.data(), n, L.attn_norm.data(), hp_.rms_eps}, qkv_out);
-    if (!L.q_bias.empty()) {
-      backend_.add_row(s.q.data(), L.q_bias.data(), n, hp_.n_head * hp_.head_dim);
-      backend_.add_row(s.k.data(), L.k_bias.data(), n, kv_dim);
-      backend_.add_row(s.v.data(), L.v_bias.data(), n, kv_dim);
+    float* const qkv_out[] = {q, k, v};
+    backend_.matmul_many(qkv, MatmulInput{x, n, L.attn_norm, hp_.rms_eps}, qkv_out);
+    if (L.q_bias != nullptr) {
+      backend_.add_row(q, L.q_bias, n, hp_.n_head * hp_.head_dim);
+      backend_.add_row(k, L.k_bias, n, kv_dim);
+      backend_.add_row(v, L.v_bias, n, kv_dim);
     }
     if (hp_.qk_norm) {  // every head of every row is one row of head_dim here
-      backend_.rms_norm(s.q.data(), static_cast<int64_t>(n) * hp_.n_head, hp_.head_dim, L.q_norm.data(), hp_.rms_eps);
-      backend_.rms_norm(s.k.data(), static_cast<int64_t>(n) * hp_.n_head_kv, hp_.head_dim, L.k_norm.data(), hp_.rms_eps);
+      backend_.rms_norm(q, static_cast<int64_t>(n) * hp_.n_head, hp_.head_dim, L.q_norm, hp_.rms_eps);
+      backend_.rms_norm(k, static_cast<int64_t>(n) * hp_.n_head_kv, hp_.head_dim, L.k_norm, hp_.rms_eps);
     }
-    backend_.rope(s.q.data(), n, hp_.n_head, hp_.head_dim, angles);
-    backend_.rope(s.k.data(), n, hp_.n_head_kv, hp_.head_dim, angles);
+    backend_.rope(q, n, hp_.n_head, hp_.head_dim, angles);
+    backend_.rope(k, n, hp_.n_head_kv, hp_.head_dim, angles);
     for (size_t i = 0; i < rows.size(); ++i) store_kv(il, i, rows[i]);
     attention(il, rows);
-    backend_.matmul(*L.wo, s.attn.data(), n, s.xn.data());
-    if (hp_.post_norms) backend_.rms_norm(s.xn.data(), n, d, L.post_attn_norm.data(), hp_.rms_eps);
-    backend_.add(s.x.data(), s.xn.data(), static_cast<int64_t>(n) * d);
+    backend_.matmul(*L.wo, attn, n, xn);
+    if (hp_.post_norms) backend_.rms_norm(xn, n, d, L.post_attn_norm, hp_.rms_eps);
+    backend_.add(x, xn, static_cast<int64_t>(n) * d);
 
     // Feed-forward block: down(silu(gate(x)) * up(x)), gate and up in one fused pass.
-    backend_.matmul_glu(*L.gate, *L.up, MatmulInput{s.x.data(), n, L.ffn_norm.data(), hp_.rms_eps}, hp_.activation,
-                        s.gate.data());
-    backend_.matmul(*L.down, s.gate.data(), n, s.xn.data());
-    if (hp_.post_norms) backend_.rms_norm(s.xn.data(), n, d, L.post_ffn_norm.data(), hp_.rms_eps);
-    backend_.add(s.x.data(), s.xn.data(), static_cast<int64_t>(n) * d);
+    backend_.matmul_glu(*L.gate, *L.up, MatmulInput{x, n, L.ffn_norm, hp_.rms_eps}, hp_.activation, gate);
+    backend_.matmul(*L.down, gate, n, xn);
+    if (hp_.post_norms) backend_.rms_norm(xn, n, d, L.post_ffn_norm, hp_.rms_eps);
+    backend_.add(x, xn, static_cast<int64_t>(n) * d);
   }
 }
 
@@ -455,8 +498,8 @@ void LlamaModel::store_kv(int layer, size_t sequence, const Rows& rows) {
   const KvView& view = s.kv_views[kv_view_index(sequence, place.ring)];
   const int n = static_cast<int>(rows.tokens.size());
   const size_t kv_dim = static_cast<size_t>(hp_.n_head_kv) * hp_.head_dim;
-  const float* k = &s.k[static_cast<size_t>(rows.row0) * kv_dim];
-  const float* v = &s.v[static_cast<size_t>(rows.row0) * kv_dim];
+  const float* k = s.k->data() + static_cast<size_t>(rows.row0) * kv_dim;
+  const float* v = s.v->data() + static_cast<size_t>(rows.row0) * kv_dim;
   if (place.ring == KvRing::kFull) return backend_.store_kv(view, place.index, rows.first_slot, n, k, v);
   // The window ring overwrites its oldest slots; a run that reaches its end goes on at slot 0.
   const int to_end = std::min(n, view.capacity - rows.window_slot);
@@ -465,10 +508,14 @@ void LlamaModel::store_kv(int layer, size_t sequence, const Rows& rows) {
 }
 
 void LlamaModel::project_logits(int row, int n, float* logits) {
+  Scratch& s = *scratch_;
+  const size_t wanted = static_cast<size_t>(n) * static_cast<size_t>(hp_.n_vocab);
+  if (s.logits == nullptr || s.logits->size() < wanted) s.logits = backend_.alloc_activations(wanted);
   const PreparedWeight* output[] = {output_.get()};
-  float* const output_logits[] = {logits};
-  const float* x = &scratch_->x[static_cast<size_t>(row) * hp_.n_embd];
-  backend_.matmul_many(output, MatmulInput{x, n, output_norm_.data(), hp_.rms_eps}, output_logits);
+  float* const output_logits[] = {s.logits->data()};
+  const float* x = s.x->data() + static_cast<size_t>(row) * hp_.n_embd;
+  backend_.matmul_many(output, MatmulInput{x, n, output_norm_, hp_.rms_eps}, output_logits);
+  backend_.read(s.logits->data(), logits, wanted);
 }
 
 void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits) {
@@ -525,11 +572,11 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
   for (size_t i = 0; i < batch.size(); ++i) {
     if (batch[i].logits == nullptr) continue;
     const size_t last = static_cast<size_t>(rows[i].row0) + batch[i].tokens.size() - 1;
-    std::copy_n(&s.x[last * d], d, &s.xn[static_cast<size_t>(wanted) * d]);
+    backend_.copy(s.xn->data() + static_cast<size_t>(wanted) * d, s.x->data() + last * d, d);
     ++wanted;
   }
   if (wanted == 0) return;
-  std::copy_n(s.xn.data(), static_cast<size_t>(wanted) * d, s.x.data());
+  backend_.copy(s.x->data(), s.xn->data(), static_cast<size_t>(wanted) * d);
   if (batch_logits_.size() < static_cast<size_t>(wanted) * vocab) batch_logits_.resize(static_cast<size_t>(wanted) * vocab);
   project_logits(0, wanted, batch_logits_.data());
   // Out to each sequence's buffer: 3 MiB at 16 sequences, split over the threads.

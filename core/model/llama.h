@@ -102,7 +102,8 @@ class LlamaModel {
   Backend& backend_;
   const GgufTensorInfo* token_embd_ = nullptr;
   std::vector<Layer> layers_;
-  std::vector<float> output_norm_;
+  std::unique_ptr<ActivationBuffer> constants_;  // every layer's norm weights and biases
+  const float* output_norm_ = nullptr;
   std::unique_ptr<PreparedWeight> output_;
   bool tied_output_ = false;  // output_ is token_embd: embeddings are read through the backend
   // [set][n_rot / 2]: position p turns rotary pair i by p * rope_inv_freq_[set][i], every scaling
