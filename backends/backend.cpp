@@ -41,6 +41,13 @@ std::unique_ptr<ActivationBuffer> Backend::alloc_activations(size_t n) {
   return std::make_unique<HostActivations>(std::move(storage), n);
 }
 
+void Backend::matmul_add(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) {
+  const auto n = static_cast<size_t>(n_tokens * weight.rows());
+  std::unique_ptr<ActivationBuffer> product = alloc_activations(n);
+  matmul(weight, x, n_tokens, product->data());
+  add(y, product->data(), static_cast<int64_t>(n));
+}
+
 void Backend::write(float* dst, const float* src, size_t n) {
   if (n > 0) std::memcpy(dst, src, n * sizeof(float));
 }

@@ -206,6 +206,11 @@ class Backend {
   // y[m][n] = sum_k x[m][k] * W[n][k] for m < n_tokens: x is [n_tokens][cols], y is [n_tokens][rows].
   virtual void matmul(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) = 0;
 
+  // y += x · weight^T (x is [n_tokens][cols], y is [n_tokens][rows]): a product added to what y
+  // holds, the residual connection after a block's output projection. This default multiplies
+  // into a scratch array and adds; a backend fuses the two where it can.
+  virtual void matmul_add(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y);
+
   // ys[i] = input x weights[i]^T for every i, with the input prepared (normalised, quantized)
   // once and one pass over all the weights' rows: a fused QKV projection without copying the
   // three matrices into one. Every weight has the input's number of columns.

@@ -231,6 +231,17 @@ typedef struct ringlm_get_rows_args {
   size_t out_offset;
 } ringlm_get_rows_args;
 
+/* The product of ringlm_matmul_args with the ops around it fused: with rms_weight, each row of x
+ * is first RMS-normalised and scaled by rms_weight (k floats), as ringlm_rms_norm_args, without
+ * writing it out; with accumulate, y += x · Wᵀ instead of y = (a residual connection). */
+typedef struct ringlm_matmul2_args {
+  ringlm_matmul_args base;
+  const ringlm_buffer* rms_weight; /* NULL: x as it is */
+  size_t rms_weight_offset;
+  float rms_eps;
+  int32_t accumulate;
+} ringlm_matmul2_args;
+
 /* Attention as ringlm_attention_args, and with window > 0 a query at position p sees only the
  * slots of positions p - window + 1 .. p. */
 typedef struct ringlm_attention2_args {
@@ -296,6 +307,7 @@ typedef struct ringlm_plugin {
   int32_t (*store_kv)(ringlm_context* ctx, const ringlm_store_kv_args* args);
   int32_t (*get_rows)(ringlm_context* ctx, const ringlm_get_rows_args* args);
   int32_t (*attention2)(ringlm_context* ctx, const ringlm_attention2_args* args);
+  int32_t (*matmul2)(ringlm_context* ctx, const ringlm_matmul2_args* args);
   int32_t (*counters)(const ringlm_context* ctx, ringlm_counters* out);
 } ringlm_plugin;
 

@@ -334,11 +334,33 @@ class PluginBackend final : public Backend {
       cpu_->matmul_many(cpu_weights, host_input, cpu_ys);
     }
     if (!any_on_device) return;
-    const DeviceSpan in = normalised_input(input, cols);
+    // The norm fused into each product (matmul2), for every number of rows: a row's result then
+    // does not depend on how many rows share the call.
+    const bool fuse_norm = input.rms_weight != nullptr && on_device(input.x, nx) &&
+                           on_device(input.rms_weight, static_cast<size_t>(cols));
+    DeviceSpan in, norm;
+    if (fuse_norm) {
+      in = device_read(input.x, nx);
+      norm = device_read(input.rms_weight, static_cast<size_t>(cols));
+    } else {
+      in = normalised_input(input, cols);
+    }
     for (size_t i = 0; i < weights.size(); ++i) {
       const PluginWeight& w = as_plugin_weight(*weights[i]);
-      if (w.on_device) device_product(w, in, input.n_tokens, ys[i]);
+      if (w.on_device) device_product(w, in, input.n_tokens, ys[i], fuse_norm ? &norm : nullptr, input.rms_eps);
     }
+  }
+
+  void matmul_add(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) override {
+    const PluginWeight& w = as_plugin_weight(weight);
+    const size_t nx = static_cast<size_t>(n_tokens * w.cols()), ny = static_cast<size_t>(n_tokens * w.rows());
+    if (w.on_device && on_device(y, ny)) {  // the residual fused into the product (matmul2)
+      device_product(w, device_input(x, nx), n_tokens, y, nullptr, 0.0f, /*accumulate=*/true);
+      return;
+    }
+    float* product = scratch(residual_, ny);
+    matmul(weight, x, n_tokens, product);
+    add(y, product, static_cast<int64_t>(ny));
   }
 
   void matmul_glu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input, Activation act,
@@ -597,8 +619,11 @@ class PluginBackend final : public Backend {
   }
 
   // y = x · wᵀ for n_tokens rows at `in`, in chunks of the device's flat-GEMM rows, into y on
-  // the device (an allocation) or downloaded to it (any other pointer).
-  void device_product(const PluginWeight& w, DeviceSpan in, int64_t n_tokens, float* y) {
+  // the device (an allocation) or downloaded to it (any other pointer). With ABI v2 the product
+  // can take the norm of its input (rms: the weight, on the device) and add itself to y
+  // (accumulate, y on the device).
+  void device_product(const PluginWeight& w, DeviceSpan in, int64_t n_tokens, float* y, const DeviceSpan* rms = nullptr,
+                      float rms_eps = 0.0f, bool accumulate = false) {
     const size_t ny = static_cast<size_t>(n_tokens * w.rows());
     const bool direct = on_device(y, ny);
     DeviceSpan out;
@@ -619,7 +644,19 @@ class PluginBackend final : public Backend {
       args.y = out.buffer;
       args.y_offset = out.offset + static_cast<size_t>(m0 * w.rows()) * sizeof(float);
       args.m = std::min(w.max_rows, n_tokens - m0);
-      check(*device_, api_.matmul(device_->context, &args), "matmul");
+      if (!v2_) {
+        check(*device_, api_.matmul(device_->context, &args), "matmul");
+        continue;
+      }
+      ringlm_matmul2_args fused{};
+      fused.base = args;
+      if (rms != nullptr) {
+        fused.rms_weight = rms->buffer;
+        fused.rms_weight_offset = rms->offset;
+        fused.rms_eps = rms_eps;
+      }
+      fused.accumulate = accumulate ? 1 : 0;
+      check(*device_, api_.matmul2(device_->context, &fused), "matmul2");
     }
     if (!direct) y_buffer_.download(0, host_write(y, ny), ny * sizeof(float));
   }
@@ -913,6 +950,7 @@ class PluginBackend final : public Backend {
   std::map<const float*, MirroredActivations*> mirrors_;  // every live allocation, by address
   DeviceBuffer x_buffer_, y_buffer_, q_buffer_, out_buffer_, ids_buffer_;  // staging
   std::unique_ptr<ActivationBuffer> up_out_, normed_device_;  // matmul_glu's up, a normalised input
+  std::unique_ptr<ActivationBuffer> residual_;  // matmul_add's product when it cannot add in place
   std::vector<float> normed_;
   std::map<GeometryKey, bool> geometries_;   // whether the device runs each attention geometry
   std::vector<AttentionCall> cpu_calls_;     // attention()'s calls left to the CPU, reused

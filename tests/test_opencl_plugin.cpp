@@ -371,6 +371,85 @@ TEST_P(Matmul, MatchesCpuBackendForEveryM) {
               std::string(type_traits(static_cast<uint32_t>(type))->name).c_str(), worst);
 }
 
+// matmul2 (ABI v2: the GEMV with the input's RMSNorm and the residual add fused) against the CPU
+// backend on the normalised rows, for every format and m, with and without each fusion; and a
+// row's result is bit for bit the same whatever m is.
+TEST_P(Matmul, FusedNormAndResidualMatchTheCpu) {
+  REQUIRE_PLUGIN();
+  const TensorType type = GetParam();
+  std::mt19937 rng(static_cast<unsigned>(type) + 11);
+  auto cpu = make_cpu_backend(1, ComputeType::kFp32);
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{101, 576}, {300, 2048}}) {
+    const Weights w = make_weights(type, n, k, rng);
+    auto prepared = cpu->prepare({"w", type, n, k, w.bytes.data()});
+    DeviceBuffer wd(w.bytes);
+    const std::vector<float> norm = random_floats(static_cast<size_t>(k), rng, 1.5f);
+    DeviceBuffer nd(norm, 8);
+    for (const int64_t m : {1, 3, 16}) {
+      for (const bool with_norm : {false, true}) {
+        for (const bool accumulate : {false, true}) {
+          SCOPED_TRACE("n=" + std::to_string(n) + " k=" + std::to_string(k) + " m=" + std::to_string(m) +
+                       (with_norm ? " norm" : "") + (accumulate ? " accumulate" : ""));
+          const std::vector<float> x = random_floats(static_cast<size_t>(m * k), rng, 2.0f);
+          const std::vector<float> y0 = random_floats(static_cast<size_t>(m * n), rng, 3.0f);
+          std::vector<float> expected(y0.size());
+          const MatmulInput input{x.data(), m, with_norm ? norm.data() : nullptr, 1e-5f};
+          const PreparedWeight* weights[] = {prepared.get()};
+          float* const outs[] = {expected.data()};
+          cpu->matmul_many(weights, input, outs);
+          if (accumulate) {
+            for (size_t i = 0; i < expected.size(); ++i) expected[i] += y0[i];
+          }
+          DeviceBuffer xd(x, 16);
+          DeviceBuffer yd(y0, 32);
+          ringlm_matmul2_args args{};
+          args.base = ringlm_matmul_args{wd.get(), static_cast<uint32_t>(type), n, k, xd.get(), 16, yd.get(), 32, m};
+          if (with_norm) {
+            args.rms_weight = nd.get();
+            args.rms_weight_offset = 8;
+            args.rms_eps = 1e-5f;
+          }
+          args.accumulate = accumulate ? 1 : 0;
+          ASSERT_EQ(api().matmul2(ctx(), &args), RINGLM_OK) << last_error();
+          const std::vector<float> y = yd.download<float>(expected.size(), 32);
+          double worst = 0.0, scale = 0.0;
+          for (size_t i = 0; i < y.size(); ++i) {
+            worst = std::max(worst, std::fabs(static_cast<double>(y[i]) - expected[i]));
+            scale = std::max(scale, std::fabs(static_cast<double>(expected[i])));
+          }
+          EXPECT_LE(worst, 1e-4 * (1.0 + scale));
+        }
+      }
+    }
+  }
+}
+
+TEST(OpenclPlugin, Matmul2RowIsBitIdenticalWhateverM) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(98);
+  const int64_t n = 130, k = 2048;
+  const Weights w = make_weights(TensorType::Q4_0, n, k, rng);
+  DeviceBuffer wd(w.bytes);
+  const std::vector<float> x = random_floats(static_cast<size_t>(16 * k), rng, 2.0f);
+  const std::vector<float> norm = random_floats(static_cast<size_t>(k), rng, 1.0f);
+  DeviceBuffer xd(x), nd(norm);
+  DeviceBuffer yd(static_cast<size_t>(16 * n) * sizeof(float));
+  const auto multiply = [&](int64_t first_row, int64_t m) {
+    ringlm_matmul2_args args{};
+    args.base = ringlm_matmul_args{wd.get(), static_cast<uint32_t>(TensorType::Q4_0), n, k, xd.get(),
+                                   static_cast<size_t>(first_row * k) * sizeof(float), yd.get(), 0, m};
+    args.rms_weight = nd.get();
+    args.rms_eps = 1e-6f;
+    EXPECT_EQ(api().matmul2(ctx(), &args), RINGLM_OK) << last_error();
+    return yd.download<float>(static_cast<size_t>(m * n));
+  };
+  const std::vector<float> all = multiply(0, 16);
+  for (const int64_t row : {0, 5, 15}) {
+    const std::vector<float> alone = multiply(row, 1);
+    EXPECT_TRUE(std::equal(alone.begin(), alone.end(), all.begin() + row * n)) << "row " << row;
+  }
+}
+
 // A row's result does not depend on the rows it is multiplied with: batched decode then gives
 // every sequence what it gets alone, so greedy outputs do not depend on --parallel.
 TEST(OpenclPlugin, MatmulRowIsBitIdenticalWhateverM) {

@@ -174,6 +174,13 @@ class CpuBackend final : public Backend {
     matmul_many(weights, MatmulInput{x, n_tokens, nullptr, 0.0f}, ys);
   }
 
+  void matmul_add(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) override {
+    const auto n = static_cast<size_t>(n_tokens * weight.rows());
+    if (residual_.size() < n) residual_.resize(n);
+    matmul(weight, x, n_tokens, residual_.data());
+    layer_ops_.add(y, residual_.data(), static_cast<int64_t>(n));
+  }
+
   void matmul_many(std::span<const PreparedWeight* const> weights, const MatmulInput& in,
                    std::span<float* const> ys) override {
     if (in.n_tokens <= 0 || weights.empty()) return;
@@ -447,6 +454,7 @@ class CpuBackend final : public Backend {
   std::vector<int32_t> super_sum16_, super_sum32_;
   std::vector<float> normed_;  // normalised fp32 input rows (float formats and fp32 paths with RMSNorm)
   std::vector<float> up_out_;  // the up projection's outputs inside matmul_glu
+  std::vector<float> residual_;  // matmul_add's product before it is added
   std::vector<const CpuWeight*> packed_batch_;  // reused lists: no allocation per call
   std::vector<float*> packed_batch_ys_;
   std::vector<ThreadBuffers> per_thread_;

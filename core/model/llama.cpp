@@ -440,7 +440,6 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   const int d = hp_.n_embd;
   const int kv_dim = hp_.n_head_kv * hp_.head_dim;
   float* const x = s.x->data();    // the hidden state, [n][d]
-  float* const xn = s.xn->data();  // a block's output before the residual
   float* const q = s.q->data();
   float* const k = s.k->data();
   float* const v = s.v->data();
@@ -473,16 +472,23 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     backend_.rope(k, n, hp_.n_head_kv, hp_.head_dim, angles);
     for (size_t i = 0; i < rows.size(); ++i) store_kv(il, i, rows[i]);
     attention(il, rows);
-    backend_.matmul(*L.wo, attn, n, xn);
-    if (hp_.post_norms) backend_.rms_norm(xn, n, d, L.post_attn_norm, hp_.rms_eps);
-    backend_.add(x, xn, static_cast<int64_t>(n) * d);
+    residual(*L.wo, attn, n, L.post_attn_norm);
 
     // Feed-forward block: down(silu(gate(x)) * up(x)), gate and up in one fused pass.
     backend_.matmul_glu(*L.gate, *L.up, MatmulInput{x, n, L.ffn_norm, hp_.rms_eps}, hp_.activation, gate);
-    backend_.matmul(*L.down, gate, n, xn);
-    if (hp_.post_norms) backend_.rms_norm(xn, n, d, L.post_ffn_norm, hp_.rms_eps);
-    backend_.add(x, xn, static_cast<int64_t>(n) * d);
+    residual(*L.down, gate, n, L.post_ffn_norm);
   }
+}
+
+// x += input · weightᵀ, the block's output added to the hidden state; with a post-norm
+// (Gemma), the output is RMS-normalised before it is added.
+void LlamaModel::residual(const PreparedWeight& weight, const float* input, int n, const float* post_norm) {
+  float* const x = scratch_->x->data();
+  if (post_norm == nullptr) return backend_.matmul_add(weight, input, n, x);
+  float* const out = scratch_->xn->data();
+  backend_.matmul(weight, input, n, out);
+  backend_.rms_norm(out, n, hp_.n_embd, post_norm, hp_.rms_eps);
+  backend_.add(x, out, static_cast<int64_t>(n) * hp_.n_embd);
 }
 
 LlamaModel::Rows LlamaModel::append_rows(std::span<const int32_t> tokens, KvCache& cache, int row0) {

@@ -83,6 +83,8 @@ class LlamaModel {
   // The transformer over `rows` (appended to their caches); leaves the final hidden states in
   // the scratch activations.
   void run_layers(std::span<const Rows> rows, int n_rows);
+  // x += input · weightᵀ (normalised by post_norm first, when the family has post-norms).
+  void residual(const PreparedWeight& weight, const float* input, int n, const float* post_norm);
   // Fills the scratch's KV views and attention calls of the pass's sequences.
   void describe_sequences(std::span<const Rows> rows);
   // Final norm + vocabulary projection of n hidden-state rows starting at `row`, into `logits`.

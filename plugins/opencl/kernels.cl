@@ -92,7 +92,8 @@ WeightBlock load_block(const int format, __global const uchar* p) {
 //
 // `lm` (local) holds max(M * kc, group size * MAX_M) floats: the x chunk, then the lanes' sums.
 void matmul_flat(const int format, const int block_bytes, __global const uchar* W, const int N, const int K,
-                 __global const float* x, const int M, __global float* y, const int kc, __local float* lm) {
+                 __global const float* x, const int M, __global float* y, const int kc, const int accumulate,
+                 __local float* lm) {
   const int lane = get_local_id(0), lanes = get_local_size(0);
   const int row = get_local_id(1);
   const int tid = row * lanes + lane, group_size = lanes * get_local_size(1);
@@ -136,15 +137,17 @@ void matmul_flat(const int format, const int block_bytes, __global const uchar* 
     __local const float* partial = lm + (row * MAX_M + m) * lanes;
     float sum = 0.0f;
     for (int l = 0; l < lanes; ++l) sum += partial[l];
-    y[(ulong)m * N + n] = sum;
+    __global float* out = y + (ulong)m * N + n;
+    *out = accumulate ? *out + sum : sum;
   }
 }
 
 // One kernel per weight format; x_off and y_off are in floats.
 #define MATMUL_KERNEL(name, format, block_bytes)                                                                    \
   __kernel void name(__global const uchar* W, const int N, const int K, __global const float* x, const ulong x_off, \
-                     const int M, __global float* y, const ulong y_off, const int kc, __local float* lm) {          \
-    matmul_flat(format, block_bytes, W, N, K, x + x_off, M, y + y_off, kc, lm);                                     \
+                     const int M, __global float* y, const ulong y_off, const int kc, const int accumulate,       \
+                     __local float* lm) {                                                                           \
+    matmul_flat(format, block_bytes, W, N, K, x + x_off, M, y + y_off, kc, accumulate, lm);                         \
   }
 
 MATMUL_KERNEL(matmul_q4_0, FMT_Q4_0, 18)
@@ -152,6 +155,92 @@ MATMUL_KERNEL(matmul_q4_1, FMT_Q4_1, 20)
 MATMUL_KERNEL(matmul_q8_0, FMT_Q8_0, 34)
 MATMUL_KERNEL(matmul_f16, FMT_F16, 64)
 MATMUL_KERNEL(matmul_f32, FMT_F32, 128)
+
+// --- GEMV: the decode product ----------------------------------------------------------------
+
+// y[m][n] = sum_c xn[m][c] W[n][c] for m < M (<= MAX_M rows: a decode step, a batch of them, a
+// prompt in chunks), where xn is x or, with has_norm, x RMS-normalised and scaled by norm_w (the
+// layer's norm fused into its product: nothing written out, no launch of its own); with
+// accumulate, y[m][n] += that instead (the residual fused into the output projection).
+//
+// A work-group takes R = get_local_size(1) weight rows, each shared by L = get_local_size(0)
+// lanes that take its blocks in turn (lane l: blocks l, l + L, ...): on a GPU L is a warp, so a
+// row's bytes are read side by side; on a CPU device L = 1 and each work-item runs a row with
+// vector math. Each block is read once for all M rows of x. Row m of y comes out of the same
+// operations in the same order whatever M is, so a sequence's logits do not depend on the
+// others in its batch. lsum holds MAX_M floats per work-item (the reductions), linv MAX_M floats.
+void gemv_rows(const int format, const int block_bytes, __global const uchar* W, const int N, const int K,
+               __global const float* x, const int M, __global float* y, __global const float* norm_w, const float eps,
+               const int has_norm, const int accumulate, __local float* lsum, __local float* linv) {
+  const int lane = get_local_id(0), L = get_local_size(0);
+  const int r = get_local_id(1), R = get_local_size(1);
+  const int tid = r * L + lane, G = L * R;
+  const int n = get_group_id(1) * R + r;
+
+  // 1 / RMS of each row of x: every work-item sums the squares of its columns of every row
+  // (lsum[m * G + tid]), then work-item m adds row m's G partial sums in order. (Every barrier is
+  // at the kernel's top level, reached by all work-items.)
+  if (has_norm) {
+    for (int m = 0; m < M; ++m) {
+      float ss = 0.0f;
+      for (int c = tid; c < K; c += G) ss += x[(ulong)m * K + c] * x[(ulong)m * K + c];
+      lsum[m * G + tid] = ss;
+    }
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (has_norm && tid < M) {
+    float ss = 0.0f;
+    for (int i = 0; i < G; ++i) ss += lsum[tid * G + i];
+    linv[tid] = 1.0f / sqrt(ss / (float)K + eps);
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+
+  float acc[MAX_M];
+  for (int m = 0; m < MAX_M; ++m) acc[m] = 0.0f;
+  if (n < N) {
+    __global const uchar* row = W + (ulong)n * (ulong)(K / BLOCK) * (ulong)block_bytes;
+    for (int b = lane; b < K / BLOCK; b += L) {
+      const WeightBlock w = load_block(format, row + (ulong)b * block_bytes);
+      float16 nlo = (float16)1.0f, nhi = (float16)1.0f;
+      if (has_norm) {
+        nlo = vload16(0, norm_w + b * BLOCK);
+        nhi = vload16(1, norm_w + b * BLOCK);
+      }
+      for (int m = 0; m < M; ++m) {
+        __global const float* xb = x + (ulong)m * K + b * BLOCK;
+        acc[m] += w.scale * (sum16(w.lo * (vload16(0, xb) * nlo)) + sum16(w.hi * (vload16(1, xb) * nhi)));
+      }
+    }
+  }
+
+  // The lanes' sums of each row, added by lane 0 in lane order.
+  for (int m = 0; m < M; ++m) lsum[m * G + tid] = acc[m];
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (n < N && lane == 0) {
+    for (int m = 0; m < M; ++m) {
+      float sum = 0.0f;
+      for (int l = 0; l < L; ++l) sum += lsum[m * G + r * L + l];
+      if (has_norm) sum *= linv[m];
+      __global float* out = y + (ulong)m * N + n;
+      *out = accumulate ? *out + sum : sum;
+    }
+  }
+}
+
+#define GEMV_KERNEL(name, format, block_bytes)                                                                      \
+  __kernel void name(__global const uchar* W, const int N, const int K, __global const float* x, const ulong x_off, \
+                     const int M, __global float* y, const ulong y_off, __global const float* norm_w,               \
+                     const ulong norm_off, const float eps, const int has_norm, const int accumulate,               \
+                     __local float* lsum, __local float* linv) {                                                    \
+    gemv_rows(format, block_bytes, W, N, K, x + x_off, M, y + y_off, norm_w + norm_off, eps, has_norm, accumulate,  \
+              lsum, linv);                                                                                          \
+  }
+
+GEMV_KERNEL(gemv_q4_0, FMT_Q4_0, 18)
+GEMV_KERNEL(gemv_q4_1, FMT_Q4_1, 20)
+GEMV_KERNEL(gemv_q8_0, FMT_Q8_0, 34)
+GEMV_KERNEL(gemv_f16, FMT_F16, 64)
+GEMV_KERNEL(gemv_f32, FMT_F32, 128)
 
 // --- Attention --------------------------------------------------------------------------------
 

@@ -60,12 +60,18 @@ enum KernelId {
   kStoreKvF32,
   kStoreKvF16,
   kGetRows,
+  kGemvQ4_0,
+  kGemvQ4_1,
+  kGemvQ8_0,
+  kGemvF16,
+  kGemvF32,
   kKernelCount
 };
 constexpr std::array<const char*, kKernelCount> kKernelNames = {
     "matmul_q4_0",    "matmul_q4_1",    "matmul_q8_0",  "matmul_f16",   "matmul_f32", "attention_f32",
     "attention_f16",  "rope_shift_f32", "rope_shift_f16", "rms_norm",   "add_rows",   "scale_rows",
     "glu",            "rope",           "store_kv_f32", "store_kv_f16", "get_rows",
+    "gemv_q4_0",      "gemv_q4_1",      "gemv_q8_0",    "gemv_f16",     "gemv_f32",
 };
 
 // --- The thread's last error ------------------------------------------------------------------
@@ -219,6 +225,7 @@ struct ringlm_context {
   ringlm::opencl::QueueHandle queue;
   std::array<ringlm::opencl::Kernel, ringlm::opencl::kKernelCount> kernels;
   std::mutex mutex;  // a kernel's arguments are set and its launch enqueued as one step
+  bool cpu_device = false;  // CL_DEVICE_TYPE_CPU: a GEMV row per work-item, not per warp
 
   // upload_async's copies, in the order of their writes on the (in-order) queue. Under
   // staging_mutex a copy's write is enqueued and next_seq counts it as one step, so a blocking
@@ -587,7 +594,7 @@ MatmulGeometry matmul_geometry(const ringlm_context& ctx, const Kernel& kernel, 
   return g;
 }
 
-void run_matmul(ringlm_context& ctx, const ringlm_matmul_args& a) {
+void run_matmul_flat(ringlm_context& ctx, const ringlm_matmul_args& a, int accumulate) {
   const std::string why = matmul_unsupported(a.weight_format, a.m, a.n, a.k);
   if (!why.empty()) {
     const bool invalid = a.m < 1 || a.n < 1 || a.k < 1;
@@ -606,8 +613,11 @@ void run_matmul(ringlm_context& ctx, const ringlm_matmul_args& a) {
   const size_t global[2] = {g.lanes, g.groups * g.rows};
   const size_t local[2] = {g.lanes, g.rows};
   launch(ctx, id, 2, global, local, w, as_int(a.n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
-         y, cl_ulong{a.y_offset / sizeof(float)}, as_int(static_cast<int64_t>(g.kc)), LocalFloats{g.local_floats});
+         y, cl_ulong{a.y_offset / sizeof(float)}, as_int(static_cast<int64_t>(g.kc)), cl_int{accumulate},
+         LocalFloats{g.local_floats});
 }
+
+void run_matmul(ringlm_context& ctx, const ringlm_matmul_args& a) { run_matmul_flat(ctx, a, 0); }
 
 // --- Attention --------------------------------------------------------------------------------
 
@@ -858,6 +868,68 @@ void run_get_rows(ringlm_context& ctx, const ringlm_get_rows_args& a) {
          cl_ulong{a.out_offset / sizeof(float)});
 }
 
+// --- Matmul with its neighbours fused (ABI v2) ---------------------------------------------
+
+KernelId gemv_kernel(uint32_t format) {
+  return static_cast<KernelId>(kGemvQ4_0 + (matmul_kernel(format) - kMatmulQ4_0));
+}
+
+// How a GEMV is cut: `lanes` work-items per row (a warp on a GPU, 1 on a CPU device, whose
+// work-items each run a row with vector math), `rows` rows per group, enough groups to keep
+// every compute unit busy. Nothing depends on m, so a row of x meets the same blocks in the same
+// lanes in the same order whatever m is (batched = alone, bit for bit).
+struct GemvGeometry {
+  size_t lanes = 1, rows = 1, groups = 1;
+};
+
+GemvGeometry gemv_geometry(const ringlm_context& ctx, const Kernel& kernel, int64_t n) {
+  GemvGeometry g;
+  const size_t cap = std::min(kMaxGroup, kernel.max_group);
+  g.lanes = ctx.cpu_device ? 1 : std::min({pow2_floor(kernel.group_multiple), size_t{64}, group_cap(ctx, kernel, 0)});
+  g.rows = std::max<size_t>(1, std::min(group_cap(ctx, kernel, 1), pow2_floor(std::max<size_t>(cap / g.lanes, 1))));
+  if (ctx.cpu_device) g.rows = std::min<size_t>(g.rows, 16);
+  const size_t want_groups = 2 * static_cast<size_t>(ctx.device->limits.compute_units);
+  while (g.rows > 1 && ceil_div(static_cast<size_t>(n), g.rows) < want_groups) g.rows /= 2;
+  g.groups = ceil_div(static_cast<size_t>(n), g.rows);
+  return g;
+}
+
+// matmul with the norm of its input and the residual after it fused (the GEMV kernel: up to
+// kMaxM rows of x per call, as matmul).
+void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
+  const ringlm_matmul_args& a = a2.base;
+  const std::string why = matmul_unsupported(a.weight_format, a.m, a.n, a.k);
+  if (!why.empty()) {
+    const bool invalid = a.m < 1 || a.n < 1 || a.k < 1;
+    throw Error(invalid ? RINGLM_ERROR_INVALID_ARGUMENT : RINGLM_ERROR_UNSUPPORTED, why);
+  }
+  require(a2.rms_weight == nullptr || a2.rms_eps >= 0.0f, RINGLM_ERROR_INVALID_ARGUMENT,
+          "matmul2: rms_eps = " + std::to_string(a2.rms_eps));
+  const bool norm = a2.rms_weight != nullptr;
+  const size_t n = static_cast<size_t>(a.n), k = static_cast<size_t>(a.k);
+  const size_t row_bytes = k / kBlock * weight_block_bytes(a.weight_format);
+  const size_t x_bytes = float_bytes(a.m, a.k, "matmul: x size"), y_bytes = float_bytes(a.m, a.n, "matmul: y size");
+  const cl_mem w = buffer_range(ctx, a.weight, 0, mul(n, row_bytes, "matmul: weight size"), 1, "matmul weight");
+  const cl_mem x = buffer_range(ctx, a.x, a.x_offset, x_bytes, sizeof(float), "matmul x");
+  const cl_mem y = buffer_range(ctx, a.y, a.y_offset, y_bytes, sizeof(float), "matmul y");
+  // Without a norm the weight argument is x itself, never read.
+  const cl_mem norm_w = norm ? buffer_range(ctx, a2.rms_weight, a2.rms_weight_offset, float_bytes(a.k, "matmul2: norm size"),
+                                            sizeof(float), "matmul2 rms_weight")
+                             : x;
+  require(!overlap(a.y, a.y_offset, y_bytes, a.x, a.x_offset, x_bytes), RINGLM_ERROR_INVALID_ARGUMENT,
+          "matmul2: y overlaps x");
+  const KernelId id = gemv_kernel(a.weight_format);
+  const GemvGeometry g = gemv_geometry(ctx, ctx.kernels[id], a.n);
+  require((g.lanes * g.rows + 1) * kMaxM * sizeof(float) <= local_budget(ctx, ctx.kernels[id]), RINGLM_ERROR_UNSUPPORTED,
+          "matmul2: not enough local memory on this device");
+  const size_t global[2] = {g.lanes, g.groups * g.rows};
+  const size_t local[2] = {g.lanes, g.rows};
+  launch(ctx, id, 2, global, local, w, as_int(a.n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
+         y, cl_ulong{a.y_offset / sizeof(float)}, norm_w, cl_ulong{norm ? a2.rms_weight_offset / sizeof(float) : 0},
+         cl_float{a2.rms_eps}, cl_int{norm ? 1 : 0}, cl_int{a2.accumulate != 0 ? 1 : 0},
+         LocalFloats{g.lanes * g.rows * kMaxM}, LocalFloats{static_cast<size_t>(kMaxM)});
+}
+
 // --- The C entry points -----------------------------------------------------------------------
 
 const char* api_last_error(const ringlm_context* /*ctx: errors are kept per thread*/) { return t_last_error.c_str(); }
@@ -912,6 +984,8 @@ ringlm_context* api_open(int32_t index, const ringlm_open_options* options) {
     ctx->queue = QueueHandle(clCreateCommandQueue(ctx->device->context.get(), ctx->device->device, 0, &err));
     check(err, "clCreateCommandQueue");
     for (int id = 0; id < kKernelCount; ++id) ctx->kernels[id] = make_kernel(*ctx->device, kKernelNames[id]);
+    ctx->cpu_device =
+        (device_value<cl_device_type>(ctx->device->device, CL_DEVICE_TYPE, "CL_DEVICE_TYPE") & CL_DEVICE_TYPE_CPU) != 0;
     if (spec.verbose) std::fprintf(stderr, "ringlm-opencl: opened device %d (%s)\n", index, ctx->device->name.c_str());
     opened = ctx.release();
   });
@@ -995,6 +1069,9 @@ int32_t op(ringlm_context* ctx, const Args* args, const char* name, Run run) {
 }
 
 int32_t api_matmul(ringlm_context* ctx, const ringlm_matmul_args* args) { return op(ctx, args, "matmul", run_matmul); }
+int32_t api_matmul2(ringlm_context* ctx, const ringlm_matmul2_args* args) {
+  return op(ctx, args, "matmul2", run_matmul2);
+}
 int32_t api_attention(ringlm_context* ctx, const ringlm_attention_args* args) {
   return op(ctx, args, "attention", run_attention);
 }
@@ -1084,6 +1161,7 @@ constexpr ringlm_plugin kPlugin = {
     .store_kv = api_store_kv,
     .get_rows = api_get_rows,
     .attention2 = api_attention2,
+    .matmul2 = api_matmul2,
     .counters = api_counters,
 };
 

@@ -1,0 +1,186 @@
+// Time of each op of a decode step on a plugin's device (the OpenCL plugin by default), one op
+// at a time: enqueued 50 times back to back, then one finish, so the figure is the op's device
+// time plus its enqueue cost, without a host wait per op. The shapes are a decode step of the
+// SmolLM2-135M shape (d 576, 9 heads of 64, 3 KV heads, ff 1536, vocab 49152, Q4_1), or of the
+// Llama-3.2-1B shape with --1b (d 2048, 32 heads, 8 KV heads, ff 8192, vocab 128256, Q4_0).
+//
+//   bench_opencl_ops [--plugin PATH] [--device N] [--1b] [--slots N] [--flat]
+//
+// The products run as matmul2 (the decode GEMV, the norm fused into the products of a norm's
+// output); --flat times the version-1 flat GEMM instead.
+//
+// What it is for: seeing which op a decode step spends its time in on a device (and what one
+// launch costs there: "scale n=1"), before and after a kernel changes.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "backends/plugin_api.h"
+
+namespace {
+
+const ringlm_plugin* g_api = nullptr;
+ringlm_context* g_ctx = nullptr;
+
+void check(int32_t status, const char* what) {
+  if (status != RINGLM_OK) throw std::runtime_error(std::string(what) + ": " + g_api->last_error(g_ctx));
+}
+
+ringlm_buffer* alloc(size_t bytes) {
+  ringlm_buffer* b = g_api->alloc(g_ctx, bytes);
+  if (b == nullptr) throw std::runtime_error("alloc: " + std::string(g_api->last_error(g_ctx)));
+  std::vector<unsigned char> zeros(bytes, 0);
+  check(g_api->upload(g_ctx, b, 0, zeros.data(), bytes), "upload");
+  return b;
+}
+
+// Microseconds per op: `reps` enqueues, one finish; the median of 5 such rounds.
+double time_op(const std::function<void()>& op, int reps = 50) {
+  op();
+  check(g_api->finish(g_ctx), "finish");
+  std::vector<double> rounds;
+  for (int r = 0; r < 5; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) op();
+    check(g_api->finish(g_ctx), "finish");
+    rounds.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / reps);
+  }
+  std::sort(rounds.begin(), rounds.end());
+  return rounds[2];
+}
+
+struct Shape {
+  int64_t d, n_head, n_head_kv, head_dim, ff, vocab, n_layer;
+  uint32_t format;
+  size_t block_bytes;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string plugin = RINGLM_OPENCL_PLUGIN;
+  int device = 0, slots = 64;
+  bool flat_only = false;  // --flat: the version-1 matmul instead of matmul2's GEMV
+  Shape s{576, 9, 3, 64, 1536, 49152, 30, RINGLM_FORMAT_Q4_1, 20};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--plugin" && i + 1 < argc) plugin = argv[++i];
+    else if (a == "--device" && i + 1 < argc) device = std::atoi(argv[++i]);
+    else if (a == "--slots" && i + 1 < argc) slots = std::atoi(argv[++i]);
+    else if (a == "--flat") flat_only = true;
+    else if (a == "--1b") s = Shape{2048, 32, 8, 64, 8192, 128256, 16, RINGLM_FORMAT_Q4_0, 18};
+    else {
+      std::fprintf(stderr, "usage: %s [--plugin PATH] [--device N] [--1b] [--slots N] [--flat]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    void* lib = dlopen(plugin.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) throw std::runtime_error(dlerror());
+    auto entry = reinterpret_cast<ringlm_plugin_entry_fn>(dlsym(lib, RINGLM_PLUGIN_ENTRY));
+    if (entry == nullptr) throw std::runtime_error("no entry point");
+    g_api = entry();
+    if (g_api->abi_version < 2) throw std::runtime_error("the plugin speaks ABI 1: this bench needs 2");
+    ringlm_device_info info{};
+    check(g_api->device_info(device, &info), "device_info");
+    ringlm_open_options options{};
+    options.struct_size = sizeof(options);
+    g_ctx = g_api->open(device, &options);
+    if (g_ctx == nullptr) throw std::runtime_error(g_api->last_error(nullptr));
+    std::printf("device: %s (%s)\n", info.name, info.version);
+
+    const int64_t q_dim = s.n_head * s.head_dim, kv_dim = s.n_head_kv * s.head_dim;
+    auto weight = [&](int64_t rows, int64_t cols) { return alloc(static_cast<size_t>(rows * cols / 32) * s.block_bytes); };
+    ringlm_buffer* x = alloc(static_cast<size_t>(std::max({s.d, s.ff, q_dim})) * 4);
+    ringlm_buffer* y = alloc(static_cast<size_t>(std::max({s.vocab, s.ff})) * 4);
+    ringlm_buffer* norm_w = alloc(static_cast<size_t>(s.d) * 4);
+    ringlm_buffer* angles = alloc(static_cast<size_t>(s.head_dim) * 4);
+    ringlm_buffer* keys = alloc(static_cast<size_t>(slots * kv_dim) * 2);
+    ringlm_buffer* values = alloc(static_cast<size_t>(slots * kv_dim) * 2);
+    std::vector<int32_t> pos(static_cast<size_t>(slots));
+    for (int j = 0; j < slots; ++j) pos[static_cast<size_t>(j)] = j;
+    ringlm_buffer* positions = alloc(pos.size() * 4);
+    check(g_api->upload(g_ctx, positions, 0, pos.data(), pos.size() * 4), "upload");
+
+    struct Row {
+      std::string name;
+      int per_layer;  // how often a decode step runs it per layer (0: once per step)
+      double us;
+    };
+    std::vector<Row> rows;
+    auto matmul = [&](const char* name, int64_t n, int64_t k, int per_layer) {
+      ringlm_buffer* w = weight(n, k);
+      ringlm_matmul_args a{};
+      a.weight = w;
+      a.weight_format = s.format;
+      a.n = n;
+      a.k = k;
+      a.x = x;
+      a.y = y;
+      a.m = 1;
+      ringlm_matmul2_args fused{};
+      fused.base = a;
+      fused.rms_weight = norm_w;
+      fused.rms_eps = 1e-5f;
+      if (!flat_only) {
+        const bool normed = k == s.d;  // the products whose input is a norm's output
+        if (!normed) fused.rms_weight = nullptr;
+        rows.push_back({std::string(name) + (normed ? " +norm" : ""), per_layer,
+                        time_op([&] { check(g_api->matmul2(g_ctx, &fused), "matmul2"); })});
+      } else {
+        rows.push_back({std::string(name) + " (flat)", per_layer,
+                        time_op([&] { check(g_api->matmul(g_ctx, &a), "matmul"); })});
+      }
+      g_api->free(g_ctx, w);
+    };
+    matmul("matmul q (d x d)", q_dim, s.d, 1);
+    matmul("matmul k/v (kv x d)", kv_dim, s.d, 2);
+    matmul("matmul o (d x d)", s.d, q_dim, 1);
+    matmul("matmul gate/up (ff x d)", s.ff, s.d, 2);
+    matmul("matmul down (d x ff)", s.d, s.ff, 1);
+    matmul("matmul logits (vocab x d)", s.vocab, s.d, 0);
+
+    ringlm_rms_norm_args rn{x, 0, x, 0, norm_w, 0, 1, s.d, 1e-5f};
+    rows.push_back({"rms_norm (1 x d)", 2, time_op([&] { check(g_api->rms_norm(g_ctx, &rn), "rms_norm"); })});
+    ringlm_add_args ad{x, 0, y, 0, s.d, s.d};
+    rows.push_back({"add (d)", 2, time_op([&] { check(g_api->add(g_ctx, &ad), "add"); })});
+    ringlm_glu_args gl{y, 0, x, 0, s.ff, RINGLM_ACT_SILU};
+    ringlm_buffer* up = alloc(static_cast<size_t>(s.ff) * 4);
+    gl.up = up;
+    rows.push_back({"glu (ff)", 1, time_op([&] { check(g_api->glu(g_ctx, &gl), "glu"); })});
+    ringlm_rope_args rp{x, 0, 1, static_cast<int32_t>(s.n_head), static_cast<int32_t>(s.head_dim),
+                        static_cast<int32_t>(s.head_dim), 0, angles, 0, angles, 0};
+    rows.push_back({"rope (q)", 2, time_op([&] { check(g_api->rope(g_ctx, &rp), "rope"); })});
+    ringlm_store_kv_args st{x, 0, keys, 0, RINGLM_FORMAT_F16, 1, kv_dim};
+    rows.push_back({"store_kv (1 row)", 2, time_op([&] { check(g_api->store_kv(g_ctx, &st), "store_kv"); })});
+    ringlm_attention2_args at{};
+    at.base = ringlm_attention_args{x, 0, y, 0, keys, 0, values, 0, RINGLM_FORMAT_F16, kv_dim, positions,
+                                    slots, 1, slots - 1, static_cast<int32_t>(s.n_head),
+                                    static_cast<int32_t>(s.n_head_kv), static_cast<int32_t>(s.head_dim), 0.125f};
+    rows.push_back({"attention (" + std::to_string(slots) + " slots)", 1,
+                    time_op([&] { check(g_api->attention2(g_ctx, &at), "attention"); })});
+    rows.push_back({"scale n=1 (a launch)", 0, time_op([&] { check(g_api->scale(g_ctx, x, 0, 1, 1.0f), "scale"); })});
+
+    double step = 0;
+    std::printf("%-32s %10s %12s\n", "op", "us", "us/step");
+    for (const Row& r : rows) {
+      const double per_step = r.us * (r.per_layer == 0 ? 1 : r.per_layer * s.n_layer);
+      if (r.name.rfind("scale", 0) != 0) step += per_step;
+      std::printf("%-32s %10.1f %12.1f\n", r.name.c_str(), r.us, per_step);
+    }
+    std::printf("%-32s %10s %12.1f  (%.1f t/s)\n", "decode step (sum)", "", step, 1e6 / step);
+    g_api->close(g_ctx);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_opencl_ops: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
