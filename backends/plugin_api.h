@@ -231,15 +231,32 @@ typedef struct ringlm_get_rows_args {
   size_t out_offset;
 } ringlm_get_rows_args;
 
-/* The product of ringlm_matmul_args with the ops around it fused: with rms_weight, each row of x
- * is first RMS-normalised and scaled by rms_weight (k floats), as ringlm_rms_norm_args, without
- * writing it out; with accumulate, y += x · Wᵀ instead of y = (a residual connection). */
+/* A further weight of a fused product (ringlm_matmul2_args::more): n rows of the first weight's
+ * format and k, multiplied by the same x into its own y ([m][n] fp32 at y_offset). */
+typedef struct ringlm_matmul_part {
+  const ringlm_buffer* weight;
+  int64_t n;
+  ringlm_buffer* y;
+  size_t y_offset;
+} ringlm_matmul_part;
+
+/* The product of ringlm_matmul_args with the ops around it fused, in one launch:
+ *  - rms_weight: each row of x is first RMS-normalised and scaled by rms_weight (k floats), as
+ *    ringlm_rms_norm_args, without being written out;
+ *  - accumulate: y += x · Wᵀ instead of y = (a residual connection; only without `more`);
+ *  - n_more (0..2): more weights multiplied by the same x, each into its own y (q, k and v);
+ *  - glu: with n_more = 1 and more[0].n = base.n, base.y = act(x · Wᵀ) * (x · more[0].weightᵀ),
+ *    the gated feed-forward's gate and up (more[0].y is not written). */
 typedef struct ringlm_matmul2_args {
   ringlm_matmul_args base;
   const ringlm_buffer* rms_weight; /* NULL: x as it is */
   size_t rms_weight_offset;
   float rms_eps;
   int32_t accumulate;
+  int32_t n_more;
+  ringlm_matmul_part more[2];
+  int32_t glu;
+  uint32_t activation; /* ringlm_activation, with glu */
 } ringlm_matmul2_args;
 
 /* Attention as ringlm_attention_args, and with window > 0 a query at position p sees only the

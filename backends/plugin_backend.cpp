@@ -7,6 +7,7 @@
 #include <functional>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -345,9 +346,19 @@ class PluginBackend final : public Backend {
     } else {
       in = normalised_input(input, cols);
     }
+    std::vector<const PluginWeight*> device_weights;
+    std::vector<float*> device_ys;
     for (size_t i = 0; i < weights.size(); ++i) {
       const PluginWeight& w = as_plugin_weight(*weights[i]);
-      if (w.on_device) device_product(w, in, input.n_tokens, ys[i], fuse_norm ? &norm : nullptr, input.rms_eps);
+      if (!w.on_device) continue;
+      device_weights.push_back(&w);
+      device_ys.push_back(ys[i]);
+    }
+    if (can_fuse(device_weights, device_ys, input.n_tokens)) {  // q, k and v in one launch
+      return fused_product(device_weights, in, input.n_tokens, device_ys, fuse_norm ? &norm : nullptr, input.rms_eps);
+    }
+    for (size_t i = 0; i < device_weights.size(); ++i) {
+      device_product(*device_weights[i], in, input.n_tokens, device_ys[i], fuse_norm ? &norm : nullptr, input.rms_eps);
     }
   }
 
@@ -373,6 +384,17 @@ class PluginBackend final : public Backend {
       host_input.x = host_read(input.x, static_cast<size_t>(input.n_tokens * g.cols()));
       if (input.rms_weight != nullptr) host_input.rms_weight = host_read(input.rms_weight, static_cast<size_t>(g.cols()));
       return cpu_->matmul_glu(*g.cpu, *u.cpu, host_input, act, host_write(out, n));
+    }
+    const size_t nx = static_cast<size_t>(input.n_tokens * g.cols());
+    const std::vector<const PluginWeight*> pair = {&g, &u};
+    if (can_fuse(pair, {out}, input.n_tokens) && on_device(input.x, nx) &&
+        (input.rms_weight == nullptr || on_device(input.rms_weight, static_cast<size_t>(g.cols())))) {
+      // gate, up and the activation in one launch, the norm of the input fused too
+      const DeviceSpan in = device_read(input.x, nx);
+      DeviceSpan norm;
+      if (input.rms_weight != nullptr) norm = device_read(input.rms_weight, static_cast<size_t>(g.cols()));
+      return fused_product(pair, in, input.n_tokens, {out}, input.rms_weight != nullptr ? &norm : nullptr, input.rms_eps,
+                           act);
     }
     float* up_out = scratch(up_out_, n);
     const PreparedWeight* both[] = {&gate, &up};
@@ -659,6 +681,66 @@ class PluginBackend final : public Backend {
       check(*device_, api_.matmul2(device_->context, &fused), "matmul2");
     }
     if (!direct) y_buffer_.download(0, host_write(y, ny), ny * sizeof(float));
+  }
+
+  // Whether the device's weights can multiply one input in one launch (matmul2's parts): ABI v2,
+  // at most three weights of one format, every output in device memory.
+  bool can_fuse(const std::vector<const PluginWeight*>& weights, const std::vector<float*>& ys, int64_t n_tokens) const {
+    if (!v2_ || weights.size() < 2 || weights.size() > 3) return false;
+    for (const PluginWeight* w : weights) {
+      if (!w->on_device || w->type != weights[0]->type || w->cols() != weights[0]->cols()) return false;
+    }
+    for (size_t i = 0; i < ys.size(); ++i) {
+      if (!on_device(ys[i], static_cast<size_t>(n_tokens * weights[i]->rows()))) return false;
+    }
+    return true;
+  }
+
+  // ys[i] = in · weights[i]ᵀ for every weight in one launch per chunk of rows (matmul2's parts),
+  // or with `glu` (two weights, one output) ys[0] = act(in · gateᵀ) * (in · upᵀ).
+  void fused_product(const std::vector<const PluginWeight*>& weights, DeviceSpan in, int64_t n_tokens,
+                     const std::vector<float*>& ys, const DeviceSpan* rms, float rms_eps,
+                     std::optional<Activation> glu = std::nullopt) {
+    std::vector<DeviceSpan> outs;
+    for (size_t i = 0; i < ys.size(); ++i) {
+      outs.push_back(device_write(ys[i], static_cast<size_t>(n_tokens * weights[i]->rows())));
+    }
+    int64_t max_rows = kMaxDeviceRows;
+    for (const PluginWeight* w : weights) max_rows = std::min(max_rows, w->max_rows);
+    const int64_t cols = weights[0]->cols();
+    for (int64_t m0 = 0; m0 < n_tokens; m0 += max_rows) {
+      ringlm_matmul2_args args{};
+      const auto part_y = [&](size_t i) { return outs[i].offset + static_cast<size_t>(m0 * weights[i]->rows()) * sizeof(float); };
+      args.base.weight = weights[0]->data.get();
+      args.base.weight_format = static_cast<uint32_t>(weights[0]->type);
+      args.base.n = weights[0]->rows();
+      args.base.k = cols;
+      args.base.x = in.buffer;
+      args.base.x_offset = in.offset + static_cast<size_t>(m0 * cols) * sizeof(float);
+      args.base.y = outs[0].buffer;
+      args.base.y_offset = part_y(0);
+      args.base.m = std::min(max_rows, n_tokens - m0);
+      if (rms != nullptr) {
+        args.rms_weight = rms->buffer;
+        args.rms_weight_offset = rms->offset;
+        args.rms_eps = rms_eps;
+      }
+      args.n_more = static_cast<int32_t>(weights.size() - 1);
+      for (size_t i = 1; i < weights.size(); ++i) {
+        ringlm_matmul_part& part = args.more[i - 1];
+        part.weight = weights[i]->data.get();
+        part.n = weights[i]->rows();
+        if (i < outs.size()) {
+          part.y = outs[i].buffer;
+          part.y_offset = part_y(i);
+        }
+      }
+      if (glu) {
+        args.glu = 1;
+        args.activation = *glu == Activation::kGeluTanh ? RINGLM_ACT_GELU_TANH : RINGLM_ACT_SILU;
+      }
+      check(*device_, api_.matmul2(device_->context, &args), "matmul2");
+    }
   }
 
   void device_rms_norm(DeviceSpan from, DeviceSpan to, DeviceSpan weight, int64_t n_rows, int64_t width, float eps) {

@@ -195,19 +195,30 @@ using Output = test::CommandResult;
 
 Output run_ringlm(const std::string& args) { return test::run_command(std::string(RINGLM_BINARY) + " " + args, work_dir()); }
 
-std::string run_args(const std::string& device, const std::string& extra = "") {
+std::string run_args(const std::string& device, const std::string& extra = "", const std::string& plugins = plugin_dir()) {
   return "run -m " + std::string(RINGLM_TEST_MODEL) + " -t 1 --temp 0 -n " + std::to_string(test::scaled(32, 12)) +
          " --ignore-eos -p 'The capital of France is' " +
-         "--device " + device + " --plugin-dir " + plugin_dir() + " " + extra;
+         "--device " + device + " --plugin-dir " + plugins + " " + extra;
 }
 
-TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpu) {
+// The OpenCL plugin (ABI 2: the whole step on the device) and the same plugin seen as a version-1
+// plugin (tests/plugins/v1_shim.c: products and attention on the device, every other op on the
+// CPU) both write the CPU's greedy text (fp32), and `ringlm devices` shows each one's ABI.
+TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpuWithAVersion2AndAVersion1Plugin) {
+  const std::string v1_dir = RINGLM_V1_PLUGIN_DIR;
+  const Output devices = run_ringlm("devices --plugin-dir " + v1_dir);
+  ASSERT_EQ(devices.exit_code, 0) << devices.err;
+  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 1"));  // the shim
+  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 2"));  // the OpenCL plugin beside ringlm
   const Output cpu = run_ringlm(run_args("cpu", "--compute fp32"));
   const Output device = run_ringlm(run_args("opencl"));
+  const Output v1 = run_ringlm(run_args("openclv1", "", v1_dir));
   ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
   ASSERT_EQ(device.exit_code, 0) << device.err;
+  ASSERT_EQ(v1.exit_code, 0) << v1.err;
   EXPECT_GT(cpu.out.size(), static_cast<size_t>(test::scaled(40, 10)));
   EXPECT_EQ(device.out, cpu.out);
+  EXPECT_EQ(v1.out, cpu.out);
 }
 
 // Gemma 3 270M on the device: what the plugin does not take (Q5_0, Q4_K, Q6_K weights) runs on the
@@ -226,25 +237,6 @@ TEST(DeviceCli, GemmaSaysWhatStaysOnTheCpuAndWritesTheCpusText) {
   EXPECT_THAT(cpu.err, Not(HasSubstr("on the CPU")));
   EXPECT_THAT(cpu.out, HasSubstr("France"));
   EXPECT_EQ(device.out, cpu.out);
-}
-
-// A plugin of ABI version 1 (the OpenCL plugin's version-1 entries, tests/plugins/v1_shim.c)
-// still loads, says so in `ringlm devices`, and runs the model as before: products and attention
-// on its device, every other op on the CPU, the CPU's greedy text.
-TEST(DeviceCli, Version1PluginStillLoadsAndRuns) {
-  const std::string v1_dir = RINGLM_V1_PLUGIN_DIR;
-  const Output devices = run_ringlm("devices --plugin-dir " + v1_dir);
-  ASSERT_EQ(devices.exit_code, 0) << devices.err;
-  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 1"));  // the shim
-  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 2"));  // the OpenCL plugin beside ringlm
-  const std::string args = "run -m " + std::string(RINGLM_TEST_MODEL) + " -t 1 --temp 0 -n " +
-                           std::to_string(test::scaled(12, 6)) + " --ignore-eos -p 'The capital of France is' ";
-  const Output cpu = run_ringlm(args + "--device cpu --compute fp32");
-  const Output v1 = run_ringlm(args + "--device openclv1 --plugin-dir " + v1_dir);
-  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
-  ASSERT_EQ(v1.exit_code, 0) << v1.err;
-  EXPECT_FALSE(cpu.out.empty());
-  EXPECT_EQ(v1.out, cpu.out);
 }
 
 TEST(DeviceCli, MissingDeviceIndexIsAClearError) {

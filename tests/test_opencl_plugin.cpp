@@ -379,7 +379,8 @@ TEST_P(Matmul, FusedNormAndResidualMatchTheCpu) {
   const TensorType type = GetParam();
   std::mt19937 rng(static_cast<unsigned>(type) + 11);
   auto cpu = make_cpu_backend(1, ComputeType::kFp32);
-  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{101, 576}, {300, 2048}}) {
+  // (Longer rows: Matmul2RowIsBitIdenticalWhateverM.)
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{101, 576}}) {
     const Weights w = make_weights(type, n, k, rng);
     auto prepared = cpu->prepare({"w", type, n, k, w.bytes.data()});
     DeviceBuffer wd(w.bytes);
@@ -422,6 +423,79 @@ TEST_P(Matmul, FusedNormAndResidualMatchTheCpu) {
       }
     }
   }
+}
+
+// matmul2's fusions of several products of one input: q, k and v in one launch give, bit for bit,
+// what three launches give; gate and up with the activation give act(gate) * up of the separate
+// products (the activation to float rounding, against the formulas computed here).
+TEST(OpenclPlugin, Matmul2FusesPartsAndTheGatedActivation) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(97);
+  const int64_t k = 576, m = 3;
+  const std::vector<int64_t> rows = {96, 32, 32};
+  std::vector<Weights> w;
+  std::vector<std::unique_ptr<DeviceBuffer>> wd;
+  for (const int64_t n : rows) {
+    w.push_back(make_weights(TensorType::Q4_1, n, k, rng));
+    wd.push_back(std::make_unique<DeviceBuffer>(w.back().bytes));
+  }
+  const std::vector<float> x = random_floats(static_cast<size_t>(m * k), rng, 2.0f);
+  const std::vector<float> norm = random_floats(static_cast<size_t>(k), rng, 1.0f);
+  DeviceBuffer xd(x), nd(norm);
+  const auto args_for = [&](size_t i, ringlm_buffer* y) {
+    ringlm_matmul2_args a{};
+    a.base = ringlm_matmul_args{wd[i]->get(), static_cast<uint32_t>(TensorType::Q4_1), rows[i], k, xd.get(), 0, y, 0, m};
+    a.rms_weight = nd.get();
+    a.rms_eps = 1e-5f;
+    return a;
+  };
+  std::vector<std::vector<float>> separate;
+  for (size_t i = 0; i < 3; ++i) {
+    DeviceBuffer yd(static_cast<size_t>(m * rows[i]) * sizeof(float));
+    const ringlm_matmul2_args a = args_for(i, yd.get());
+    ASSERT_EQ(api().matmul2(ctx(), &a), RINGLM_OK) << last_error();
+    separate.push_back(yd.download<float>(static_cast<size_t>(m * rows[i])));
+  }
+  // q, k, v in one launch, each into its own buffer (k's at an offset).
+  DeviceBuffer q(static_cast<size_t>(m * rows[0]) * sizeof(float)), kk(64 + static_cast<size_t>(m * rows[1]) * sizeof(float)),
+      v(static_cast<size_t>(m * rows[2]) * sizeof(float));
+  ringlm_matmul2_args fused = args_for(0, q.get());
+  fused.n_more = 2;
+  fused.more[0] = ringlm_matmul_part{wd[1]->get(), rows[1], kk.get(), 64};
+  fused.more[1] = ringlm_matmul_part{wd[2]->get(), rows[2], v.get(), 0};
+  ASSERT_EQ(api().matmul2(ctx(), &fused), RINGLM_OK) << last_error();
+  EXPECT_EQ(q.download<float>(separate[0].size()), separate[0]);
+  EXPECT_EQ(kk.download<float>(separate[1].size(), 64), separate[1]);
+  EXPECT_EQ(v.download<float>(separate[2].size()), separate[2]);
+
+  // gate (weights 1) and up (weights 2), both 32 rows, with each activation.
+  for (const uint32_t act : {uint32_t{RINGLM_ACT_SILU}, uint32_t{RINGLM_ACT_GELU_TANH}}) {
+    DeviceBuffer out(static_cast<size_t>(m * rows[1]) * sizeof(float));
+    ringlm_matmul2_args glu = args_for(1, out.get());
+    glu.n_more = 1;
+    glu.more[0] = ringlm_matmul_part{wd[2]->get(), rows[2], nullptr, 0};
+    glu.glu = 1;
+    glu.activation = act;
+    ASSERT_EQ(api().matmul2(ctx(), &glu), RINGLM_OK) << last_error();
+    const std::vector<float> got = out.download<float>(separate[1].size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double g = separate[1][i], u = separate[2][i];
+      const double a = act == RINGLM_ACT_SILU ? g / (1.0 + std::exp(-g))
+                                              : 0.5 * g * (1.0 + std::tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)));
+      EXPECT_NEAR(got[i], a * u, 1e-5 * (1.0 + std::fabs(a * u))) << "element " << i << " activation " << act;
+    }
+  }
+  // A glu whose second weight has other rows, or accumulate with parts, is refused.
+  ringlm_matmul2_args bad = args_for(0, q.get());
+  bad.n_more = 1;
+  bad.more[0] = ringlm_matmul_part{wd[1]->get(), rows[1], nullptr, 0};
+  bad.glu = 1;
+  EXPECT_EQ(api().matmul2(ctx(), &bad), RINGLM_ERROR_INVALID_ARGUMENT);
+  EXPECT_STRNE(api().last_error(ctx()), "");
+  bad.glu = 0;
+  bad.more[0].y = kk.get();
+  bad.accumulate = 1;
+  EXPECT_EQ(api().matmul2(ctx(), &bad), RINGLM_ERROR_INVALID_ARGUMENT);
 }
 
 TEST(OpenclPlugin, Matmul2RowIsBitIdenticalWhateverM) {

@@ -158,82 +158,158 @@ MATMUL_KERNEL(matmul_f32, FMT_F32, 128)
 
 // --- GEMV: the decode product ----------------------------------------------------------------
 
+#define NORM_PARTS 64  // partial sums of squares per row in the GEMV's fused norm
+
+float activation_of(const int activation, const float g) {
+  if (activation == 1) {  // GELU, tanh form
+    const float sqrt_2_over_pi = 0.79788456080286535588f;
+    return 0.5f * g * (1.0f + tanh(sqrt_2_over_pi * (g + 0.044715f * g * g * g)));
+  }
+  return g / (1.0f + exp(-g));  // SiLU
+}
+
+// The weight rows a work-item multiplies: its row n of the parts' rows laid end to end (W0's N0
+// rows, then W1's, then W2's), or with glu row n of W0 (gate) and of W1 (up).
+typedef struct {
+  __global const uchar* w;   // the row's bytes
+  __global const uchar* up;  // glu: up's row
+  __global float* y;         // where its outputs go: y[m * n_out + row]
+  int row, n_out;
+} GemvRow;
+
+GemvRow gemv_row(const int n, const int block_bytes, const int K, const int glu, __global const uchar* W0,
+                 __global const uchar* W1, __global const uchar* W2, const int N0, const int N1,
+                 __global float* y0, __global float* y1, __global float* y2) {
+  GemvRow g;
+  const ulong row_bytes = (ulong)(K / BLOCK) * (ulong)block_bytes;
+  g.row = n;
+  g.w = W0;
+  g.y = y0;
+  g.n_out = N0;
+  g.up = W1;
+  if (!glu && g.row >= N0) {
+    g.row -= N0;
+    g.w = W1;
+    g.y = y1;
+    g.n_out = N1;
+    if (g.row >= N1) {
+      g.row -= N1;
+      g.w = W2;
+      g.y = y2;
+      g.n_out = -1;  // set by the caller (N2)
+    }
+  }
+  g.w += (ulong)g.row * row_bytes;
+  g.up += (ulong)g.row * row_bytes;
+  return g;
+}
+
 // y[m][n] = sum_c xn[m][c] W[n][c] for m < M (<= MAX_M rows: a decode step, a batch of them, a
 // prompt in chunks), where xn is x or, with has_norm, x RMS-normalised and scaled by norm_w (the
 // layer's norm fused into its product: nothing written out, no launch of its own); with
-// accumulate, y[m][n] += that instead (the residual fused into the output projection).
+// accumulate, y[m][n] += that instead (the residual fused into the output projection). Up to
+// three weights of the same format multiply the same x in one launch, each into its own y (q,
+// k and v), or with glu two, gate and up, into act(gate) * up.
 //
 // A work-group takes R = get_local_size(1) weight rows, each shared by L = get_local_size(0)
 // lanes that take its blocks in turn (lane l: blocks l, l + L, ...): on a GPU L is a warp, so a
 // row's bytes are read side by side; on a CPU device L = 1 and each work-item runs a row with
 // vector math. Each block is read once for all M rows of x. Row m of y comes out of the same
-// operations in the same order whatever M is, so a sequence's logits do not depend on the
-// others in its batch. lsum holds MAX_M floats per work-item (the reductions), linv MAX_M floats.
-void gemv_rows(const int format, const int block_bytes, __global const uchar* W, const int N, const int K,
-               __global const float* x, const int M, __global float* y, __global const float* norm_w, const float eps,
-               const int has_norm, const int accumulate, __local float* lsum, __local float* linv) {
+// operations in the same order whatever M is and whatever is fused, so a sequence's logits do
+// not depend on the others in its batch. lsum: max(2 * MAX_M per work-item, MAX_M * NORM_PARTS)
+// floats (the reductions), linv: MAX_M floats. Every barrier is at the kernel's top level, reached by every work-item
+// (PoCL miscompiles barriers inside loops).
+void gemv_rows(const int format, const int block_bytes, __global const uchar* W0, __global const uchar* W1,
+               __global const uchar* W2, const int N0, const int N1, const int N2, const int K,
+               __global const float* x, const int M, __global float* y0, __global float* y1, __global float* y2,
+               __global const float* norm_w, const float eps, const int has_norm, const int accumulate, const int glu,
+               const int activation, __local float* lsum, __local float* linv) {
   const int lane = get_local_id(0), L = get_local_size(0);
   const int r = get_local_id(1), R = get_local_size(1);
   const int tid = r * L + lane, G = L * R;
   const int n = get_group_id(1) * R + r;
+  const int total = glu ? N0 : N0 + N1 + N2;
 
-  // 1 / RMS of each row of x: every work-item sums the squares of its columns of every row
-  // (lsum[m * G + tid]), then work-item m adds row m's G partial sums in order. (Every barrier is
-  // at the kernel's top level, reached by all work-items.)
+  // 1 / RMS of each row of x, in an order that does not depend on the group's shape (which
+  // follows the number of rows): NORM_PARTS partial sums of squares per row, partial p over
+  // columns p, p + NORM_PARTS, ... (lsum[m * NORM_PARTS + p], the work-items taking the partials
+  // in turn), then work-item m adds row m's partials in order.
   if (has_norm) {
     for (int m = 0; m < M; ++m) {
-      float ss = 0.0f;
-      for (int c = tid; c < K; c += G) ss += x[(ulong)m * K + c] * x[(ulong)m * K + c];
-      lsum[m * G + tid] = ss;
+      for (int part = tid; part < NORM_PARTS; part += G) {
+        float ss = 0.0f;
+        for (int c = part; c < K; c += NORM_PARTS) ss += x[(ulong)m * K + c] * x[(ulong)m * K + c];
+        lsum[m * NORM_PARTS + part] = ss;
+      }
     }
   }
   barrier(CLK_LOCAL_MEM_FENCE);
   if (has_norm && tid < M) {
     float ss = 0.0f;
-    for (int i = 0; i < G; ++i) ss += lsum[tid * G + i];
+    for (int part = 0; part < NORM_PARTS; ++part) ss += lsum[tid * NORM_PARTS + part];
     linv[tid] = 1.0f / sqrt(ss / (float)K + eps);
   }
   barrier(CLK_LOCAL_MEM_FENCE);
 
-  float acc[MAX_M];
-  for (int m = 0; m < MAX_M; ++m) acc[m] = 0.0f;
-  if (n < N) {
-    __global const uchar* row = W + (ulong)n * (ulong)(K / BLOCK) * (ulong)block_bytes;
+  GemvRow g = gemv_row(n < total ? n : 0, block_bytes, K, glu, W0, W1, W2, N0, N1, y0, y1, y2);
+  if (g.n_out < 0) g.n_out = N2;
+  float acc[MAX_M], acc_up[MAX_M];
+  for (int m = 0; m < MAX_M; ++m) acc[m] = acc_up[m] = 0.0f;
+  if (n < total) {
     for (int b = lane; b < K / BLOCK; b += L) {
-      const WeightBlock w = load_block(format, row + (ulong)b * block_bytes);
       float16 nlo = (float16)1.0f, nhi = (float16)1.0f;
       if (has_norm) {
         nlo = vload16(0, norm_w + b * BLOCK);
         nhi = vload16(1, norm_w + b * BLOCK);
       }
+      const WeightBlock w = load_block(format, g.w + (ulong)b * block_bytes);
       for (int m = 0; m < M; ++m) {
         __global const float* xb = x + (ulong)m * K + b * BLOCK;
         acc[m] += w.scale * (sum16(w.lo * (vload16(0, xb) * nlo)) + sum16(w.hi * (vload16(1, xb) * nhi)));
+      }
+      if (glu) {
+        const WeightBlock u = load_block(format, g.up + (ulong)b * block_bytes);
+        for (int m = 0; m < M; ++m) {
+          __global const float* xb = x + (ulong)m * K + b * BLOCK;
+          acc_up[m] += u.scale * (sum16(u.lo * (vload16(0, xb) * nlo)) + sum16(u.hi * (vload16(1, xb) * nhi)));
+        }
       }
     }
   }
 
   // The lanes' sums of each row, added by lane 0 in lane order.
-  for (int m = 0; m < M; ++m) lsum[m * G + tid] = acc[m];
+  for (int m = 0; m < M; ++m) {
+    lsum[m * G + tid] = acc[m];
+    lsum[(MAX_M + m) * G + tid] = acc_up[m];
+  }
   barrier(CLK_LOCAL_MEM_FENCE);
-  if (n < N && lane == 0) {
+  if (n < total && lane == 0) {
     for (int m = 0; m < M; ++m) {
-      float sum = 0.0f;
-      for (int l = 0; l < L; ++l) sum += lsum[m * G + r * L + l];
-      if (has_norm) sum *= linv[m];
-      __global float* out = y + (ulong)m * N + n;
+      float sum = 0.0f, sum_up = 0.0f;
+      for (int l = 0; l < L; ++l) {
+        sum += lsum[m * G + r * L + l];
+        sum_up += lsum[(MAX_M + m) * G + r * L + l];
+      }
+      if (has_norm) {
+        sum *= linv[m];
+        sum_up *= linv[m];
+      }
+      if (glu) sum = activation_of(activation, sum) * sum_up;
+      __global float* out = g.y + (ulong)m * g.n_out + g.row;
       *out = accumulate ? *out + sum : sum;
     }
   }
 }
 
 #define GEMV_KERNEL(name, format, block_bytes)                                                                      \
-  __kernel void name(__global const uchar* W, const int N, const int K, __global const float* x, const ulong x_off, \
-                     const int M, __global float* y, const ulong y_off, __global const float* norm_w,               \
-                     const ulong norm_off, const float eps, const int has_norm, const int accumulate,               \
+  __kernel void name(__global const uchar* W0, __global const uchar* W1, __global const uchar* W2, const int N0,    \
+                     const int N1, const int N2, const int K, __global const float* x, const ulong x_off,           \
+                     const int M, __global float* y0, const ulong y0_off, __global float* y1, const ulong y1_off,  \
+                     __global float* y2, const ulong y2_off, __global const float* norm_w, const ulong norm_off,   \
+                     const float eps, const int has_norm, const int accumulate, const int glu, const int activation, \
                      __local float* lsum, __local float* linv) {                                                    \
-    gemv_rows(format, block_bytes, W, N, K, x + x_off, M, y + y_off, norm_w + norm_off, eps, has_norm, accumulate,  \
-              lsum, linv);                                                                                          \
+    gemv_rows(format, block_bytes, W0, W1, W2, N0, N1, N2, K, x + x_off, M, y0 + y0_off, y1 + y1_off, y2 + y2_off,  \
+              norm_w + norm_off, eps, has_norm, accumulate, glu, activation, lsum, linv);                            \
   }
 
 GEMV_KERNEL(gemv_q4_0, FMT_Q4_0, 18)
@@ -354,6 +430,55 @@ void attention_one(const int f16, __global const float* q, __global float* out, 
 
 ATTENTION_KERNEL(attention_f32, 0, float)
 ATTENTION_KERNEL(attention_f16, 1, half)
+
+// The same attention for a CPU device: one work-item per (query head, token) runs the whole
+// online softmax over the slots itself, with vector math and no barriers (a CPU device's work-
+// items are loop iterations: a group kernel's barriers cost more there than the work). The
+// output accumulates in private memory (SERIAL_HD_MAX floats: head_dim up to that).
+#define SERIAL_HD_MAX 256
+void attention_serial_one(const int f16, __global const float* q, __global float* out, __global const void* keys,
+                          __global const void* values, const long row_stride, __global const int* positions,
+                          const int n_slots, const long q_pos0, const int n_head, const int n_head_kv,
+                          const int head_dim, const float scale, const int window) {
+  const int h = get_global_id(0), i = get_global_id(1);
+  const int g = h / (n_head / n_head_kv);
+  const long pos = q_pos0 + i;
+  const long oldest = window > 0 ? pos - window + 1 : 0;
+  __global const float* qh = q + ((ulong)i * n_head + h) * head_dim;
+  const ulong kv_col = (ulong)g * head_dim;
+  float4 acc[SERIAL_HD_MAX / 4];
+  for (int c = 0; c < head_dim / 4; ++c) acc[c] = (float4)0.0f;
+  float running_max = -INFINITY, denominator = 0.0f;
+  for (int j = 0; j < n_slots; ++j) {
+    const int p = positions[j];
+    if (p < 0 || p > pos || p < oldest) continue;
+    const ulong row = (ulong)j * row_stride + kv_col;
+    float s = 0.0f;
+    for (int c = 0; c < head_dim; c += 4) s += dot(vload4(0, qh + c), load_kv4(f16, keys, row + c));
+    s *= scale;
+    const float new_max = fmax(running_max, s);
+    const float rescale = exp(running_max - new_max), weight = exp(s - new_max);
+    denominator = denominator * rescale + weight;
+    for (int c = 0; c < head_dim / 4; ++c) acc[c] = acc[c] * rescale + weight * load_kv4(f16, values, row + 4 * c);
+    running_max = new_max;
+  }
+  __global float* oh = out + ((ulong)i * n_head + h) * head_dim;
+  const float inv = denominator > 0.0f ? 1.0f / denominator : 0.0f;
+  for (int c = 0; c < head_dim / 4; ++c) vstore4(acc[c] * inv, 0, oh + 4 * c);
+}
+
+#define ATTENTION_SERIAL_KERNEL(name, f16, kv_type)                                                                  \
+  __kernel void name(__global const float* q, const ulong q_off, __global float* out, const ulong out_off,           \
+                     __global const kv_type* keys, const ulong k_off, __global const kv_type* values,               \
+                     const ulong v_off, const long row_stride, __global const int* positions, const int n_slots,    \
+                     const long q_pos0, const int n_head, const int n_head_kv, const int head_dim, const float scale, \
+                     const int window) {                                                                            \
+    attention_serial_one(f16, q + q_off, out + out_off, keys + k_off, values + v_off, row_stride, positions, n_slots, \
+                         q_pos0, n_head, n_head_kv, head_dim, scale, window);                                       \
+  }
+
+ATTENTION_SERIAL_KERNEL(attention_serial_f32, 0, float)
+ATTENTION_SERIAL_KERNEL(attention_serial_f16, 1, half)
 
 // --- Shift-RoPE -------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -35,6 +36,8 @@ constexpr char kBuildOptions[] = "-cl-std=CL1.2";
 constexpr int64_t kBlock = 32;      // BLOCK: matmul K is a multiple of it
 constexpr int64_t kMaxM = 16;       // MAX_M: rows of x per matmul call
 constexpr int kHeadDimPerItem = 4;  // HD_PER_ITEM: head_dim <= 4 * attention group size
+constexpr int kSerialMaxHeadDim = 256;  // SERIAL_HD_MAX: the CPU device's attention
+constexpr size_t kNormParts = 64;       // NORM_PARTS: partial sums of squares in the GEMV's norm
 
 // Work-group caps: a group larger than this buys nothing for these kernels and costs occupancy.
 constexpr size_t kMaxGroup = 256;
@@ -65,6 +68,8 @@ enum KernelId {
   kGemvQ8_0,
   kGemvF16,
   kGemvF32,
+  kAttentionSerialF32,
+  kAttentionSerialF16,
   kKernelCount
 };
 constexpr std::array<const char*, kKernelCount> kKernelNames = {
@@ -72,6 +77,7 @@ constexpr std::array<const char*, kKernelCount> kKernelNames = {
     "attention_f16",  "rope_shift_f32", "rope_shift_f16", "rms_norm",   "add_rows",   "scale_rows",
     "glu",            "rope",           "store_kv_f32", "store_kv_f16", "get_rows",
     "gemv_q4_0",      "gemv_q4_1",      "gemv_q8_0",    "gemv_f16",     "gemv_f32",
+    "attention_serial_f32", "attention_serial_f16",
 };
 
 // --- The thread's last error ------------------------------------------------------------------
@@ -651,6 +657,16 @@ void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, i
   const cl_mem positions =
       buffer_range(ctx, a.positions, 0, static_cast<size_t>(a.n_slots) * sizeof(int32_t), 1, "attention positions");
 
+  // On a CPU device, a work-item per (query head, token), the online softmax run serially.
+  if (ctx.cpu_device && a.head_dim <= kSerialMaxHeadDim) {
+    const KernelId serial = a.kv_format == RINGLM_FORMAT_F16 ? kAttentionSerialF16 : kAttentionSerialF32;
+    const size_t grid[2] = {static_cast<size_t>(a.n_head), static_cast<size_t>(a.n_tokens)};
+    launch(ctx, serial, 2, grid, nullptr, q, cl_ulong{a.q_offset / sizeof(float)}, out,
+           cl_ulong{a.out_offset / sizeof(float)}, keys, cl_ulong{a.keys_offset / elem}, values,
+           cl_ulong{a.values_offset / elem}, cl_long{a.row_stride}, positions, cl_int{a.n_slots}, cl_long{a.q_pos0},
+           cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim}, cl_float{a.scale}, cl_int{window});
+    return;
+  }
   // A group of B work-items per (query head, token): B slots per block of keys, and B * 4 >= head_dim
   // output dimensions. B about head_dim balances the two halves of the work (scores: one key per
   // work-item; values: one dimension per work-item, every key of the block).
@@ -894,8 +910,9 @@ GemvGeometry gemv_geometry(const ringlm_context& ctx, const Kernel& kernel, int6
   return g;
 }
 
-// matmul with the norm of its input and the residual after it fused (the GEMV kernel: up to
-// kMaxM rows of x per call, as matmul).
+// matmul with what surrounds it fused (the GEMV kernel: up to kMaxM rows of x per call, as
+// matmul): the norm of its input, the residual after it, up to three weights of one input (q, k,
+// v) or the gated activation of two (gate and up).
 void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
   const ringlm_matmul_args& a = a2.base;
   const std::string why = matmul_unsupported(a.weight_format, a.m, a.n, a.k);
@@ -905,29 +922,74 @@ void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
   }
   require(a2.rms_weight == nullptr || a2.rms_eps >= 0.0f, RINGLM_ERROR_INVALID_ARGUMENT,
           "matmul2: rms_eps = " + std::to_string(a2.rms_eps));
+  require(a2.n_more >= 0 && a2.n_more <= 2, RINGLM_ERROR_INVALID_ARGUMENT,
+          "matmul2: n_more = " + std::to_string(a2.n_more) + " (0 to 2)");
+  const bool glu = a2.glu != 0;
+  require(!glu || (a2.n_more == 1 && a2.more[0].n == a.n), RINGLM_ERROR_INVALID_ARGUMENT,
+          "matmul2: glu takes one more weight of the same rows");
+  require(!glu || a2.activation == RINGLM_ACT_SILU || a2.activation == RINGLM_ACT_GELU_TANH, RINGLM_ERROR_UNSUPPORTED,
+          "matmul2: activation " + std::to_string(a2.activation));
+  require(a2.accumulate == 0 || a2.n_more == 0, RINGLM_ERROR_INVALID_ARGUMENT,
+          "matmul2: accumulate takes a single weight");
   const bool norm = a2.rms_weight != nullptr;
-  const size_t n = static_cast<size_t>(a.n), k = static_cast<size_t>(a.k);
+  const size_t k = static_cast<size_t>(a.k);
   const size_t row_bytes = k / kBlock * weight_block_bytes(a.weight_format);
-  const size_t x_bytes = float_bytes(a.m, a.k, "matmul: x size"), y_bytes = float_bytes(a.m, a.n, "matmul: y size");
-  const cl_mem w = buffer_range(ctx, a.weight, 0, mul(n, row_bytes, "matmul: weight size"), 1, "matmul weight");
+  const size_t x_bytes = float_bytes(a.m, a.k, "matmul: x size");
   const cl_mem x = buffer_range(ctx, a.x, a.x_offset, x_bytes, sizeof(float), "matmul x");
-  const cl_mem y = buffer_range(ctx, a.y, a.y_offset, y_bytes, sizeof(float), "matmul y");
+
+  // Every part: its weight (n rows), its y ([m][n]), checked; unused parts repeat the first.
+  struct Part {
+    const ringlm_buffer* weight;
+    int64_t n;
+    ringlm_buffer* y;
+    size_t y_offset;
+    cl_mem w_mem = nullptr, y_mem = nullptr;
+  };
+  std::array<Part, 3> parts{Part{a.weight, a.n, a.y, a.y_offset}, Part{a.weight, 0, a.y, a.y_offset},
+                            Part{a.weight, 0, a.y, a.y_offset}};
+  for (int i = 0; i < a2.n_more; ++i) {
+    const ringlm_matmul_part& more = a2.more[i];
+    require(more.n >= 1 && more.n <= INT32_MAX, RINGLM_ERROR_INVALID_ARGUMENT,
+            "matmul2: more[" + std::to_string(i) + "].n = " + std::to_string(more.n));
+    parts[static_cast<size_t>(i) + 1] = Part{more.weight, more.n, more.y, more.y_offset};
+  }
+  int64_t total_rows = 0;
+  for (int i = 0; i <= a2.n_more; ++i) {
+    Part& p = parts[static_cast<size_t>(i)];
+    const std::string name = i == 0 ? "matmul" : "matmul2 more[" + std::to_string(i - 1) + "]";
+    p.w_mem = buffer_range(ctx, p.weight, 0, mul(static_cast<size_t>(p.n), row_bytes, "matmul: weight size"), 1,
+                           (name + " weight").c_str());
+    total_rows += p.n;
+    if (glu && i == 1) continue;  // up's products stay inside the kernel
+    const size_t y_bytes = float_bytes(a.m, p.n, "matmul: y size");
+    p.y_mem = buffer_range(ctx, p.y, p.y_offset, y_bytes, sizeof(float), (name + " y").c_str());
+    require(!overlap(p.y, p.y_offset, y_bytes, a.x, a.x_offset, x_bytes), RINGLM_ERROR_INVALID_ARGUMENT,
+            name + ": y overlaps x");
+  }
+  require(total_rows <= INT32_MAX, RINGLM_ERROR_INVALID_ARGUMENT, "matmul2: too many rows");
+  for (Part& p : parts) {  // the kernel's unused arguments: valid buffers it never touches
+    if (p.w_mem == nullptr) p.w_mem = parts[0].w_mem;
+    if (p.y_mem == nullptr) p.y_mem = parts[0].y_mem;
+  }
   // Without a norm the weight argument is x itself, never read.
   const cl_mem norm_w = norm ? buffer_range(ctx, a2.rms_weight, a2.rms_weight_offset, float_bytes(a.k, "matmul2: norm size"),
                                             sizeof(float), "matmul2 rms_weight")
                              : x;
-  require(!overlap(a.y, a.y_offset, y_bytes, a.x, a.x_offset, x_bytes), RINGLM_ERROR_INVALID_ARGUMENT,
-          "matmul2: y overlaps x");
   const KernelId id = gemv_kernel(a.weight_format);
-  const GemvGeometry g = gemv_geometry(ctx, ctx.kernels[id], a.n);
-  require((g.lanes * g.rows + 1) * kMaxM * sizeof(float) <= local_budget(ctx, ctx.kernels[id]), RINGLM_ERROR_UNSUPPORTED,
+  const GemvGeometry g = gemv_geometry(ctx, ctx.kernels[id], glu ? a.n : total_rows);
+  const size_t lsum_floats = std::max(2 * g.lanes * g.rows, kNormParts) * kMaxM;
+  require((lsum_floats + kMaxM) * sizeof(float) <= local_budget(ctx, ctx.kernels[id]), RINGLM_ERROR_UNSUPPORTED,
           "matmul2: not enough local memory on this device");
   const size_t global[2] = {g.lanes, g.groups * g.rows};
   const size_t local[2] = {g.lanes, g.rows};
-  launch(ctx, id, 2, global, local, w, as_int(a.n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
-         y, cl_ulong{a.y_offset / sizeof(float)}, norm_w, cl_ulong{norm ? a2.rms_weight_offset / sizeof(float) : 0},
-         cl_float{a2.rms_eps}, cl_int{norm ? 1 : 0}, cl_int{a2.accumulate != 0 ? 1 : 0},
-         LocalFloats{g.lanes * g.rows * kMaxM}, LocalFloats{static_cast<size_t>(kMaxM)});
+  const auto y_offset = [&](const Part& p) { return cl_ulong{p.y_offset / sizeof(float)}; };
+  launch(ctx, id, 2, global, local, parts[0].w_mem, parts[1].w_mem, parts[2].w_mem, as_int(parts[0].n),
+         as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
+         parts[0].y_mem, y_offset(parts[0]), parts[1].y_mem, glu ? cl_ulong{0} : y_offset(parts[1]), parts[2].y_mem,
+         y_offset(parts[2]), norm_w, cl_ulong{norm ? a2.rms_weight_offset / sizeof(float) : 0}, cl_float{a2.rms_eps},
+         cl_int{norm ? 1 : 0}, cl_int{a2.accumulate != 0 ? 1 : 0}, cl_int{glu ? 1 : 0},
+         cl_int{static_cast<cl_int>(a2.activation)}, LocalFloats{lsum_floats},
+         LocalFloats{static_cast<size_t>(kMaxM)});
 }
 
 // --- The C entry points -----------------------------------------------------------------------
@@ -966,6 +1028,17 @@ int32_t api_device_info(int32_t index, ringlm_device_info* out) {
   });
 }
 
+// Whether the kernels take their CPU-device shapes (a GEMV row and an attention head per
+// work-item) or their GPU shapes (a warp per row, a work-group per head): the device's type, or
+// RINGLM_OPENCL_KERNELS=cpu|gpu (the tests run the GPU shapes on PoCL's CPU device with it).
+bool kernel_shapes_for_cpu(cl_device_id device) {
+  if (const char* forced = std::getenv("RINGLM_OPENCL_KERNELS")) {
+    if (std::strcmp(forced, "gpu") == 0) return false;
+    if (std::strcmp(forced, "cpu") == 0) return true;
+  }
+  return (device_value<cl_device_type>(device, CL_DEVICE_TYPE, "CL_DEVICE_TYPE") & CL_DEVICE_TYPE_CPU) != 0;
+}
+
 ringlm_context* api_open(int32_t index, const ringlm_open_options* options) {
   ringlm_context* opened = nullptr;
   guarded([&] {
@@ -984,8 +1057,7 @@ ringlm_context* api_open(int32_t index, const ringlm_open_options* options) {
     ctx->queue = QueueHandle(clCreateCommandQueue(ctx->device->context.get(), ctx->device->device, 0, &err));
     check(err, "clCreateCommandQueue");
     for (int id = 0; id < kKernelCount; ++id) ctx->kernels[id] = make_kernel(*ctx->device, kKernelNames[id]);
-    ctx->cpu_device =
-        (device_value<cl_device_type>(ctx->device->device, CL_DEVICE_TYPE, "CL_DEVICE_TYPE") & CL_DEVICE_TYPE_CPU) != 0;
+    ctx->cpu_device = kernel_shapes_for_cpu(ctx->device->device);
     if (spec.verbose) std::fprintf(stderr, "ringlm-opencl: opened device %d (%s)\n", index, ctx->device->name.c_str());
     opened = ctx.release();
   });
