@@ -206,6 +206,25 @@ typedef struct ringlm_rope_args {
   size_t sin_offset;
 } ringlm_rope_args;
 
+/* RoPE of a pass's q and k and the store of its k and v rows, in one launch (a decode step's
+ * attention input): q (rope.x: n_rows rows of rope.n_heads heads) and k (n_rows rows of n_head_kv
+ * heads) rotated in place as ringlm_rope_args says, then the rows of k and v (n_head_kv *
+ * head_dim elements each) stored into keys and values from their byte offsets, rows contiguous,
+ * as ringlm_store_kv_args says. */
+typedef struct ringlm_rope_store_args {
+  ringlm_rope_args rope;
+  ringlm_buffer* k;
+  size_t k_offset;
+  const ringlm_buffer* v;
+  size_t v_offset;
+  int32_t n_head_kv;
+  ringlm_buffer* keys;
+  size_t keys_offset;
+  ringlm_buffer* values;
+  size_t values_offset;
+  uint32_t kv_format;
+} ringlm_rope_store_args;
+
 /* dst row r (row_width elements of kv_format, rows contiguous from dst_offset) = src row r
  * (row_width fp32) for r < n_rows, rounded to nearest-even for F16. */
 typedef struct ringlm_store_kv_args {
@@ -325,6 +344,7 @@ typedef struct ringlm_plugin {
   int32_t (*get_rows)(ringlm_context* ctx, const ringlm_get_rows_args* args);
   int32_t (*attention2)(ringlm_context* ctx, const ringlm_attention2_args* args);
   int32_t (*matmul2)(ringlm_context* ctx, const ringlm_matmul2_args* args);
+  int32_t (*rope_store)(ringlm_context* ctx, const ringlm_rope_store_args* args);
   int32_t (*counters)(const ringlm_context* ctx, ringlm_counters* out);
 } ringlm_plugin;
 

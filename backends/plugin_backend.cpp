@@ -233,14 +233,17 @@ class PluginBackend final : public Backend {
   }
 
   void write(float* dst, const float* src, size_t n) override {
+    flush_pending();
     float* host = host_write(dst, n);
     if (n > 0) std::memcpy(host, src, n * sizeof(float));
   }
   void read(const float* src, float* dst, size_t n) override {
+    flush_pending();
     const float* host = host_read(src, n);
     if (n > 0) std::memcpy(dst, host, n * sizeof(float));
   }
   void copy(float* dst, const float* src, size_t n) override {
+    flush_pending();
     if (n == 0) return;
     if (on_device(dst, n) && on_device(src, n)) {
       const DeviceSpan from = device_read(src, n);
@@ -274,6 +277,7 @@ class PluginBackend final : public Backend {
   }
 
   void rows(const PreparedWeight& weight, std::span<const int32_t> ids, float* out) override {
+    flush_pending();
     const PluginWeight& w = as_plugin_weight(weight);
     const size_t n = ids.size() * static_cast<size_t>(w.cols());
     if (w.on_device && on_device(out, n)) {
@@ -304,6 +308,7 @@ class PluginBackend final : public Backend {
   }
 
   void matmul(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) override {
+    flush_pending();
     const PluginWeight& w = as_plugin_weight(weight);
     const size_t nx = static_cast<size_t>(n_tokens * w.cols()), ny = static_cast<size_t>(n_tokens * w.rows());
     if (!w.on_device) return cpu_->matmul(*w.cpu, host_read(x, nx), n_tokens, host_write(y, ny));
@@ -313,6 +318,7 @@ class PluginBackend final : public Backend {
 
   void matmul_many(std::span<const PreparedWeight* const> weights, const MatmulInput& input,
                    std::span<float* const> ys) override {
+    flush_pending();
     const int64_t cols = weights[0]->cols();
     const size_t nx = static_cast<size_t>(input.n_tokens * cols);
     // The CPU's weights in one fused call, the device's on one normalised input.
@@ -363,6 +369,7 @@ class PluginBackend final : public Backend {
   }
 
   void matmul_add(const PreparedWeight& weight, const float* x, int64_t n_tokens, float* y) override {
+    flush_pending();
     const PluginWeight& w = as_plugin_weight(weight);
     const size_t nx = static_cast<size_t>(n_tokens * w.cols()), ny = static_cast<size_t>(n_tokens * w.rows());
     if (w.on_device && on_device(y, ny)) {  // the residual fused into the product (matmul2)
@@ -376,6 +383,7 @@ class PluginBackend final : public Backend {
 
   void matmul_glu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input, Activation act,
                   float* out) override {
+    flush_pending();
     const PluginWeight& g = as_plugin_weight(gate);
     const PluginWeight& u = as_plugin_weight(up);
     const size_t n = static_cast<size_t>(input.n_tokens * g.rows());
@@ -419,7 +427,133 @@ class PluginBackend final : public Backend {
 
   // --- Row-wise ops: on the device when their data is there -------------------------------
 
+  // RoPE on the device waits for what comes next: when it is the store of the rotated keys (and
+  // their values) into a cache, q's and k's RoPE and the store run as one launch (rope_store);
+  // anything else runs the pending RoPE first, as issued.
   void rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) override {
+    const size_t n = static_cast<size_t>(n_rows) * n_heads * head_dim;
+    const size_t n_angles = static_cast<size_t>(n_rows) * static_cast<size_t>(angles.n_rot / 2);
+    if (on_device(x, n) && on_device(angles.cos, n_angles) && on_device(angles.sin, n_angles)) {
+      if (pending_ropes_.size() == 2) flush_pending();
+      pending_ropes_.push_back({x, n_rows, n_heads, head_dim, angles});
+      return;
+    }
+    flush_pending();
+    rope_now(x, n_rows, n_heads, head_dim, angles);
+  }
+
+  void add(float* x, const float* delta, int64_t n) override { add_repeated(x, delta, n, n); }
+  void add_row(float* x, const float* row, int64_t n_rows, int64_t width) override {
+    add_repeated(x, row, n_rows * width, width);
+  }
+
+  void scale(float* x, int64_t n, float factor) override {
+    flush_pending();
+    const auto count = static_cast<size_t>(n);
+    if (on_device(x, count)) {
+      const DeviceSpan io = device_write(x, count);
+      check(*device_, api_.scale(device_->context, io.buffer, io.offset, n, factor), "scale");
+      return;
+    }
+    cpu_->scale(host_write(x, count), n, factor);
+  }
+
+  void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) override {
+    flush_pending();
+    const size_t n = static_cast<size_t>(n_rows * width);
+    if (on_device(x, n) && on_device(weight, static_cast<size_t>(width))) {
+      const DeviceSpan w = device_read(weight, static_cast<size_t>(width));
+      const DeviceSpan io = device_write(x, n);
+      device_rms_norm(io, io, w, n_rows, width, eps);
+      return;
+    }
+    const float* host_weight = host_read(weight, static_cast<size_t>(width));
+    cpu_->rms_norm(host_write(x, n), n_rows, width, host_weight, eps);
+  }
+
+  // --- The attention block ----------------------------------------------------------------
+  // A cache gets a device copy when the device first stores into it or attends over it
+  // (KvView::state). With ABI v2 the device's rows are the newest once it stored there
+  // (host_stale); the host's are brought up to date before the CPU reads them (a prefix that
+  // other sequences read, a cache whose attention the device cannot run). With ABI v1 the host
+  // rows are the truth and every store and shift reaches the copy too.
+
+  void store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) override {
+    if (fused_rope_store(kv, layer, first_slot, n, k, v)) return;
+    flush_pending();
+    const size_t count = static_cast<size_t>(n) * static_cast<size_t>(kv.row_width);
+    if (kv.state != nullptr && kv.prefix == nullptr && on_device(k, count) && on_device(v, count)) {
+      PluginKvCache& copy = ensure_device_copy(kv);
+      if (!copy.host_only) {
+        device_store(copy, copy.keys, layer, first_slot, n, device_read(k, count));
+        device_store(copy, copy.values, layer, first_slot, n, device_read(v, count));
+        copy.host_stale = true;
+        copy.stored_extent = std::max(copy.stored_extent, first_slot + n);
+        return;
+      }
+    }
+    PluginKvCache* copy = device_copy(kv);
+    if (copy != nullptr) sync_host_rows(kv, *copy);
+    cpu_->store_kv(kv, layer, first_slot, n, host_read(k, count), host_read(v, count));
+    if (copy != nullptr) {
+      const size_t at = static_cast<size_t>(layer) * copy->layer_bytes + static_cast<size_t>(first_slot) * copy->row_bytes;
+      const size_t bytes = static_cast<size_t>(n) * copy->row_bytes;
+      upload_staged(copy->keys, kv.key(layer, first_slot), bytes, at);
+      upload_staged(copy->values, kv.value(layer, first_slot), bytes, at);
+    }
+  }
+
+  void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) override {
+    flush_pending();
+    cpu_calls_.clear();
+    for (const AttentionCall& call : calls) {
+      if (const char* why = why_not_on_device(*call.kv, shape)) {
+        notice_once(why);
+        host_attention_call(call, shape);
+        continue;
+      }
+      PluginKvCache& copy = ensure_device_copy(*call.kv);
+      // Every call brings the positions up to date: set_positions uploads only what changed, and
+      // the first layer that attends here need not be layer 0 (a model whose windowed layers
+      // stay on the CPU), nor does a full ring change its slot count when its positions move.
+      set_positions(copy, call.kv->positions);
+      attend(copy, layer, call, shape);
+    }
+    if (!cpu_calls_.empty()) cpu_->attention(layer, shape, cpu_calls_);
+  }
+
+  void shift_keys(const KvView& kv, std::span<const int> layers, std::span<const int> slots, const RopeAngles& angles,
+                  int n_head_kv, int head_dim) override {
+    flush_pending();
+    PluginKvCache* copy = device_copy(kv);
+    // The device turns every layer of its copy at once. When only some layers turn (a model
+    // with two RoPE bases in one ring), the host rows turn and the copy is dropped: the next
+    // device op on the cache uploads them afresh.
+    if (copy != nullptr && static_cast<int>(layers.size()) != kv.n_layer) {
+      sync_host_rows(kv, *copy);
+      kv.state->reset();
+      copy = nullptr;
+    }
+    if (copy == nullptr || !copy->host_stale) cpu_->shift_keys(kv, layers, slots, angles, n_head_kv, head_dim);
+    if (copy != nullptr) shift_device_keys(*copy, slots, angles, n_head_kv, head_dim);
+  }
+
+ private:
+  // A RoPE the device has not run yet (rope()).
+  struct PendingRope {
+    float* x;
+    int64_t n_rows;
+    int n_heads, head_dim;
+    RopeAngles angles;
+  };
+
+  void flush_pending() {
+    std::vector<PendingRope> pending;
+    pending.swap(pending_ropes_);
+    for (const PendingRope& p : pending) rope_now(p.x, p.n_rows, p.n_heads, p.head_dim, p.angles);
+  }
+
+  void rope_now(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) {
     const size_t n = static_cast<size_t>(n_rows) * n_heads * head_dim;
     const size_t n_angles = static_cast<size_t>(n_rows) * static_cast<size_t>(angles.n_rot / 2);
     if (on_device(x, n) && on_device(angles.cos, n_angles) && on_device(angles.sin, n_angles)) {
@@ -447,97 +581,57 @@ class PluginBackend final : public Backend {
     cpu_->rope(host_write(x, n), n_rows, n_heads, head_dim, host_angles);
   }
 
-  void add(float* x, const float* delta, int64_t n) override { add_repeated(x, delta, n, n); }
-  void add_row(float* x, const float* row, int64_t n_rows, int64_t width) override {
-    add_repeated(x, row, n_rows * width, width);
-  }
-
-  void scale(float* x, int64_t n, float factor) override {
-    const auto count = static_cast<size_t>(n);
-    if (on_device(x, count)) {
-      const DeviceSpan io = device_write(x, count);
-      check(*device_, api_.scale(device_->context, io.buffer, io.offset, n, factor), "scale");
-      return;
-    }
-    cpu_->scale(host_write(x, count), n, factor);
-  }
-
-  void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) override {
-    const size_t n = static_cast<size_t>(n_rows * width);
-    if (on_device(x, n) && on_device(weight, static_cast<size_t>(width))) {
-      const DeviceSpan w = device_read(weight, static_cast<size_t>(width));
-      const DeviceSpan io = device_write(x, n);
-      device_rms_norm(io, io, w, n_rows, width, eps);
-      return;
-    }
-    const float* host_weight = host_read(weight, static_cast<size_t>(width));
-    cpu_->rms_norm(host_write(x, n), n_rows, width, host_weight, eps);
-  }
-
-  // --- The attention block ----------------------------------------------------------------
-  // A cache gets a device copy when the device first stores into it or attends over it
-  // (KvView::state). With ABI v2 the device's rows are the newest once it stored there
-  // (host_stale); the host's are brought up to date before the CPU reads them (a prefix that
-  // other sequences read, a cache whose attention the device cannot run). With ABI v1 the host
-  // rows are the truth and every store and shift reaches the copy too.
-
-  void store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) override {
+  // RoPE of q and k (pending) and the store of k and v into one cache's device copy, in one launch;
+  // false (nothing done) when the calls are not that pattern.
+  bool fused_rope_store(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) {
+    if (pending_ropes_.size() != 2 || kv.state == nullptr || kv.prefix != nullptr) return false;
+    const PendingRope& pq = pending_ropes_[0];
+    const PendingRope& pk = pending_ropes_[1];
     const size_t count = static_cast<size_t>(n) * static_cast<size_t>(kv.row_width);
-    if (kv.state != nullptr && kv.prefix == nullptr && on_device(k, count) && on_device(v, count)) {
-      PluginKvCache& copy = ensure_device_copy(kv);
-      if (!copy.host_only) {
-        device_store(copy, copy.keys, layer, first_slot, n, device_read(k, count));
-        device_store(copy, copy.values, layer, first_slot, n, device_read(v, count));
-        copy.host_stale = true;
-        copy.stored_extent = std::max(copy.stored_extent, first_slot + n);
-        return;
-      }
-    }
-    PluginKvCache* copy = device_copy(kv);
-    if (copy != nullptr) sync_host_rows(kv, *copy);
-    cpu_->store_kv(kv, layer, first_slot, n, host_read(k, count), host_read(v, count));
-    if (copy != nullptr) {
-      const size_t at = static_cast<size_t>(layer) * copy->layer_bytes + static_cast<size_t>(first_slot) * copy->row_bytes;
-      const size_t bytes = static_cast<size_t>(n) * copy->row_bytes;
-      upload_staged(copy->keys, kv.key(layer, first_slot), bytes, at);
-      upload_staged(copy->values, kv.value(layer, first_slot), bytes, at);
-    }
+    const bool pattern = pk.x == k && pk.n_rows == n && pq.n_rows == n && pq.x != k && pq.head_dim == pk.head_dim &&
+                         pk.n_heads * pk.head_dim == kv.row_width && pq.angles.cos == pk.angles.cos &&
+                         pq.angles.sin == pk.angles.sin && pq.angles.n_rot == pk.angles.n_rot &&
+                         pq.angles.adjacent_pairs == pk.angles.adjacent_pairs && on_device(v, count);
+    if (!pattern) return false;
+    PluginKvCache& copy = ensure_device_copy(kv);
+    if (copy.host_only) return false;
+    const size_t n_q = static_cast<size_t>(n) * pq.n_heads * pq.head_dim;
+    const size_t n_angles = static_cast<size_t>(n) * static_cast<size_t>(pq.angles.n_rot / 2);
+    ringlm_rope_store_args args{};
+    const DeviceSpan c = device_read(pq.angles.cos, n_angles);
+    const DeviceSpan s = device_read(pq.angles.sin, n_angles);
+    const DeviceSpan vs = device_read(v, count);
+    const DeviceSpan qs = device_write(pq.x, n_q);
+    const DeviceSpan ks = device_write(pk.x, count);
+    args.rope.x = qs.buffer;
+    args.rope.x_offset = qs.offset;
+    args.rope.n_rows = n;
+    args.rope.n_heads = pq.n_heads;
+    args.rope.head_dim = pq.head_dim;
+    args.rope.n_rot = pq.angles.n_rot;
+    args.rope.adjacent_pairs = pq.angles.adjacent_pairs ? 1 : 0;
+    args.rope.cos = c.buffer;
+    args.rope.cos_offset = c.offset;
+    args.rope.sin = s.buffer;
+    args.rope.sin_offset = s.offset;
+    args.k = ks.buffer;
+    args.k_offset = ks.offset;
+    args.v = vs.buffer;
+    args.v_offset = vs.offset;
+    args.n_head_kv = pk.n_heads;
+    const size_t at = static_cast<size_t>(layer) * copy.layer_bytes + static_cast<size_t>(first_slot) * copy.row_bytes;
+    args.keys = copy.keys.get();
+    args.keys_offset = at;
+    args.values = copy.values.get();
+    args.values_offset = at;
+    args.kv_format = copy.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
+    pending_ropes_.clear();
+    check(*device_, api_.rope_store(device_->context, &args), "rope_store");
+    copy.host_stale = true;
+    copy.stored_extent = std::max(copy.stored_extent, first_slot + n);
+    return true;
   }
 
-  void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) override {
-    cpu_calls_.clear();
-    for (const AttentionCall& call : calls) {
-      if (const char* why = why_not_on_device(*call.kv, shape)) {
-        notice_once(why);
-        host_attention_call(call, shape);
-        continue;
-      }
-      PluginKvCache& copy = ensure_device_copy(*call.kv);
-      // Every call brings the positions up to date: set_positions uploads only what changed, and
-      // the first layer that attends here need not be layer 0 (a model whose windowed layers
-      // stay on the CPU), nor does a full ring change its slot count when its positions move.
-      set_positions(copy, call.kv->positions);
-      attend(copy, layer, call, shape);
-    }
-    if (!cpu_calls_.empty()) cpu_->attention(layer, shape, cpu_calls_);
-  }
-
-  void shift_keys(const KvView& kv, std::span<const int> layers, std::span<const int> slots, const RopeAngles& angles,
-                  int n_head_kv, int head_dim) override {
-    PluginKvCache* copy = device_copy(kv);
-    // The device turns every layer of its copy at once. When only some layers turn (a model
-    // with two RoPE bases in one ring), the host rows turn and the copy is dropped: the next
-    // device op on the cache uploads them afresh.
-    if (copy != nullptr && static_cast<int>(layers.size()) != kv.n_layer) {
-      sync_host_rows(kv, *copy);
-      kv.state->reset();
-      copy = nullptr;
-    }
-    if (copy == nullptr || !copy->host_stale) cpu_->shift_keys(kv, layers, slots, angles, n_head_kv, head_dim);
-    if (copy != nullptr) shift_device_keys(*copy, slots, angles, n_head_kv, head_dim);
-  }
-
- private:
   // A place in device memory: a buffer and a byte offset into it.
   struct DeviceSpan {
     ringlm_buffer* buffer = nullptr;
@@ -759,6 +853,7 @@ class PluginBackend final : public Backend {
 
   // x[i] += delta[i % delta_n] for i < n: a residual (delta_n = n) or a bias on every row.
   void add_repeated(float* x, const float* delta, int64_t n, int64_t delta_n) {
+    flush_pending();
     const auto count = static_cast<size_t>(n), delta_count = static_cast<size_t>(delta_n);
     if (on_device(x, count) && on_device(delta, delta_count)) {
       ringlm_add_args args{};
@@ -1036,6 +1131,7 @@ class PluginBackend final : public Backend {
   std::vector<float> normed_;
   std::map<GeometryKey, bool> geometries_;   // whether the device runs each attention geometry
   std::vector<AttentionCall> cpu_calls_;     // attention()'s calls left to the CPU, reused
+  std::vector<PendingRope> pending_ropes_;   // rope() calls not run yet (at most q's and k's)
 };
 
 }  // namespace

@@ -78,7 +78,7 @@ void check_v2_fields(const ringlm_plugin& api, const fs::path& library) {
       {"glu", api.glu != nullptr},                   {"rope", api.rope != nullptr},
       {"store_kv", api.store_kv != nullptr},         {"get_rows", api.get_rows != nullptr},
       {"attention2", api.attention2 != nullptr},     {"counters", api.counters != nullptr},
-      {"matmul2", api.matmul2 != nullptr},
+      {"matmul2", api.matmul2 != nullptr},           {"rope_store", api.rope_store != nullptr},
   };
   for (const auto& [field, present] : functions) {
     if (!present) throw PluginLoadError(library, std::string("plugin table (ABI 2) has no '") + field + "' function");

@@ -1234,6 +1234,67 @@ INSTANTIATE_TEST_SUITE_P(Layouts, RowRope,
                                   std::to_string(info.param.head_dim) + "_rot" + std::to_string(info.param.n_rot);
                          });
 
+// rope_store (q's and k's RoPE and the store of k and v in one launch) writes, bit for bit, what
+// rope, rope, store_kv, store_kv write: rotated q and k in place, the cache rows of k and v, for
+// both pair layouts, n_rot < head_dim, fp16 and fp32 caches, several rows.
+TEST(OpenclPlugin, RopeStoreEqualsRopeThenStore) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(31);
+  const int n_rows = 3, n_head = 4, n_head_kv = 2, head_dim = 16;
+  const size_t q_n = static_cast<size_t>(n_rows * n_head * head_dim), kv_n = static_cast<size_t>(n_rows * n_head_kv * head_dim);
+  for (const int n_rot : {16, 8}) {
+    for (const int adjacent : {0, 1}) {
+      for (const uint32_t format : {uint32_t{RINGLM_FORMAT_F16}, uint32_t{RINGLM_FORMAT_F32}}) {
+        SCOPED_TRACE("n_rot " + std::to_string(n_rot) + " adjacent " + std::to_string(adjacent) + " format " +
+                     std::to_string(format));
+        const std::vector<float> q = random_floats(q_n, rng, 3.0f), k = random_floats(kv_n, rng, 3.0f),
+                                 v = random_floats(kv_n, rng, 3.0f);
+        const std::vector<float> cos = random_floats(static_cast<size_t>(n_rows * n_rot / 2), rng, 1.0f),
+                                 sin = random_floats(static_cast<size_t>(n_rows * n_rot / 2), rng, 1.0f);
+        const size_t elem = format == RINGLM_FORMAT_F16 ? 2 : 4, cache_bytes = 64 + kv_n * elem;
+        DeviceBuffer cd(cos), sd(sin);
+        // The reference: four launches.
+        DeviceBuffer q1(q), k1(k), v1(v), keys1(cache_bytes), values1(cache_bytes);
+        ringlm_rope_args rq{q1.get(), 0, n_rows, n_head, head_dim, n_rot, adjacent, cd.get(), 0, sd.get(), 0};
+        ringlm_rope_args rk = rq;
+        rk.x = k1.get();
+        rk.n_heads = n_head_kv;
+        ASSERT_EQ(api().rope(ctx(), &rq), RINGLM_OK) << last_error();
+        ASSERT_EQ(api().rope(ctx(), &rk), RINGLM_OK) << last_error();
+        const ringlm_store_kv_args sk{k1.get(), 0, keys1.get(), 64, format, n_rows, n_head_kv * head_dim};
+        ringlm_store_kv_args sv = sk;
+        sv.src = v1.get();
+        sv.dst = values1.get();
+        ASSERT_EQ(api().store_kv(ctx(), &sk), RINGLM_OK) << last_error();
+        ASSERT_EQ(api().store_kv(ctx(), &sv), RINGLM_OK) << last_error();
+        // One launch.
+        DeviceBuffer q2(q), k2(k), v2(v), keys2(cache_bytes), values2(cache_bytes);
+        ringlm_rope_store_args fused{};
+        fused.rope = rq;
+        fused.rope.x = q2.get();
+        fused.k = k2.get();
+        fused.v = v2.get();
+        fused.n_head_kv = n_head_kv;
+        fused.keys = keys2.get();
+        fused.keys_offset = 64;
+        fused.values = values2.get();
+        fused.values_offset = 64;
+        fused.kv_format = format;
+        ASSERT_EQ(api().rope_store(ctx(), &fused), RINGLM_OK) << last_error();
+        EXPECT_EQ(q2.download<float>(q_n), q1.download<float>(q_n));
+        EXPECT_EQ(k2.download<float>(kv_n), k1.download<float>(kv_n));
+        EXPECT_EQ(keys2.download<uint8_t>(kv_n * elem, 64), keys1.download<uint8_t>(kv_n * elem, 64));
+        EXPECT_EQ(values2.download<uint8_t>(kv_n * elem, 64), values1.download<uint8_t>(kv_n * elem, 64));
+        // k stored into its own buffer is refused.
+        ringlm_rope_store_args bad = fused;
+        bad.keys = k2.get();
+        bad.keys_offset = 0;
+        EXPECT_EQ(api().rope_store(ctx(), &bad), RINGLM_ERROR_INVALID_ARGUMENT);
+      }
+    }
+  }
+}
+
 TEST(OpenclPlugin, StoreKvF32ExactAndF16RoundedToNearestEven) {
   REQUIRE_PLUGIN();
   std::mt19937 rng(15);

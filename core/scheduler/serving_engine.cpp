@@ -111,6 +111,10 @@ void ServingEngine::take_submissions() {
     std::lock_guard lock(mutex_);
     submitted.swap(submitted_);
     cancelled.swap(cancelled_);
+    // They wait in the scheduler's queue from now on: counted there at once, so that submit()
+    // never sees them in neither place and admits one more than --max-queue (publish_stats()
+    // sets the exact count after the next step).
+    stats_.queued += static_cast<int>(submitted.size());
   }
   int64_t prompt_tokens = 0;
   for (auto& [request, stream] : submitted) {

@@ -610,6 +610,55 @@ __kernel void rope(__global float* x, const ulong x_off, const int n_heads, cons
   x[b] = xa * s + xb * c;
 }
 
+// RoPE of q and k and the store of k and v into the cache, in one launch: work-item j (< head_dim)
+// of head h of row r = get_global_id(2), the heads being q's n_head, then k's n_head_kv, then v's
+// n_head_kv. For q and k, j < n_rot / 2 turns pair j as rope does (and for k stores both of its
+// elements), j >= n_rot stores k's element j as it is; for v, every j stores its element. Each
+// element is written by one work-item. kv_rows are the cache's rows of this pass (row r at
+// r * n_head_kv * head_dim elements), fp16 (rounded to nearest even) or fp32.
+void store_kv_element(const int f16, __global void* rows, const ulong i, const float value) {
+  if (f16) {
+    vstore_half_rte(value, i, (__global half*)rows);
+  } else {
+    ((__global float*)rows)[i] = value;
+  }
+}
+
+__kernel void rope_store(__global float* q, const ulong q_off, const int n_head, __global float* k, const ulong k_off,
+                         __global const float* v, const ulong v_off, const int n_head_kv, const int head_dim,
+                         const int n_rot, const int adjacent_pairs, __global const float* cos_t, const ulong cos_off,
+                         __global const float* sin_t, const ulong sin_off, __global void* keys, const ulong keys_off,
+                         __global void* values, const ulong values_off, const int f16) {
+  const int j = get_global_id(0), h = get_global_id(1);
+  const ulong r = get_global_id(2);
+  const int half_rot = n_rot / 2;
+  const ulong kv_width = (ulong)n_head_kv * (ulong)head_dim;
+  if (h >= n_head + n_head_kv) {  // a v head: its element j into the values
+    const ulong at = r * kv_width + (ulong)(h - n_head - n_head_kv) * head_dim + j;
+    store_kv_element(f16, values, values_off + at, v[v_off + at]);
+    return;
+  }
+  const bool is_k = h >= n_head;
+  __global float* x = is_k ? k + k_off + (r * (ulong)n_head_kv + (ulong)(h - n_head)) * head_dim
+                           : q + q_off + (r * (ulong)n_head + (ulong)h) * head_dim;
+  const ulong cache_at = keys_off + r * kv_width + (ulong)(h - n_head) * head_dim;  // k heads only
+  if (j < half_rot) {
+    const int a = adjacent_pairs ? 2 * j : j, b = adjacent_pairs ? 2 * j + 1 : j + half_rot;
+    const ulong angle = r * (ulong)half_rot + (ulong)j;
+    const float c = cos_t[cos_off + angle], s = sin_t[sin_off + angle];
+    const float xa = x[a], xb = x[b];
+    const float ya = xa * c - xb * s, yb = xa * s + xb * c;
+    x[a] = ya;
+    x[b] = yb;
+    if (is_k) {
+      store_kv_element(f16, keys, cache_at + a, ya);
+      store_kv_element(f16, keys, cache_at + b, yb);
+    }
+  } else if (j >= n_rot && is_k) {
+    store_kv_element(f16, keys, cache_at + j, x[j]);
+  }
+}
+
 // dst[i] = src[i] for i < n, fp32 to the cache's element type (fp16: rounded to nearest even).
 __kernel void store_kv_f32(__global const float* src, const ulong src_off, __global float* dst, const ulong dst_off,
                            const ulong n) {

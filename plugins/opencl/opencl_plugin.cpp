@@ -70,6 +70,7 @@ enum KernelId {
   kGemvF32,
   kAttentionSerialF32,
   kAttentionSerialF16,
+  kRopeStore,
   kKernelCount
 };
 constexpr std::array<const char*, kKernelCount> kKernelNames = {
@@ -77,7 +78,7 @@ constexpr std::array<const char*, kKernelCount> kKernelNames = {
     "attention_f16",  "rope_shift_f32", "rope_shift_f16", "rms_norm",   "add_rows",   "scale_rows",
     "glu",            "rope",           "store_kv_f32", "store_kv_f16", "get_rows",
     "gemv_q4_0",      "gemv_q4_1",      "gemv_q8_0",    "gemv_f16",     "gemv_f32",
-    "attention_serial_f32", "attention_serial_f16",
+    "attention_serial_f32", "attention_serial_f16", "rope_store",
 };
 
 // --- The thread's last error ------------------------------------------------------------------
@@ -848,6 +849,45 @@ void run_store_kv(ringlm_context& ctx, const ringlm_store_kv_args& a) {
             cl_ulong{a.src_offset / sizeof(float)}, dst, cl_ulong{a.dst_offset / elem}, cl_ulong{n});
 }
 
+// rope of q and k, then the store of k and v, checked as run_rope and run_store_kv check theirs.
+void run_rope_store(ringlm_context& ctx, const ringlm_rope_store_args& a) {
+  const ringlm_rope_args& r = a.rope;
+  const size_t elem = kv_element_bytes(a.kv_format);
+  require(elem != 0, RINGLM_ERROR_UNSUPPORTED, "rope_store: KV format " + std::to_string(a.kv_format) + " (F16 or F32)");
+  require(r.n_rows >= 1 && r.n_heads >= 1 && a.n_head_kv >= 1 && r.head_dim >= 1, RINGLM_ERROR_INVALID_ARGUMENT,
+          "rope_store: n_rows = " + std::to_string(r.n_rows) + ", n_heads = " + std::to_string(r.n_heads) +
+              ", n_head_kv = " + std::to_string(a.n_head_kv) + ", head_dim = " + std::to_string(r.head_dim));
+  require(r.n_rot >= 2 && r.n_rot % 2 == 0 && r.n_rot <= r.head_dim, RINGLM_ERROR_INVALID_ARGUMENT,
+          "rope_store: n_rot = " + std::to_string(r.n_rot) + " (even, 2 up to head_dim)");
+  const auto floats = [&](int64_t heads) {
+    return float_bytes(r.n_rows, heads * static_cast<int64_t>(r.head_dim), "rope_store: size");
+  };
+  const size_t q_bytes = floats(r.n_heads), kv_bytes = floats(a.n_head_kv);
+  const size_t cache_bytes = kv_bytes / sizeof(float) * elem;
+  const size_t angle_bytes = float_bytes(r.n_rows, r.n_rot / 2, "rope_store: cos/sin size");
+  const cl_mem q = buffer_range(ctx, r.x, r.x_offset, q_bytes, sizeof(float), "rope_store q");
+  const cl_mem k = buffer_range(ctx, a.k, a.k_offset, kv_bytes, sizeof(float), "rope_store k");
+  const cl_mem v = buffer_range(ctx, a.v, a.v_offset, kv_bytes, sizeof(float), "rope_store v");
+  const cl_mem cos_mem = buffer_range(ctx, r.cos, r.cos_offset, angle_bytes, sizeof(float), "rope_store cos");
+  const cl_mem sin_mem = buffer_range(ctx, r.sin, r.sin_offset, angle_bytes, sizeof(float), "rope_store sin");
+  const cl_mem keys = buffer_range(ctx, a.keys, a.keys_offset, cache_bytes, elem, "rope_store keys");
+  const cl_mem values = buffer_range(ctx, a.values, a.values_offset, cache_bytes, elem, "rope_store values");
+  const bool separate = !overlap(r.x, r.x_offset, q_bytes, a.k, a.k_offset, kv_bytes) &&
+                        !overlap(r.x, r.x_offset, q_bytes, a.v, a.v_offset, kv_bytes) &&
+                        !overlap(a.k, a.k_offset, kv_bytes, a.v, a.v_offset, kv_bytes) &&
+                        !overlap(a.keys, a.keys_offset, cache_bytes, a.values, a.values_offset, cache_bytes) &&
+                        !overlap(a.keys, a.keys_offset, cache_bytes, a.k, a.k_offset, kv_bytes) &&
+                        !overlap(a.values, a.values_offset, cache_bytes, a.v, a.v_offset, kv_bytes);
+  require(separate, RINGLM_ERROR_INVALID_ARGUMENT, "rope_store: q, k, v, keys and values must not overlap");
+  const size_t global[3] = {static_cast<size_t>(r.head_dim), static_cast<size_t>(r.n_heads) + 2 * static_cast<size_t>(a.n_head_kv),
+                            static_cast<size_t>(r.n_rows)};
+  launch(ctx, kRopeStore, 3, global, nullptr, q, cl_ulong{r.x_offset / sizeof(float)}, cl_int{r.n_heads}, k,
+         cl_ulong{a.k_offset / sizeof(float)}, v, cl_ulong{a.v_offset / sizeof(float)}, cl_int{a.n_head_kv},
+         cl_int{r.head_dim}, cl_int{r.n_rot}, cl_int{r.adjacent_pairs}, cos_mem, cl_ulong{r.cos_offset / sizeof(float)},
+         sin_mem, cl_ulong{r.sin_offset / sizeof(float)}, keys, cl_ulong{a.keys_offset / elem}, values,
+         cl_ulong{a.values_offset / elem}, cl_int{a.kv_format == RINGLM_FORMAT_F16 ? 1 : 0});
+}
+
 void run_get_rows(ringlm_context& ctx, const ringlm_get_rows_args& a) {
   const char* format = format_name(a.weight_format);
   require(format != nullptr, RINGLM_ERROR_UNSUPPORTED,
@@ -1185,6 +1225,9 @@ int32_t api_rope(ringlm_context* ctx, const ringlm_rope_args* args) { return op(
 int32_t api_store_kv(ringlm_context* ctx, const ringlm_store_kv_args* args) {
   return op(ctx, args, "store_kv", run_store_kv);
 }
+int32_t api_rope_store(ringlm_context* ctx, const ringlm_rope_store_args* args) {
+  return op(ctx, args, "rope_store", run_rope_store);
+}
 int32_t api_get_rows(ringlm_context* ctx, const ringlm_get_rows_args* args) {
   return op(ctx, args, "get_rows", run_get_rows);
 }
@@ -1234,6 +1277,7 @@ constexpr ringlm_plugin kPlugin = {
     .get_rows = api_get_rows,
     .attention2 = api_attention2,
     .matmul2 = api_matmul2,
+    .rope_store = api_rope_store,
     .counters = api_counters,
 };
 

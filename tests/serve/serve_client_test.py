@@ -287,7 +287,9 @@ class Limits(unittest.TestCase):
     def test_full_queue_is_503_with_retry_after(self):
         s = Server("--parallel", "1", "--max-queue", "1")
         try:
-            long = json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+            # 2000 tokens: the running stream must not end while the test looks at the queue (400
+            # once did, on a machine busy with another test); both are killed below.
+            long = json.dumps({"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
                                "stream": True})
             first = subprocess.Popen(["curl", "-sN", s.url + "/v1/completions", "-d", long], stdout=subprocess.PIPE)
             first.stdout.readline()  # running
