@@ -112,8 +112,8 @@ void ServingEngine::take_submissions() {
     submitted.swap(submitted_);
     cancelled.swap(cancelled_);
     // They wait in the scheduler's queue from now on: counted there at once, so that submit()
-    // never sees them in neither place and admits one more than --max-queue (publish_stats()
-    // sets the exact count after the next step).
+    // never sees them in neither place and admits one more than --max-queue (the step's first
+    // token and publish_stats() set the exact count).
     stats_.queued += static_cast<int>(submitted.size());
   }
   int64_t prompt_tokens = 0;
@@ -148,6 +148,13 @@ void ServingEngine::publish_stats() {
 }
 
 void ServingEngine::on_token(const TokenEvent& e) {
+  {
+    // The step admitted its requests before its first token: the queue's depth is exact now,
+    // before a client that sees this token can submit again (take_submissions() counted every
+    // request it moved as queued until then).
+    std::lock_guard lock(mutex_);
+    stats_.queued = static_cast<int>(scheduler_.n_queued());
+  }
   const auto it = streams_.find(e.index);
   if (it == streams_.end()) return;
   StreamEvent event;
