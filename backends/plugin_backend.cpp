@@ -37,6 +37,9 @@ bool nameable_format(TensorType type) {
   }
 }
 
+// The ABI's name of an activation (plugin_api.h's ringlm_activation).
+uint32_t activation_code(Activation act) { return act == Activation::kGeluTanh ? RINGLM_ACT_GELU_TANH : RINGLM_ACT_SILU; }
+
 std::string device_label(const OpenedDevice& device) {
   return device.plugin->name() + ":" + std::to_string(device.index) + " (" + device.info.name + ")";
 }
@@ -417,7 +420,7 @@ class PluginBackend final : public Backend {
       args.up = up_span.buffer;
       args.up_offset = up_span.offset;
       args.n = static_cast<int64_t>(n);
-      args.activation = act == Activation::kGeluTanh ? RINGLM_ACT_GELU_TANH : RINGLM_ACT_SILU;
+      args.activation = activation_code(act);
       check(*device_, api_.glu(device_->context, &args), "glu");
       return;
     }
@@ -831,7 +834,7 @@ class PluginBackend final : public Backend {
       }
       if (glu) {
         args.glu = 1;
-        args.activation = *glu == Activation::kGeluTanh ? RINGLM_ACT_GELU_TANH : RINGLM_ACT_SILU;
+        args.activation = activation_code(*glu);
       }
       check(*device_, api_.matmul2(device_->context, &args), "matmul2");
     }

@@ -92,8 +92,7 @@ WeightBlock load_block(const int format, __global const uchar* p) {
 //
 // `lm` (local) holds max(M * kc, group size * MAX_M) floats: the x chunk, then the lanes' sums.
 void matmul_flat(const int format, const int block_bytes, __global const uchar* W, const int N, const int K,
-                 __global const float* x, const int M, __global float* y, const int kc, const int accumulate,
-                 __local float* lm) {
+                 __global const float* x, const int M, __global float* y, const int kc, __local float* lm) {
   const int lane = get_local_id(0), lanes = get_local_size(0);
   const int row = get_local_id(1);
   const int tid = row * lanes + lane, group_size = lanes * get_local_size(1);
@@ -137,17 +136,15 @@ void matmul_flat(const int format, const int block_bytes, __global const uchar* 
     __local const float* partial = lm + (row * MAX_M + m) * lanes;
     float sum = 0.0f;
     for (int l = 0; l < lanes; ++l) sum += partial[l];
-    __global float* out = y + (ulong)m * N + n;
-    *out = accumulate ? *out + sum : sum;
+    y[(ulong)m * N + n] = sum;
   }
 }
 
 // One kernel per weight format; x_off and y_off are in floats.
 #define MATMUL_KERNEL(name, format, block_bytes)                                                                    \
   __kernel void name(__global const uchar* W, const int N, const int K, __global const float* x, const ulong x_off, \
-                     const int M, __global float* y, const ulong y_off, const int kc, const int accumulate,       \
-                     __local float* lm) {                                                                           \
-    matmul_flat(format, block_bytes, W, N, K, x + x_off, M, y + y_off, kc, accumulate, lm);                         \
+                     const int M, __global float* y, const ulong y_off, const int kc, __local float* lm) {          \
+    matmul_flat(format, block_bytes, W, N, K, x + x_off, M, y + y_off, kc, lm);                                     \
   }
 
 MATMUL_KERNEL(matmul_q4_0, FMT_Q4_0, 18)

@@ -601,7 +601,7 @@ MatmulGeometry matmul_geometry(const ringlm_context& ctx, const Kernel& kernel, 
   return g;
 }
 
-void run_matmul_flat(ringlm_context& ctx, const ringlm_matmul_args& a, int accumulate) {
+void run_matmul(ringlm_context& ctx, const ringlm_matmul_args& a) {
   const std::string why = matmul_unsupported(a.weight_format, a.m, a.n, a.k);
   if (!why.empty()) {
     const bool invalid = a.m < 1 || a.n < 1 || a.k < 1;
@@ -620,11 +620,10 @@ void run_matmul_flat(ringlm_context& ctx, const ringlm_matmul_args& a, int accum
   const size_t global[2] = {g.lanes, g.groups * g.rows};
   const size_t local[2] = {g.lanes, g.rows};
   launch(ctx, id, 2, global, local, w, as_int(a.n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
-         y, cl_ulong{a.y_offset / sizeof(float)}, as_int(static_cast<int64_t>(g.kc)), cl_int{accumulate},
+         y, cl_ulong{a.y_offset / sizeof(float)}, as_int(static_cast<int64_t>(g.kc)),
          LocalFloats{g.local_floats});
 }
 
-void run_matmul(ringlm_context& ctx, const ringlm_matmul_args& a) { run_matmul_flat(ctx, a, 0); }
 
 // --- Attention --------------------------------------------------------------------------------
 
