@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define RINGLM_PLUGIN_ABI_VERSION 2u
+#define RINGLM_PLUGIN_ABI_VERSION 3u
 #define RINGLM_PLUGIN_ABI_MIN_VERSION 1u
 #define RINGLM_PLUGIN_ENTRY "ringlm_plugin_entry"
 
@@ -288,6 +288,31 @@ typedef struct ringlm_attention2_args {
 /* What a context did since it was opened: kernels launched (a copy counts as one), bytes moved
  * each way (upload, upload_async, download), and the times the host waited for the device (a
  * blocking call: download, the version-1 upload, finish, rope_shift's check of its slots). */
+/* --- Version 3 ------------------------------------------------------------------------------ */
+
+/* The most values top_k picks per row. */
+#define RINGLM_TOP_K_MAX 64
+
+/* One of top_k's picks: a value's index in its row, and the value. */
+typedef struct ringlm_top_entry {
+  int32_t id;
+  float value;
+} ringlm_top_entry;
+
+/* The k largest of each row's n fp32 values (n_rows rows, contiguous from x_offset; a step's
+ * logits), largest first and the lowest index first among equals; a NaN is never picked. Row r's
+ * picks are out[r][0 .. k) (ringlm_top_entry, rows of k entries from out_offset); when a row has
+ * fewer than k values that are not NaN, its last entries are {-1, -INFINITY}. 1 <= k <=
+ * min(n, RINGLM_TOP_K_MAX). What a sampler needs from a step, without the whole vocabulary. */
+typedef struct ringlm_top_k_args {
+  const ringlm_buffer* x;
+  size_t x_offset;
+  int64_t n_rows, n;
+  int32_t k;
+  ringlm_buffer* out;
+  size_t out_offset;
+} ringlm_top_k_args;
+
 typedef struct ringlm_counters {
   uint64_t launches;
   uint64_t upload_bytes;
@@ -346,10 +371,15 @@ typedef struct ringlm_plugin {
   int32_t (*matmul2)(ringlm_context* ctx, const ringlm_matmul2_args* args);
   int32_t (*rope_store)(ringlm_context* ctx, const ringlm_rope_store_args* args);
   int32_t (*counters)(const ringlm_context* ctx, ringlm_counters* out);
+
+  /* --- Version 3 --- */
+  int32_t (*top_k)(ringlm_context* ctx, const ringlm_top_k_args* args);
 } ringlm_plugin;
 
 /* The size of a version-1 table: a version-1 plugin's struct_size is at least this. */
 #define RINGLM_PLUGIN_V1_SIZE (offsetof(ringlm_plugin, rope_shift) + sizeof(void*))
+/* ... and of a version-2 table. */
+#define RINGLM_PLUGIN_V2_SIZE (offsetof(ringlm_plugin, counters) + sizeof(void*))
 
 typedef const ringlm_plugin* (*ringlm_plugin_entry_fn)(void);
 

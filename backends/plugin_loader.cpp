@@ -95,7 +95,9 @@ void check_table(const ringlm_plugin* api, const fs::path& library) {
                                        ", this ringlm speaks " + std::to_string(RINGLM_PLUGIN_ABI_MIN_VERSION) +
                                        " to " + std::to_string(RINGLM_PLUGIN_ABI_VERSION));
   }
-  const size_t needed = api->abi_version >= 2 ? sizeof(ringlm_plugin) : RINGLM_PLUGIN_V1_SIZE;
+  const size_t needed = api->abi_version >= 3   ? sizeof(ringlm_plugin)
+                        : api->abi_version == 2 ? RINGLM_PLUGIN_V2_SIZE
+                                                : RINGLM_PLUGIN_V1_SIZE;
   if (api->struct_size < needed) {
     throw PluginLoadError(library, std::string("plugin table is ") + std::to_string(api->struct_size) +
                                        " bytes, plugin ABI " + std::to_string(api->abi_version) + " needs " +
@@ -103,6 +105,9 @@ void check_table(const ringlm_plugin* api, const fs::path& library) {
   }
   check_required_fields(*api, library);
   if (api->abi_version >= 2) check_v2_fields(*api, library);
+  if (api->abi_version >= 3 && api->top_k == nullptr) {
+    throw PluginLoadError(library, "plugin table (ABI 3) has no 'top_k' function");
+  }
 }
 
 bool is_plugin_file_name(const std::string& name) {

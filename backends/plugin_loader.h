@@ -31,7 +31,7 @@ class LoadedPlugin {
 
   const ringlm_plugin& api() const { return *api_; }
   std::string name() const { return api_->name; }
-  // The plugin ABI version the plugin speaks (1 or 2): only that version's entries are used.
+  // The plugin ABI version the plugin speaks (1 to 3): only that version's entries are used.
   uint32_t abi_version() const { return api_->abi_version; }
   const std::filesystem::path& path() const { return path_; }
   // The plugin's devices; PluginError with the plugin's reason when it cannot list them.

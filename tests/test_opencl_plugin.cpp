@@ -228,15 +228,32 @@ std::vector<float> random_floats(size_t n, std::mt19937& rng, float scale = 1.0f
   return v;
 }
 
+ringlm_counters counters_now();
+
+// Whether the kernels run in their GPU shapes: a GPU, or RINGLM_OPENCL_KERNELS=gpu (the plugin's rule).
+bool gpu_kernel_shapes() {
+  if (const char* forced = std::getenv("RINGLM_OPENCL_KERNELS")) {
+    if (std::string(forced) == "gpu") return true;
+    if (std::string(forced) == "cpu") return false;
+  }
+  ringlm_device_info info{};
+  return api().device_info(0, &info) == RINGLM_OK && info.type != RINGLM_DEVICE_CPU;
+}
+uint32_t device_compute_units() {
+  ringlm_device_info info{};
+  EXPECT_EQ(api().device_info(0, &info), RINGLM_OK) << last_error();
+  return info.compute_units;
+}
+
 // --- Table and devices ------------------------------------------------------------------------
 
 TEST(OpenclPlugin, TableAndDeviceInfo) {
   REQUIRE_PLUGIN();
   EXPECT_EQ(api().abi_version, RINGLM_PLUGIN_ABI_VERSION);
-  EXPECT_EQ(api().abi_version, 2u);
+  EXPECT_EQ(api().abi_version, 3u);
   EXPECT_EQ(api().struct_size, sizeof(ringlm_plugin));
   EXPECT_STREQ(api().name, "opencl");
-  // Every entry of the table is filled, version 2's included.
+  // Every entry of the table is filled, versions 2's and 3's included.
   const auto* entries = reinterpret_cast<const unsigned char*>(&api());
   for (size_t at = offsetof(ringlm_plugin, last_error); at < sizeof(ringlm_plugin); at += sizeof(void*)) {
     void* entry = nullptr;
@@ -664,7 +681,14 @@ TEST_P(Attention, MatchesCpuAttention) {
                                    .n_head_kv = c.n_head_kv,
                                    .head_dim = hd,
                                    .scale = 1.0f / std::sqrt(static_cast<float>(hd))};
+  const ringlm_counters before = counters_now();
   ASSERT_EQ(api().attention(ctx(), &args), RINGLM_OK) << last_error();
+  const ringlm_counters after = counters_now();
+  // Flash-decoding (a launch for the splits, one for their merge) where the GPU shape leaves
+  // compute units idle over a long cache; one launch otherwise.
+  const bool split = gpu_kernel_shapes() && c.n_slots >= 1024 &&
+                     static_cast<uint32_t>(c.n_head * c.n_tokens) < 2 * device_compute_units();
+  EXPECT_EQ(after.launches - before.launches, split ? 2u : 1u);
   const std::vector<float> out = od.download<float>(q.size(), q_offset);
 
   double worst = 0.0;
@@ -684,7 +708,11 @@ INSTANTIATE_TEST_SUITE_P(
         AttentionCase{4, 4, 64, 700, 1, 1000, true, true}, AttentionCase{6, 1, 64, 300, 1, 300, false, false},
         // Prefill chunks: from an empty cache, and on top of a ring.
         AttentionCase{4, 2, 64, 40, 40, 64, false, false}, AttentionCase{8, 2, 128, 900, 33, 1200, true, true},
-        AttentionCase{4, 4, 64, 500, 17, 520, false, true}),
+        AttentionCase{4, 4, 64, 500, 17, 520, false, true},
+        // Decode with few heads over a long cache: split over the keys on a GPU (flash-decoding),
+        // a split of empty slots only in the last.
+        AttentionCase{2, 1, 64, 1500, 1, 2000, true, true}, AttentionCase{3, 1, 128, 1200, 1, 1300, false, false},
+        AttentionCase{2, 2, 64, 300, 1, 1100, false, false}),
     case_name);
 
 // --- Shift-RoPE -------------------------------------------------------------------------------
@@ -1905,5 +1933,105 @@ TEST(OpenclPlugin, BadArgumentsOfVersion2AreErrorsNotCrashes) {
   ASSERT_EQ(api().finish(ctx()), RINGLM_OK) << last_error();
 }
 
+
+// --- Top-k (version 3) ------------------------------------------------------------------------
+
+// The k best of a row by sorting all of it: the larger value first, the lower index among equals,
+// NaNs left out, {-1, -inf} past the values there are.
+std::vector<ringlm_top_entry> reference_top_k(const float* row, int64_t n, int k) {
+  std::vector<int32_t> ids;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isnan(row[i])) ids.push_back(static_cast<int32_t>(i));
+  }
+  std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+  std::vector<ringlm_top_entry> top;
+  for (int e = 0; e < k; ++e) {
+    top.push_back(static_cast<size_t>(e) < ids.size() ? ringlm_top_entry{ids[static_cast<size_t>(e)], row[ids[static_cast<size_t>(e)]]}
+                                                      : ringlm_top_entry{-1, -INFINITY});
+  }
+  return top;
+}
+
+TEST(OpenclPlugin, TopKPicksTheLargestLowestIndexFirst) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(29);
+  struct Case {
+    int64_t n_rows, n;
+    int k;
+  };
+  // A vocabulary's width; odd widths; k at its bounds; rows with ties, NaNs and infinities.
+  for (const Case c : {Case{1, 49152, 1}, Case{1, 49152, 40}, Case{3, 1000, 64}, Case{2, 7, 7}, Case{1, 1, 1},
+                       Case{2, 300, 5}}) {
+    std::vector<float> x = random_floats(static_cast<size_t>(c.n_rows * c.n), rng, 8.0f);
+    std::uniform_int_distribution<int64_t> at(0, c.n - 1);
+    for (int64_t r = 0; r < c.n_rows; ++r) {
+      float* row = x.data() + r * c.n;
+      // Ties: a few values repeated across the row (some of them the largest).
+      for (int i = 0; i < 6; ++i) row[at(rng)] = 9.0f;
+      for (int i = 0; i < 20; ++i) row[at(rng)] = std::round(row[at(rng)]);
+      row[at(rng)] = std::nanf("");
+      row[at(rng)] = -INFINITY;
+    }
+    const size_t x_offset = 64, out_offset = 32;
+    DeviceBuffer xd(x, x_offset);
+    const size_t out_entries = static_cast<size_t>(c.n_rows) * static_cast<size_t>(c.k);
+    DeviceBuffer od(out_offset + out_entries * sizeof(ringlm_top_entry));
+    const ringlm_top_k_args args{.x = xd.get(), .x_offset = x_offset, .n_rows = c.n_rows, .n = c.n, .k = c.k,
+                                 .out = od.get(), .out_offset = out_offset};
+    const ringlm_counters before = counters_now();
+    ASSERT_EQ(api().top_k(ctx(), &args), RINGLM_OK) << last_error();
+    EXPECT_EQ(counters_now().launches - before.launches, 1u);
+    const std::vector<ringlm_top_entry> got = od.download<ringlm_top_entry>(out_entries, out_offset);
+    for (int64_t r = 0; r < c.n_rows; ++r) {
+      const std::vector<ringlm_top_entry> want = reference_top_k(x.data() + r * c.n, c.n, c.k);
+      for (int e = 0; e < c.k; ++e) {
+        const ringlm_top_entry& g = got[static_cast<size_t>(r * c.k + e)];
+        ASSERT_EQ(g.id, want[static_cast<size_t>(e)].id) << "n " << c.n << " k " << c.k << " row " << r << " pick " << e;
+        ASSERT_EQ(g.value, want[static_cast<size_t>(e)].value) << "n " << c.n << " k " << c.k << " row " << r;
+      }
+    }
+  }
+  // A row of NaNs but one: one pick, then the {-1, -inf} of the picks there are not.
+  std::vector<float> nans(10, std::nanf(""));
+  nans[6] = -3.0f;
+  DeviceBuffer xd(nans);
+  DeviceBuffer od(4 * sizeof(ringlm_top_entry));
+  const ringlm_top_k_args args{.x = xd.get(), .x_offset = 0, .n_rows = 1, .n = 10, .k = 4, .out = od.get(), .out_offset = 0};
+  ASSERT_EQ(api().top_k(ctx(), &args), RINGLM_OK) << last_error();
+  const std::vector<ringlm_top_entry> got = od.download<ringlm_top_entry>(4);
+  EXPECT_EQ(got[0].id, 6);
+  EXPECT_EQ(got[0].value, -3.0f);
+  for (int e = 1; e < 4; ++e) EXPECT_EQ(got[static_cast<size_t>(e)].id, -1);
+}
+
+TEST(OpenclPlugin, TopKRefusesBadArguments) {
+  REQUIRE_PLUGIN();
+  DeviceBuffer xd(100 * sizeof(float));
+  DeviceBuffer od(100 * sizeof(ringlm_top_entry));
+  const ringlm_top_k_args good{.x = xd.get(), .x_offset = 0, .n_rows = 1, .n = 100, .k = 8, .out = od.get(), .out_offset = 0};
+  const ringlm_counters before = counters_now();
+  ringlm_top_k_args a = good;
+  a.k = 0;
+  expect_error(api().top_k(ctx(), &a), RINGLM_ERROR_INVALID_ARGUMENT, "k = 0");
+  a.k = RINGLM_TOP_K_MAX + 1;
+  expect_error(api().top_k(ctx(), &a), RINGLM_ERROR_INVALID_ARGUMENT, "k = 65");
+  a = good;
+  a.n = 4;
+  a.k = 5;
+  expect_error(api().top_k(ctx(), &a), RINGLM_ERROR_INVALID_ARGUMENT, "k = 5");
+  a = good;
+  a.n_rows = 2;
+  expect_error(api().top_k(ctx(), &a), RINGLM_ERROR_INVALID_ARGUMENT, "top_k x");
+  a = good;
+  a.out = xd.get();
+  a.out_offset = 64;
+  expect_error(api().top_k(ctx(), &a), RINGLM_ERROR_INVALID_ARGUMENT, "overlaps");
+  a = good;
+  a.x = nullptr;
+  expect_error(api().top_k(ctx(), &a), RINGLM_ERROR_INVALID_ARGUMENT, "null buffer");
+  expect_error(api().top_k(ctx(), nullptr), RINGLM_ERROR_INVALID_ARGUMENT, "null arguments");
+  expect_delta(before, counters_now(), 0, 0, 0, 0, "refused calls");
+  ASSERT_EQ(api().top_k(ctx(), &good), RINGLM_OK) << last_error();
+}
 }  // namespace
 }  // namespace ringlm

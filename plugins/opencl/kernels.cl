@@ -345,10 +345,16 @@ float4 load_kv4(const int f16, __global const void* base, const ulong i) {
 // reaches the output. A query that sees no slot at all gets zeros.
 //
 // Local memory: lq (head_dim floats, the query row), ls and lp (B floats each).
+//
+// Flash-decoding: with `partial`, the group sees only slots j_begin .. j_end - 1 (one split of the
+// keys, get_group_id(2) of n_splits) and leaves its share unnormalised, as a record of head_dim + 2
+// floats: its running max, its denominator, then its output sums (attention_merge adds the
+// splits up). Without, j_begin .. j_end is every slot and out gets the normalised result.
 void attention_one(const int f16, __global const float* q, __global float* out, __global const void* keys,
-                   __global const void* values, const long row_stride, __global const int* positions, const int n_slots,
-                   const long q_pos0, const int n_head, const int n_head_kv, const int head_dim, const float scale,
-                   const int window, __local float* lq, __local float* ls, __local float* lp) {
+                   __global const void* values, const long row_stride, __global const int* positions, const int j_begin,
+                   const int j_end, const long q_pos0, const int n_head, const int n_head_kv, const int head_dim,
+                   const float scale, const int window, __global float* partial, const int n_splits,
+                   __local float* lq, __local float* ls, __local float* lp) {
   const int h = get_group_id(0), i = get_group_id(1);
   const int tid = get_local_id(0), B = get_local_size(0);
   const int g = h / (n_head / n_head_kv);
@@ -366,13 +372,13 @@ void attention_one(const int f16, __global const float* q, __global float* out, 
   float acc[HD_PER_ITEM];  // output dimensions tid + t B
   for (int t = 0; t < HD_PER_ITEM; ++t) acc[t] = 0.0f;
 
-  for (int j0 = 0; j0 < n_slots; j0 += B) {
-    const int n_block = min(B, n_slots - j0);
-    // Score of slot j0 + tid; -inf when the slot is past n_slots, empty, in this query's future
+  for (int j0 = j_begin; j0 < j_end; j0 += B) {
+    const int n_block = min(B, j_end - j0);
+    // Score of slot j0 + tid; -inf when the slot is past j_end, empty, in this query's future
     // or out of its window. (The previous block's readers of ls finished before its second barrier.)
     const int j = j0 + tid;
     float s = -INFINITY;
-    if (j < n_slots) {
+    if (j < j_end) {
       const int p = positions[j];
       if (p >= 0 && p <= pos && p >= oldest) {
         const ulong k_row = (ulong)j * row_stride + kv_col;
@@ -408,6 +414,18 @@ void attention_one(const int f16, __global const float* q, __global float* out, 
     }
   }
 
+  if (partial) {
+    __global float* record = partial + (((ulong)i * n_head + h) * n_splits + get_group_id(2)) * (head_dim + 2);
+    if (tid == 0) {
+      record[0] = m_run;
+      record[1] = l;
+    }
+    for (int t = 0; t < HD_PER_ITEM; ++t) {
+      const int d = tid + t * B;
+      if (d < head_dim) record[2 + d] = acc[t];
+    }
+    return;
+  }
   for (int t = 0; t < HD_PER_ITEM; ++t) {
     const int d = tid + t * B;
     if (d < head_dim) out[q_row + d] = l > 0.0f ? acc[t] / l : 0.0f;
@@ -421,12 +439,55 @@ void attention_one(const int f16, __global const float* q, __global float* out, 
                      const ulong v_off, const long row_stride, __global const int* positions, const int n_slots,       \
                      const long q_pos0, const int n_head, const int n_head_kv, const int head_dim, const float scale,  \
                      const int window, __local float* lq, __local float* ls, __local float* lp) {                      \
-    attention_one(f16, q + q_off, out + out_off, keys + k_off, values + v_off, row_stride, positions, n_slots, q_pos0, \
-                  n_head, n_head_kv, head_dim, scale, window, lq, ls, lp);                                             \
+    attention_one(f16, q + q_off, out + out_off, keys + k_off, values + v_off, row_stride, positions, 0, n_slots,     \
+                  q_pos0, n_head, n_head_kv, head_dim, scale, window, (__global float*)0, 1, lq, ls, lp);              \
   }
 
 ATTENTION_KERNEL(attention_f32, 0, float)
 ATTENTION_KERNEL(attention_f16, 1, half)
+
+// One split of flash-decoding: split get_group_id(2) sees slots split * split_len .. (split + 1) *
+// split_len - 1 and writes its record to partial ([n_tokens][n_head][n_splits] records).
+#define ATTENTION_SPLIT_KERNEL(name, f16, kv_type)                                                                     \
+  __kernel void name(__global const float* q, const ulong q_off, __global float* partial,                              \
+                     __global const kv_type* keys, const ulong k_off, __global const kv_type* values,                  \
+                     const ulong v_off, const long row_stride, __global const int* positions, const int n_slots,       \
+                     const long q_pos0, const int n_head, const int n_head_kv, const int head_dim, const float scale,  \
+                     const int window, const int split_len, const int n_splits, __local float* lq,                    \
+                     __local float* ls, __local float* lp) {                                                           \
+    const int j_begin = get_group_id(2) * split_len;                                                                   \
+    attention_one(f16, q + q_off, partial, keys + k_off, values + v_off, row_stride, positions, j_begin,              \
+                  min(n_slots, j_begin + split_len), q_pos0, n_head, n_head_kv, head_dim, scale, window, partial,     \
+                  n_splits, lq, ls, lp);                                                                               \
+  }
+
+ATTENTION_SPLIT_KERNEL(attention_split_f32, 0, float)
+ATTENTION_SPLIT_KERNEL(attention_split_f16, 1, half)
+
+// The splits of flash-decoding added up: output dimension d = get_global_id(0) of head
+// get_global_id(1) of query token get_global_id(2). Each split's sums and denominator are
+// relative to its own max; rescaled to the largest of them they add up exactly as one pass's
+// online softmax would have them. A split that saw no slot (max -inf) adds nothing.
+__kernel void attention_merge(__global const float* partial, const int n_splits, const int n_head, const int head_dim,
+                              __global float* out, const ulong out_off) {
+  const int d = get_global_id(0), h = get_global_id(1), i = get_global_id(2);
+  if (d >= head_dim) return;
+  const int stride = head_dim + 2;
+  __global const float* records = partial + ((ulong)i * n_head + h) * n_splits * stride;
+  float m_max = -INFINITY;
+  for (int s = 0; s < n_splits; ++s) m_max = fmax(m_max, records[s * stride]);
+  float sum = 0.0f, denominator = 0.0f;
+  if (m_max != -INFINITY) {
+    for (int s = 0; s < n_splits; ++s) {
+      const float m = records[s * stride];
+      if (m == -INFINITY) continue;
+      const float w = exp(m - m_max);
+      sum += w * records[s * stride + 2 + d];
+      denominator += w * records[s * stride + 1];
+    }
+  }
+  out[out_off + ((ulong)i * n_head + h) * head_dim + d] = denominator > 0.0f ? sum / denominator : 0.0f;
+}
 
 // The same attention for a CPU device: one work-item per (query head, token) runs the whole
 // online softmax over the slots itself, with vector math and no barriers (a CPU device's work-
@@ -703,4 +764,86 @@ __kernel void get_rows(__global const uchar* W, const int format, const ulong ro
   const int id = ids[ids_off + i];
   const bool valid = id >= 0 && (long)id < n_rows;
   out[out_off + i * (ulong)cols + c] = valid ? weight_at(format, W + (ulong)id * row_bytes, c) : 0.0f;
+}
+
+// --- Top-k ------------------------------------------------------------------------------------
+
+#define TOP_K_MAX 64  // RINGLM_TOP_K_MAX
+#define TOP_K_FAN 16  // the second round's merging work-items per row (at most)
+
+// Whether (a, ia) is picked before (b, ib): the larger value first, the lower index among equals.
+int ranks_before(const float a, const int ia, const float b, const int ib) { return a > b || (a == b && ia < ib); }
+
+// Puts (v, id) into the list of the best `count` so far (vals, ids: sorted, room for k) when it
+// belongs there; returns the new count.
+int keep_best(float* vals, int* ids, int count, const int k, const float v, const int id) {
+  if (count == k && !ranks_before(v, id, vals[k - 1], ids[k - 1])) return count;
+  int at = count < k ? count : k - 1;
+  for (; at > 0 && ranks_before(v, id, vals[at - 1], ids[at - 1]); --at) {
+    vals[at] = vals[at - 1];
+    ids[at] = ids[at - 1];
+  }
+  vals[at] = v;
+  ids[at] = id;
+  return count < k ? count + 1 : count;
+}
+
+// Merges `n_lists` sorted lists of k (id, value bits) pairs, consecutive from `lists`, into the
+// best k (an id of -1 ends a list early); returns how many there are.
+int merge_lists(__global const int* lists, const int n_lists, const int k, float* vals, int* ids) {
+  int count = 0;
+  for (int list = 0; list < n_lists; ++list) {
+    __global const int* entry = lists + (ulong)list * k * 2;
+    for (int e = 0; e < k; ++e) {
+      const int id = entry[2 * e];
+      const float v = as_float(entry[2 * e + 1]);
+      // The list is sorted: once one of its entries misses the best k, so do the rest.
+      if (id < 0 || (count == k && !ranks_before(v, id, vals[k - 1], ids[k - 1]))) break;
+      count = keep_best(vals, ids, count, k, v, id);
+    }
+  }
+  return count;
+}
+
+void store_list(__global int* dst, const int count, const int k, const float* vals, const int* ids) {
+  for (int e = 0; e < k; ++e) {
+    dst[2 * e] = e < count ? ids[e] : -1;
+    dst[2 * e + 1] = as_int(e < count ? vals[e] : -INFINITY);
+  }
+}
+
+// The k largest values of row r = get_group_id(0) of x (n values), largest first, the lowest
+// index first among equals, NaNs skipped, as (id, value bits) pairs into out[r]. Three rounds,
+// each with its barrier at the top level: work-item t of the L = get_local_size(0) keeps the best
+// k of values t, t + L, ... (reads side by side) and writes them to stage[r][t]; then TOP_K_FAN of
+// them merge L / fan of those lists each into stage[r][L + t]; then work-item 0 merges those into
+// out[r]. stage holds (L + fan) lists of k pairs per row. On a CPU device L is 1.
+__kernel void top_k_rows(__global const float* x, const ulong x_off, const long n, const int k, __global int* stage,
+                         __global int* out, const ulong out_off) {
+  const int r = get_group_id(0), t = get_local_id(0), L = get_local_size(0);
+  const int fan = min(L, TOP_K_FAN);
+  const int per_merger = L / fan;
+  __global const float* row = x + x_off + (ulong)r * n;
+  __global int* rows_stage = stage + (ulong)r * (L + fan) * k * 2;
+  float vals[TOP_K_MAX];
+  int ids[TOP_K_MAX];
+
+  int count = 0;
+  for (long c = t; c < n; c += L) {
+    const float v = row[c];
+    if (!isnan(v)) count = keep_best(vals, ids, count, k, v, (int)c);
+  }
+  store_list(rows_stage + (ulong)t * k * 2, count, k, vals, ids);
+  barrier(CLK_GLOBAL_MEM_FENCE);
+
+  if (t < fan) {
+    count = merge_lists(rows_stage + (ulong)t * per_merger * k * 2, per_merger, k, vals, ids);
+    store_list(rows_stage + (ulong)(L + t) * k * 2, count, k, vals, ids);
+  }
+  barrier(CLK_GLOBAL_MEM_FENCE);
+
+  if (t == 0) {
+    count = merge_lists(rows_stage + (ulong)L * k * 2, fan, k, vals, ids);
+    store_list(out + out_off + (ulong)r * k * 2, count, k, vals, ids);
+  }
 }

@@ -1,4 +1,4 @@
-// libringlm-opencl.so: the plugin table of backends/plugin_api.h (ABI version 2) on OpenCL 1.2
+// libringlm-opencl.so: the plugin table of backends/plugin_api.h (ABI version 3) on OpenCL 1.2
 // devices.
 //
 // One program (kernels.cl) per device and process, shared by every context opened on that device
@@ -38,6 +38,7 @@ constexpr int64_t kMaxM = 16;       // MAX_M: rows of x per matmul call
 constexpr int kHeadDimPerItem = 4;  // HD_PER_ITEM: head_dim <= 4 * attention group size
 constexpr int kSerialMaxHeadDim = 256;  // SERIAL_HD_MAX: the CPU device's attention
 constexpr size_t kNormParts = 64;       // NORM_PARTS: partial sums of squares in the GEMV's norm
+constexpr size_t kTopKFan = 16;         // TOP_K_FAN: top_k's second-round mergers per row
 
 // Work-group caps: a group larger than this buys nothing for these kernels and costs occupancy.
 constexpr size_t kMaxGroup = 256;
@@ -71,6 +72,10 @@ enum KernelId {
   kAttentionSerialF32,
   kAttentionSerialF16,
   kRopeStore,
+  kAttentionSplitF32,
+  kAttentionSplitF16,
+  kAttentionMerge,
+  kTopKRows,
   kKernelCount
 };
 constexpr std::array<const char*, kKernelCount> kKernelNames = {
@@ -78,7 +83,8 @@ constexpr std::array<const char*, kKernelCount> kKernelNames = {
     "attention_f16",  "rope_shift_f32", "rope_shift_f16", "rms_norm",   "add_rows",   "scale_rows",
     "glu",            "rope",           "store_kv_f32", "store_kv_f16", "get_rows",
     "gemv_q4_0",      "gemv_q4_1",      "gemv_q8_0",    "gemv_f16",     "gemv_f32",
-    "attention_serial_f32", "attention_serial_f16", "rope_store",
+    "attention_serial_f32", "attention_serial_f16", "rope_store", "attention_split_f32", "attention_split_f16",
+    "attention_merge", "top_k_rows",
 };
 
 // --- The thread's last error ------------------------------------------------------------------
@@ -243,6 +249,13 @@ struct ringlm_context {
   uint64_t next_seq = 0;
 
   ringlm::opencl::Counters counters;
+
+  // Device memory of the context's own, for what passes between the launches of one op (flash-
+  // decoding's partial results, top_k's lists): grown on demand, and held under scratch_mutex
+  // from before its first launch to after its last, so two threads' ops never share it.
+  std::mutex scratch_mutex;
+  ringlm::opencl::MemHandle scratch;
+  size_t scratch_bytes = 0;
 };
 
 struct ringlm_buffer {
@@ -627,6 +640,69 @@ void run_matmul(ringlm_context& ctx, const ringlm_matmul_args& a) {
 
 // --- Attention --------------------------------------------------------------------------------
 
+// The context's scratch memory, at least `bytes` of it; the caller holds ctx.scratch_mutex. A
+// smaller old buffer is released, which OpenCL defers until the launches that use it have run.
+cl_mem scratch_buffer(ringlm_context& ctx, size_t bytes) {
+  if (ctx.scratch_bytes < bytes) {
+    const size_t grown = std::max(bytes, 2 * ctx.scratch_bytes);
+    cl_int err = CL_SUCCESS;
+    MemHandle mem(clCreateBuffer(ctx.device->context.get(), CL_MEM_READ_WRITE, grown, nullptr, &err));
+    if (err == CL_MEM_OBJECT_ALLOCATION_FAILURE || err == CL_OUT_OF_RESOURCES) {
+      throw Error(RINGLM_ERROR_OUT_OF_MEMORY, "scratch memory of " + std::to_string(grown) + " bytes: out of device memory");
+    }
+    check(err, "clCreateBuffer", "scratch of " + std::to_string(grown) + " bytes");
+    ctx.scratch = std::move(mem);
+    ctx.scratch_bytes = grown;
+  }
+  return ctx.scratch.get();
+}
+
+// Flash-decoding: how many splits of the keys attention runs in (1: one group per head and token).
+// Only a GPU whose cores one group per (head, token) leaves idle, over a long cache, gains: a
+// split must hold kMinSplitSlots slots to pay for the merge's launch, and the splits fill about
+// kGroupsPerCore groups per compute unit. Each split is a whole number of key blocks.
+constexpr size_t kMinSplitSlots = 512;
+constexpr size_t kGroupsPerCore = 2;
+constexpr size_t kMaxSplits = 64;
+// Slots per split: a whole number of key blocks.
+size_t split_length(size_t slots, size_t splits, size_t group) {
+  return ceil_div(ceil_div(slots, splits), group) * group;
+}
+size_t attention_splits(const ringlm_context& ctx, const ringlm_attention_args& a, size_t group) {
+  const size_t groups = static_cast<size_t>(a.n_head) * static_cast<size_t>(a.n_tokens);
+  const size_t wanted = kGroupsPerCore * ctx.device->limits.compute_units;
+  const size_t slots = static_cast<size_t>(a.n_slots);
+  if (groups >= wanted || slots < 2 * kMinSplitSlots) return 1;
+  const size_t splits = std::min({ceil_div(wanted, groups), slots / kMinSplitSlots, kMaxSplits});
+  return ceil_div(slots, split_length(slots, splits, group));
+}
+
+// The splits' launch (a group per head, token and split, each leaving a partial record in the
+// scratch memory) and the merge's.
+void run_attention_split(ringlm_context& ctx, const ringlm_attention_args& a, int32_t window, size_t group,
+                         size_t splits, cl_mem q, cl_mem out, cl_mem keys, cl_mem values, cl_mem positions) {
+  const size_t elem = kv_element_bytes(a.kv_format);
+  const size_t head_dim = static_cast<size_t>(a.head_dim);
+  const size_t split_len = split_length(static_cast<size_t>(a.n_slots), splits, group);
+  const size_t record_floats = head_dim + 2;
+  const size_t partial_bytes =
+      mul(mul(static_cast<size_t>(a.n_tokens) * static_cast<size_t>(a.n_head), splits, "attention: splits"),
+          record_floats * sizeof(float), "attention: splits");
+  std::lock_guard lock(ctx.scratch_mutex);
+  const cl_mem partial = scratch_buffer(ctx, partial_bytes);
+  const KernelId id = a.kv_format == RINGLM_FORMAT_F16 ? kAttentionSplitF16 : kAttentionSplitF32;
+  const size_t global[3] = {static_cast<size_t>(a.n_head) * group, static_cast<size_t>(a.n_tokens), splits};
+  const size_t local[3] = {group, 1, 1};
+  launch(ctx, id, 3, global, local, q, cl_ulong{a.q_offset / sizeof(float)}, partial, keys,
+         cl_ulong{a.keys_offset / elem}, values, cl_ulong{a.values_offset / elem}, cl_long{a.row_stride}, positions,
+         cl_int{a.n_slots}, cl_long{a.q_pos0}, cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim},
+         cl_float{a.scale}, cl_int{window}, as_int(static_cast<int64_t>(split_len)),
+         as_int(static_cast<int64_t>(splits)), LocalFloats{head_dim}, LocalFloats{group}, LocalFloats{group});
+  const size_t merge_global[3] = {head_dim, static_cast<size_t>(a.n_head), static_cast<size_t>(a.n_tokens)};
+  launch(ctx, kAttentionMerge, 3, merge_global, nullptr, partial, as_int(static_cast<int64_t>(splits)),
+         cl_int{a.n_head}, cl_int{a.head_dim}, out, cl_ulong{a.out_offset / sizeof(float)});
+}
+
 // Attention (v1: window 0) and attention2: one kernel, a key at position pos being visible to the
 // query at position p iff 0 <= pos <= p and (window == 0 || pos > p - window).
 void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, int32_t window) {
@@ -677,6 +753,11 @@ void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, i
               (head_dim + 2 * group) * sizeof(float) <= local_budget(ctx, ctx.kernels[id]),
           RINGLM_ERROR_UNSUPPORTED,
           "attention: head_dim " + std::to_string(head_dim) + " is too large for this device");
+  const size_t splits = attention_splits(ctx, a, group);
+  if (splits > 1) {
+    run_attention_split(ctx, a, window, group, splits, q, out, keys, values, positions);
+    return;
+  }
   const size_t global[2] = {static_cast<size_t>(a.n_head) * group, static_cast<size_t>(a.n_tokens)};
   const size_t local[2] = {group, 1};
   launch(ctx, id, 2, global, local, q, cl_ulong{a.q_offset / sizeof(float)}, out,
@@ -1031,6 +1112,35 @@ void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
          LocalFloats{static_cast<size_t>(kMaxM)});
 }
 
+// --- Top-k -----------------------------------------------------------------------------------
+
+// A group per row: L work-items scan it side by side (one on a CPU device, where a work-item
+// is a loop), then merge their lists in two rounds through the scratch memory.
+void run_top_k(ringlm_context& ctx, const ringlm_top_k_args& a) {
+  require(a.n_rows >= 1 && a.n >= 1 && a.n <= INT32_MAX, RINGLM_ERROR_INVALID_ARGUMENT,
+          "top_k: n_rows = " + std::to_string(a.n_rows) + ", n = " + std::to_string(a.n));
+  require(a.k >= 1 && a.k <= RINGLM_TOP_K_MAX && a.k <= a.n, RINGLM_ERROR_INVALID_ARGUMENT,
+          "top_k: k = " + std::to_string(a.k) + " (1 to min(n, " + std::to_string(RINGLM_TOP_K_MAX) + "))");
+  const size_t rows = static_cast<size_t>(a.n_rows), k = static_cast<size_t>(a.k);
+  const cl_mem x = buffer_range(ctx, a.x, a.x_offset, float_bytes(a.n_rows, a.n, "top_k: x size"), sizeof(float),
+                                "top_k x");
+  const size_t pair_bytes = sizeof(ringlm_top_entry);
+  const cl_mem out =
+      buffer_range(ctx, a.out, a.out_offset, mul(rows * k, pair_bytes, "top_k: out size"), sizeof(int32_t), "top_k out");
+  require(!overlap(a.out, a.out_offset, rows * k * pair_bytes, a.x, a.x_offset,
+                   float_bytes(a.n_rows, a.n, "top_k: x size")),
+          RINGLM_ERROR_INVALID_ARGUMENT, "top_k: out overlaps x");
+  const size_t group =
+      ctx.cpu_device ? 1 : std::min(group_cap(ctx, ctx.kernels[kTopKRows], 0), pow2_floor(static_cast<size_t>(a.n)));
+  const size_t fan = std::min(group, kTopKFan);
+  const size_t stage_bytes = mul(mul(rows, (group + fan) * k, "top_k: stage size"), pair_bytes, "top_k: stage size");
+  std::lock_guard lock(ctx.scratch_mutex);
+  const cl_mem stage = scratch_buffer(ctx, stage_bytes);
+  const size_t global = rows * group;
+  launch(ctx, kTopKRows, 1, &global, &group, x, cl_ulong{a.x_offset / sizeof(float)}, cl_long{a.n}, cl_int{a.k}, stage,
+         out, cl_ulong{a.out_offset / sizeof(int32_t)});
+}
+
 // --- The C entry points -----------------------------------------------------------------------
 
 const char* api_last_error(const ringlm_context* /*ctx: errors are kept per thread*/) { return t_last_error.c_str(); }
@@ -1233,6 +1343,7 @@ int32_t api_get_rows(ringlm_context* ctx, const ringlm_get_rows_args* args) {
 int32_t api_attention2(ringlm_context* ctx, const ringlm_attention2_args* args) {
   return op(ctx, args, "attention2", run_attention2);
 }
+int32_t api_top_k(ringlm_context* ctx, const ringlm_top_k_args* args) { return op(ctx, args, "top_k", run_top_k); }
 int32_t api_counters(const ringlm_context* ctx, ringlm_counters* out) {
   return guarded([&] {
     require(ctx != nullptr && out != nullptr, RINGLM_ERROR_INVALID_ARGUMENT,
@@ -1250,7 +1361,7 @@ constexpr ringlm_plugin kPlugin = {
     .struct_size = sizeof(ringlm_plugin),
     .name = "opencl",
     .description = "OpenCL 1.2 devices: flat GEMM on Q4_0/Q4_1/Q8_0/F16/F32 weights, causal and sliding-window "
-                   "attention, shift-RoPE, row ops",
+                   "attention (split over the keys on long caches), shift-RoPE, row ops, top-k",
     .last_error = api_last_error,
     .device_count = api_device_count,
     .device_info = api_device_info,
@@ -1278,6 +1389,7 @@ constexpr ringlm_plugin kPlugin = {
     .matmul2 = api_matmul2,
     .rope_store = api_rope_store,
     .counters = api_counters,
+    .top_k = api_top_k,
 };
 
 }  // namespace
