@@ -121,9 +121,16 @@ void run(const RunOptions& o) {
   KvCache cache = m.model->make_cache(n_ctx, o.cache);
   Sampler sampler(o.sampling, hp.n_vocab);
   std::vector<float> logits(static_cast<size_t>(hp.n_vocab));
+  // The most likely tokens only, when they are all the sampler needs (greedy, or top-k without
+  // penalties): a device then sends back those instead of the vocabulary.
+  std::vector<TopLogit> top(static_cast<size_t>(sampler.candidates_needed()));
+  const auto evaluate = [&](std::span<const int32_t> tokens) {
+    if (top.empty()) return m.model->forward(tokens, cache, logits.data());
+    m.model->forward_top(tokens, cache, top);
+  };
 
   auto t0 = std::chrono::steady_clock::now();
-  m.model->forward(prompt, cache, logits.data());
+  evaluate(prompt);
   stats.prompt_ms = ms_since(t0);
 
   t0 = std::chrono::steady_clock::now();
@@ -135,7 +142,7 @@ void run(const RunOptions& o) {
   sequence.evaluate = [&](int32_t token) {
     const auto step = std::chrono::steady_clock::now();
     const DeviceCounters before = m.backend->counters();
-    m.model->forward(std::span<const int32_t>(&token, 1), cache, logits.data());
+    evaluate(std::span<const int32_t>(&token, 1));
     stats.token_ms.push_back(ms_since(step));
     if (stats.device) {
       const DeviceCounters after = m.backend->counters();
@@ -150,7 +157,7 @@ void run(const RunOptions& o) {
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
   };
-  const FinishReason finish = generate(generation, logits, sequence, options);
+  const FinishReason finish = generate(generation, TokenScores{logits, top}, sequence, options);
   stats.decode_ms = ms_since(t0);
   stats.gen_tokens = static_cast<size_t>(generation.n_tokens());
   stats.stop_reason = stop_reason(finish);

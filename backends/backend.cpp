@@ -36,6 +36,10 @@ class HostActivations final : public ActivationBuffer {
 
 }  // namespace
 
+void Backend::top_k(const float* x, int64_t n, std::span<TopLogit> top) {
+  select_top_k(std::span<const float>(x, static_cast<size_t>(n)), top);
+}
+
 std::unique_ptr<ActivationBuffer> Backend::alloc_activations(size_t n) {
   auto storage = std::make_unique<float[]>(n > 0 ? n : 1);  // zeroed
   return std::make_unique<HostActivations>(std::move(storage), n);

@@ -183,6 +183,7 @@ class PluginBackend final : public Backend {
       : device_(std::move(device)),
         api_(device_->plugin->api()),
         v2_(device_->plugin->abi_version() >= 2),
+        v3_(device_->plugin->abi_version() >= 3),
         cpu_(std::move(cpu)) {
     name_ = device_->plugin->name();
   }
@@ -257,6 +258,30 @@ class PluginBackend final : public Backend {
     }
     const float* from = host_read(src, n);
     std::memcpy(host_write(dst, n), from, n * sizeof(float));
+  }
+
+  // The device picks the top k of values it computed (a step's logits) and sends back k pairs
+  // instead of the n values; values the host holds the newest of are picked on the host.
+  void top_k(const float* x, int64_t n, std::span<TopLogit> top) override {
+    flush_pending();
+    const size_t count = static_cast<size_t>(n);
+    const MirroredActivations* m = mirror_of(x, count);
+    const bool device_newest = m != nullptr && m->host_stale.overlaps(range_in(*m, x, count));
+    if (!v3_ || !device_newest || top.empty() || top.size() > RINGLM_TOP_K_MAX || static_cast<int64_t>(top.size()) > n) {
+      return Backend::top_k(host_read(x, count), n, top);
+    }
+    static_assert(sizeof(TopLogit) == sizeof(ringlm_top_entry) && offsetof(TopLogit, logit) == offsetof(ringlm_top_entry, value));
+    const DeviceSpan in = device_read(x, count);
+    ensure(top_buffer_, top.size_bytes());
+    ringlm_top_k_args args{};
+    args.x = in.buffer;
+    args.x_offset = in.offset;
+    args.n_rows = 1;
+    args.n = n;
+    args.k = static_cast<int32_t>(top.size());
+    args.out = top_buffer_.get();
+    check(*device_, api_.top_k(device_->context, &args), "top_k");
+    top_buffer_.download(0, top.data(), top.size_bytes());
   }
 
   // --- Weights and products ---------------------------------------------------------------
@@ -1122,13 +1147,14 @@ class PluginBackend final : public Backend {
   std::shared_ptr<OpenedDevice> device_;
   const ringlm_plugin& api_;
   bool v2_;  // the plugin speaks ABI v2: activations live on the device
+  bool v3_;  // ... and v3: it picks a step's top k itself
   std::unique_ptr<Backend> cpu_;
   int n_weights_ = 0;                            // prepared here
   std::map<std::string, int> cpu_weight_types_;  // of those, left on the CPU, by type
   std::set<std::string> told_;                    // fallbacks already said
   std::string name_;
   std::map<const float*, MirroredActivations*> mirrors_;  // every live allocation, by address
-  DeviceBuffer x_buffer_, y_buffer_, q_buffer_, out_buffer_, ids_buffer_;  // staging
+  DeviceBuffer x_buffer_, y_buffer_, q_buffer_, out_buffer_, ids_buffer_, top_buffer_;  // staging
   std::unique_ptr<ActivationBuffer> up_out_, normed_device_;  // matmul_glu's up, a normalised input
   std::unique_ptr<ActivationBuffer> residual_;  // matmul_add's product when it cannot add in place
   std::vector<float> normed_;

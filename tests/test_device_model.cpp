@@ -22,10 +22,10 @@
 #include "tests/command_runner.h"
 #include "tests/build_scale.h"
 
-// Where the build puts the version-1 shim of the OpenCL plugin (tests/CMakeLists.txt); a build
-// without OpenCL has neither, and the test that needs it fails saying the plugin is missing.
-#ifndef RINGLM_V1_PLUGIN_DIR
-#define RINGLM_V1_PLUGIN_DIR "(not built: no OpenCL)"
+// Where the build puts the OpenCL plugin's shims of older ABIs (tests/CMakeLists.txt); a build
+// without OpenCL has none, and the test that needs them fails saying the plugin is missing.
+#ifndef RINGLM_SHIM_PLUGIN_DIR
+#define RINGLM_SHIM_PLUGIN_DIR "(not built: no OpenCL)"
 #endif
 
 namespace ringlm {
@@ -177,6 +177,45 @@ TEST_F(DeviceModel, DecodeStepSendsTheTokenAndReadsTheLogitsWithOneWait) {
   }
 }
 
+// With a sampler that needs only the top k (greedy: k = 1; top-k sampling), the device picks
+// them (plugin ABI v3) and the step reads back k pairs instead of the vocabulary: the same picks
+// as the CPU's fp32 logits give, and still one wait.
+TEST_F(DeviceModel, DecodeStepReadsBackOnlyTheTopKTheSamplerNeeds) {
+  LlamaModel& model = *device_->model;
+  const Backend& backend = *device_->backend;
+  const std::vector<int32_t> prompt = tokens("The capital of France is");
+  KvCache cache = model.make_cache(64), cpu_cache = cpu_->model->make_cache(64);
+  std::vector<float> cpu_logits(vocab());
+  cpu_->model->forward(prompt, cpu_cache, cpu_logits.data());
+  std::vector<TopLogit> top(40);
+  model.forward_top(prompt, cache, top);
+  for (int step = 0; step < 3; ++step) {
+    std::vector<TopLogit> cpu_top(top.size());
+    select_top_k(cpu_logits, cpu_top);
+    // The same greedy pick; the others the CPU's top 40 but where logits are within the device's
+    // float noise of each other (the tolerance of the logits tests above).
+    const auto [lo, hi] = std::minmax_element(cpu_logits.begin(), cpu_logits.end());
+    const float tolerance = 1e-3f * (*hi - *lo);
+    EXPECT_EQ(top[0].id, cpu_top[0].id);
+    for (size_t e = 0; e < top.size(); ++e) {
+      EXPECT_NEAR(top[e].logit, cpu_logits[static_cast<size_t>(top[e].id)], tolerance) << "pick " << e;
+      EXPECT_GE(top[e].logit, cpu_top.back().logit - tolerance) << "pick " << e << " is not among the CPU's top 40";
+      if (e > 0) {
+        EXPECT_LE(top[e].logit, top[e - 1].logit) << "pick " << e;
+      }
+    }
+    const std::vector<int32_t> next = {top[0].id};
+    const DeviceCounters before = backend.counters();
+    model.forward_top(next, cache, top);
+    const DeviceCounters after = backend.counters();
+    cpu_->model->forward(next, cpu_cache, cpu_logits.data());
+    SCOPED_TRACE("decode step " + std::to_string(step));
+    EXPECT_EQ(after.waits - before.waits, 1u);
+    EXPECT_EQ(after.download_bytes - before.download_bytes, top.size() * sizeof(TopLogit));
+    EXPECT_LE(after.upload_bytes - before.upload_bytes, 1024u);
+  }
+}
+
 // A cache that reads a shared prompt prefix (batch sampling) attends on the CPU from the host
 // copy: still the right answer on a device backend.
 TEST_F(DeviceModel, PrefixCachesFallBackToTheCpuCorrectly) {
@@ -207,24 +246,34 @@ std::string run_args(const std::string& device, const std::string& extra = "", c
          "--device " + device + " --plugin-dir " + plugins + " " + extra;
 }
 
-// The OpenCL plugin (ABI 2: the whole step on the device) and the same plugin seen as a version-1
-// plugin (tests/plugins/v1_shim.c: products and attention on the device, every other op on the
-// CPU) both write the CPU's greedy text (fp32), and `ringlm devices` shows each one's ABI.
-TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpuWithAVersion2AndAVersion1Plugin) {
-  const std::string v1_dir = RINGLM_V1_PLUGIN_DIR;
-  const Output devices = run_ringlm("devices --plugin-dir " + v1_dir);
+// The OpenCL plugin (ABI 3: the whole step on the device, the greedy pick too) and the same
+// plugin seen as a version-2 plugin (the pick on the host) and as a version-1 plugin
+// (tests/plugins/version_shim.c: products and attention on the device, every other op on the
+// CPU) all write the CPU's greedy text (fp32); `ringlm devices` shows each one's ABI, and says
+// why a version-3 table without its top_k entry does not load.
+TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpuWithPluginsOfEveryAbi) {
+  const std::string shims = RINGLM_SHIM_PLUGIN_DIR;
+  const Output devices = run_ringlm("devices --plugin-dir " + shims);
   ASSERT_EQ(devices.exit_code, 0) << devices.err;
-  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 1"));  // the shim
-  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 2"));  // the OpenCL plugin beside ringlm
+  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 1"));  // openclv1
+  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 2"));  // openclv2
+  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 3"));  // the OpenCL plugin beside ringlm
+  EXPECT_THAT(devices.out + devices.err, HasSubstr("plugin table (ABI 3) has no 'top_k' function"));
   const Output cpu = run_ringlm(run_args("cpu", "--compute fp32"));
-  const Output device = run_ringlm(run_args("opencl"));
-  const Output v1 = run_ringlm(run_args("openclv1", "", v1_dir));
+  const Output device = run_ringlm(run_args("opencl", "--stats json"));
+  const Output v2 = run_ringlm(run_args("openclv2", "", shims));
+  const Output v1 = run_ringlm(run_args("openclv1", "", shims));
   ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
   ASSERT_EQ(device.exit_code, 0) << device.err;
+  ASSERT_EQ(v2.exit_code, 0) << v2.err;
   ASSERT_EQ(v1.exit_code, 0) << v1.err;
   EXPECT_GT(cpu.out.size(), static_cast<size_t>(test::scaled(40, 10)));
   EXPECT_EQ(device.out, cpu.out);
+  EXPECT_EQ(v2.out, cpu.out);
   EXPECT_EQ(v1.out, cpu.out);
+  // Greedy on ABI 3: each decode step reads back one pick (8 bytes), not the vocabulary.
+  EXPECT_THAT(device.err, HasSubstr("\"download_bytes\":[8,8,8"));
+  EXPECT_THAT(device.err, Not(HasSubstr("196608")));  // SmolLM2's 49,152 logits
 }
 
 // Gemma 3 270M on the device: what the plugin does not take (Q5_0, Q4_K, Q6_K weights) runs on the

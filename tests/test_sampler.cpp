@@ -208,5 +208,91 @@ TEST(Sampler, TokenLogprobsAreTheLogSoftmaxOfTheLogits) {
   EXPECT_THROW(token_logprobs(logits, 5, 1), std::out_of_range);
 }
 
+// --- The top k only (what a device sends back) ------------------------------------------------
+
+// The definition: sort every index by value, largest first, the lower index first among equals,
+// NaNs left out; {-1, -inf} past the values there are.
+std::vector<TopLogit> sorted_top(const std::vector<float>& values, size_t k) {
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isnan(values[i])) ids.push_back(static_cast<int32_t>(i));
+  }
+  std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return values[static_cast<size_t>(a)] > values[static_cast<size_t>(b)]; });
+  std::vector<TopLogit> top;
+  for (size_t e = 0; e < k; ++e) {
+    top.push_back(e < ids.size() ? TopLogit{ids[e], values[static_cast<size_t>(ids[e])]} : TopLogit{-1, -INFINITY});
+  }
+  return top;
+}
+
+TEST(TopK, SelectTopKMatchesAFullSort) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    const size_t n = 1 + rng() % 400;
+    std::vector<float> values(n);
+    for (float& v : values) v = static_cast<float>(static_cast<int>(rng() % 30) - 15) / 2.0f;  // many ties
+    if (trial % 3 == 1) values[rng() % n] = NAN;
+    if (trial % 5 == 2) values[rng() % n] = INFINITY;
+    if (trial % 7 == 3) values[rng() % n] = -INFINITY;
+    const size_t k = 1 + rng() % 70;  // past n too
+    std::vector<TopLogit> got(k);
+    select_top_k(values, got);
+    const std::vector<TopLogit> want = sorted_top(values, k);
+    for (size_t e = 0; e < k; ++e) {
+      ASSERT_EQ(got[e].id, want[e].id) << "trial " << trial << " n " << n << " k " << k << " pick " << e;
+      if (want[e].id >= 0) {
+        ASSERT_EQ(got[e].logit, want[e].logit);
+      }
+    }
+  }
+}
+
+TEST(TopK, CandidatesNeededOnlyWhenTheTopKDecidesTheDraw) {
+  SamplingParams p = no_filters(0.0f, 1);
+  EXPECT_EQ(Sampler(p, 100).candidates_needed(), 1);  // greedy
+  p.temperature = 0.8f;
+  EXPECT_EQ(Sampler(p, 100).candidates_needed(), 0);  // the whole vocabulary may be drawn
+  p.top_k = 40;
+  EXPECT_EQ(Sampler(p, 100).candidates_needed(), 40);
+  p.top_k = Sampler::kMaxCandidates + 1;
+  EXPECT_EQ(Sampler(p, 100).candidates_needed(), 0);
+  p.top_k = 40;
+  p.repeat_penalty = 1.1f;  // penalties change logits that may not be among the top k
+  EXPECT_EQ(Sampler(p, 100).candidates_needed(), 0);
+  p.repeat_last_n = 0;  // ... unless they look at no token
+  EXPECT_EQ(Sampler(p, 100).candidates_needed(), 40);
+  p.repeat_penalty = 1.0f;
+  p.repeat_last_n = 64;
+  p.presence_penalty = 0.5f;
+  p.temperature = 0.0f;
+  EXPECT_EQ(Sampler(p, 100).candidates_needed(), 0);
+}
+
+// sample_top from the k best draws the very token sample() draws from the whole vocabulary,
+// draw after draw, with the same seed: greedy and top-k with top-p, min-p and temperatures.
+TEST(TopK, SampleTopDrawsWhatSampleDraws) {
+  std::mt19937 rng(5);
+  for (int setting = 0; setting < 12; ++setting) {
+    SamplingParams p;
+    p.temperature = setting == 0 ? 0.0f : 0.3f + 0.2f * static_cast<float>(setting);
+    p.top_k = std::vector<int>{1, 2, 5, 40, 64, 17}[static_cast<size_t>(setting % 6)];
+    p.top_p = setting % 3 == 0 ? 1.0f : 0.9f;
+    p.min_p = setting % 4 == 0 ? 0.0f : 0.05f;
+    p.seed = 100 + static_cast<uint64_t>(setting);
+    const int n_vocab = 500;
+    Sampler whole(p, n_vocab), top_only(p, n_vocab);
+    const int k = top_only.candidates_needed();
+    ASSERT_GT(k, 0);
+    for (int step = 0; step < 60; ++step) {
+      std::vector<float> logits(static_cast<size_t>(n_vocab));
+      for (float& v : logits) v = static_cast<float>(static_cast<int>(rng() % 200) - 100) / 25.0f;  // ties at the k-th too
+      std::vector<TopLogit> top(static_cast<size_t>(k));
+      select_top_k(logits, top);
+      const int32_t from_top = top_only.sample_top(top);
+      ASSERT_EQ(whole.sample(logits, {}), from_top) << "setting " << setting << " step " << step;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ringlm

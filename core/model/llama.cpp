@@ -283,6 +283,18 @@ KvCache LlamaModel::make_cache(int n_ctx, const KvCacheOptions& options) const {
 }
 
 void LlamaModel::forward(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits) {
+  forward_tokens(tokens, cache, PassOutput{logits, all_logits, {}});
+}
+
+void LlamaModel::forward_top(std::span<const int32_t> tokens, KvCache& cache, std::span<TopLogit> top) {
+  if (top.empty() || top.size() > static_cast<size_t>(hp_.n_vocab)) {
+    throw std::invalid_argument("forward_top: " + std::to_string(top.size()) + " top tokens of a vocabulary of " +
+                                std::to_string(hp_.n_vocab));
+  }
+  forward_tokens(tokens, cache, PassOutput{nullptr, false, top});
+}
+
+void LlamaModel::forward_tokens(std::span<const int32_t> tokens, KvCache& cache, PassOutput out) {
   for (int32_t t : tokens) {
     if (t < 0 || t >= hp_.n_vocab) {
       throw std::out_of_range("token id " + std::to_string(t) + " is outside the vocabulary (0.." +
@@ -302,8 +314,14 @@ void LlamaModel::forward(std::span<const int32_t> tokens, KvCache& cache, float*
     const size_t n = std::min({tokens.size() - start, static_cast<size_t>(max_batch_),
                                static_cast<size_t>(cache.contiguous_free())});
     const bool last_chunk = start + n == tokens.size();
-    float* out = all_logits ? logits + start * static_cast<size_t>(hp_.n_vocab) : (last_chunk ? logits : nullptr);
-    forward_chunk(tokens.subspan(start, n), cache, out, all_logits);
+    // Every chunk's logits when all are wanted; else only the last chunk's output.
+    PassOutput chunk_out;
+    if (out.all_logits) {
+      chunk_out = {out.logits + start * static_cast<size_t>(hp_.n_vocab), true, {}};
+    } else if (last_chunk) {
+      chunk_out = out;
+    }
+    forward_chunk(tokens.subspan(start, n), cache, chunk_out);
     start += n;
   }
 }
@@ -513,7 +531,7 @@ void LlamaModel::store_kv(int layer, size_t sequence, const Rows& rows) {
   if (to_end < n) backend_.store_kv(view, place.index, 0, n - to_end, k + to_end * kv_dim, v + to_end * kv_dim);
 }
 
-void LlamaModel::project_logits(int row, int n, float* logits) {
+const float* LlamaModel::project_logits(int row, int n) {
   Scratch& s = *scratch_;
   const size_t wanted = static_cast<size_t>(n) * static_cast<size_t>(hp_.n_vocab);
   if (s.logits == nullptr || s.logits->size() < wanted) s.logits = backend_.alloc_activations(wanted);
@@ -521,17 +539,19 @@ void LlamaModel::project_logits(int row, int n, float* logits) {
   float* const output_logits[] = {s.logits->data()};
   const float* x = s.x->data() + static_cast<size_t>(row) * hp_.n_embd;
   backend_.matmul_many(output, MatmulInput{x, n, output_norm_, hp_.rms_eps}, output_logits);
-  backend_.read(s.logits->data(), logits, wanted);
+  return s.logits->data();
 }
 
-void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits) {
+void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, PassOutput out) {
   const int n = static_cast<int>(tokens.size());
   const Rows rows[] = {append_rows(tokens, cache, 0)};
   run_layers(rows, n);
-  if (logits == nullptr) return;
+  if (!out.wanted()) return;
   // Only the rows whose logits are wanted go through the final norm and the vocabulary projection.
-  const int first_row = all_logits ? 0 : n - 1;
-  project_logits(first_row, n - first_row, logits);
+  const int first_row = out.all_logits ? 0 : n - 1;
+  const float* logits = project_logits(first_row, n - first_row);
+  if (!out.top.empty()) return backend_.top_k(logits, hp_.n_vocab, out.top);
+  backend_.read(logits, out.logits, static_cast<size_t>(n - first_row) * static_cast<size_t>(hp_.n_vocab));
 }
 
 void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
@@ -584,7 +604,7 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
   if (wanted == 0) return;
   backend_.copy(s.x->data(), s.xn->data(), static_cast<size_t>(wanted) * d);
   if (batch_logits_.size() < static_cast<size_t>(wanted) * vocab) batch_logits_.resize(static_cast<size_t>(wanted) * vocab);
-  project_logits(0, wanted, batch_logits_.data());
+  backend_.read(project_logits(0, wanted), batch_logits_.data(), static_cast<size_t>(wanted) * vocab);
   // Out to each sequence's buffer: 3 MiB at 16 sequences, split over the threads.
   std::vector<float*>& out = batch_logits_out_;
   out.clear();

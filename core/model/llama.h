@@ -34,6 +34,10 @@ class LlamaModel {
   // When the cache fills: with the cache's context_shift, shift_context() and go on; without,
   // std::length_error before anything runs.
   void forward(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits = false);
+  // The same pass, leaving instead the top.size() most likely next tokens in `top` (select_top_k's
+  // order, at most Sampler::kMaxCandidates): on a device they are picked there, and the
+  // vocabulary's logits never cross to the host.
+  void forward_top(std::span<const int32_t> tokens, KvCache& cache, std::span<TopLogit> top);
 
   // One sequence's share of a batched pass.
   struct SequenceTokens {
@@ -87,9 +91,19 @@ class LlamaModel {
   void residual(const PreparedWeight& weight, const float* input, int n, const float* post_norm);
   // Fills the scratch's KV views and attention calls of the pass's sequences.
   void describe_sequences(std::span<const Rows> rows);
-  // Final norm + vocabulary projection of n hidden-state rows starting at `row`, into `logits`.
-  void project_logits(int row, int n, float* logits);
-  void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, float* logits, bool all_logits);
+  // Final norm + vocabulary projection of n hidden-state rows starting at `row`, into the
+  // scratch's logits (activation memory), which it returns.
+  const float* project_logits(int row, int n);
+  // What a pass hands back: every row's logits or the last row's (logits), or the last row's
+  // most likely tokens (top, when not empty), or nothing.
+  struct PassOutput {
+    float* logits = nullptr;
+    bool all_logits = false;
+    std::span<TopLogit> top;
+    bool wanted() const { return logits != nullptr || !top.empty(); }
+  };
+  void forward_tokens(std::span<const int32_t> tokens, KvCache& cache, PassOutput out);
+  void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, PassOutput out);
   void embed(std::span<const int32_t> tokens, float* out);
   void attention(int layer, std::span<const Rows> rows);
   // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0.., of a

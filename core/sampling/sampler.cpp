@@ -7,32 +7,6 @@
 
 namespace ringlm {
 
-int32_t argmax(std::span<const float> logits) {
-  // Two passes that the compiler vectorizes (a max with an index in one loop does not): the
-  // largest value, then the first block that holds it, then its first index there. Greedy
-  // decoding runs this over the whole vocabulary for every sequence at every step.
-  // (The simd pragmas let the compiler reorder the reductions, which IEEE comparisons with NaN
-  // would otherwise forbid; NaNs never compare greater, so they are skipped in any order.)
-  if (logits.empty() || std::isnan(logits[0])) return 0;  // a NaN first: std::max_element's answer
-  const float* x = logits.data();
-  const size_t n = logits.size();
-  float best = -INFINITY;
-#pragma omp simd reduction(max : best)
-  for (size_t i = 0; i < n; ++i) best = x[i] > best ? x[i] : best;
-  constexpr size_t kBlock = 64;
-  for (size_t b = 0; b < n; b += kBlock) {
-    const size_t end = std::min(n, b + kBlock);
-    int found = 0;
-#pragma omp simd reduction(| : found)
-    for (size_t i = b; i < end; ++i) found |= x[i] == best;
-    if (!found) continue;
-    for (size_t i = b; i < end; ++i) {
-      if (x[i] == best) return static_cast<int32_t>(i);
-    }
-  }
-  return 0;  // not reached: best is one of the logits
-}
-
 Sampler::Sampler(const SamplingParams& params, int n_vocab) : params_(params) {
   if (n_vocab <= 0) throw std::invalid_argument("Sampler: empty vocabulary");
   seed_ = params.seed == 0xFFFFFFFF ? std::random_device{}() : params.seed;
@@ -64,10 +38,16 @@ void Sampler::apply_penalties(std::span<float> logits, std::span<const int32_t> 
   }
 }
 
+// The larger logit first, the lower id among equals: select_top_k's order, so that the top k of
+// the whole vocabulary are the k a device picks, ties at the k-th included.
+static bool ranks_before(const Sampler::Candidate& a, const Sampler::Candidate& b) {
+  return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
+}
+
 void Sampler::keep_top_k(size_t k) {
   if (k == 0 || k >= candidates_.size()) return;
   std::partial_sort(candidates_.begin(), candidates_.begin() + static_cast<std::ptrdiff_t>(k), candidates_.end(),
-                    [](const Candidate& a, const Candidate& b) { return a.logit > b.logit; });
+                    ranks_before);
   candidates_.resize(k);
 }
 
@@ -114,9 +94,31 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> histor
   for (size_t i = 0; i < logits.size(); ++i) candidates_.push_back({static_cast<int32_t>(i), logits[i], 0.0f});
   const size_t k = params_.top_k > 0 ? static_cast<size_t>(params_.top_k) : candidates_.size();
   keep_top_k(k);
-  std::sort(candidates_.begin(), candidates_.end(), [](const Candidate& a, const Candidate& b) {
-    return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
-  });
+  std::sort(candidates_.begin(), candidates_.end(), ranks_before);
+  return draw_sorted();
+}
+
+int Sampler::candidates_needed() const {
+  const bool penalties =
+      params_.repeat_last_n != 0 &&
+      (params_.repeat_penalty != 1.0f || params_.frequency_penalty != 0.0f || params_.presence_penalty != 0.0f);
+  if (penalties) return 0;
+  if (params_.temperature <= 0.0f) return 1;
+  return params_.top_k > 0 && params_.top_k <= kMaxCandidates ? params_.top_k : 0;
+}
+
+int32_t Sampler::sample_top(std::span<const TopLogit> top) {
+  if (top.empty()) throw std::invalid_argument("Sampler::sample_top: no candidates");
+  if (params_.temperature <= 0.0f) return std::max(top[0].id, 0);  // no candidate at all (every logit NaN): 0, as argmax
+  candidates_.clear();
+  for (const TopLogit& t : top) {
+    if (t.id >= 0) candidates_.push_back({t.id, t.logit, 0.0f});
+  }
+  if (candidates_.empty()) return 0;
+  return draw_sorted();
+}
+
+int32_t Sampler::draw_sorted() {
   // top-p and min-p judge the distribution before temperature, as llama.cpp's default chain does.
   softmax_sorted(candidates_, 1.0f);
   keep_top_p();

@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "backends/top_k.h"
+
 namespace ringlm {
 
 struct SamplingParams {
@@ -33,6 +35,16 @@ class Sampler {
   // Picks the next token from `logits` ([n_vocab], modified in place) given the tokens so far.
   int32_t sample(std::span<float> logits, std::span<const int32_t> history);
 
+  // The most likely tokens this sampler ever needs to see: k when it draws from the top k only
+  // (1 when greedy) and no penalty changes logits, so that the k best logits (select_top_k's)
+  // decide the draw exactly as the whole vocabulary would; 0 when it needs every logit. A device
+  // then sends back k pairs instead of the vocabulary.
+  int candidates_needed() const;
+  static constexpr int kMaxCandidates = 64;  // RINGLM_TOP_K_MAX: what a device picks at most
+  // The same draw as sample() from the candidates_needed() most likely tokens (select_top_k's
+  // order): the same token for the same seed and logits.
+  int32_t sample_top(std::span<const TopLogit> top);
+
   struct Candidate {
     int32_t id;
     float logit;
@@ -47,6 +59,8 @@ class Sampler {
   void keep_top_k(size_t k);
   void keep_top_p();
   void keep_min_p();
+  // Top-p, min-p and temperature over the candidates (sorted, largest logit first), then the draw.
+  int32_t draw_sorted();
 
   SamplingParams params_;
   uint64_t seed_;
@@ -68,8 +82,5 @@ struct TokenLogprobs {
   std::vector<TokenLogprob> top;
 };
 TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int top_n);
-
-// Index of the largest logit (the lowest index among equals).
-int32_t argmax(std::span<const float> logits);
 
 }  // namespace ringlm

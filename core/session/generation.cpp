@@ -47,6 +47,7 @@ Generation::Generation(const Tokenizer& tokenizer, Sampler& sampler, StopConditi
 }
 
 int32_t Generation::draw(std::span<float> logits) { return sampler_->sample(logits, history_); }
+int32_t Generation::draw_top(std::span<const TopLogit> top) { return sampler_->sample_top(top); }
 
 bool Generation::is_end_token(int32_t token) const {
   if (stop_.ignore_eos) return false;
@@ -103,13 +104,13 @@ void Generation::drop_history(size_t first, size_t count) {
 
 bool has_room(const KvCache& cache) { return cache.can_shift() || cache.context_size() < cache.capacity(); }
 
-FinishReason generate(Generation& g, std::span<float> logits, const SequenceModel& model, const GenerateOptions& options) {
+FinishReason generate(Generation& g, TokenScores scores, const SequenceModel& model, const GenerateOptions& options) {
   auto show = [&](const GenerationStep& step) {
     if (!step.text.empty() && options.on_text) options.on_text(step.text);
   };
   const bool keep_cache_in_step = options.evaluate_every_token;
   while (!g.finished()) {
-    const int32_t token = g.draw(logits);
+    const int32_t token = scores.top.empty() ? g.draw(scores.logits) : g.draw_top(scores.top);
     if (keep_cache_in_step && !g.is_end_token(token) && !model.has_room()) {
       show(g.finish(FinishReason::kContextFull));
       break;

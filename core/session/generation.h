@@ -71,6 +71,8 @@ class Generation {
   // The next token, drawn from `logits` (modified in place) over the history. Changes nothing
   // but this generation's sampler, so separate generations may draw in parallel.
   int32_t draw(std::span<float> logits);
+  // The same draw from only the most likely tokens (Sampler::sample_top).
+  int32_t draw_top(std::span<const TopLogit> top);
   // Whether `token` ends the sequence instead of being taken.
   bool is_end_token(int32_t token) const;
   // Takes a drawn token (or ends on it): the text it makes safe to show and whether the
@@ -133,9 +135,21 @@ struct GenerateOptions {
   bool evaluate_every_token = false;
 };
 
-// Generates until the sequence ends, from `logits`: those of the sequence's last evaluated token
-// (a prefilled prompt). Returns why it ended.
-FinishReason generate(Generation& generation, std::span<float> logits, const SequenceModel& model,
+// Where generate() finds the scores of the sequence's next token, which every evaluate
+// replaces: the whole vocabulary's logits or, when `top` is not empty, only the most likely
+// tokens (the sampler's candidates_needed() of them, as LlamaModel::forward_top leaves them).
+struct TokenScores {
+  std::span<float> logits;
+  std::span<const TopLogit> top;
+};
+
+// Generates until the sequence ends, from `scores`: at first those of the sequence's last
+// evaluated token (a prefilled prompt). Returns why it ended.
+FinishReason generate(Generation& generation, TokenScores scores, const SequenceModel& model,
                       const GenerateOptions& options);
+inline FinishReason generate(Generation& generation, std::span<float> logits, const SequenceModel& model,
+                             const GenerateOptions& options) {
+  return generate(generation, TokenScores{logits, {}}, model, options);
+}
 
 }  // namespace ringlm

@@ -1,0 +1,44 @@
+/* The OpenCL plugin as a plugin of an older ABI: what a plugin built before ABI 3 (or 2) offers
+ * ringlm. It loads the real plugin (SHIM_TARGET, its path), copies the part of its table that
+ * ABI SHIM_ABI has and says it speaks that version, under the name SHIM_NAME; the later entries
+ * stay NULL. The tests run the model through it to check that ringlm still runs such a plugin:
+ * version 1, products and attention on the device and every other op on the CPU; version 2,
+ * the whole step on the device but the top-k picked on the host. With SHIM_NO_TOP_K it claims
+ * version 3 without the version-3 entry, a table the loader must refuse. */
+#include <dlfcn.h>
+#include <string.h>
+
+#include "backends/plugin_api.h"
+
+#if !defined(SHIM_TARGET) || !defined(SHIM_ABI) || !defined(SHIM_NAME)
+#error SHIM_TARGET (the plugin library to wrap), SHIM_ABI and SHIM_NAME must be defined
+#endif
+
+#if SHIM_ABI == 1
+#define SHIM_SIZE RINGLM_PLUGIN_V1_SIZE
+#elif SHIM_ABI == 2
+#define SHIM_SIZE RINGLM_PLUGIN_V2_SIZE
+#else
+#define SHIM_SIZE sizeof(ringlm_plugin)
+#endif
+
+static ringlm_plugin table;
+
+__attribute__((visibility("default"))) const ringlm_plugin* ringlm_plugin_entry(void) {
+  if (table.abi_version == 0) {
+    void* library = dlopen(SHIM_TARGET, RTLD_NOW | RTLD_LOCAL);
+    if (library == NULL) return NULL;
+    ringlm_plugin_entry_fn entry = (ringlm_plugin_entry_fn)dlsym(library, RINGLM_PLUGIN_ENTRY);
+    const ringlm_plugin* real = entry != NULL ? entry() : NULL;
+    if (real == NULL) return NULL;
+    memcpy(&table, real, SHIM_SIZE);
+#ifdef SHIM_NO_TOP_K
+    table.top_k = NULL;
+#endif
+    table.abi_version = SHIM_ABI;
+    table.struct_size = SHIM_SIZE;
+    table.name = SHIM_NAME;
+    table.description = "the OpenCL plugin's entries of an older plugin ABI (a test shim)";
+  }
+  return &table;
+}
