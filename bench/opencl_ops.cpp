@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
 
     struct Row {
       std::string name;
-      int per_layer;  // how often a decode step runs it per layer (0: once per step)
+      int per_layer;  // how often a decode step runs it per layer (0: once per step; -1: not in the step's sum)
       double us;
     };
     std::vector<Row> rows;
@@ -167,13 +167,21 @@ int main(int argc, char** argv) {
                                     static_cast<int32_t>(s.n_head_kv), static_cast<int32_t>(s.head_dim), 0.125f};
     rows.push_back({"attention (" + std::to_string(slots) + " slots)", 1,
                     time_op([&] { check(g_api->attention2(g_ctx, &at), "attention"); })});
-    rows.push_back({"scale n=1 (a launch)", 0, time_op([&] { check(g_api->scale(g_ctx, x, 0, 1, 1.0f), "scale"); })});
+    if (g_api->abi_version >= 3) {  // the greedy pick a step reads back instead of the logits; top-40 beside it
+      ringlm_buffer* picks = alloc(RINGLM_TOP_K_MAX * sizeof(ringlm_top_entry));
+      for (int32_t k : {1, 40}) {
+        ringlm_top_k_args tk{y, 0, 1, s.vocab, k, picks, 0};
+        rows.push_back({"top_k (vocab, k=" + std::to_string(k) + ")", k == 1 ? 0 : -1,
+                        time_op([&] { check(g_api->top_k(g_ctx, &tk), "top_k"); })});
+      }
+    }
+    rows.push_back({"scale n=1 (a launch)", -1, time_op([&] { check(g_api->scale(g_ctx, x, 0, 1, 1.0f), "scale"); })});
 
     double step = 0;
     std::printf("%-32s %10s %12s\n", "op", "us", "us/step");
     for (const Row& r : rows) {
-      const double per_step = r.us * (r.per_layer == 0 ? 1 : r.per_layer * s.n_layer);
-      if (r.name.rfind("scale", 0) != 0) step += per_step;
+      const double per_step = r.per_layer < 0 ? 0 : r.us * (r.per_layer == 0 ? 1 : r.per_layer * s.n_layer);
+      step += per_step;
       std::printf("%-32s %10.1f %12.1f\n", r.name.c_str(), r.us, per_step);
     }
     std::printf("%-32s %10s %12.1f  (%.1f t/s)\n", "decode step (sum)", "", step, 1e6 / step);
