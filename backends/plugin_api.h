@@ -9,9 +9,10 @@
  * returns RINGLM_OK (0) or an error code, and the plugin keeps a human-readable reason for the
  * last failure of the calling thread (last_error), which ringlm shows to the user as is.
  *
- * Data formats are GGUF's: weight blocks are GGML's Q4_0 / Q4_1 / Q8_0 layouts (quant/formats.h
- * documents them), activations are fp32, KV cache rows fp16 or fp32. Every op is ordered after
- * the ops and uploads issued before it on the same context; download waits for them.
+ * Data formats are GGUF's: weight blocks are GGML's layouts (quant/formats.h documents them; the
+ * K-quants and IQ4_XS in super-blocks of 256 weights, a product's k a multiple of that),
+ * activations are fp32, KV cache rows fp16 or fp32. Every op is ordered after the ops and
+ * uploads issued before it on the same context; download waits for them.
  */
 #ifndef RINGLM_BACKENDS_PLUGIN_API_H
 #define RINGLM_BACKENDS_PLUGIN_API_H
@@ -42,6 +43,14 @@ enum ringlm_format {
   RINGLM_FORMAT_Q4_0 = 2,
   RINGLM_FORMAT_Q4_1 = 3,
   RINGLM_FORMAT_Q8_0 = 8,
+  /* Named since version 3 (any version's supports() may take them: the ids are GGUF's). */
+  RINGLM_FORMAT_Q5_0 = 6,
+  RINGLM_FORMAT_Q5_1 = 7,
+  RINGLM_FORMAT_Q4_K = 12,
+  RINGLM_FORMAT_Q5_K = 13,
+  RINGLM_FORMAT_Q6_K = 14,
+  RINGLM_FORMAT_IQ4_NL = 20,
+  RINGLM_FORMAT_IQ4_XS = 23,
 };
 
 enum ringlm_device_type {

@@ -31,6 +31,13 @@ bool nameable_format(TensorType type) {
     case TensorType::Q4_0:
     case TensorType::Q4_1:
     case TensorType::Q8_0:
+    case TensorType::Q5_0:
+    case TensorType::Q5_1:
+    case TensorType::Q4_K:
+    case TensorType::Q5_K:
+    case TensorType::Q6_K:
+    case TensorType::IQ4_NL:
+    case TensorType::IQ4_XS:
       return true;
     default:
       return false;

@@ -330,15 +330,36 @@ struct Weights {
   std::vector<float> dequant;  // the same weights as fp32, [n][k]
 };
 
+bool is_iq4(TensorType type) { return type == TensorType::IQ4_NL || type == TensorType::IQ4_XS; }
+
+// Weights: random floats quantized (the formats ringlm quantizes to), or random codes under a
+// random fp16 scale (IQ4_NL, IQ4_XS: every block starts with it), with their dequantization.
 Weights make_weights(TensorType type, int64_t n, int64_t k, std::mt19937& rng) {
   const std::vector<float> w = random_floats(static_cast<size_t>(n * k), rng);
   const size_t row = row_bytes(type, k);
   Weights out{std::vector<uint8_t>(row * static_cast<size_t>(n)), std::vector<float>(w.size())};
+  if (is_iq4(type)) {
+    for (uint8_t& b : out.bytes) b = static_cast<uint8_t>(rng());
+    const size_t block = type_traits(static_cast<uint32_t>(type))->block_bytes;
+    for (size_t at = 0; at < out.bytes.size(); at += block) {
+      const uint16_t d = fp32_to_fp16(random_floats(1, rng, 0.01f)[0]);
+      std::memcpy(&out.bytes[at], &d, sizeof(d));
+    }
+  }
   for (int64_t r = 0; r < n; ++r) {
-    quantize_row(type, &w[static_cast<size_t>(r * k)], &out.bytes[row * static_cast<size_t>(r)], k);
+    if (!is_iq4(type)) quantize_row(type, &w[static_cast<size_t>(r * k)], &out.bytes[row * static_cast<size_t>(r)], k);
     dequantize_row(type, &out.bytes[row * static_cast<size_t>(r)], &out.dequant[static_cast<size_t>(r * k)], k);
   }
   return out;
+}
+
+// Weights per block of a format as the plugin reads it: 256 in the super-blocks of the K-quants
+// and IQ4_XS, else 32 (F16 and F32 rows too).
+int64_t block_weights(TensorType type) { return std::max<int64_t>(32, type_traits(static_cast<uint32_t>(type))->block_elems); }
+// The formats since ABI 3 (the files people download): fewer shapes each, to keep the suite short.
+bool later_format(TensorType type) {
+  return type != TensorType::Q4_0 && type != TensorType::Q4_1 && type != TensorType::Q8_0 && type != TensorType::F16 &&
+         type != TensorType::F32;
 }
 
 class Matmul : public ::testing::TestWithParam<TensorType> {};
@@ -349,13 +370,19 @@ TEST_P(Matmul, MatchesCpuBackendForEveryM) {
   std::mt19937 rng(static_cast<unsigned>(type) + 7);
   auto cpu = make_cpu_backend(1, ComputeType::kFp32);
   // n not a multiple of any group of rows; k from one block to several chunks; 576 = SmolLM2's width.
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 32}, {101, 576}, {130, 256}, {300, 2048}};
+  const int64_t block = block_weights(type);
+  std::vector<std::pair<int64_t, int64_t>> shapes = {{1, block}, {101, block == 256 ? 768 : 576}, {130, 256}, {300, 2048}};
+  std::vector<int64_t> ms = {1, 2, 3, 7, 8, 9, 15, 16};
+  if (later_format(type)) {
+    shapes = {{1, block}, {101, 768}, {300, 2048}};
+    ms = {1, 5, 16};
+  }
   double worst = 0.0;  // max |gpu - cpu| / (1 + sum |x| |w|)
   for (const auto& [n, k] : shapes) {
     const Weights w = make_weights(type, n, k, rng);
     auto prepared = cpu->prepare({"w", type, n, k, w.bytes.data()});
     DeviceBuffer wd(w.bytes);
-    for (const int64_t m : {1, 2, 3, 7, 8, 9, 15, 16}) {
+    for (const int64_t m : ms) {
       SCOPED_TRACE("n=" + std::to_string(n) + " k=" + std::to_string(k) + " m=" + std::to_string(m));
       const std::vector<float> x = random_floats(static_cast<size_t>(m * k), rng, 2.0f);
       std::vector<float> expected(static_cast<size_t>(m * n));
@@ -403,7 +430,7 @@ TEST_P(Matmul, FusedNormAndResidualMatchTheCpu) {
   std::mt19937 rng(static_cast<unsigned>(type) + 11);
   auto cpu = make_cpu_backend(1, ComputeType::kFp32);
   // (Longer rows: Matmul2RowIsBitIdenticalWhateverM.)
-  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{101, 576}}) {
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{101, block_weights(type) == 256 ? 768 : 576}}) {
     const Weights w = make_weights(type, n, k, rng);
     auto prepared = cpu->prepare({"w", type, n, k, w.bytes.data()});
     DeviceBuffer wd(w.bytes);
@@ -581,7 +608,8 @@ TEST(OpenclPlugin, MatmulRowIsBitIdenticalWhateverM) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, Matmul,
                          ::testing::Values(TensorType::Q4_0, TensorType::Q4_1, TensorType::Q8_0, TensorType::F16,
-                                           TensorType::F32),
+                                           TensorType::F32, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL,
+                                           TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::IQ4_XS),
                          [](const auto& info) {
                            return std::string(type_traits(static_cast<uint32_t>(info.param))->name);
                          });
@@ -872,7 +900,9 @@ TEST(OpenclPlugin, SupportsSaysNoToWhatItCannotRun) {
   EXPECT_FALSE(matmul(RINGLM_FORMAT_Q4_1, 0, 576, 576));
   EXPECT_FALSE(matmul(RINGLM_FORMAT_Q4_1, 1, 576, 48));  // k not a multiple of 32
   EXPECT_FALSE(matmul(RINGLM_FORMAT_Q4_1, 1, 0, 576));
-  EXPECT_FALSE(matmul(12, 1, 576, 576));  // Q4_K: not a format it reads
+  EXPECT_FALSE(matmul(30, 1, 576, 576));  // BF16: not a format it reads
+  EXPECT_TRUE(matmul(RINGLM_FORMAT_Q4_K, 1, 576, 768));
+  EXPECT_FALSE(matmul(RINGLM_FORMAT_Q4_K, 1, 576, 576));  // k not a multiple of a super-block (256)
   EXPECT_FALSE(matmul(99, 1, 576, 576));
 
   const auto attention = [](uint32_t kv_format, int n_head, int n_head_kv, int head_dim) {
@@ -964,7 +994,7 @@ TEST(OpenclPlugin, BadArgumentsAreErrorsNotCrashes) {
   a.k = 48;
   expect_error(api().matmul(ctx(), &a), RINGLM_ERROR_UNSUPPORTED, "k = 48");
   a = good;
-  a.weight_format = 12;
+  a.weight_format = 30;  // BF16
   expect_error(api().matmul(ctx(), &a), RINGLM_ERROR_UNSUPPORTED, "format");
   expect_error(api().matmul(ctx(), nullptr), RINGLM_ERROR_INVALID_ARGUMENT, "null");
   expect_error(api().matmul(nullptr, &good), RINGLM_ERROR_INVALID_ARGUMENT, "null context");
@@ -1383,7 +1413,7 @@ TEST_P(GetRows, MatchesDequantizeRowAndZerosOutOfRange) {
   std::mt19937 rng(static_cast<unsigned>(type) + 16);
   const bool float_type = type == TensorType::F32 || type == TensorType::F16;
   // Float rows need not be whole blocks of 32.
-  const int64_t n_rows = 5, cols = float_type ? 40 : 96;
+  const int64_t n_rows = 5, cols = float_type ? 40 : 3 * block_weights(type);
   const Weights w = make_weights(type, n_rows, cols, rng);
   const std::vector<int32_t> ids = {3, 0, 4, -1, 5, 3, std::numeric_limits<int32_t>::min()};
   const size_t ids_offset = 8, out_offset = 12;
@@ -1418,7 +1448,8 @@ TEST_P(GetRows, MatchesDequantizeRowAndZerosOutOfRange) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, GetRows,
                          ::testing::Values(TensorType::Q4_0, TensorType::Q4_1, TensorType::Q8_0, TensorType::F16,
-                                           TensorType::F32),
+                                           TensorType::F32, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL,
+                                           TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::IQ4_XS),
                          [](const auto& info) {
                            return std::string(type_traits(static_cast<uint32_t>(info.param))->name);
                          });
@@ -1666,7 +1697,7 @@ TEST(OpenclPlugin, SupportsRowOpsAndWindowAttention) {
   EXPECT_TRUE(row_ops(RINGLM_FORMAT_F16, RINGLM_FORMAT_Q8_0));
   EXPECT_TRUE(row_ops(RINGLM_FORMAT_F16, RINGLM_FORMAT_F16));
   EXPECT_FALSE(row_ops(RINGLM_FORMAT_Q8_0, RINGLM_FORMAT_F32));  // not a KV format
-  EXPECT_FALSE(row_ops(RINGLM_FORMAT_F16, 12));                  // Q4_K
+  EXPECT_FALSE(row_ops(RINGLM_FORMAT_F16, 30));                  // BF16
   EXPECT_FALSE(row_ops(RINGLM_FORMAT_F16, 99));
 
   const auto window = [](uint32_t kv_format, int n_head, int n_head_kv, int head_dim) {
@@ -1884,7 +1915,7 @@ TEST(OpenclPlugin, BadArgumentsOfVersion2AreErrorsNotCrashes) {
   gr.n_ids = 2;  // 2 rows of 64 floats from byte 4: past y's 256 bytes
   expect_error(api().get_rows(ctx(), &gr), RINGLM_ERROR_INVALID_ARGUMENT, "get_rows out");
   gr = get;
-  gr.weight_format = 12;
+  gr.weight_format = 30;  // BF16
   expect_error(api().get_rows(ctx(), &gr), RINGLM_ERROR_UNSUPPORTED, "format");
 
   // attention2: everything attention checks, and the window.

@@ -23,6 +23,13 @@
 #define FMT_Q4_0 2
 #define FMT_Q4_1 3
 #define FMT_Q8_0 8
+#define FMT_Q5_0 6
+#define FMT_Q5_1 7
+#define FMT_Q4_K 12
+#define FMT_Q5_K 13
+#define FMT_Q6_K 14
+#define FMT_IQ4_NL 20
+#define FMT_IQ4_XS 23
 
 #define BLOCK 32       // weights per quantized block; F32 and F16 rows are read in runs of 32 as well
 #define MAX_M 16       // rows of x one matmul call takes (supports() says so; the host splits more)
@@ -39,42 +46,147 @@ float sum16(const float16 v) {
 
 // --- Matmul -----------------------------------------------------------------------------------
 
-// 32 consecutive weights of a row: w[i] = scale * (i < 16 ? lo[i] : hi[i - 16]). For Q4_0 and
-// Q8_0, lo/hi hold the integers and the block's scale multiplies their dot product once; for the
-// other formats they hold the weights themselves and scale is 1.
+// 32 consecutive weights of a row: w[i] = scale * (i < 16 ? lo[i] : hi[i - 16]). For the formats
+// with one scale per 32 integers (Q4_0, Q5_0, Q8_0, IQ4_NL) lo/hi hold the integers (or grid
+// values) and the block's scale multiplies their dot product once; for the others they hold the
+// weights themselves and scale is 1.
 typedef struct {
   float16 lo;
   float16 hi;
   float scale;
 } WeightBlock;
 
-WeightBlock load_block(const int format, __global const uchar* p) {
+// Weights per stored block: the super-blocks of the K-quants and IQ4_XS hold 256 (8 blocks of 32
+// with their own scales), every other format's blocks 32.
+int block_weights(const int format) {
+  return format == FMT_Q4_K || format == FMT_Q5_K || format == FMT_Q6_K || format == FMT_IQ4_XS ? 256 : 32;
+}
+
+// The 16 values of IQ4_NL's and IQ4_XS's 4-bit codes (quant/formats.h, kIq4nlValues).
+__constant float kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+float16 iq4_values(const uchar16 codes) {
+  float v[16];
+  for (int i = 0; i < 16; ++i) v[i] = kIq4Values[((uchar*)&codes)[i]];
+  return vload16(0, v);
+}
+
+// Bits `first` .. first + 15 of qh, each as 16 (the fifth bit of a 5-bit code) or 0.
+uint16 fifth_bits(const uint qh, const int first) {
+  const uint16 shifts = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) + (uint)first;
+  return (((uint16)qh >> shifts) & (uint16)1) << (uint16)4;
+}
+
+uint load_u32(__global const uchar* p) { return p[0] | (p[1] << 8) | (p[2] << 16) | ((uint)p[3] << 24); }
+
+// Q4_K's and Q5_K's 6-bit scale and min of sub-block j, packed in 12 bytes (get_scale_min_k4).
+float2 scale_min_k4(const int j, __global const uchar* q) {
+  if (j < 4) return (float2)(q[j] & 63, q[j + 4] & 63);
+  return (float2)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+}
+
+// Block j (0..7) of a super-block at s, dequantized as quant/formats.cpp does.
+WeightBlock load_sub_block(const int format, __global const uchar* s, const int j) {
   WeightBlock b;
   b.scale = 1.0f;
+  if (format == FMT_Q4_K || format == FMT_Q5_K) {
+    // {fp16 d; fp16 dmin; 12 bytes of scales and mins; (Q5_K: 32 bytes qh;) nibbles}: block j is
+    // the low (j even) or high nibbles of bytes 32 (j / 2) .. + 31; Q5_K's fifth bit of element l
+    // is bit j of qh[l]. w = d sc q - dmin m.
+    const float d = vload_half(0, (__global const half*)s), dmin = vload_half(1, (__global const half*)s);
+    const float2 sm = scale_min_k4(j, s + 4);
+    __global const uchar* qs = s + (format == FMT_Q5_K ? 48 : 16) + 32 * (j / 2);
+    const uchar16 a = vload16(0, qs), c = vload16(1, qs);
+    uint16 lo = convert_uint16(j % 2 ? a >> (uchar16)4 : a & (uchar16)0x0F);
+    uint16 hi = convert_uint16(j % 2 ? c >> (uchar16)4 : c & (uchar16)0x0F);
+    if (format == FMT_Q5_K) {
+      const uint16 h0 = convert_uint16(vload16(0, s + 16)), h1 = convert_uint16(vload16(1, s + 16));
+      lo |= ((h0 >> (uint)j) & (uint16)1) << (uint16)4;
+      hi |= ((h1 >> (uint)j) & (uint16)1) << (uint16)4;
+    }
+    b.lo = d * sm.x * convert_float16(lo) - dmin * sm.y;
+    b.hi = d * sm.x * convert_float16(hi) - dmin * sm.y;
+  } else if (format == FMT_Q6_K) {
+    // {ql[128]; qh[64]; int8 scales[16]; fp16 d}: each half of 128 weights (n) holds four
+    // blocks t: low nibbles of ql[l] (t 0) and ql[32 + l] (t 1), high nibbles of those (t 2, 3),
+    // two bits of qh[l] at 2t on top; 16 weights a scale. w = d sc (q - 32).
+    const int n = j / 4, t = j % 4;
+    __global const uchar* ql = s + 64 * n + (t & 1 ? 32 : 0);
+    __global const uchar* qh = s + 128 + 32 * n;
+    __global const char* sc = (__global const char*)(s + 192) + 8 * n + 2 * t;
+    const float d = vload_half(0, (__global const half*)(s + 208));
+    const uchar16 l0 = vload16(0, ql), l1 = vload16(1, ql);
+    const uint16 h0 = convert_uint16(vload16(0, qh)), h1 = convert_uint16(vload16(1, qh));
+    const uint16 n0 = convert_uint16(t >= 2 ? l0 >> (uchar16)4 : l0 & (uchar16)0x0F);
+    const uint16 n1 = convert_uint16(t >= 2 ? l1 >> (uchar16)4 : l1 & (uchar16)0x0F);
+    const uint shift = 2 * t;
+    b.lo = d * sc[0] * (convert_float16(n0 | (((h0 >> shift) & (uint16)3) << (uint16)4)) - 32.0f);
+    b.hi = d * sc[1] * (convert_float16(n1 | (((h1 >> shift) & (uint16)3) << (uint16)4)) - 32.0f);
+  } else {  // FMT_IQ4_XS: {fp16 d; uint16 scales_h; scales_l[4]; nibbles[128]}, 6-bit scale ls per block
+    const float d = vload_half(0, (__global const half*)s);
+    const uint scales_h = s[2] | (s[3] << 8);
+    const int ls = ((s[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((scales_h >> (2 * j)) & 3) << 4);
+    const uchar16 q = vload16(0, s + 8 + 16 * j);
+    b.lo = iq4_values(q & (uchar16)0x0F);
+    b.hi = iq4_values(q >> (uchar16)4);
+    b.scale = d * (float)(ls - 32);
+  }
+  return b;
+}
+
+// Block b (32 weights from column 32 b) of a row stored in blocks of block_bytes bytes.
+WeightBlock load_block(const int format, __global const uchar* row, const int b, const int block_bytes) {
+  if (block_weights(format) == 256) return load_sub_block(format, row + (ulong)(b / 8) * block_bytes, b % 8);
+  __global const uchar* p = row + (ulong)b * block_bytes;
+  WeightBlock b32;
+  b32.scale = 1.0f;
   if (format == FMT_Q4_0) {  // {fp16 d; 16 bytes: low nibbles = elements 0..15, high = 16..31}, w = d (q - 8)
     const uchar16 q = vload16(0, p + 2);
-    b.lo = convert_float16(q & (uchar16)0x0F) - 8.0f;
-    b.hi = convert_float16(q >> (uchar16)4) - 8.0f;
-    b.scale = vload_half(0, (__global const half*)p);
+    b32.lo = convert_float16(q & (uchar16)0x0F) - 8.0f;
+    b32.hi = convert_float16(q >> (uchar16)4) - 8.0f;
+    b32.scale = vload_half(0, (__global const half*)p);
   } else if (format == FMT_Q4_1) {  // {fp16 d; fp16 m; nibbles as Q4_0}, w = d q + m
     const float d = vload_half(0, (__global const half*)p);
     const float m = vload_half(1, (__global const half*)p);
     const uchar16 q = vload16(0, p + 4);
-    b.lo = d * convert_float16(q & (uchar16)0x0F) + m;
-    b.hi = d * convert_float16(q >> (uchar16)4) + m;
+    b32.lo = d * convert_float16(q & (uchar16)0x0F) + m;
+    b32.hi = d * convert_float16(q >> (uchar16)4) + m;
+  } else if (format == FMT_Q5_0 || format == FMT_Q5_1) {
+    // {fp16 d; (Q5_1: fp16 m;) uint32 qh; nibbles as Q4_0}: element i's fifth bit is bit i of qh.
+    // Q5_0: w = d (q - 16); Q5_1: w = d q + m.
+    const int h = format == FMT_Q5_1 ? 4 : 2;
+    const uint qh = load_u32(p + h);
+    const uchar16 q = vload16(0, p + h + 4);
+    const float16 lo = convert_float16(convert_uint16(q & (uchar16)0x0F) | fifth_bits(qh, 0));
+    const float16 hi = convert_float16(convert_uint16(q >> (uchar16)4) | fifth_bits(qh, 16));
+    const float d = vload_half(0, (__global const half*)p);
+    if (format == FMT_Q5_0) {
+      b32.lo = lo - 16.0f;
+      b32.hi = hi - 16.0f;
+      b32.scale = d;
+    } else {
+      const float m = vload_half(1, (__global const half*)p);
+      b32.lo = d * lo + m;
+      b32.hi = d * hi + m;
+    }
   } else if (format == FMT_Q8_0) {  // {fp16 d; int8 q[32]}, w = d q
     __global const char* q = (__global const char*)(p + 2);
-    b.lo = convert_float16(vload16(0, q));
-    b.hi = convert_float16(vload16(1, q));
-    b.scale = vload_half(0, (__global const half*)p);
+    b32.lo = convert_float16(vload16(0, q));
+    b32.hi = convert_float16(vload16(1, q));
+    b32.scale = vload_half(0, (__global const half*)p);
+  } else if (format == FMT_IQ4_NL) {  // {fp16 d; nibbles as Q4_0}, w = d kIq4Values[q]
+    const uchar16 q = vload16(0, p + 2);
+    b32.lo = iq4_values(q & (uchar16)0x0F);
+    b32.hi = iq4_values(q >> (uchar16)4);
+    b32.scale = vload_half(0, (__global const half*)p);
   } else if (format == FMT_F16) {
-    b.lo = vload_half16(0, (__global const half*)p);
-    b.hi = vload_half16(1, (__global const half*)p);
+    b32.lo = vload_half16(0, (__global const half*)p);
+    b32.hi = vload_half16(1, (__global const half*)p);
   } else {  // FMT_F32
-    b.lo = vload16(0, (__global const float*)p);
-    b.hi = vload16(1, (__global const float*)p);
+    b32.lo = vload16(0, (__global const float*)p);
+    b32.hi = vload16(1, (__global const float*)p);
   }
-  return b;
+  return b32;
 }
 
 // y[m][n] = sum_c x[m][c] W[n][c] for m < M (<= MAX_M), n < N, c < K (a multiple of 32): a flat
@@ -98,7 +210,7 @@ void matmul_flat(const int format, const int block_bytes, __global const uchar* 
   const int tid = row * lanes + lane, group_size = lanes * get_local_size(1);
   const int n = get_global_id(1);
   const bool active = n < N;  // the last group may run past N: its extra rows still load x
-  __global const uchar* w_row = W + (ulong)(active ? n : 0) * (ulong)(K / BLOCK) * (ulong)block_bytes;
+  __global const uchar* w_row = W + (ulong)(active ? n : 0) * (ulong)(K / block_weights(format)) * (ulong)block_bytes;
 
   float acc[MAX_M];
   for (int m = 0; m < MAX_M; ++m) acc[m] = 0.0f;
@@ -113,7 +225,7 @@ void matmul_flat(const int format, const int block_bytes, __global const uchar* 
     barrier(CLK_LOCAL_MEM_FENCE);
     if (!active) continue;
     for (int b = lane; b < len / BLOCK; b += lanes) {
-      const WeightBlock w = load_block(format, w_row + (ulong)(k0 / BLOCK + b) * block_bytes);
+      const WeightBlock w = load_block(format, w_row, k0 / BLOCK + b, block_bytes);
 #pragma unroll
       for (int m = 0; m < MAX_M; ++m) {
         if (m < M) {
@@ -153,6 +265,14 @@ MATMUL_KERNEL(matmul_q8_0, FMT_Q8_0, 34)
 MATMUL_KERNEL(matmul_f16, FMT_F16, 64)
 MATMUL_KERNEL(matmul_f32, FMT_F32, 128)
 
+// Every other format, named at run time (a version-1 plugin's product on the formats that came
+// later): one kernel rather than one per format.
+__kernel void matmul_other(__global const uchar* W, const int N, const int K, __global const float* x, const ulong x_off,
+                           const int M, __global float* y, const ulong y_off, const int kc, __local float* lm,
+                           const int format, const int block_bytes) {
+  matmul_flat(format, block_bytes, W, N, K, x + x_off, M, y + y_off, kc, lm);
+}
+
 // --- GEMV: the decode product ----------------------------------------------------------------
 
 #define NORM_PARTS 64  // partial sums of squares per row in the GEMV's fused norm
@@ -174,11 +294,11 @@ typedef struct {
   int row, n_out;
 } GemvRow;
 
-GemvRow gemv_row(const int n, const int block_bytes, const int K, const int glu, __global const uchar* W0,
+GemvRow gemv_row(const int n, const int format, const int block_bytes, const int K, const int glu, __global const uchar* W0,
                  __global const uchar* W1, __global const uchar* W2, const int N0, const int N1,
                  __global float* y0, __global float* y1, __global float* y2) {
   GemvRow g;
-  const ulong row_bytes = (ulong)(K / BLOCK) * (ulong)block_bytes;
+  const ulong row_bytes = (ulong)(K / block_weights(format)) * (ulong)block_bytes;
   g.row = n;
   g.w = W0;
   g.y = y0;
@@ -248,7 +368,7 @@ void gemv_rows(const int format, const int block_bytes, __global const uchar* W0
   }
   barrier(CLK_LOCAL_MEM_FENCE);
 
-  GemvRow g = gemv_row(n < total ? n : 0, block_bytes, K, glu, W0, W1, W2, N0, N1, y0, y1, y2);
+  GemvRow g = gemv_row(n < total ? n : 0, format, block_bytes, K, glu, W0, W1, W2, N0, N1, y0, y1, y2);
   if (g.n_out < 0) g.n_out = N2;
   float acc[MAX_M], acc_up[MAX_M];
   for (int m = 0; m < MAX_M; ++m) acc[m] = acc_up[m] = 0.0f;
@@ -259,13 +379,13 @@ void gemv_rows(const int format, const int block_bytes, __global const uchar* W0
         nlo = vload16(0, norm_w + b * BLOCK);
         nhi = vload16(1, norm_w + b * BLOCK);
       }
-      const WeightBlock w = load_block(format, g.w + (ulong)b * block_bytes);
+      const WeightBlock w = load_block(format, g.w, b, block_bytes);
       for (int m = 0; m < M; ++m) {
         __global const float* xb = x + (ulong)m * K + b * BLOCK;
         acc[m] += w.scale * (sum16(w.lo * (vload16(0, xb) * nlo)) + sum16(w.hi * (vload16(1, xb) * nhi)));
       }
       if (glu) {
-        const WeightBlock u = load_block(format, g.up + (ulong)b * block_bytes);
+        const WeightBlock u = load_block(format, g.up, b, block_bytes);
         for (int m = 0; m < M; ++m) {
           __global const float* xb = x + (ulong)m * K + b * BLOCK;
           acc_up[m] += u.scale * (sum16(u.lo * (vload16(0, xb) * nlo)) + sum16(u.hi * (vload16(1, xb) * nhi)));
@@ -314,6 +434,13 @@ GEMV_KERNEL(gemv_q4_1, FMT_Q4_1, 20)
 GEMV_KERNEL(gemv_q8_0, FMT_Q8_0, 34)
 GEMV_KERNEL(gemv_f16, FMT_F16, 64)
 GEMV_KERNEL(gemv_f32, FMT_F32, 128)
+GEMV_KERNEL(gemv_q5_0, FMT_Q5_0, 22)
+GEMV_KERNEL(gemv_q5_1, FMT_Q5_1, 24)
+GEMV_KERNEL(gemv_iq4_nl, FMT_IQ4_NL, 18)
+GEMV_KERNEL(gemv_q4_k, FMT_Q4_K, 144)
+GEMV_KERNEL(gemv_q5_k, FMT_Q5_K, 176)
+GEMV_KERNEL(gemv_q6_k, FMT_Q6_K, 210)
+GEMV_KERNEL(gemv_iq4_xs, FMT_IQ4_XS, 136)
 
 // --- Attention --------------------------------------------------------------------------------
 
@@ -731,9 +858,10 @@ __kernel void store_kv_f16(__global const float* src, const ulong src_off, __glo
   vstore_half_rte(src[src_off + i], dst_off + i, dst);
 }
 
-// Weight c of a row in `format`: the block layouts of load_block (blocks of 32 for the quantized
-// formats, dequantized as quant/formats.cpp does: Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q).
-float weight_at(const int format, __global const uchar* row, const int c) {
+// Weight c of a row in `format`, stored in blocks of block_bytes bytes: the block layouts of
+// load_block, dequantized as quant/formats.cpp does (Q4_0 d (q - 8), Q4_1 d q + m, Q8_0 d q read
+// directly; the other formats through load_block).
+float weight_at(const int format, const int block_bytes, __global const uchar* row, const int c) {
   const int j = c % BLOCK;
   if (format == FMT_Q4_0) {
     __global const uchar* p = row + (ulong)(c / BLOCK) * 18;
@@ -748,22 +876,27 @@ float weight_at(const int format, __global const uchar* row, const int c) {
     return vload_half(0, (__global const half*)p) * (float)((__global const char*)(p + 2))[j];
   } else if (format == FMT_F16) {
     return vload_half(c, (__global const half*)row);
-  } else {  // FMT_F32
+  } else if (format == FMT_F32) {
     return ((__global const float*)row)[c];
   }
+  // The other formats through their block loader: block c / 32, element c % 32 of it.
+  const WeightBlock b = load_block(format, row, c / BLOCK, block_bytes);
+  float v[16];
+  vstore16(j < 16 ? b.lo : b.hi, 0, v);
+  return b.scale * v[j % 16];
 }
 
 // out[i][c] = row ids[i] of W (n_rows rows of row_bytes bytes), element c, dequantized: column
 // c = get_global_id(0) (< cols), i = get_global_id(1). An id outside 0 .. n_rows - 1 gives zeros.
-__kernel void get_rows(__global const uchar* W, const int format, const ulong row_bytes, const long n_rows,
-                       const int cols, __global const int* ids, const ulong ids_off, __global float* out,
-                       const ulong out_off) {
+__kernel void get_rows(__global const uchar* W, const int format, const int block_bytes, const ulong row_bytes,
+                       const long n_rows, const int cols, __global const int* ids, const ulong ids_off,
+                       __global float* out, const ulong out_off) {
   const ulong column = get_global_id(0), i = get_global_id(1);
   if (column >= (ulong)cols) return;
   const int c = (int)column;
   const int id = ids[ids_off + i];
   const bool valid = id >= 0 && (long)id < n_rows;
-  out[out_off + i * (ulong)cols + c] = valid ? weight_at(format, W + (ulong)id * row_bytes, c) : 0.0f;
+  out[out_off + i * (ulong)cols + c] = valid ? weight_at(format, block_bytes, W + (ulong)id * row_bytes, c) : 0.0f;
 }
 
 // --- Top-k ------------------------------------------------------------------------------------

@@ -76,6 +76,14 @@ enum KernelId {
   kAttentionSplitF16,
   kAttentionMerge,
   kTopKRows,
+  kMatmulOther,
+  kGemvQ5_0,
+  kGemvQ5_1,
+  kGemvIq4Nl,
+  kGemvQ4K,
+  kGemvQ5K,
+  kGemvQ6K,
+  kGemvIq4Xs,
   kKernelCount
 };
 constexpr std::array<const char*, kKernelCount> kKernelNames = {
@@ -84,7 +92,8 @@ constexpr std::array<const char*, kKernelCount> kKernelNames = {
     "glu",            "rope",           "store_kv_f32", "store_kv_f16", "get_rows",
     "gemv_q4_0",      "gemv_q4_1",      "gemv_q8_0",    "gemv_f16",     "gemv_f32",
     "attention_serial_f32", "attention_serial_f16", "rope_store", "attention_split_f32", "attention_split_f16",
-    "attention_merge", "top_k_rows",
+    "attention_merge", "top_k_rows", "matmul_other", "gemv_q5_0", "gemv_q5_1", "gemv_iq4_nl", "gemv_q4_k",
+    "gemv_q5_k", "gemv_q6_k", "gemv_iq4_xs",
 };
 
 // --- The thread's last error ------------------------------------------------------------------
@@ -295,53 +304,46 @@ size_t group_cap(const ringlm_context& ctx, const Kernel& k, int dim) {
 
 // --- Argument checks --------------------------------------------------------------------------
 
-const char* format_name(uint32_t format) {
-  switch (format) {
-    case RINGLM_FORMAT_F32:
-      return "F32";
-    case RINGLM_FORMAT_F16:
-      return "F16";
-    case RINGLM_FORMAT_Q4_0:
-      return "Q4_0";
-    case RINGLM_FORMAT_Q4_1:
-      return "Q4_1";
-    case RINGLM_FORMAT_Q8_0:
-      return "Q8_0";
-    default:
-      return nullptr;
-  }
-}
+// How a weight format is stored: `weights` per block (32, or 256 in the super-blocks of the
+// K-quants and IQ4_XS) in `bytes` bytes; the layouts are GGML's (quant/formats.h). Every format
+// has a GEMV kernel of its own; the flat matmul has one for the first five and matmul_other,
+// told the format at run time, for the rest.
+struct FormatInfo {
+  uint32_t format;
+  const char* name;
+  size_t weights, bytes;
+  KernelId gemv, flat;
+};
+constexpr FormatInfo kFormats[] = {
+    {RINGLM_FORMAT_F32, "F32", 32, 128, kGemvF32, kMatmulF32},
+    {RINGLM_FORMAT_F16, "F16", 32, 64, kGemvF16, kMatmulF16},
+    {RINGLM_FORMAT_Q4_0, "Q4_0", 32, 18, kGemvQ4_0, kMatmulQ4_0},
+    {RINGLM_FORMAT_Q4_1, "Q4_1", 32, 20, kGemvQ4_1, kMatmulQ4_1},
+    {RINGLM_FORMAT_Q8_0, "Q8_0", 32, 34, kGemvQ8_0, kMatmulQ8_0},
+    {RINGLM_FORMAT_Q5_0, "Q5_0", 32, 22, kGemvQ5_0, kMatmulOther},
+    {RINGLM_FORMAT_Q5_1, "Q5_1", 32, 24, kGemvQ5_1, kMatmulOther},
+    {RINGLM_FORMAT_IQ4_NL, "IQ4_NL", 32, 18, kGemvIq4Nl, kMatmulOther},
+    {RINGLM_FORMAT_Q4_K, "Q4_K", 256, 144, kGemvQ4K, kMatmulOther},
+    {RINGLM_FORMAT_Q5_K, "Q5_K", 256, 176, kGemvQ5K, kMatmulOther},
+    {RINGLM_FORMAT_Q6_K, "Q6_K", 256, 210, kGemvQ6K, kMatmulOther},
+    {RINGLM_FORMAT_IQ4_XS, "IQ4_XS", 256, 136, kGemvIq4Xs, kMatmulOther},
+};
 
-// Bytes of one block of 32 weights (matmul) and the kernel that reads them; 0 for other formats.
-size_t weight_block_bytes(uint32_t format) {
-  switch (format) {
-    case RINGLM_FORMAT_F32:
-      return 128;
-    case RINGLM_FORMAT_F16:
-      return 64;
-    case RINGLM_FORMAT_Q4_0:
-      return 18;
-    case RINGLM_FORMAT_Q4_1:
-      return 20;
-    case RINGLM_FORMAT_Q8_0:
-      return 34;
-    default:
-      return 0;
+// The format's entry; nullptr for one the plugin does not read.
+const FormatInfo* format_info(uint32_t format) {
+  for (const FormatInfo& f : kFormats) {
+    if (f.format == format) return &f;
   }
+  return nullptr;
 }
-KernelId matmul_kernel(uint32_t format) {
-  switch (format) {
-    case RINGLM_FORMAT_F32:
-      return kMatmulF32;
-    case RINGLM_FORMAT_F16:
-      return kMatmulF16;
-    case RINGLM_FORMAT_Q4_0:
-      return kMatmulQ4_0;
-    case RINGLM_FORMAT_Q4_1:
-      return kMatmulQ4_1;
-    default:
-      return kMatmulQ8_0;
-  }
+const char* format_name(uint32_t format) {
+  const FormatInfo* f = format_info(format);
+  return f != nullptr ? f->name : nullptr;
+}
+// Bytes of a row of k weights (k a multiple of the format's block).
+size_t row_bytes_of(uint32_t format, size_t k) {
+  const FormatInfo& f = *format_info(format);
+  return k / f.weights * f.bytes;
 }
 
 // Bytes of one KV cache element; 0 for a format the cache cannot have.
@@ -384,8 +386,10 @@ std::string matmul_unsupported(uint32_t format, int64_t m, int64_t n, int64_t k)
   if (m < 1 || m > kMaxM)
     return "matmul: m = " + std::to_string(m) + " (1.." + std::to_string(kMaxM) + " rows per call)";
   if (n < 1 || n > INT32_MAX) return "matmul: n = " + std::to_string(n);
-  if (k < kBlock || k % kBlock != 0 || k > INT32_MAX) {
-    return "matmul: k = " + std::to_string(k) + " (a positive multiple of " + std::to_string(kBlock) + ")";
+  const int64_t block = static_cast<int64_t>(format_info(format)->weights);
+  if (k < block || k % block != 0 || k > INT32_MAX) {
+    return "matmul: k = " + std::to_string(k) + " (a positive multiple of " + std::to_string(block) + " for " +
+           format_name(format) + ")";
   }
   return "";
 }
@@ -621,20 +625,27 @@ void run_matmul(ringlm_context& ctx, const ringlm_matmul_args& a) {
     throw Error(invalid ? RINGLM_ERROR_INVALID_ARGUMENT : RINGLM_ERROR_UNSUPPORTED, why);
   }
   const size_t m = static_cast<size_t>(a.m), n = static_cast<size_t>(a.n), k = static_cast<size_t>(a.k);
-  const size_t row_bytes = k / kBlock * weight_block_bytes(a.weight_format);
+  const size_t row_bytes = row_bytes_of(a.weight_format, k);
   const cl_mem w = buffer_range(ctx, a.weight, 0, mul(n, row_bytes, "matmul: weight size"), 1, "matmul weight");
   const cl_mem x = buffer_range(ctx, a.x, a.x_offset, mul(mul(m, k, "matmul: x size"), sizeof(float), "matmul: x size"),
                                 sizeof(float), "matmul x");
   const cl_mem y = buffer_range(ctx, a.y, a.y_offset, mul(mul(m, n, "matmul: y size"), sizeof(float), "matmul: y size"),
                                 sizeof(float), "matmul y");
 
-  const KernelId id = matmul_kernel(a.weight_format);
-  const MatmulGeometry g = matmul_geometry(ctx, ctx.kernels[id], a.m, a.n, a.k);
+  const FormatInfo& f = *format_info(a.weight_format);
+  const MatmulGeometry g = matmul_geometry(ctx, ctx.kernels[f.flat], a.m, a.n, a.k);
   const size_t global[2] = {g.lanes, g.groups * g.rows};
   const size_t local[2] = {g.lanes, g.rows};
-  launch(ctx, id, 2, global, local, w, as_int(a.n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
-         y, cl_ulong{a.y_offset / sizeof(float)}, as_int(static_cast<int64_t>(g.kc)),
-         LocalFloats{g.local_floats});
+  const auto go = [&](const auto&... format_args) {
+    launch(ctx, f.flat, 2, global, local, w, as_int(a.n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)},
+           as_int(a.m), y, cl_ulong{a.y_offset / sizeof(float)}, as_int(static_cast<int64_t>(g.kc)),
+           LocalFloats{g.local_floats}, format_args...);
+  };
+  if (f.flat == kMatmulOther) {
+    go(cl_int{static_cast<cl_int>(f.format)}, cl_int{static_cast<cl_int>(f.bytes)});
+  } else {
+    go();
+  }
 }
 
 
@@ -976,14 +987,15 @@ void run_get_rows(ringlm_context& ctx, const ringlm_get_rows_args& a) {
           "get_rows: n_weight_rows = " + std::to_string(a.n_weight_rows) + ", cols = " + std::to_string(a.cols) +
               ", n_ids = " + std::to_string(a.n_ids));
   const size_t cols = static_cast<size_t>(a.cols);
+  const FormatInfo& f = *format_info(a.weight_format);
   size_t row_bytes = 0;
   if (a.weight_format == RINGLM_FORMAT_F32 || a.weight_format == RINGLM_FORMAT_F16) {
     row_bytes = cols * (a.weight_format == RINGLM_FORMAT_F32 ? 4 : 2);
   } else {
-    require(a.cols % kBlock == 0, RINGLM_ERROR_INVALID_ARGUMENT,
-            "get_rows: cols = " + std::to_string(a.cols) + " is not a multiple of " + std::to_string(kBlock) +
+    require(cols % f.weights == 0, RINGLM_ERROR_INVALID_ARGUMENT,
+            "get_rows: cols = " + std::to_string(a.cols) + " is not a multiple of " + std::to_string(f.weights) +
                 " (a row of whole " + format + " blocks)");
-    row_bytes = cols / kBlock * weight_block_bytes(a.weight_format);
+    row_bytes = row_bytes_of(a.weight_format, cols);
   }
   const size_t w_bytes = mul(static_cast<size_t>(a.n_weight_rows), row_bytes, "get_rows: weight size");
   const size_t ids_bytes = mul(static_cast<size_t>(a.n_ids), sizeof(int32_t), "get_rows: ids size");
@@ -999,16 +1011,15 @@ void run_get_rows(ringlm_context& ctx, const ringlm_get_rows_args& a) {
   const size_t group = std::min(group_cap(ctx, ctx.kernels[kGetRows], 0), pow2_ceil(cols));
   const size_t global[2] = {mul(ceil_div(cols, group), group, "get_rows: grid"), static_cast<size_t>(a.n_ids)};
   const size_t local[2] = {group, 1};
-  launch(ctx, kGetRows, 2, global, local, w, static_cast<cl_int>(a.weight_format), cl_ulong{row_bytes},
+  launch(ctx, kGetRows, 2, global, local, w, static_cast<cl_int>(a.weight_format), static_cast<cl_int>(f.bytes),
+         cl_ulong{row_bytes},
          cl_long{a.n_weight_rows}, as_int(a.cols), ids, cl_ulong{a.ids_offset / sizeof(int32_t)}, out,
          cl_ulong{a.out_offset / sizeof(float)});
 }
 
 // --- Matmul with its neighbours fused (ABI v2) ---------------------------------------------
 
-KernelId gemv_kernel(uint32_t format) {
-  return static_cast<KernelId>(kGemvQ4_0 + (matmul_kernel(format) - kMatmulQ4_0));
-}
+KernelId gemv_kernel(uint32_t format) { return format_info(format)->gemv; }
 
 // How a GEMV is cut: `lanes` work-items per row (a warp on a GPU, 1 on a CPU device, whose
 // work-items each run a row with vector math), `rows` rows per group, enough groups to keep
@@ -1053,7 +1064,7 @@ void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
           "matmul2: accumulate takes a single weight");
   const bool norm = a2.rms_weight != nullptr;
   const size_t k = static_cast<size_t>(a.k);
-  const size_t row_bytes = k / kBlock * weight_block_bytes(a.weight_format);
+  const size_t row_bytes = row_bytes_of(a.weight_format, k);
   const size_t x_bytes = float_bytes(a.m, a.k, "matmul: x size");
   const cl_mem x = buffer_range(ctx, a.x, a.x_offset, x_bytes, sizeof(float), "matmul x");
 
