@@ -75,6 +75,8 @@ enum ringlm_op {
   /* Version 2. supports() answers for these only on a version-2 table. */
   RINGLM_OP_ROW_OPS = 4,     /* rms_norm, add, scale, glu, rope, store_kv (f32/f16 KV), get_rows (weight_format), copy */
   RINGLM_OP_WINDOW_ATTENTION = 5, /* attention2 with window > 0 (and everything attention takes) */
+  /* Version 3. */
+  RINGLM_OP_GEMM = 6,        /* matmul2 with m rows of x in one call, m past MATMUL's (a prompt chunk) */
 };
 
 /* What supports() is asked about; fields an op does not use are 0. */
@@ -268,7 +270,8 @@ typedef struct ringlm_matmul_part {
   size_t y_offset;
 } ringlm_matmul_part;
 
-/* The product of ringlm_matmul_args with the ops around it fused, in one launch:
+/* The product of ringlm_matmul_args with the ops around it fused, in one launch (m as supports()
+ * says for RINGLM_OP_MATMUL or, from version 3, for RINGLM_OP_GEMM):
  *  - rms_weight: each row of x is first RMS-normalised and scaled by rms_weight (k floats), as
  *    ringlm_rms_norm_args, without being written out;
  *  - accumulate: y += x · Wᵀ instead of y = (a residual connection; only without `more`);

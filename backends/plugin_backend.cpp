@@ -20,8 +20,10 @@ namespace ringlm {
 namespace {
 
 // Rows the device's flat GEMM takes per call (FlashDecoding++'s flat GEMM: M = 1..16); larger
-// inputs are cut into such chunks.
+// inputs are cut into such chunks, unless the plugin multiplies up to kMaxGemmRows at once
+// (ABI v3, RINGLM_OP_GEMM: a prompt chunk of the model's largest batch in one launch).
 constexpr int64_t kMaxDeviceRows = 16;
+constexpr int64_t kMaxGemmRows = 512;
 
 // The weight formats the ABI can name (plugin_api.h's ringlm_format = the GGUF type id).
 bool nameable_format(TensorType type) {
@@ -834,7 +836,7 @@ class PluginBackend final : public Backend {
     for (size_t i = 0; i < ys.size(); ++i) {
       outs.push_back(device_write(ys[i], static_cast<size_t>(n_tokens * weights[i]->rows())));
     }
-    int64_t max_rows = kMaxDeviceRows;
+    int64_t max_rows = kMaxGemmRows;
     for (const PluginWeight* w : weights) max_rows = std::min(max_rows, w->max_rows);
     const int64_t cols = weights[0]->cols();
     for (int64_t m0 = 0; m0 < n_tokens; m0 += max_rows) {
@@ -1131,7 +1133,7 @@ class PluginBackend final : public Backend {
     check(*device_, api_.rope_shift(device_->context, &args), "rope_shift");
   }
 
-  // The largest M (<= kMaxDeviceRows) the device multiplies `w` by in one call; 0: the device
+  // The largest M (kMaxGemmRows, or <= kMaxDeviceRows) the device multiplies `w` by in one call; 0: the device
   // does not take this weight at all.
   int64_t device_rows_for(const WeightView& w) const {
     if (!nameable_format(w.type)) return 0;
@@ -1140,6 +1142,12 @@ class PluginBackend final : public Backend {
     desc.weight_format = static_cast<uint32_t>(w.type);
     desc.n = w.rows;
     desc.k = w.cols;
+    if (v3_) {
+      ringlm_op_desc gemm = desc;
+      gemm.op = RINGLM_OP_GEMM;
+      gemm.m = kMaxGemmRows;
+      if (api_.supports(device_->context, &gemm) != 0) return kMaxGemmRows;
+    }
     for (int64_t m = kMaxDeviceRows; m >= 1; m /= 2) {
       desc.m = m;
       if (api_.supports(device_->context, &desc) != 0) return m;

@@ -272,15 +272,16 @@ Output run_ringlm(const std::string& args) { return test::run_command(std::strin
 
 std::string run_args(const std::string& device, const std::string& extra = "", const std::string& plugins = plugin_dir()) {
   return "run -m " + std::string(RINGLM_TEST_MODEL) + " -t 1 --temp 0 -n " + std::to_string(test::scaled(32, 12)) +
-         " --ignore-eos -p 'The capital of France is' " +
+         " --ignore-eos -p 'The quick brown fox jumps over the lazy dog. The capital of France is' " +
          "--device " + device + " --plugin-dir " + plugins + " " + extra;
 }
 
 // The OpenCL plugin (ABI 3: the whole step on the device, the greedy pick too) and the same
 // plugin seen as a version-2 plugin (the pick on the host) and as a version-1 plugin
 // (tests/plugins/version_shim.c: products and attention on the device, every other op on the
-// CPU) all write the CPU's greedy text (fp32); `ringlm devices` shows each one's ABI, and says
-// why a version-3 table without its top_k entry does not load.
+// CPU) all write the CPU's greedy text (fp32), and so do the kernels in their GPU shapes (the
+// prompt through the tiled GEMM); `ringlm devices` shows each one's ABI, and says why a
+// version-3 table without its top_k entry does not load.
 TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpuWithPluginsOfEveryAbi) {
   const std::string shims = RINGLM_SHIM_PLUGIN_DIR;
   const Output devices = run_ringlm("devices --plugin-dir " + shims);
@@ -291,6 +292,10 @@ TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpuWithPluginsOfEveryAbi) {
   EXPECT_THAT(devices.out + devices.err, HasSubstr("plugin table (ABI 3) has no 'top_k' function"));
   const Output cpu = run_ringlm(run_args("cpu", "--compute fp32"));
   const Output device = run_ringlm(run_args("opencl", "--stats json"));
+  // The kernels in their GPU shapes: the prompt (> 16 tokens) through the tiled GEMM.
+  const Output gpu_shapes = test::run_command("env RINGLM_OPENCL_KERNELS=gpu " + std::string(RINGLM_BINARY) + " " +
+                                                  run_args("opencl"),
+                                              work_dir());
   const Output v2 = run_ringlm(run_args("openclv2", "", shims));
   const Output v1 = run_ringlm(run_args("openclv1", "", shims));
   ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
@@ -299,6 +304,8 @@ TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpuWithPluginsOfEveryAbi) {
   ASSERT_EQ(v1.exit_code, 0) << v1.err;
   EXPECT_GT(cpu.out.size(), static_cast<size_t>(test::scaled(40, 10)));
   EXPECT_EQ(device.out, cpu.out);
+  ASSERT_EQ(gpu_shapes.exit_code, 0) << gpu_shapes.err;
+  EXPECT_EQ(gpu_shapes.out, cpu.out);
   EXPECT_EQ(v2.out, cpu.out);
   EXPECT_EQ(v1.out, cpu.out);
   // Greedy on ABI 3: each decode step reads back one pick (8 bytes), not the vocabulary.

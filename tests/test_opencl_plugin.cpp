@@ -475,6 +475,105 @@ TEST_P(Matmul, FusedNormAndResidualMatchTheCpu) {
   }
 }
 
+// matmul2 past MAX_M rows (a prompt chunk) runs the tiled GEMM on a GPU-shaped device, with the
+// GEMV's fusions: against the CPU backend for the input's norm with the residual, q/k/v parts and
+// gate|up with the activation, over odd row counts and formats of both block sizes. A CPU device
+// says no (RINGLM_OP_GEMM) and refuses the call: it multiplies prompts by the GEMV's chunks.
+TEST(OpenclPlugin, Matmul2GemmTakesPromptChunksOnAGpu) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(41);
+  auto cpu = make_cpu_backend(1, ComputeType::kFp32);
+  ringlm_op_desc gemm{};
+  gemm.op = RINGLM_OP_GEMM;
+  gemm.weight_format = RINGLM_FORMAT_Q4_0;
+  gemm.m = 512;
+  gemm.n = 64;
+  gemm.k = 256;
+  const bool takes = api().supports(ctx(), &gemm) != 0;
+  EXPECT_EQ(takes, gpu_kernel_shapes());
+  for (const TensorType type : {TensorType::Q4_0, TensorType::Q4_K, TensorType::Q6_K}) {
+    const int64_t k = 512;
+    const std::vector<int64_t> rows = {130, 64, 64};  // q, k, v; gate and up: the first two of 130
+    std::vector<Weights> w;
+    std::vector<std::unique_ptr<DeviceBuffer>> wd;
+    std::vector<std::unique_ptr<PreparedWeight>> prepared;
+    for (int64_t n : rows) {
+      w.push_back(make_weights(type, n, k, rng));
+      wd.push_back(std::make_unique<DeviceBuffer>(w.back().bytes));
+      prepared.push_back(cpu->prepare({"w", type, n, k, w.back().bytes.data()}));
+    }
+    std::vector<Weights> up = {make_weights(type, rows[0], k, rng)};
+    DeviceBuffer upd(up[0].bytes);
+    auto up_prepared = cpu->prepare({"up", type, rows[0], k, up[0].bytes.data()});
+    const std::vector<float> norm = random_floats(static_cast<size_t>(k), rng, 1.5f);
+    DeviceBuffer nd(norm);
+    for (const int64_t m : {17, 64, 100}) {
+      SCOPED_TRACE(std::string(type_traits(static_cast<uint32_t>(type))->name) + " m=" + std::to_string(m));
+      const std::vector<float> x = random_floats(static_cast<size_t>(m * k), rng, 2.0f);
+      DeviceBuffer xd(x, 8);
+      const MatmulInput normed{x.data(), m, norm.data(), 1e-5f};
+      std::vector<std::vector<float>> want(3), y0(3);
+      std::vector<std::unique_ptr<DeviceBuffer>> yd;
+      for (size_t i = 0; i < 3; ++i) {
+        want[i].resize(static_cast<size_t>(m * rows[i]));
+        y0[i] = random_floats(want[i].size(), rng, 3.0f);
+        const PreparedWeight* one[] = {prepared[i].get()};
+        float* const out[] = {want[i].data()};
+        cpu->matmul_many(one, normed, out);
+        yd.push_back(std::make_unique<DeviceBuffer>(y0[i], 16));
+      }
+      const auto expect_close = [&](const std::vector<float>& got, const std::vector<float>& expected, const char* what) {
+        double worst = 0.0, scale = 0.0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          worst = std::max(worst, std::fabs(static_cast<double>(got[i]) - expected[i]));
+          scale = std::max(scale, std::fabs(static_cast<double>(expected[i])));
+        }
+        EXPECT_LE(worst, 1e-4 * (1.0 + scale)) << what;
+      };
+      ringlm_matmul2_args args{};
+      args.base = ringlm_matmul_args{wd[0]->get(), static_cast<uint32_t>(type), rows[0], k, xd.get(), 8,
+                                     yd[0]->get(), 16, m};
+      args.rms_weight = nd.get();
+      args.rms_eps = 1e-5f;
+      args.accumulate = 1;
+      const int32_t status = api().matmul2(ctx(), &args);
+      if (!takes) {
+        EXPECT_EQ(status, RINGLM_ERROR_UNSUPPORTED);
+        EXPECT_NE(last_error().find("CPU device"), std::string::npos) << last_error();
+        continue;
+      }
+      ASSERT_EQ(status, RINGLM_OK) << last_error();
+      std::vector<float> residual = want[0];
+      for (size_t i = 0; i < residual.size(); ++i) residual[i] += y0[0][i];
+      expect_close(yd[0]->download<float>(residual.size(), 16), residual, "norm + residual");
+
+      // q, k and v of one input in one launch.
+      args.accumulate = 0;
+      args.n_more = 2;
+      for (size_t i = 1; i < 3; ++i) args.more[i - 1] = ringlm_matmul_part{wd[i]->get(), rows[i], yd[i]->get(), 16};
+      ASSERT_EQ(api().matmul2(ctx(), &args), RINGLM_OK) << last_error();
+      for (size_t i = 0; i < 3; ++i) expect_close(yd[i]->download<float>(want[i].size(), 16), want[i], "parts");
+
+      // gate|up with SiLU.
+      std::vector<float> up_want(want[0].size());
+      {
+        const PreparedWeight* one[] = {up_prepared.get()};
+        float* const out[] = {up_want.data()};
+        cpu->matmul_many(one, normed, out);
+      }
+      std::vector<float> glu_want(want[0].size());
+      for (size_t i = 0; i < glu_want.size(); ++i) glu_want[i] = want[0][i] / (1.0f + std::exp(-want[0][i])) * up_want[i];
+      args.n_more = 1;
+      args.more[0] = ringlm_matmul_part{upd.get(), rows[0], nullptr, 0};
+      args.glu = 1;
+      args.activation = RINGLM_ACT_SILU;
+      ASSERT_EQ(api().matmul2(ctx(), &args), RINGLM_OK) << last_error();
+      expect_close(yd[0]->download<float>(glu_want.size(), 16), glu_want, "gate|up");
+      args.glu = 0;
+    }
+  }
+}
+
 // matmul2's fusions of several products of one input: q, k and v in one launch give, bit for bit,
 // what three launches give; gate and up with the activation give act(gate) * up of the separate
 // products (the activation to float rounding, against the formulas computed here).

@@ -442,6 +442,107 @@ GEMV_KERNEL(gemv_q5_k, FMT_Q5_K, 176)
 GEMV_KERNEL(gemv_q6_k, FMT_Q6_K, 210)
 GEMV_KERNEL(gemv_iq4_xs, FMT_IQ4_XS, 136)
 
+// --- GEMM: prompts and batches -----------------------------------------------------------------
+
+#define GEMM_T 64        // a group's tile: GEMM_T rows of x by GEMM_T weight rows
+#define GEMM_LDS 33      // floats per tile row in local memory (32 columns; + 1 against bank conflicts)
+
+// The product of matmul2 for M > MAX_M rows of x (a prompt chunk, a large batch), with the same
+// fusions as gemv_rows: the input's RMSNorm, the residual, up to three weights of one x, gate and
+// up with the activation. A 16 x 16 group computes a 64 x 64 tile of y, work-item (tx, ty) its
+// rows ty + 16 i and weight rows tx + 16 j (i, j < 4); K goes by in blocks of 32, each group
+// staging x's 64 rows (scaled by the norm's weight) and its 64 weight rows, dequantized once,
+// through local memory. The norm's 1 / RMS of each row multiplies the finished sums, as in the
+// GEMV. Rows of y come out within float rounding of the GEMV's, not bit for bit (a pass of at
+// most MAX_M rows takes the GEMV, whose rows do not depend on each other).
+// lx, lw, lu: GEMM_T * GEMM_LDS floats each; linv: GEMM_T floats.
+__kernel void gemm(__global const uchar* W0, __global const uchar* W1, __global const uchar* W2, const int N0,
+                   const int N1, const int N2, const int K, __global const float* x, const ulong x_off, const int M,
+                   __global float* y0, const ulong y0_off, __global float* y1, const ulong y1_off, __global float* y2,
+                   const ulong y2_off, __global const float* norm_w, const ulong norm_off, const float eps,
+                   const int has_norm, const int accumulate, const int glu, const int activation, const int format,
+                   const int block_bytes, __local float* lx, __local float* lw, __local float* lu,
+                   __local float* linv) {
+  const int tx = get_local_id(0), ty = get_local_id(1), tid = ty * 16 + tx;
+  const int m0 = get_group_id(1) * GEMM_T, n0 = get_group_id(0) * GEMM_T;
+  const int total = glu ? N0 : N0 + N1 + N2;
+  x += x_off;
+  norm_w += norm_off;
+
+  // 1 / RMS of the tile's rows, each summed in column order by one work-item.
+  if (has_norm && tid < GEMM_T) {
+    float ss = 0.0f;
+    if (m0 + tid < M) {
+      for (int c = 0; c < K; ++c) ss += x[(ulong)(m0 + tid) * K + c] * x[(ulong)(m0 + tid) * K + c];
+    }
+    linv[tid] = 1.0f / sqrt(ss / (float)K + eps);
+  }
+
+  // The weight row (or, with glu, the up row) this work-item stages: rows n0 + tid (tid < 64).
+  const int stage_n = n0 + (tid % GEMM_T);
+  const bool stages_w = tid < GEMM_T, stages_up = glu && tid >= GEMM_T && tid < 2 * GEMM_T;
+  const GemvRow staged = gemv_row(stage_n < total ? stage_n : 0, format, block_bytes, K, glu, W0, W1, W2, N0, N1,
+                                  y0, y1, y2);
+
+  float acc[4][4], acc_up[4][4];
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 4; ++j) acc[i][j] = acc_up[i][j] = 0.0f;
+  }
+  for (int b = 0; b < K / BLOCK; ++b) {
+    barrier(CLK_LOCAL_MEM_FENCE);  // the previous block's tiles are read
+    for (int e = tid; e < GEMM_T * BLOCK; e += 256) {
+      const int r = e / BLOCK, c = e % BLOCK;
+      const float scale = has_norm ? norm_w[b * BLOCK + c] : 1.0f;
+      lx[r * GEMM_LDS + c] = m0 + r < M ? x[(ulong)(m0 + r) * K + b * BLOCK + c] * scale : 0.0f;
+    }
+    if (stages_w || stages_up) {
+      __local float* dst = (stages_w ? lw : lu) + (tid % GEMM_T) * GEMM_LDS;
+      if (stage_n < total) {
+        const WeightBlock wb = load_block(format, stages_w ? staged.w : staged.up, b, block_bytes);
+        vstore16(wb.lo * wb.scale, 0, dst);
+        vstore16(wb.hi * wb.scale, 0, dst + 16);
+      } else {
+        vstore16((float16)0.0f, 0, dst);
+        vstore16((float16)0.0f, 0, dst + 16);
+      }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int c = 0; c < BLOCK; ++c) {
+      float xv[4], wv[4];
+      for (int i = 0; i < 4; ++i) xv[i] = lx[(ty + 16 * i) * GEMM_LDS + c];
+      for (int j = 0; j < 4; ++j) wv[j] = lw[(tx + 16 * j) * GEMM_LDS + c];
+      for (int i = 0; i < 4; ++i) {
+        for (int j = 0; j < 4; ++j) acc[i][j] += xv[i] * wv[j];
+      }
+      if (glu) {
+        for (int j = 0; j < 4; ++j) wv[j] = lu[(tx + 16 * j) * GEMM_LDS + c];
+        for (int i = 0; i < 4; ++i) {
+          for (int j = 0; j < 4; ++j) acc_up[i][j] += xv[i] * wv[j];
+        }
+      }
+    }
+  }
+
+  for (int i = 0; i < 4; ++i) {
+    const int m = m0 + ty + 16 * i;
+    if (m >= M) continue;
+    for (int j = 0; j < 4; ++j) {
+      const int n = n0 + tx + 16 * j;
+      if (n >= total) continue;
+      GemvRow g = gemv_row(n, format, block_bytes, K, glu, W0, W1, W2, N0, N1, y0 + y0_off, y1 + y1_off, y2 + y2_off);
+      if (g.n_out < 0) g.n_out = N2;
+      float sum = acc[i][j], sum_up = acc_up[i][j];
+      if (has_norm) {
+        sum *= linv[ty + 16 * i];
+        sum_up *= linv[ty + 16 * i];
+      }
+      if (glu) sum = activation_of(activation, sum) * sum_up;
+      __global float* out = g.y + (ulong)m * g.n_out + g.row;
+      *out = accumulate ? *out + sum : sum;
+    }
+  }
+}
+
 // --- Attention --------------------------------------------------------------------------------
 
 // KV cache elements, fp16 or fp32, as floats.

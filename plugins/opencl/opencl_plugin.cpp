@@ -39,6 +39,9 @@ constexpr int kHeadDimPerItem = 4;  // HD_PER_ITEM: head_dim <= 4 * attention gr
 constexpr int kSerialMaxHeadDim = 256;  // SERIAL_HD_MAX: the CPU device's attention
 constexpr size_t kNormParts = 64;       // NORM_PARTS: partial sums of squares in the GEMV's norm
 constexpr size_t kTopKFan = 16;         // TOP_K_FAN: top_k's second-round mergers per row
+constexpr size_t kGemmTile = 64;        // GEMM_T: a GEMM group's tile of y is 64 x 64
+constexpr size_t kGemmTileStride = 33;  // GEMM_LDS
+constexpr int64_t kMaxGemmM = 4096;     // rows of x one matmul2 call takes (RINGLM_OP_GEMM)
 
 // Work-group caps: a group larger than this buys nothing for these kernels and costs occupancy.
 constexpr size_t kMaxGroup = 256;
@@ -84,6 +87,7 @@ enum KernelId {
   kGemvQ5K,
   kGemvQ6K,
   kGemvIq4Xs,
+  kGemm,
   kKernelCount
 };
 constexpr std::array<const char*, kKernelCount> kKernelNames = {
@@ -93,7 +97,7 @@ constexpr std::array<const char*, kKernelCount> kKernelNames = {
     "gemv_q4_0",      "gemv_q4_1",      "gemv_q8_0",    "gemv_f16",     "gemv_f32",
     "attention_serial_f32", "attention_serial_f16", "rope_store", "attention_split_f32", "attention_split_f16",
     "attention_merge", "top_k_rows", "matmul_other", "gemv_q5_0", "gemv_q5_1", "gemv_iq4_nl", "gemv_q4_k",
-    "gemv_q5_k", "gemv_q6_k", "gemv_iq4_xs",
+    "gemv_q5_k", "gemv_q6_k", "gemv_iq4_xs", "gemm",
 };
 
 // --- The thread's last error ------------------------------------------------------------------
@@ -1041,12 +1045,32 @@ GemvGeometry gemv_geometry(const ringlm_context& ctx, const Kernel& kernel, int6
   return g;
 }
 
+// Why matmul2 cannot take m rows (> kMaxM) in one call with the GEMM here ("" when it can): too
+// many rows, a CPU device, or a device whose groups cannot be 16 x 16 or hold the tiles in local
+// memory.
+std::string gemm_unsupported(const ringlm_context& ctx, int64_t m) {
+  if (m > kMaxGemmM) return "matmul2: m = " + std::to_string(m) + " (up to " + std::to_string(kMaxGemmM) + " rows per call)";
+  // A CPU device runs a group's 256 work-items as loops cut at every barrier: there the GEMV's
+  // chunks of kMaxM rows are 4x faster (PoCL, SmolLM2 pp64: 87 against 22 t/s).
+  if (ctx.cpu_device) return "matmul2: m = " + std::to_string(m) + " on a CPU device (up to " + std::to_string(kMaxM) + " rows per call)";
+  const Kernel& k = ctx.kernels[kGemm];
+  const DeviceLimits& l = ctx.device->limits;
+  const size_t local_floats = 3 * kGemmTile * kGemmTileStride + kGemmTile;
+  if (k.max_group < 256 || l.max_item_sizes[0] < 16 || l.max_item_sizes[1] < 16 ||
+      local_floats * sizeof(float) > local_budget(ctx, k)) {
+    return "matmul2: this device cannot run the GEMM's 16 x 16 groups (m = " + std::to_string(m) + " rows)";
+  }
+  return "";
+}
+
 // matmul with what surrounds it fused (the GEMV kernel: up to kMaxM rows of x per call, as
 // matmul): the norm of its input, the residual after it, up to three weights of one input (q, k,
 // v) or the gated activation of two (gate and up).
 void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
   const ringlm_matmul_args& a = a2.base;
-  const std::string why = matmul_unsupported(a.weight_format, a.m, a.n, a.k);
+  // Up to kMaxM rows the GEMV, past that the GEMM (gemm_unsupported says when it cannot).
+  std::string why = matmul_unsupported(a.weight_format, std::min(a.m, kMaxM), a.n, a.k);
+  if (why.empty() && a.m > kMaxM) why = gemm_unsupported(ctx, a.m);
   if (!why.empty()) {
     const bool invalid = a.m < 1 || a.n < 1 || a.k < 1;
     throw Error(invalid ? RINGLM_ERROR_INVALID_ARGUMENT : RINGLM_ERROR_UNSUPPORTED, why);
@@ -1106,6 +1130,23 @@ void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
   const cl_mem norm_w = norm ? buffer_range(ctx, a2.rms_weight, a2.rms_weight_offset, float_bytes(a.k, "matmul2: norm size"),
                                             sizeof(float), "matmul2 rms_weight")
                              : x;
+  const auto y_offset = [&](const Part& p) { return cl_ulong{p.y_offset / sizeof(float)}; };
+  if (a.m > kMaxM) {
+    const size_t tile = kGemmTile;
+    const size_t global[2] = {ceil_div(static_cast<size_t>(glu ? a.n : total_rows), tile) * 16,
+                              ceil_div(static_cast<size_t>(a.m), tile) * 16};
+    const size_t local[2] = {16, 16};
+    const FormatInfo& f = *format_info(a.weight_format);
+    launch(ctx, kGemm, 2, global, local, parts[0].w_mem, parts[1].w_mem, parts[2].w_mem, as_int(parts[0].n),
+           as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
+           parts[0].y_mem, y_offset(parts[0]), parts[1].y_mem, glu ? cl_ulong{0} : y_offset(parts[1]), parts[2].y_mem,
+           y_offset(parts[2]), norm_w, cl_ulong{norm ? a2.rms_weight_offset / sizeof(float) : 0}, cl_float{a2.rms_eps},
+           cl_int{norm ? 1 : 0}, cl_int{a2.accumulate != 0 ? 1 : 0}, cl_int{glu ? 1 : 0},
+           cl_int{static_cast<cl_int>(a2.activation)}, cl_int{static_cast<cl_int>(f.format)},
+           cl_int{static_cast<cl_int>(f.bytes)}, LocalFloats{tile * kGemmTileStride},
+           LocalFloats{tile * kGemmTileStride}, LocalFloats{tile * kGemmTileStride}, LocalFloats{tile});
+    return;
+  }
   const KernelId id = gemv_kernel(a.weight_format);
   const GemvGeometry g = gemv_geometry(ctx, ctx.kernels[id], glu ? a.n : total_rows);
   const size_t lsum_floats = std::max(2 * g.lanes * g.rows, kNormParts) * kMaxM;
@@ -1113,7 +1154,6 @@ void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
           "matmul2: not enough local memory on this device");
   const size_t global[2] = {g.lanes, g.groups * g.rows};
   const size_t local[2] = {g.lanes, g.rows};
-  const auto y_offset = [&](const Part& p) { return cl_ulong{p.y_offset / sizeof(float)}; };
   launch(ctx, id, 2, global, local, parts[0].w_mem, parts[1].w_mem, parts[2].w_mem, as_int(parts[0].n),
          as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
          parts[0].y_mem, y_offset(parts[0]), parts[1].y_mem, glu ? cl_ulong{0} : y_offset(parts[1]), parts[2].y_mem,
@@ -1282,6 +1322,10 @@ int32_t api_supports(const ringlm_context* ctx, const ringlm_op_desc* d) {
         break;
       case RINGLM_OP_WINDOW_ATTENTION:
         yes = attention_unsupported(*ctx, d->kv_format, d->n_head, d->n_head_kv, d->head_dim).empty();
+        break;
+      case RINGLM_OP_GEMM:
+        yes = matmul_unsupported(d->weight_format, std::min<int64_t>(d->m, kMaxM), d->n, d->k).empty() &&
+              (d->m <= kMaxM || gemm_unsupported(*ctx, d->m).empty());
         break;
       default:
         break;
