@@ -46,6 +46,7 @@ struct BenchOptions {
   ComputeType compute = ComputeType::kInt8;
   std::string device = "cpu";
   std::string plugin_dir;
+  int gpu_layers = -1;
   std::string softmax = "async";  // decode attention: async (FlashDecoding++) or online
 };
 
@@ -68,6 +69,7 @@ struct ModelInfo {
   int n_ubatch = 0;
   std::string backend;  // "CPU", or the plugin's name ("opencl")
   std::string device;   // the plugin device's description; empty on the CPU
+  int n_gpu_layers = 0;  // layers on the plugin's device (--gpu-layers)
 };
 
 std::vector<int> parse_int_list(const std::string& text, const char* flag, int min_value) {
@@ -139,6 +141,9 @@ ModelInfo describe(const LoadedModel& m, const std::string& path) {
   info.n_ubatch = m.model->max_batch();
   info.backend = std::string(m.backend->name());
   if (m.backend->offloads()) info.device = m.backend->device_description();
+  for (int layer = 0; layer < m.model->hparams().n_layer; ++layer) {
+    if (m.backend->offloads() && m.backend->layer_device(layer) != "cpu") ++info.n_gpu_layers;
+  }
   return info;
 }
 
@@ -282,8 +287,8 @@ void print_markdown_row(const ModelInfo& info, const BenchTest& t) {
   std::fflush(stdout);
 }
 
-// llama-bench's field names; values it has and ringlm does not (GPU layers, split mode) are
-// given as llama-bench would report them for a CPU-only run.
+// llama-bench's field names; values it has and ringlm does not (split mode) are given as
+// llama-bench would report them for a CPU-only run.
 nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_batch) {
   const std::vector<double> ts = rates(t);
   nlohmann::ordered_json j;
@@ -301,7 +306,7 @@ nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_
   j["n_threads"] = t.n_threads;
   j["type_k"] = "f32";
   j["type_v"] = "f32";
-  j["n_gpu_layers"] = 0;
+  j["n_gpu_layers"] = info.n_gpu_layers;
   j["n_prompt"] = t.n_prompt;
   j["n_gen"] = t.n_gen;
   j["n_depth"] = t.n_depth;
@@ -341,7 +346,7 @@ void bench(const BenchOptions& o) {
   for (const int t_flag : thread_counts) {
     const int threads = resolve_threads(t_flag);
     omp_set_num_threads(threads);
-    LoadedModel m = load_model(path, threads, o.compute, o.device, o.plugin_dir);  // the backend's thread count is fixed at load
+    LoadedModel m = load_model(path, threads, o.compute, o.device, o.plugin_dir, o.gpu_layers);  // the backend's thread count is fixed at load
     m.model->set_async_softmax(o.softmax == "async");
     const ModelInfo info = describe(m, path);
     for (BenchTest& t : plan(o, threads)) {
@@ -374,7 +379,7 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("-r,--repetitions", o->reps, "timed repetitions of each test")->check(CLI::Range(1, 1000))->capture_default_str();
   add_compute_option(*cmd, o->compute);
-  add_device_options(*cmd, o->device, o->plugin_dir);
+  add_device_options(*cmd, o->device, o->plugin_dir, o->gpu_layers);
   cmd->add_option("-o,--output", o->output, "output format: md or json")->check(CLI::IsMember({"md", "json"}))->capture_default_str();
   cmd->add_flag("--no-warmup", o->no_warmup, "skip the untimed warm-up run");
   cmd->callback([o] { bench(*o); });

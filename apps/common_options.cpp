@@ -32,19 +32,23 @@ void add_model_options(CLI::App& cmd, ModelOptions& opts) {
       ->check(CLI::Range(0, 1 << 24))
       ->capture_default_str();
   add_compute_option(cmd, opts.compute);
-  add_device_options(cmd, opts.device, opts.plugin_dir);
+  add_device_options(cmd, opts.device, opts.plugin_dir, opts.gpu_layers);
 }
 
-void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir) {
+void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir, int& gpu_layers) {
   cmd.add_option("--device", device,
                  "where to run: cpu, auto (a plugin's GPU if there is one, else the CPU) or a plugin device "
                  "such as opencl or opencl:1 (see 'ringlm devices')")
       ->capture_default_str();
   cmd.add_option("--plugin-dir", plugin_dir, "directory searched for backend plugins first (then $RINGLM_PLUGIN_PATH, then next to ringlm)");
+  cmd.add_option("--gpu-layers,--n-gpu-layers", gpu_layers,
+                 "with a plugin device: the last N layers (and the output) on the device, the others on the CPU "
+                 "(default: all; 0: none)")
+      ->check(CLI::Range(0, 1 << 16));
 }
 
 LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType compute, const std::string& device,
-                       const std::string& plugin_dir) {
+                       const std::string& plugin_dir, int gpu_layers) {
   const std::string path = resolve_model_path(model_flag);
   BackendChoice choice;
   choice.device = device;
@@ -52,6 +56,7 @@ LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType
   choice.cache_dir = ringlm_cache_dir() / "kernels";
   choice.n_threads = n_threads;
   choice.compute = compute;
+  choice.gpu_layers = gpu_layers;
   std::string notice;
   std::unique_ptr<Backend> backend = make_backend(choice, notice);
   if (!notice.empty()) std::fprintf(stderr, "ringlm: %s\n", notice.c_str());

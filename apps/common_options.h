@@ -19,18 +19,20 @@ struct ModelOptions {
   ComputeType compute = ComputeType::kInt8;
   std::string device = "cpu";  // --device: cpu | auto | opencl[:N] (a plugin's name)
   std::string plugin_dir;      // --plugin-dir: searched for plugins before $RINGLM_PLUGIN_PATH
+  int gpu_layers = -1;         // --gpu-layers: the last N layers (and the output) on the device; -1: all
 };
 
 void add_model_options(CLI::App& cmd, ModelOptions& opts);
-// --device and --plugin-dir (part of add_model_options; alone for commands with their own -m).
-void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir);
+// --device, --plugin-dir and --gpu-layers (part of add_model_options; alone for commands with
+// their own -m).
+void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir, int& gpu_layers);
 
 // Loads the model -m names (resolve_model_path) onto the backend --device names, with
 // `n_threads` CPU threads; prints --device auto's fallback notice on stderr.
 LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType compute, const std::string& device,
-                       const std::string& plugin_dir);
+                       const std::string& plugin_dir, int gpu_layers = -1);
 inline LoadedModel load_model(const ModelOptions& opts, int n_threads) {
-  return load_model(opts.model_path, n_threads, opts.compute, opts.device, opts.plugin_dir);
+  return load_model(opts.model_path, n_threads, opts.compute, opts.device, opts.plugin_dir, opts.gpu_layers);
 }
 void add_sampling_options(CLI::App& cmd, SamplingParams& params);
 // --compute int8|fp32: how quantized weights are multiplied (int8: activations quantized per

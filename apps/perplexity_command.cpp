@@ -39,6 +39,7 @@ struct PerplexityOptions {
   ComputeType compute = ComputeType::kInt8;
   std::string device = "cpu";
   std::string plugin_dir;
+  int gpu_layers = -1;
   KvCacheOptions cache;
   int stream_tokens = 0;        // > 0: stream this many tokens through one ring of -c slots
   bool sliding_window = false;  // with stream_tokens: recompute the last -c tokens for every token instead
@@ -160,7 +161,7 @@ void perplexity(const PerplexityOptions& o) {
   const std::string text = read_text(o.text_file);  // before the model load: fail fast
   const int n_threads = resolve_threads(o.n_threads);
   omp_set_num_threads(n_threads);
-  LoadedModel m = load_model(o.model_path, n_threads, o.compute, o.device, o.plugin_dir);
+  LoadedModel m = load_model(o.model_path, n_threads, o.compute, o.device, o.plugin_dir, o.gpu_layers);
   const int n_vocab = m.model->hparams().n_vocab;
 
   std::fprintf(stderr, "perplexity: tokenizing the input ..\n");
@@ -221,7 +222,7 @@ void add_perplexity_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("-t,--threads", o->n_threads, "CPU threads (0: all cores)")->check(CLI::Range(0, 1024));
   add_compute_option(*cmd, o->compute);
-  add_device_options(*cmd, o->device, o->plugin_dir);
+  add_device_options(*cmd, o->device, o->plugin_dir, o->gpu_layers);
   cmd->add_option("--chunks", o->n_chunks, "score at most this many chunks (-1: all)")
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();

@@ -46,6 +46,9 @@ struct RunStats {
   // down, host waits (Backend::counters()).
   bool device = false;
   std::vector<DeviceCounters> token_device;
+  // Where each layer ran (Backend::layer_device), then the output's.
+  std::vector<std::string> layer_device;
+  std::string output_device;
 };
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -88,6 +91,8 @@ void print_stats(const RunStats& s, const std::string& format) {
         waits.push_back(c.waits);
       }
       j["token_device"] = {{"launches", launches}, {"upload_bytes", up}, {"download_bytes", down}, {"waits", waits}};
+      j["layer_device"] = s.layer_device;
+      j["output_device"] = s.output_device;
     }
     std::fprintf(stderr, "%s\n", j.dump().c_str());
     return;
@@ -117,6 +122,8 @@ void run(const RunOptions& o) {
   stats.load_ms = m.load_ms;
   stats.n_threads = n_threads;
   stats.device = m.backend->offloads();
+  for (int layer = 0; layer < hp.n_layer; ++layer) stats.layer_device.push_back(m.backend->layer_device(layer));
+  stats.output_device = m.backend->layer_device(hp.n_layer);
   stats.prompt_tokens = prompt.size();
   KvCache cache = m.model->make_cache(n_ctx, o.cache);
   Sampler sampler(o.sampling, hp.n_vocab);

@@ -264,6 +264,16 @@ class Backend {
   virtual std::string cpu_fallback_report() const { return {}; }
   // Where the products run, for reports: "cpu", "opencl:0 (NVIDIA ...)".
   virtual std::string device_description() const { return std::string(name()); }
+
+  // --- Layers on a device and on the CPU (partial offload: llama.cpp's -ngl) -----------------
+  // The model says how many layers it has before it prepares a weight, and which layer the ops
+  // it issues next belong to (-1: the embedding, n_layer: the final norm and the output). A
+  // backend that keeps only some layers on its device places each layer's weights by name
+  // ("blk.N.") and runs each layer's ops where its weights are. The defaults run everything here.
+  virtual void plan_layers(int /*n_layer*/) {}
+  virtual void begin_layer(int /*layer*/) {}
+  // Where layer `layer` (n_layer: the output) runs, for --stats: "cpu", "opencl:0".
+  virtual std::string layer_device(int /*layer*/) const { return offloads() ? std::string(name()) : "cpu"; }
 };
 
 // How the CPU backend multiplies weights:

@@ -67,7 +67,8 @@ class DeviceBuffer {
     buffer_ = device_->plugin->api().alloc(device_->context, std::max<size_t>(bytes, 1));
     if (buffer_ == nullptr) {
       throw std::runtime_error(device_label(*device_) + ": cannot allocate " + std::to_string(bytes) +
-                               " bytes: " + device_->plugin->last_error(device_->context));
+                               " bytes: " + device_->plugin->last_error(device_->context) +
+                               " (out of device memory? fewer --gpu-layers or a smaller -c need less)");
     }
   }
   DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
@@ -148,6 +149,7 @@ const PluginWeight& as_plugin_weight(const PreparedWeight& w) { return static_ca
 // The shape of a KV cache on the device: the host cache's, slot for slot.
 struct DeviceKvShape {
   int n_layer = 0;
+  int first_layer = 0;  // the layers before it run on the CPU (--gpu-layers): no rows here
   int capacity = 0;   // slots
   int row_width = 0;  // n_kv_head * head_dim elements per slot and layer
   bool f16 = false;
@@ -160,19 +162,20 @@ struct GeometryKey {
   auto operator<=>(const GeometryKey&) const = default;
 };
 
-// A KV cache's rows on the device, slot for slot as on the host: layer l's keys start at
-// l * layer_bytes of `keys`, its values likewise in `values`.
+// A KV cache's rows on the device, slot for slot as on the host, for the layers the device runs:
+// layer l's keys start at layer_at(l) of `keys`, its values likewise in `values`.
 class PluginKvCache final : public BackendKvState {
  public:
   PluginKvCache(const std::shared_ptr<OpenedDevice>& device, const DeviceKvShape& s)
       : shape(s),
         row_bytes(static_cast<size_t>(s.row_width) * (s.f16 ? 2 : 4)),
         layer_bytes(row_bytes * static_cast<size_t>(s.capacity)),
-        keys(device, layer_bytes * static_cast<size_t>(s.n_layer)),
-        values(device, layer_bytes * static_cast<size_t>(s.n_layer)),
+        keys(device, layer_bytes * static_cast<size_t>(s.n_layer - s.first_layer)),
+        values(device, layer_bytes * static_cast<size_t>(s.n_layer - s.first_layer)),
         positions(device, sizeof(int32_t) * static_cast<size_t>(s.capacity)) {}
   DeviceKvShape shape;
   size_t row_bytes, layer_bytes;
+  size_t layer_at(int layer) const { return static_cast<size_t>(layer - shape.first_layer) * layer_bytes; }
   DeviceBuffer keys, values, positions;
   int n_slots = 0;  // slots whose positions were set
   // What the device's `positions` holds, slot for slot (each slot ever uploaded): a forward
@@ -188,12 +191,13 @@ class PluginKvCache final : public BackendKvState {
 
 class PluginBackend final : public Backend {
  public:
-  PluginBackend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu)
+  PluginBackend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu, int gpu_layers)
       : device_(std::move(device)),
         api_(device_->plugin->api()),
         v2_(device_->plugin->abi_version() >= 2),
         v3_(device_->plugin->abi_version() >= 3),
-        cpu_(std::move(cpu)) {
+        cpu_(std::move(cpu)),
+        gpu_layers_(gpu_layers) {
     name_ = device_->plugin->name();
   }
   ~PluginBackend() override {
@@ -206,15 +210,47 @@ class PluginBackend final : public Backend {
   bool offloads() const override { return true; }
 
   std::string cpu_fallback_report() const override {
-    if (cpu_weight_types_.empty()) return {};
+    std::string layers;
+    if (first_device_layer_ > 0 || !output_on_device_) {
+      layers = device_label(*device_) + ": " +
+               (first_device_layer_ >= n_layer_
+                    ? "every layer and the output run on the CPU"
+                    : "layers 0-" + std::to_string(first_device_layer_ - 1) + " of " + std::to_string(n_layer_) +
+                          " run on the CPU, " + std::to_string(first_device_layer_) + "-" + std::to_string(n_layer_ - 1) +
+                          " and the output on the device") +
+               " (--gpu-layers " + std::to_string(gpu_layers_) + ")";
+    }
+    if (cpu_weight_types_.empty()) return layers;
+    if (!layers.empty()) layers += "\nringlm: ";
     int n_cpu = 0;
     std::string types;
     for (const auto& [type, count] : cpu_weight_types_) {
       n_cpu += count;
       types += (types.empty() ? "" : ", ") + type + " x" + std::to_string(count);
     }
-    return device_label(*device_) + ": " + std::to_string(n_cpu) + " of " + std::to_string(n_weights_) +
+    return layers + device_label(*device_) + ": " + std::to_string(n_cpu) + " of " + std::to_string(n_weights_) +
            " weights run on the CPU (" + types + "; the plugin does not take them)";
+  }
+
+  // --- Layers on the device and on the CPU ------------------------------------------------
+  // With --gpu-layers N the last N layers and the output run on the device, the first ones on
+  // the CPU: their weights stay there, and their ops (begin_layer) run on the host mirrors, the
+  // KV rows of their layers on the host, so the hidden state crosses once, where the device's
+  // layers begin.
+
+  void plan_layers(int n_layer) override {
+    n_layer_ = n_layer;
+    first_device_layer_ = gpu_layers_ < 0 ? 0 : std::max(0, n_layer - gpu_layers_);
+    output_on_device_ = gpu_layers_ != 0;
+  }
+  void begin_layer(int layer) override {
+    flush_pending();
+    // The embedding runs where the first layer does.
+    on_cpu_ = layer < n_layer_ ? std::max(layer, 0) < first_device_layer_ : !output_on_device_;
+  }
+  std::string layer_device(int layer) const override {
+    const bool device = layer < n_layer_ ? layer >= first_device_layer_ : output_on_device_;
+    return device ? device_->plugin->name() + ":" + std::to_string(device_->index) : "cpu";
   }
 
   DeviceCounters counters() const override {
@@ -299,16 +335,17 @@ class PluginBackend final : public Backend {
     auto prepared = std::make_unique<PluginWeight>(w.rows, w.cols);
     prepared->type = w.type;
     prepared->source = w.data;
-    prepared->max_rows = device_rows_for(w);
     ++n_weights_;
+    const int layer = layer_of(w.name);
+    const bool placed_on_device = layer >= 0 ? layer >= first_device_layer_ : output_on_device_;
+    prepared->max_rows = placed_on_device ? device_rows_for(w) : 0;
     if (prepared->max_rows > 0) {
       prepared->on_device = true;
       const size_t bytes = row_bytes(w.type, w.cols) * static_cast<size_t>(w.rows);
-      prepared->data = DeviceBuffer(device_, bytes);
-      prepared->data.upload(0, w.data, bytes);
+      upload_weight(*prepared, w, bytes, layer);
     } else {
       prepared->cpu = cpu_->prepare(w);
-      ++cpu_weight_types_[std::string(type_traits(static_cast<uint32_t>(w.type))->name)];
+      if (placed_on_device) ++cpu_weight_types_[std::string(type_traits(static_cast<uint32_t>(w.type))->name)];
     }
     return prepared;
   }
@@ -317,10 +354,10 @@ class PluginBackend final : public Backend {
     flush_pending();
     const PluginWeight& w = as_plugin_weight(weight);
     const size_t n = ids.size() * static_cast<size_t>(w.cols());
-    if (w.on_device && on_device(out, n)) {
+    if (!on_cpu_ && w.on_device && on_device(out, n)) {
       ensure(ids_buffer_, ids.size_bytes());
       upload_staged(ids_buffer_, ids.data(), ids.size_bytes());
-      const DeviceSpan to = device_write(out, n);
+      const DeviceSpan to = device_overwrite(out, n);
       ringlm_get_rows_args args{};
       args.weight = w.data.get();
       args.weight_format = static_cast<uint32_t>(w.type);
@@ -333,7 +370,7 @@ class PluginBackend final : public Backend {
       check(*device_, api_.get_rows(device_->context, &args), "get_rows");
       return;
     }
-    float* host = host_write(out, n);
+    float* host = host_overwrite(out, n);
     if (!w.on_device) return cpu_->rows(*w.cpu, ids, host);
     // The device copy was uploaded whole; the file's pages are still mapped (only the CPU
     // backend gives them back).
@@ -348,7 +385,7 @@ class PluginBackend final : public Backend {
     flush_pending();
     const PluginWeight& w = as_plugin_weight(weight);
     const size_t nx = static_cast<size_t>(n_tokens * w.cols()), ny = static_cast<size_t>(n_tokens * w.rows());
-    if (!w.on_device) return cpu_->matmul(*w.cpu, host_read(x, nx), n_tokens, host_write(y, ny));
+    if (!w.on_device) return cpu_->matmul(*w.cpu, host_read(x, nx), n_tokens, host_overwrite(y, ny));
     const DeviceSpan in = device_input(x, nx);
     device_product(w, in, n_tokens, y);
   }
@@ -368,7 +405,7 @@ class PluginBackend final : public Backend {
         any_on_device = true;
       } else {
         cpu_weights.push_back(w.cpu.get());
-        cpu_ys.push_back(host_write(ys[i], static_cast<size_t>(input.n_tokens * w.rows())));
+        cpu_ys.push_back(host_overwrite(ys[i], static_cast<size_t>(input.n_tokens * w.rows())));
       }
     }
     if (!cpu_weights.empty()) {
@@ -428,7 +465,7 @@ class PluginBackend final : public Backend {
       MatmulInput host_input = input;
       host_input.x = host_read(input.x, static_cast<size_t>(input.n_tokens * g.cols()));
       if (input.rms_weight != nullptr) host_input.rms_weight = host_read(input.rms_weight, static_cast<size_t>(g.cols()));
-      return cpu_->matmul_glu(*g.cpu, *u.cpu, host_input, act, host_write(out, n));
+      return cpu_->matmul_glu(*g.cpu, *u.cpu, host_input, act, host_overwrite(out, n));
     }
     const size_t nx = static_cast<size_t>(input.n_tokens * g.cols());
     const std::vector<const PluginWeight*> pair = {&g, &u};
@@ -470,7 +507,7 @@ class PluginBackend final : public Backend {
   void rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) override {
     const size_t n = static_cast<size_t>(n_rows) * n_heads * head_dim;
     const size_t n_angles = static_cast<size_t>(n_rows) * static_cast<size_t>(angles.n_rot / 2);
-    if (on_device(x, n) && on_device(angles.cos, n_angles) && on_device(angles.sin, n_angles)) {
+    if (!on_cpu_ && on_device(x, n) && on_device(angles.cos, n_angles) && on_device(angles.sin, n_angles)) {
       if (pending_ropes_.size() == 2) flush_pending();
       pending_ropes_.push_back({x, n_rows, n_heads, head_dim, angles});
       return;
@@ -487,7 +524,7 @@ class PluginBackend final : public Backend {
   void scale(float* x, int64_t n, float factor) override {
     flush_pending();
     const auto count = static_cast<size_t>(n);
-    if (on_device(x, count)) {
+    if (!on_cpu_ && on_device(x, count)) {
       const DeviceSpan io = device_write(x, count);
       check(*device_, api_.scale(device_->context, io.buffer, io.offset, n, factor), "scale");
       return;
@@ -498,7 +535,7 @@ class PluginBackend final : public Backend {
   void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) override {
     flush_pending();
     const size_t n = static_cast<size_t>(n_rows * width);
-    if (on_device(x, n) && on_device(weight, static_cast<size_t>(width))) {
+    if (!on_cpu_ && on_device(x, n) && on_device(weight, static_cast<size_t>(width))) {
       const DeviceSpan w = device_read(weight, static_cast<size_t>(width));
       const DeviceSpan io = device_write(x, n);
       device_rms_norm(io, io, w, n_rows, width, eps);
@@ -519,6 +556,10 @@ class PluginBackend final : public Backend {
     if (fused_rope_store(kv, layer, first_slot, n, k, v)) return;
     flush_pending();
     const size_t count = static_cast<size_t>(n) * static_cast<size_t>(kv.row_width);
+    if (on_cpu_) {  // a layer on the CPU: its rows live on the host alone
+      cpu_->store_kv(kv, layer, first_slot, n, host_read(k, count), host_read(v, count));
+      return;
+    }
     if (kv.state != nullptr && kv.prefix == nullptr && on_device(k, count) && on_device(v, count)) {
       PluginKvCache& copy = ensure_device_copy(kv);
       if (!copy.host_only) {
@@ -533,7 +574,7 @@ class PluginBackend final : public Backend {
     if (copy != nullptr) sync_host_rows(kv, *copy);
     cpu_->store_kv(kv, layer, first_slot, n, host_read(k, count), host_read(v, count));
     if (copy != nullptr) {
-      const size_t at = static_cast<size_t>(layer) * copy->layer_bytes + static_cast<size_t>(first_slot) * copy->row_bytes;
+      const size_t at = copy->layer_at(layer) + static_cast<size_t>(first_slot) * copy->row_bytes;
       const size_t bytes = static_cast<size_t>(n) * copy->row_bytes;
       upload_staged(copy->keys, kv.key(layer, first_slot), bytes, at);
       upload_staged(copy->values, kv.value(layer, first_slot), bytes, at);
@@ -543,6 +584,16 @@ class PluginBackend final : public Backend {
   void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) override {
     flush_pending();
     cpu_calls_.clear();
+    if (on_cpu_) {  // a layer on the CPU, over its rows on the host
+      for (const AttentionCall& call : calls) {
+        const size_t n = static_cast<size_t>(call.n_tokens) * shape.n_head * shape.head_dim;
+        AttentionCall host = call;
+        host.q = host_read(call.q, n);
+        host.out = host_overwrite(call.out, n);
+        cpu_calls_.push_back(host);
+      }
+      return cpu_->attention(layer, shape, cpu_calls_);
+    }
     for (const AttentionCall& call : calls) {
       if (const char* why = why_not_on_device(*call.kv, shape)) {
         notice_once(why);
@@ -571,6 +622,14 @@ class PluginBackend final : public Backend {
       kv.state->reset();
       copy = nullptr;
     }
+    if (copy != nullptr && first_device_layer_ > 0) {  // --gpu-layers: each side turns its own layers' rows
+      std::vector<int> cpu_layers, device_layers;
+      for (const int layer : layers) (layer < first_device_layer_ ? cpu_layers : device_layers).push_back(layer);
+      cpu_->shift_keys(kv, cpu_layers, slots, angles, n_head_kv, head_dim);
+      if (!copy->host_stale) cpu_->shift_keys(kv, device_layers, slots, angles, n_head_kv, head_dim);
+      shift_device_keys(*copy, slots, angles, n_head_kv, head_dim);
+      return;
+    }
     if (copy == nullptr || !copy->host_stale) cpu_->shift_keys(kv, layers, slots, angles, n_head_kv, head_dim);
     if (copy != nullptr) shift_device_keys(*copy, slots, angles, n_head_kv, head_dim);
   }
@@ -593,7 +652,7 @@ class PluginBackend final : public Backend {
   void rope_now(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) {
     const size_t n = static_cast<size_t>(n_rows) * n_heads * head_dim;
     const size_t n_angles = static_cast<size_t>(n_rows) * static_cast<size_t>(angles.n_rot / 2);
-    if (on_device(x, n) && on_device(angles.cos, n_angles) && on_device(angles.sin, n_angles)) {
+    if (!on_cpu_ && on_device(x, n) && on_device(angles.cos, n_angles) && on_device(angles.sin, n_angles)) {
       ringlm_rope_args args{};
       const DeviceSpan c = device_read(angles.cos, n_angles);
       const DeviceSpan s = device_read(angles.sin, n_angles);
@@ -656,7 +715,7 @@ class PluginBackend final : public Backend {
     args.v = vs.buffer;
     args.v_offset = vs.offset;
     args.n_head_kv = pk.n_heads;
-    const size_t at = static_cast<size_t>(layer) * copy.layer_bytes + static_cast<size_t>(first_slot) * copy.row_bytes;
+    const size_t at = copy.layer_at(layer) + static_cast<size_t>(first_slot) * copy.row_bytes;
     args.keys = copy.keys.get();
     args.keys_offset = at;
     args.values = copy.values.get();
@@ -674,6 +733,34 @@ class PluginBackend final : public Backend {
     ringlm_buffer* buffer = nullptr;
     size_t offset = 0;
   };
+
+  // The layer of a weight named "blk.N. ...", or -1 (the embedding, the output).
+  static int layer_of(const std::string& name) {
+    int layer = -1;
+    if (std::sscanf(name.c_str(), "blk.%d.", &layer) != 1) return -1;
+    return layer;
+  }
+
+  // The weight's bytes into device memory; a device out of memory says what did not fit and how
+  // many layers did.
+  void upload_weight(PluginWeight& prepared, const WeightView& w, size_t bytes, int layer) {
+    try {
+      prepared.data = DeviceBuffer(device_, bytes);
+      prepared.data.upload(0, w.data, bytes);
+    } catch (const std::exception& e) {
+      const auto mib = [](size_t b) { return std::to_string((b + (1 << 20) - 1) >> 20) + " MiB"; };
+      // The model places the output first, then the layers in order: the layers placed before
+      // this one fitted beside the output; one fewer leaves room for the KV cache and activations.
+      const int fitted = layer >= 0 ? layer - first_device_layer_ : 0;
+      const std::string advice = fitted > 1 ? "; " + std::to_string(fitted) + " layers fitted before it: try --gpu-layers " +
+                                                  std::to_string(fitted - 1)
+                                            : "; try --gpu-layers 0";
+      throw std::runtime_error(device_label(*device_) + ": " + w.name + " (" + mib(bytes) +
+                               ") does not fit in device memory after " + mib(device_weight_bytes_) + " of weights" +
+                               advice + "\n  (" + e.what() + ")");
+    }
+    device_weight_bytes_ += bytes;
+  }
 
   // --- Keeping the two copies of an activation in step -------------------------------------
 
@@ -732,13 +819,33 @@ class PluginBackend final : public Backend {
     host_read(p, n);
     if (MirroredActivations* m = mirror_of(p, n)) {
       const FloatRange r = range_in(*m, p, n);
-      if (!m->device_stale.empty() && m->device_stale.back().end == r.begin) {
+      const bool listed = std::any_of(m->device_stale.begin(), m->device_stale.end(),
+                                      [&](FloatRange d) { return d.begin <= r.begin && r.end <= d.end; });
+      if (listed) {  // written again (a residual in every layer on the CPU): uploaded once
+      } else if (!m->device_stale.empty() && m->device_stale.back().end == r.begin) {
         m->device_stale.back().end = r.end;
       } else {
         m->device_stale.push_back(r);
       }
     }
     return p;
+  }
+
+  // [p, p + n) as an op about to overwrite all of it sees it: on the host, what the device wrote
+  // there need not come down first; on the device, what the host wrote there need not go up
+  // (with --gpu-layers the two sides take turns writing the same activations every step).
+  float* host_overwrite(float* p, size_t n) {
+    if (MirroredActivations* m = mirror_of(p, n)) {
+      const FloatRange r = range_in(*m, p, n);
+      if (m->host_stale.begin >= r.begin && m->host_stale.end <= r.end) m->host_stale = {};
+    }
+    return host_write(p, n);
+  }
+  DeviceSpan device_overwrite(float* p, size_t n) {
+    MirroredActivations& m = *mirror_of(p, n);
+    const FloatRange r = range_in(m, p, n);
+    std::erase_if(m.device_stale, [&](FloatRange d) { return d.begin >= r.begin && d.end <= r.end; });
+    return device_write(p, n);
   }
 
   // The input of a product on the device: an allocation's own buffer, or (any other pointer,
@@ -781,7 +888,7 @@ class PluginBackend final : public Backend {
     const bool direct = on_device(y, ny);
     DeviceSpan out;
     if (direct) {
-      out = device_write(y, ny);
+      out = accumulate ? device_write(y, ny) : device_overwrite(y, ny);
     } else {
       ensure(y_buffer_, ny * sizeof(float));
       out = {y_buffer_.get(), 0};
@@ -834,7 +941,7 @@ class PluginBackend final : public Backend {
                      std::optional<Activation> glu = std::nullopt) {
     std::vector<DeviceSpan> outs;
     for (size_t i = 0; i < ys.size(); ++i) {
-      outs.push_back(device_write(ys[i], static_cast<size_t>(n_tokens * weights[i]->rows())));
+      outs.push_back(device_overwrite(ys[i], static_cast<size_t>(n_tokens * weights[i]->rows())));
     }
     int64_t max_rows = kMaxGemmRows;
     for (const PluginWeight* w : weights) max_rows = std::min(max_rows, w->max_rows);
@@ -892,7 +999,7 @@ class PluginBackend final : public Backend {
   void add_repeated(float* x, const float* delta, int64_t n, int64_t delta_n) {
     flush_pending();
     const auto count = static_cast<size_t>(n), delta_count = static_cast<size_t>(delta_n);
-    if (on_device(x, count) && on_device(delta, delta_count)) {
+    if (!on_cpu_ && on_device(x, count) && on_device(delta, delta_count)) {
       ringlm_add_args args{};
       const DeviceSpan d = device_read(delta, delta_count);
       const DeviceSpan io = device_write(x, count);
@@ -942,9 +1049,10 @@ class PluginBackend final : public Backend {
     const auto extent = static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(kv.positions.size()), copy.stored_extent));
     if (extent > 0) {
       const size_t bytes = extent * copy.row_bytes;
-      for (int layer = 0; layer < kv.n_layer; ++layer) {
-        copy.keys.download(static_cast<size_t>(layer) * copy.layer_bytes, kv.key(layer, 0), bytes);
-        copy.values.download(static_cast<size_t>(layer) * copy.layer_bytes, kv.value(layer, 0), bytes);
+      // The layers on the CPU have their rows on the host alone.
+      for (int layer = copy.shape.first_layer; layer < kv.n_layer; ++layer) {
+        copy.keys.download(copy.layer_at(layer), kv.key(layer, 0), bytes);
+        copy.values.download(copy.layer_at(layer), kv.value(layer, 0), bytes);
       }
     }
     copy.host_stale = false;
@@ -956,7 +1064,7 @@ class PluginBackend final : public Backend {
     args.src = from.buffer;
     args.src_offset = from.offset;
     args.dst = rows.get();
-    args.dst_offset = static_cast<size_t>(layer) * copy.layer_bytes + static_cast<size_t>(first_slot) * copy.row_bytes;
+    args.dst_offset = copy.layer_at(layer) + static_cast<size_t>(first_slot) * copy.row_bytes;
     args.kv_format = copy.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
     args.n_rows = n;
     args.row_width = copy.shape.row_width;
@@ -976,7 +1084,7 @@ class PluginBackend final : public Backend {
     const size_t n = static_cast<size_t>(call.n_tokens) * shape.n_head * shape.head_dim;
     AttentionCall host = call;
     host.q = host_read(call.q, n);
-    host.out = host_write(call.out, n);
+    host.out = host_overwrite(call.out, n);
     cpu_calls_.push_back(host);
   }
 
@@ -1019,13 +1127,15 @@ class PluginBackend final : public Backend {
   // The cache's device copy, made on first use with the rows the cache already holds.
   PluginKvCache& ensure_device_copy(const KvView& kv) {
     if (PluginKvCache* copy = device_copy(kv)) return *copy;
-    auto copy = std::make_unique<PluginKvCache>(device_, DeviceKvShape{kv.n_layer, kv.capacity, kv.row_width, kv.f16});
+    const int first_layer = std::min(first_device_layer_, kv.n_layer);
+    auto copy =
+        std::make_unique<PluginKvCache>(device_, DeviceKvShape{kv.n_layer, first_layer, kv.capacity, kv.row_width, kv.f16});
     const auto extent = static_cast<int>(kv.positions.size());
     if (extent > 0) {
       const size_t bytes = static_cast<size_t>(extent) * copy->row_bytes;
-      for (int layer = 0; layer < kv.n_layer; ++layer) {
-        copy->keys.upload(static_cast<size_t>(layer) * copy->layer_bytes, kv.key(layer, 0), bytes);
-        copy->values.upload(static_cast<size_t>(layer) * copy->layer_bytes, kv.value(layer, 0), bytes);
+      for (int layer = first_layer; layer < kv.n_layer; ++layer) {
+        copy->keys.upload(copy->layer_at(layer), kv.key(layer, 0), bytes);
+        copy->values.upload(copy->layer_at(layer), kv.value(layer, 0), bytes);
       }
     }
     PluginKvCache& made = *copy;
@@ -1069,7 +1179,7 @@ class PluginBackend final : public Backend {
     DeviceSpan q, out;
     if (direct) {
       q = device_read(call.q, n);
-      out = device_write(call.out, n);
+      out = device_overwrite(call.out, n);
     } else {
       ensure(q_buffer_, n * sizeof(float));
       ensure(out_buffer_, n * sizeof(float));
@@ -1084,7 +1194,7 @@ class PluginBackend final : public Backend {
     a.out = out.buffer;
     a.out_offset = out.offset;
     a.keys = c.keys.get();
-    a.keys_offset = static_cast<size_t>(layer) * c.layer_bytes;
+    a.keys_offset = c.layer_at(layer);
     a.values = c.values.get();
     a.values_offset = a.keys_offset;
     a.kv_format = c.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
@@ -1120,7 +1230,7 @@ class PluginBackend final : public Backend {
     ringlm_rope_shift_args args{};
     args.keys = c.keys.get();
     args.layer_stride_bytes = c.layer_bytes;
-    args.n_layer = c.shape.n_layer;
+    args.n_layer = c.shape.n_layer - c.shape.first_layer;
     args.kv_format = c.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
     args.row_stride = c.shape.row_width;
     args.slots = slot_buffer.get();
@@ -1164,6 +1274,12 @@ class PluginBackend final : public Backend {
   bool v2_;  // the plugin speaks ABI v2: activations live on the device
   bool v3_;  // ... and v3: it picks a step's top k itself
   std::unique_ptr<Backend> cpu_;
+  int gpu_layers_ = -1;          // --gpu-layers: the last N layers on the device (-1: all)
+  int n_layer_ = 0;
+  int first_device_layer_ = 0;   // layers before it run on the CPU
+  bool output_on_device_ = true;
+  bool on_cpu_ = false;          // the ops issued now belong to a layer that runs on the CPU
+  size_t device_weight_bytes_ = 0;
   int n_weights_ = 0;                            // prepared here
   std::map<std::string, int> cpu_weight_types_;  // of those, left on the CPU, by type
   std::set<std::string> told_;                    // fallbacks already said
@@ -1180,7 +1296,8 @@ class PluginBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_plugin_backend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu) {
+std::unique_ptr<Backend> make_plugin_backend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu,
+                                             int gpu_layers) {
   if (device == nullptr || device->context == nullptr) throw std::invalid_argument("make_plugin_backend: no device");
   ringlm_op_desc probe{};
   probe.op = RINGLM_OP_MATMUL;
@@ -1191,7 +1308,7 @@ std::unique_ptr<Backend> make_plugin_backend(std::shared_ptr<OpenedDevice> devic
   if (device->plugin->api().supports(device->context, &probe) == 0) {
     throw std::runtime_error(device_label(*device) + " does not run the INT4 matmul (Q4_0, 1x32x32); nothing would run there");
   }
-  return std::make_unique<PluginBackend>(std::move(device), std::move(cpu));
+  return std::make_unique<PluginBackend>(std::move(device), std::move(cpu), gpu_layers);
 }
 
 }  // namespace ringlm
@@ -1206,7 +1323,7 @@ std::unique_ptr<Backend> make_backend(const BackendChoice& choice, std::string& 
   const std::vector<std::filesystem::path> dirs = plugin_search_dirs(choice.plugin_dir);
   if (spec.kind == DeviceSpec::Kind::kPlugin) {
     std::shared_ptr<OpenedDevice> device = open_plugin_device(spec, dirs, choice.cache_dir);
-    return make_plugin_backend(std::move(device), std::move(cpu));
+    return make_plugin_backend(std::move(device), std::move(cpu), choice.gpu_layers);
   }
   std::string why;
   std::shared_ptr<OpenedDevice> device = open_auto_device(dirs, choice.cache_dir, why);
@@ -1215,7 +1332,7 @@ std::unique_ptr<Backend> make_backend(const BackendChoice& choice, std::string& 
     return cpu;
   }
   try {
-    return make_plugin_backend(std::move(device), std::move(cpu));
+    return make_plugin_backend(std::move(device), std::move(cpu), choice.gpu_layers);
   } catch (const std::exception& e) {
     notice = std::string("--device auto: ") + e.what() + "; running on the CPU";
     return make_cpu_backend(choice.n_threads, choice.compute);

@@ -22,9 +22,11 @@
 
 namespace ringlm {
 
-// `cpu` runs what the device does not take. Throws std::runtime_error when the device cannot
-// even take a small matmul (nothing would run there).
-std::unique_ptr<Backend> make_plugin_backend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu);
+// `cpu` runs what the device does not take, and the first layers when gpu_layers (the last N
+// layers and the output on the device; -1: all) leaves them off it. Throws std::runtime_error
+// when the device cannot even take a small matmul (nothing would run there).
+std::unique_ptr<Backend> make_plugin_backend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu,
+                                             int gpu_layers = -1);
 
 // What --device, --plugin-dir, -t and --compute ask for.
 struct BackendChoice {
@@ -33,6 +35,7 @@ struct BackendChoice {
   std::filesystem::path cache_dir;   // where plugins keep compiled programs; empty: none
   int n_threads = 0;
   ComputeType compute = ComputeType::kInt8;
+  int gpu_layers = -1;               // --gpu-layers: the last N layers and the output on the device (-1: all)
 };
 
 // The backend `choice` names. A named device that cannot run throws PluginError (or

@@ -8,10 +8,13 @@
 
 #include <omp.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <random>
@@ -311,6 +314,67 @@ TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpuWithPluginsOfEveryAbi) {
   // Greedy on ABI 3: each decode step reads back one pick (8 bytes), not the vocabulary.
   EXPECT_THAT(device.err, HasSubstr("\"download_bytes\":[8,8,8"));
   EXPECT_THAT(device.err, Not(HasSubstr("196608")));  // SmolLM2's 49,152 logits
+}
+
+// The JSON line `run --stats json` writes last on stderr.
+nlohmann::json run_stats(const Output& o) {
+  const size_t at = o.err.rfind("\n{");
+  return nlohmann::json::parse(o.err.substr(at == std::string::npos ? 0 : at + 1));
+}
+
+// --gpu-layers (llama.cpp's -ngl): none, half or all of SmolLM2's 30 layers on the device, with a
+// context small enough to shift (StreamingLLM) on the way, write the CPU's greedy text (fp32);
+// --stats json says where each layer ran, and at half a decode step moves the hidden state up
+// once, the greedy pick down, and waits once. A device too small for the model says which
+// weight did not fit and how many layers did, and that many then run.
+TEST(DeviceCli, GpuLayersSplitTheModelBetweenCpuAndDevice) {
+  const std::string small_context = "-c 40 --compute fp32 ";
+  const Output cpu = run_ringlm(run_args("cpu", small_context));
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  for (const int gpu_layers : {0, 15}) {
+    SCOPED_TRACE("--gpu-layers " + std::to_string(gpu_layers));
+    const Output split = run_ringlm(run_args("opencl", small_context + "--stats json --gpu-layers " + std::to_string(gpu_layers)));
+    ASSERT_EQ(split.exit_code, 0) << split.err;
+    EXPECT_EQ(split.out, cpu.out);
+    const nlohmann::json stats = run_stats(split);
+    const std::vector<std::string> where = stats.at("layer_device");
+    ASSERT_EQ(where.size(), 30u);
+    for (size_t layer = 0; layer < where.size(); ++layer) {
+      EXPECT_EQ(where[layer], static_cast<int>(layer) >= 30 - gpu_layers ? "opencl:0" : "cpu") << "layer " << layer;
+    }
+    EXPECT_EQ(stats.at("output_device"), gpu_layers > 0 ? "opencl:0" : "cpu");
+    EXPECT_GT(stats.at("n_shifts").get<int>(), 0);
+    // Every decode step but the first (after the prompt's pass) and those that shifted the cache
+    // (its slot list checked, its angles sent: a few waits more).
+    const nlohmann::json& steps = stats.at("token_device");
+    const size_t n_steps = steps.at("waits").size();
+    size_t lean = 0;
+    for (size_t step = 1; step < n_steps; ++step) {
+      if (gpu_layers == 0) {
+        EXPECT_EQ(steps.at("launches")[step], 0) << "step " << step;
+        continue;
+      }
+      lean += steps.at("waits")[step] == 1 && steps.at("upload_bytes")[step].get<int>() <= 576 * 4 + 1024 &&
+              steps.at("download_bytes")[step] == 8;
+    }
+    if (gpu_layers > 0) {
+      EXPECT_GE(lean + 1 + stats.at("n_shifts").get<size_t>(), n_steps) << steps.dump();
+    }
+  }
+
+  // 48 MB of device memory (tests/plugins/version_shim.c) for 92 MiB of weights.
+  const std::string shims = RINGLM_SHIM_PLUGIN_DIR;
+  const Output full = run_ringlm(run_args("openclsmall", small_context, shims));
+  EXPECT_TRUE(test::exited_with_error(full));
+  EXPECT_THAT(full.err, HasSubstr("does not fit in device memory"));
+  const size_t at = full.err.find("try --gpu-layers ");
+  ASSERT_NE(at, std::string::npos) << full.err;
+  const int fits = std::atoi(full.err.c_str() + at + std::strlen("try --gpu-layers "));
+  EXPECT_GT(fits, 0);
+  EXPECT_LT(fits, 30);
+  const Output advised = run_ringlm(run_args("openclsmall", small_context + "--gpu-layers " + std::to_string(fits), shims));
+  ASSERT_EQ(advised.exit_code, 0) << advised.err;
+  EXPECT_EQ(advised.out, cpu.out);
 }
 
 // Gemma 3 270M Q4_K_M (Q5_0, Q4_K, Q6_K and Q8_0 weights, the mix of the files people download)

@@ -373,9 +373,9 @@ TEST_P(Matmul, MatchesCpuBackendForEveryM) {
   const int64_t block = block_weights(type);
   std::vector<std::pair<int64_t, int64_t>> shapes = {{1, block}, {101, block == 256 ? 768 : 576}, {130, 256}, {300, 2048}};
   std::vector<int64_t> ms = {1, 2, 3, 7, 8, 9, 15, 16};
-  if (later_format(type)) {
-    shapes = {{1, block}, {101, 768}, {300, 2048}};
-    ms = {1, 5, 16};
+  if (later_format(type)) {  // (their GEMV, which decode runs, has the next test)
+    shapes = {{1, block}, {101, 768}};
+    ms = {1, 16};
   }
   double worst = 0.0;  // max |gpu - cpu| / (1 + sum |x| |w|)
   for (const auto& [n, k] : shapes) {

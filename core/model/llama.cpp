@@ -233,22 +233,13 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   if (hp_.swa_period > 0) rope_inv_freq_.push_back(rope_frequencies(hp_, hp_.swa_rope_base, nullptr, false));
 
   tensors.refuse_unused(hp_.arch);
-  for (PendingWeight& w : pending) *w.slot = backend_.prepare(w.view);
-  size_t n_constants = 0;
-  for (const auto& c : constants) n_constants += c.second.size();
-  constants_ = backend_.alloc_activations(n_constants);
-  float* at = constants_->data();
-  for (auto& [slot, values] : constants) {
-    backend_.write(at, values.data(), values.size());
-    *slot = at;
-    at += values.size();
-  }
-
   // Sliding-window layers keep a ring of their window plus one pass (make_cache), so shorter
   // passes keep it small: with 256, Gemma 3 270M's cache at 8k tokens is 24% of a full one
   // (27% with 512).
   if (hp_.sliding_window > 0) max_batch_ = kWindowedMaxBatch;
 
+  // The activations before the weights: on a device, what is left once they are placed is the
+  // weights' (and a --gpu-layers out-of-memory error counts layers that really fit).
   scratch_ = std::make_unique<Scratch>();
   Scratch& s = *scratch_;
   const auto M = static_cast<size_t>(max_batch_);
@@ -265,6 +256,22 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   }
   s.host_cos.assign(rope_inv_freq_.size(), std::vector<float>(M * static_cast<size_t>(half)));
   s.host_sin = s.host_cos;
+
+  // The output first: a backend that fills its device layer by layer (--gpu-layers) then knows,
+  // when a layer does not fit, that the output already does.
+  std::stable_partition(pending.begin(), pending.end(), [&](const PendingWeight& w) { return w.slot == &output_; });
+  backend_.plan_layers(hp_.n_layer);
+  for (PendingWeight& w : pending) *w.slot = backend_.prepare(w.view);
+  size_t n_constants = 0;
+  for (const auto& c : constants) n_constants += c.second.size();
+  constants_ = backend_.alloc_activations(n_constants);
+  float* at = constants_->data();
+  for (auto& [slot, values] : constants) {
+    backend_.write(at, values.data(), values.size());
+    *slot = at;
+    at += values.size();
+  }
+
 }
 
 LlamaModel::~LlamaModel() = default;
@@ -463,6 +470,7 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   float* const v = s.v->data();
   float* const attn = s.attn->data();
   float* const gate = s.gate->data();
+  backend_.begin_layer(-1);
   for (const Rows& r : rows) {
     embed(r.tokens, x + static_cast<size_t>(r.row0) * d);
     rope_angles(r.row0, r.pos0, static_cast<int>(r.tokens.size()), r.cache->capacity());
@@ -470,6 +478,7 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   if (hp_.embed_scale) backend_.scale(x, static_cast<int64_t>(n) * d, std::sqrt(static_cast<float>(d)));
   describe_sequences(rows);
   for (int il = 0; il < hp_.n_layer; ++il) {
+    backend_.begin_layer(il);
     const Layer& L = layers_[static_cast<size_t>(il)];
     const RopeAngles angles = rope_layout(s.rope_cos[L.rope_set]->data(), s.rope_sin[L.rope_set]->data());
     // Attention block: one QKV projection of the normalised input (the norm is fused into the
@@ -532,6 +541,7 @@ void LlamaModel::store_kv(int layer, size_t sequence, const Rows& rows) {
 }
 
 const float* LlamaModel::project_logits(int row, int n) {
+  backend_.begin_layer(hp_.n_layer);
   Scratch& s = *scratch_;
   const size_t wanted = static_cast<size_t>(n) * static_cast<size_t>(hp_.n_vocab);
   if (s.logits == nullptr || s.logits->size() < wanted) s.logits = backend_.alloc_activations(wanted);

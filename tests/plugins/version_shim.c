@@ -4,7 +4,8 @@
  * stay NULL. The tests run the model through it to check that ringlm still runs such a plugin:
  * version 1, products and attention on the device and every other op on the CPU; version 2,
  * the whole step on the device but the top-k picked on the host. With SHIM_NO_TOP_K it claims
- * version 3 without the version-3 entry, a table the loader must refuse. */
+ * version 3 without the version-3 entry, a table the loader must refuse; with SHIM_ALLOC_LIMIT
+ * (bytes) its device memory is that small. (Freed buffers are not given back to the limit.) */
 #include <dlfcn.h>
 #include <string.h>
 
@@ -24,6 +25,27 @@
 
 static ringlm_plugin table;
 
+#ifdef SHIM_ALLOC_LIMIT
+/* A device with SHIM_ALLOC_LIMIT bytes of memory: allocations past it fail as a full device's
+ * would (the tests of --gpu-layers' out-of-memory error). */
+static const ringlm_plugin* real_table;
+static size_t allocated;
+static int refused;
+static ringlm_buffer* limited_alloc(ringlm_context* ctx, size_t bytes) {
+  if (allocated + bytes > (size_t)SHIM_ALLOC_LIMIT) {
+    refused = 1;
+    return NULL;
+  }
+  ringlm_buffer* buffer = real_table->alloc(ctx, bytes);
+  if (buffer != NULL) allocated += bytes;
+  refused = 0;
+  return buffer;
+}
+static const char* limited_last_error(const ringlm_context* ctx) {
+  return refused ? "CL_MEM_OBJECT_ALLOCATION_FAILURE (the test shim's memory is full)" : real_table->last_error(ctx);
+}
+#endif
+
 __attribute__((visibility("default"))) const ringlm_plugin* ringlm_plugin_entry(void) {
   if (table.abi_version == 0) {
     void* library = dlopen(SHIM_TARGET, RTLD_NOW | RTLD_LOCAL);
@@ -34,6 +56,11 @@ __attribute__((visibility("default"))) const ringlm_plugin* ringlm_plugin_entry(
     memcpy(&table, real, SHIM_SIZE);
 #ifdef SHIM_NO_TOP_K
     table.top_k = NULL;
+#endif
+#ifdef SHIM_ALLOC_LIMIT
+    real_table = real;
+    table.alloc = limited_alloc;
+    table.last_error = limited_last_error;
 #endif
     table.abi_version = SHIM_ABI;
     table.struct_size = SHIM_SIZE;
