@@ -36,8 +36,11 @@ class HostActivations final : public ActivationBuffer {
 
 }  // namespace
 
-void Backend::top_k(const float* x, int64_t n, std::span<TopLogit> top) {
-  select_top_k(std::span<const float>(x, static_cast<size_t>(n)), top);
+void Backend::top_k(const float* x, int64_t n_rows, int64_t n, int k, std::span<TopLogit> top) {
+  const auto width = static_cast<size_t>(n), picks = static_cast<size_t>(k);
+  for (size_t r = 0; r < static_cast<size_t>(n_rows); ++r) {
+    select_top_k(std::span<const float>(x + r * width, width), top.subspan(r * picks, picks));
+  }
 }
 
 std::unique_ptr<ActivationBuffer> Backend::alloc_activations(size_t n) {

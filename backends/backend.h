@@ -194,10 +194,11 @@ class Backend {
   virtual void copy(float* dst, const float* src, size_t n);
   // Counters of a device backend (all zero for the CPU).
   virtual DeviceCounters counters() const { return {}; }
-  // The top.size() largest of the n values at x (activation memory: a step's logits), in
-  // select_top_k's order, to the host: what a sampler that keeps only the top k needs. A device
-  // picks them itself and sends back only those. This default reads host memory.
-  virtual void top_k(const float* x, int64_t n, std::span<TopLogit> top);
+  // The k largest of each of n_rows rows of n values at x (activation memory, rows contiguous: a
+  // step's logits), in select_top_k's order, into top ([n_rows][k]) on the host: what a sampler
+  // that keeps only the top k needs. A device picks them itself and sends back only those, one
+  // wait for every row. This default reads host memory.
+  virtual void top_k(const float* x, int64_t n_rows, int64_t n, int k, std::span<TopLogit> top);
 
   // Called once per weight at load. Throws std::runtime_error naming the weight if its
   // type or shape cannot be run.

@@ -307,26 +307,27 @@ class PluginBackend final : public Backend {
 
   // The device picks the top k of values it computed (a step's logits) and sends back k pairs
   // instead of the n values; values the host holds the newest of are picked on the host.
-  void top_k(const float* x, int64_t n, std::span<TopLogit> top) override {
+  void top_k(const float* x, int64_t n_rows, int64_t n, int k, std::span<TopLogit> top) override {
     flush_pending();
-    const size_t count = static_cast<size_t>(n);
+    const size_t count = static_cast<size_t>(n_rows * n);
     const MirroredActivations* m = mirror_of(x, count);
     const bool device_newest = m != nullptr && m->host_stale.overlaps(range_in(*m, x, count));
-    if (!v3_ || !device_newest || top.empty() || top.size() > RINGLM_TOP_K_MAX || static_cast<int64_t>(top.size()) > n) {
-      return Backend::top_k(host_read(x, count), n, top);
+    if (!v3_ || !device_newest || k < 1 || k > RINGLM_TOP_K_MAX || k > n) {
+      return Backend::top_k(host_read(x, count), n_rows, n, k, top);
     }
     static_assert(sizeof(TopLogit) == sizeof(ringlm_top_entry) && offsetof(TopLogit, logit) == offsetof(ringlm_top_entry, value));
     const DeviceSpan in = device_read(x, count);
-    ensure(top_buffer_, top.size_bytes());
+    const size_t bytes = static_cast<size_t>(n_rows) * static_cast<size_t>(k) * sizeof(TopLogit);
+    ensure(top_buffer_, bytes);
     ringlm_top_k_args args{};
     args.x = in.buffer;
     args.x_offset = in.offset;
-    args.n_rows = 1;
+    args.n_rows = n_rows;
     args.n = n;
-    args.k = static_cast<int32_t>(top.size());
+    args.k = k;
     args.out = top_buffer_.get();
     check(*device_, api_.top_k(device_->context, &args), "top_k");
-    top_buffer_.download(0, top.data(), top.size_bytes());
+    top_buffer_.download(0, top.data(), bytes);
   }
 
   // --- Weights and products ---------------------------------------------------------------

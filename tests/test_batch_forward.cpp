@@ -102,6 +102,29 @@ void BatchForward::each_sequence_gets_the_logits_it_gets_alone() {
   EXPECT_TRUE(bitwise_equal(ld, alone({d})));
 }
 
+// Sequences that want only their top k (a sampler that needs no more) get, in the same pass as
+// sequences that want every logit, exactly select_top_k of the logits they get alone, each at
+// its own k (the pass picks the largest k once for all of them).
+TEST_F(BatchForward, SequencesWantingTheirTopKGetTheTopOfTheirLogitsAlone) {
+  const std::vector<int32_t> a = tokens("The capital of France is");
+  const std::vector<int32_t> b = tokens("Once upon a time");
+  const std::vector<int32_t> c = tokens("Hello");
+  KvCache ca = model().make_cache(64), cb = model().make_cache(64), cc = model().make_cache(64);
+  std::vector<TopLogit> top_a(40), top_c(1);
+  std::vector<float> lb(vocab());
+  const LlamaModel::SequenceTokens pass[] = {{a, &ca, nullptr, top_a}, {b, &cb, lb.data()}, {c, &cc, nullptr, top_c}};
+  model().forward_batch(pass);
+  EXPECT_TRUE(bitwise_equal(lb, alone({b})));
+  for (const auto& [prompt, top] : {std::pair{&a, &top_a}, std::pair{&c, &top_c}}) {
+    std::vector<TopLogit> want(top->size());
+    select_top_k(alone({*prompt}), want);
+    for (size_t e = 0; e < want.size(); ++e) {
+      EXPECT_EQ((*top)[e].id, want[e].id) << "pick " << e;
+      EXPECT_EQ((*top)[e].logit, want[e].logit) << "pick " << e;
+    }
+  }
+}
+
 // The segment KV cache: samples that read a shared prompt cache as their prefix and hold only
 // their own tokens get the logits of a sequence that holds the prompt itself. The attention
 // meets the keys in other blocks (prefix, then own), so the sums round differently: close, not

@@ -159,6 +159,42 @@ TEST_F(DeviceModel, BatchedSequencesMatchSequencesAlone) {
   EXPECT_EQ(lb, alone_lb);
 }
 
+// A batched decode step whose sequences want only their top k (batch and serve with a sampler
+// that needs no more): the device picks them for every sequence in one launch and the host waits
+// once for all of them, reading k pairs a sequence; the picks are the device's logits' own.
+TEST_F(DeviceModel, BatchedDecodeStepReadsBackEachSequencesTopKWithOneWait) {
+  LlamaModel& model = *device_->model;
+  const Backend& backend = *device_->backend;
+  const std::vector<int32_t> a = tokens("Once upon a time"), b = tokens("The quick brown fox jumps over"),
+                             c = tokens("The capital of France is");
+  KvCache ca = model.make_cache(64), cb = model.make_cache(64), cc = model.make_cache(64);
+  std::vector<float> la(vocab()), lb(vocab()), lc(vocab());
+  const LlamaModel::SequenceTokens prefill[] = {{a, &ca, la.data()}, {b, &cb, lb.data()}, {c, &cc, lc.data()}};
+  model.forward_batch(prefill);
+  const std::vector<int32_t> ta = {argmax(la)}, tb = {argmax(lb)}, tc = {argmax(lc)};
+  std::vector<TopLogit> top_a(40), top_b(40), top_c(1);
+  const DeviceCounters before = backend.counters();
+  const LlamaModel::SequenceTokens decode[] = {{ta, &ca, nullptr, top_a}, {tb, &cb, nullptr, top_b}, {tc, &cc, nullptr, top_c}};
+  model.forward_batch(decode);
+  const DeviceCounters after = backend.counters();
+  EXPECT_EQ(after.waits - before.waits, 1u);
+  EXPECT_EQ(after.download_bytes - before.download_bytes, 3 * 40 * sizeof(TopLogit));  // k_max for every row
+  // The same step with the logits: their top is the picks.
+  KvCache ca2 = model.make_cache(64), cb2 = model.make_cache(64), cc2 = model.make_cache(64);
+  const LlamaModel::SequenceTokens prefill2[] = {{a, &ca2, la.data()}, {b, &cb2, lb.data()}, {c, &cc2, lc.data()}};
+  model.forward_batch(prefill2);
+  const LlamaModel::SequenceTokens decode2[] = {{ta, &ca2, la.data()}, {tb, &cb2, lb.data()}, {tc, &cc2, lc.data()}};
+  model.forward_batch(decode2);
+  for (const auto& [logits, top] : {std::pair{&la, &top_a}, std::pair{&lb, &top_b}, std::pair{&lc, &top_c}}) {
+    std::vector<TopLogit> want(top->size());
+    select_top_k(*logits, want);
+    for (size_t e = 0; e < want.size(); ++e) {
+      EXPECT_EQ((*top)[e].id, want[e].id) << "pick " << e;
+      EXPECT_EQ((*top)[e].logit, want[e].logit) << "pick " << e;
+    }
+  }
+}
+
 // A decode step on the device (plugin ABI v2): the host sends the token id, the RoPE angles and
 // the new slot's position, and reads back the logits: one wait, and no more bytes than the
 // logits plus 1 KiB (the goal of issue 28). Every op ran there: launches, and nothing else moved.

@@ -560,7 +560,7 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
   // Only the rows whose logits are wanted go through the final norm and the vocabulary projection.
   const int first_row = out.all_logits ? 0 : n - 1;
   const float* logits = project_logits(first_row, n - first_row);
-  if (!out.top.empty()) return backend_.top_k(logits, hp_.n_vocab, out.top);
+  if (!out.top.empty()) return backend_.top_k(logits, 1, hp_.n_vocab, static_cast<int>(out.top.size()), out.top);
   backend_.read(logits, out.logits, static_cast<size_t>(n - first_row) * static_cast<size_t>(hp_.n_vocab));
 }
 
@@ -583,6 +583,10 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
     for (int32_t t : b.tokens) {
       if (t < 0 || t >= hp_.n_vocab) throw std::out_of_range("token id " + std::to_string(t) + " is outside the vocabulary");
     }
+    if (b.top.size() > static_cast<size_t>(hp_.n_vocab)) {
+      throw std::invalid_argument("forward_batch: " + std::to_string(b.top.size()) + " top tokens of a vocabulary of " +
+                                  std::to_string(hp_.n_vocab));
+    }
     total += b.tokens.size();
   }
   if (total > static_cast<size_t>(max_batch_)) {
@@ -600,29 +604,50 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
   }
   run_layers(rows, row);
 
-  // The last row of each sequence that wants logits, gathered so that the vocabulary
-  // projection is one matrix product.
+  // The last row of each sequence that wants its next token's scores, gathered so that the
+  // vocabulary projection is one matrix product: first those that want only their top k (picked
+  // in one call for all of them, at the largest k: a row's top k is the start of its top k_max),
+  // then those that want every logit.
   Scratch& s = *scratch_;
   const size_t d = static_cast<size_t>(hp_.n_embd), vocab = static_cast<size_t>(hp_.n_vocab);
-  int wanted = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    if (batch[i].logits == nullptr) continue;
-    const size_t last = static_cast<size_t>(rows[i].row0) + batch[i].tokens.size() - 1;
-    backend_.copy(s.xn->data() + static_cast<size_t>(wanted) * d, s.x->data() + last * d, d);
-    ++wanted;
+  int n_top = 0, n_logits = 0, k_max = 0;
+  for (const bool top : {true, false}) {
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const bool wants_top = !batch[i].top.empty();
+      if (wants_top != top || (!wants_top && batch[i].logits == nullptr)) continue;
+      const size_t last = static_cast<size_t>(rows[i].row0) + batch[i].tokens.size() - 1;
+      backend_.copy(s.xn->data() + static_cast<size_t>(n_top + n_logits) * d, s.x->data() + last * d, d);
+      (top ? n_top : n_logits) += 1;
+      if (top) k_max = std::max(k_max, static_cast<int>(batch[i].top.size()));
+    }
   }
+  const int wanted = n_top + n_logits;
   if (wanted == 0) return;
   backend_.copy(s.x->data(), s.xn->data(), static_cast<size_t>(wanted) * d);
-  if (batch_logits_.size() < static_cast<size_t>(wanted) * vocab) batch_logits_.resize(static_cast<size_t>(wanted) * vocab);
-  backend_.read(project_logits(0, wanted), batch_logits_.data(), static_cast<size_t>(wanted) * vocab);
+  const float* logits = project_logits(0, wanted);
+  if (n_top > 0) {
+    std::vector<TopLogit>& picks = batch_top_;
+    picks.resize(static_cast<size_t>(n_top) * static_cast<size_t>(k_max));
+    backend_.top_k(logits, n_top, hp_.n_vocab, k_max, picks);
+    size_t at = 0;
+    for (const SequenceTokens& b : batch) {
+      if (b.top.empty()) continue;
+      std::copy_n(picks.begin() + static_cast<std::ptrdiff_t>(at * static_cast<size_t>(k_max)), b.top.size(), b.top.begin());
+      ++at;
+    }
+  }
+  if (n_logits == 0) return;
+  const size_t n_floats = static_cast<size_t>(n_logits) * vocab;
+  if (batch_logits_.size() < n_floats) batch_logits_.resize(n_floats);
+  backend_.read(logits + static_cast<size_t>(n_top) * vocab, batch_logits_.data(), n_floats);
   // Out to each sequence's buffer: 3 MiB at 16 sequences, split over the threads.
   std::vector<float*>& out = batch_logits_out_;
   out.clear();
   for (const SequenceTokens& b : batch) {
-    if (b.logits != nullptr) out.push_back(b.logits);
+    if (b.top.empty() && b.logits != nullptr) out.push_back(b.logits);
   }
-#pragma omp parallel for schedule(static) if (wanted > 1)
-  for (int k = 0; k < wanted; ++k) std::copy_n(&batch_logits_[static_cast<size_t>(k) * vocab], vocab, out[static_cast<size_t>(k)]);
+#pragma omp parallel for schedule(static) if (n_logits > 1)
+  for (int k = 0; k < n_logits; ++k) std::copy_n(&batch_logits_[static_cast<size_t>(k) * vocab], vocab, out[static_cast<size_t>(k)]);
 }
 
 }  // namespace ringlm

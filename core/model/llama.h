@@ -41,9 +41,16 @@ class LlamaModel {
 
   // One sequence's share of a batched pass.
   struct SequenceTokens {
+    SequenceTokens() = default;
+    SequenceTokens(std::span<const int32_t> tokens_, KvCache* cache_, float* logits_ = nullptr,
+                   std::span<TopLogit> top_ = {})
+        : tokens(tokens_), cache(cache_), logits(logits_), top(top_) {}
     std::span<const int32_t> tokens;  // appended to `cache` at its next positions
     KvCache* cache = nullptr;
     float* logits = nullptr;  // [n_vocab]: the logits of its last token; nullptr: not wanted
+    // Or, when not empty, only its last token's top.size() most likely next tokens
+    // (select_top_k's order; at most Sampler::kMaxCandidates), instead of the logits.
+    std::span<TopLogit> top;
   };
   // Runs the tokens of several sequences in one pass (continuous batching): every matrix
   // multiplies all their rows at once, attention runs per sequence over its own cache. A row's
@@ -136,6 +143,7 @@ class LlamaModel {
   std::vector<Rows> batch_rows_;       // forward_batch's, reused
   std::vector<float> batch_logits_;    // forward_batch's logits of every sequence, reused
   std::vector<float*> batch_logits_out_;  // where forward_batch copies them, reused
+  std::vector<TopLogit> batch_top_;       // forward_batch's top k of every sequence that wants them, reused
   size_t weight_bytes_ = 0;
   int64_t n_params_ = 0;
 };

@@ -31,6 +31,11 @@ struct BatchScheduler::Slot {
   Slot* prompt_owner = nullptr;  // a sample waiting for the prompt that this slot prefills
   KvCache cache;
   std::vector<float> logits;
+  // The decode steps' scores when the sampler needs only the most likely tokens and no
+  // log-probabilities are asked for (a device then sends back those instead of the vocabulary);
+  // empty otherwise. A prompt's last pass always gives the logits (kept and shared with samples).
+  std::vector<TopLogit> top;
+  bool drew_from_top = false;  // the latest scores are in `top`
   std::unique_ptr<Sampler> sampler;
   std::optional<Generation> generation;  // over prompt + generated tokens
   size_t prefilled = 0;                  // prompt tokens in the cache
@@ -153,6 +158,7 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
       SamplingParams params = q.request.sampling;
       params.seed += static_cast<uint64_t>(i);
       s.sampler = std::make_unique<Sampler>(params, model_.hparams().n_vocab);
+      s.top.assign(q.request.top_logprobs >= 0 ? 0 : static_cast<size_t>(s.sampler->candidates_needed()), TopLogit{});
       StopConditions stop;
       stop.max_tokens = q.request.max_tokens;
       stop.stop_strings = q.request.stop;
@@ -182,6 +188,7 @@ void BatchScheduler::read_kept_prompt(Slot& s, const Reuse& reuse, const std::fu
   }
   // The whole prompt was kept with the logits after it: the first token is drawn now.
   s.logits = reuse.segment->logits;
+  s.drew_from_top = false;
   s.started = Clock::now();
   s.state = Slot::State::kDecode;
   advance(s, on_done);
@@ -199,7 +206,8 @@ bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) 
   std::vector<Slot*> in_batch;
   for (auto& s : slots_) {
     if (s->state != Slot::State::kDecode) continue;
-    batch.push_back({std::span<const int32_t>(&s->next_token, 1), &s->cache, s->logits.data()});
+    batch.push_back({std::span<const int32_t>(&s->next_token, 1), &s->cache, s->logits.data(), s->top});
+    s->drew_from_top = !s->top.empty();
     in_batch.push_back(s.get());
   }
   const auto now = Clock::now();
@@ -213,7 +221,8 @@ bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) 
     if (s.prefilled == 0) s.started = now;
     const bool last = s.prefilled + n == s.request.prompt.size();
     batch.push_back({std::span<const int32_t>(s.request.prompt).subspan(s.prefilled, n), &s.cache,
-                     last ? s.logits.data() : nullptr});
+                     last ? s.logits.data() : nullptr, {}});
+    s.drew_from_top = false;
     in_batch.push_back(&s);
   }
   model_.forward_batch(batch);
@@ -278,6 +287,7 @@ void BatchScheduler::share_prompt(Slot& owner, const std::function<void(Generati
     other->cache.clear();
     other->cache.attach_prefix(prompt);
     other->logits = owner.logits;
+    other->drew_from_top = false;
     other->prefilled = owner.prefilled;
     other->started = owner.started;
     other->state = Slot::State::kDecode;
@@ -334,6 +344,10 @@ void BatchScheduler::draw_tokens(std::span<Slot* const> slots) {
     Slot& s = *slots[static_cast<size_t>(i)];
     if (s.generation->finished()) {
       s.drawn = -1;
+      continue;
+    }
+    if (s.drew_from_top) {
+      s.drawn = s.generation->draw_top(s.top);
       continue;
     }
     const bool wants_logprobs = s.request.top_logprobs >= 0;
