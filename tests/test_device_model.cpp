@@ -16,6 +16,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -411,6 +413,34 @@ TEST(DeviceCli, GpuLayersSplitTheModelBetweenCpuAndDevice) {
   const Output advised = run_ringlm(run_args("openclsmall", small_context + "--gpu-layers " + std::to_string(fits), shims));
   ASSERT_EQ(advised.exit_code, 0) << advised.err;
   EXPECT_EQ(advised.out, cpu.out);
+}
+
+// `batch --parallel` on the device: its batched steps (prompts and decode, each sequence's greedy
+// pick read back alone) write, request for request, the CPU's fp32 greedy texts.
+TEST(DeviceCli, BatchOnTheDeviceWritesTheCpusTexts) {
+  const std::string in = work_dir() + "/batch_in.jsonl";
+  {
+    std::ofstream f(in);
+    f << R"({"id":"a","prompt":"The capital of France is","max_tokens":10})" << "\n"
+      << R"({"id":"b","prompt":"One, two, three, four,","max_tokens":10})" << "\n"
+      << R"({"id":"c","prompt":"The quick brown fox jumps over the lazy dog because","max_tokens":10})" << "\n";
+  }
+  std::map<std::string, std::vector<std::string>> texts;
+  for (const std::string device : {"cpu", "opencl"}) {
+    const std::string out = work_dir() + "/batch_out_" + device + ".jsonl";
+    std::filesystem::remove(out);
+    const Output o = run_ringlm("batch -m " + std::string(RINGLM_TEST_MODEL) + " -t 1 --temp 0 --compute fp32 --parallel 3 -i " +
+                                in + " -o " + out + " --device " + device + " --plugin-dir " + plugin_dir());
+    ASSERT_EQ(o.exit_code, 0) << o.err;
+    std::ifstream f(out);
+    for (std::string line; std::getline(f, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      texts[device].push_back(j.at("id").get<std::string>() + ": " + j.at("text").get<std::string>());
+    }
+    std::sort(texts[device].begin(), texts[device].end());
+  }
+  ASSERT_EQ(texts["cpu"].size(), 3u);
+  EXPECT_EQ(texts["opencl"], texts["cpu"]);
 }
 
 // Gemma 3 270M Q4_K_M (Q5_0, Q4_K, Q6_K and Q8_0 weights, the mix of the files people download)
