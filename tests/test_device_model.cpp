@@ -366,7 +366,7 @@ nlohmann::json run_stats(const Output& o) {
 // once, the greedy pick down, and waits once. A device too small for the model says which
 // weight did not fit and how many layers did, and that many then run.
 TEST(DeviceCli, GpuLayersSplitTheModelBetweenCpuAndDevice) {
-  const std::string small_context = "-c 40 --compute fp32 ";
+  const std::string small_context = "-c " + std::to_string(test::scaled(40, 24)) + " --compute fp32 ";
   const Output cpu = run_ringlm(run_args("cpu", small_context));
   ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
   for (const int gpu_layers : {0, 15}) {
