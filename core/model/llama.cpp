@@ -271,7 +271,6 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
     *slot = at;
     at += values.size();
   }
-
 }
 
 LlamaModel::~LlamaModel() = default;
