@@ -354,10 +354,12 @@ TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpuWithPluginsOfEveryAbi) {
   EXPECT_THAT(device.err, Not(HasSubstr("196608")));  // SmolLM2's 49,152 logits
 }
 
-// The JSON line `run --stats json` writes last on stderr.
+// The JSON line `run --stats json` writes on stderr (under LeakSanitizer, its report of the
+// suppressions it used may follow).
 nlohmann::json run_stats(const Output& o) {
   const size_t at = o.err.rfind("\n{");
-  return nlohmann::json::parse(o.err.substr(at == std::string::npos ? 0 : at + 1));
+  const size_t begin = at == std::string::npos ? 0 : at + 1;
+  return nlohmann::json::parse(o.err.substr(begin, o.err.find('\n', begin) - begin));
 }
 
 // --gpu-layers (llama.cpp's -ngl): none, half or all of SmolLM2's 30 layers on the device, with a
