@@ -450,7 +450,7 @@ TEST(DeviceCli, BatchOnTheDeviceWritesTheCpusTexts) {
 // there too, and the text is the CPU's (both fp32).
 TEST(DeviceCli, GemmaQ4KMRunsWholeOnTheDeviceAndWritesTheCpusText) {
   const std::string args = "run -m " + std::string(RINGLM_GEMMA3_MODEL) +
-                           " -t 2 --temp 0 -n 12 -p 'The capital of France is' --compute fp32 --plugin-dir " +
+                           " -t 2 --temp 0 -n " + std::to_string(test::scaled(12, 8)) + " -p 'The capital of France is' --compute fp32 --plugin-dir " +
                            plugin_dir();
   const Output cpu = run_ringlm(args + " --device cpu");
   const Output device = run_ringlm(args + " --device opencl --stats json");
