@@ -36,6 +36,7 @@
 
 #include "backends/cpu/attention.h"
 #include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/quantize_acts.h"
 #include "backends/plugin_api.h"
 #include "quant/formats.h"
 #include "quant/quantize.h"
@@ -479,6 +480,37 @@ TEST_P(Matmul, FusedNormAndResidualMatchTheCpu) {
 // GEMV's fusions: against the CPU backend for the input's norm with the residual, q/k/v parts and
 // gate|up with the activation, over odd row counts and formats of both block sizes. A CPU device
 // says no (RINGLM_OP_GEMM) and refuses the call: it multiplies prompts by the GEMV's chunks.
+// Whether the plugin's GEMM quantizes x to int8, as RINGLM_OPENCL_INT8 tells it (the
+// test_opencl_plugin.gpu_int8 entry runs this file's GEMM tests so on PoCL, whose dot4_add is
+// the four multiply-adds that PTX dp4a replaces on NVIDIA).
+bool int8_gemm() {
+  const char* forced = std::getenv("RINGLM_OPENCL_INT8");
+  return forced != nullptr && std::string(forced) == "1";
+}
+
+// x ([m][k]) as the int8 GEMM multiplies it: normalised as the CPU normalises (with a norm), then
+// quantized per 32 as the CPU's int8 kernels quantize (quantize_acts) and turned back into floats.
+std::vector<float> int8_rounded(const std::vector<float>& x, int64_t m, int64_t k, const float* norm) {
+  std::vector<float> normed(x.size());
+  for (int64_t r = 0; r < m; ++r) {
+    const MatmulInput in{x.data(), m, norm, 1e-5f};
+    const float* row = normalized_input_row(in, r, k, &normed[static_cast<size_t>(r * k)]);
+    if (row != &normed[static_cast<size_t>(r * k)]) std::copy(row, row + k, &normed[static_cast<size_t>(r * k)]);
+  }
+  std::vector<int8_t> q(x.size());
+  std::vector<float> d(x.size() / 32), s(x.size() / 32);
+  cpu::quantize_acts(normed.data(), 0, m, cpu::QuantizedActs{q.data(), d.data(), s.data(), k});
+  std::vector<float> out(x.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = d[i / 32] * static_cast<float>(q[i]);
+  return out;
+}
+
+// matmul2 past 16 rows (a prompt chunk) takes the tiled GEMM in its GPU shape, and a CPU device
+// refuses it: each fusion, several M and odd N (tile edges inside a part) against the CPU's fp32
+// products. On the int8 path the reference multiplies x as quantized per 32 (int8_rounded), so
+// the integer dots are checked exactly up to float summation: 1e-4 without a norm; with one, a
+// code may round the other way when the device's 1 / RMS differs from the CPU's in the last
+// bit, so 2e-3 (a wrong scale, min or code is off by the result's own size).
 TEST(OpenclPlugin, Matmul2GemmTakesPromptChunksOnAGpu) {
   REQUIRE_PLUGIN();
   std::mt19937 rng(41);
@@ -491,9 +523,10 @@ TEST(OpenclPlugin, Matmul2GemmTakesPromptChunksOnAGpu) {
   gemm.k = 256;
   const bool takes = api().supports(ctx(), &gemm) != 0;
   EXPECT_EQ(takes, gpu_kernel_shapes());
-  for (const TensorType type : {TensorType::Q4_0, TensorType::Q4_K, TensorType::Q6_K}) {
-    const int64_t k = 512;
-    const std::vector<int64_t> rows = {130, 64, 64};  // q, k, v; gate and up: the first two of 130
+  const bool int8 = int8_gemm();
+  for (const TensorType type : {TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4_K, TensorType::Q6_K}) {
+    const int64_t k = block_weights(type) == 256 ? 512 : 416;  // 416: 13 blocks of 32
+    const std::vector<int64_t> rows = {130, 33, 64};  // q, k, v; gate and up: the first two of 130
     std::vector<Weights> w;
     std::vector<std::unique_ptr<DeviceBuffer>> wd;
     std::vector<std::unique_ptr<PreparedWeight>> prepared;
@@ -507,29 +540,40 @@ TEST(OpenclPlugin, Matmul2GemmTakesPromptChunksOnAGpu) {
     auto up_prepared = cpu->prepare({"up", type, rows[0], k, up[0].bytes.data()});
     const std::vector<float> norm = random_floats(static_cast<size_t>(k), rng, 1.5f);
     DeviceBuffer nd(norm);
-    for (const int64_t m : {17, 64, 100}) {
-      SCOPED_TRACE(std::string(type_traits(static_cast<uint32_t>(type))->name) + " m=" + std::to_string(m));
+    std::vector<int64_t> ms = {17, 100};
+    if (type == TensorType::Q4_0) ms.push_back(512);
+    for (const int64_t m : ms) {
+      SCOPED_TRACE(std::string(type_traits(static_cast<uint32_t>(type))->name) + " m=" + std::to_string(m) +
+                   (int8 ? " int8" : " fp32"));
       const std::vector<float> x = random_floats(static_cast<size_t>(m * k), rng, 2.0f);
       DeviceBuffer xd(x, 8);
-      const MatmulInput normed{x.data(), m, norm.data(), 1e-5f};
-      std::vector<std::vector<float>> want(3), y0(3);
+      // The CPU's fp32 product of weight `wp` and x, with or without the norm, as the GEMM sees x.
+      const auto reference = [&](const PreparedWeight* wp, int64_t n, bool with_norm) {
+        std::vector<float> out(static_cast<size_t>(m * n));
+        const std::vector<float> rounded = int8 ? int8_rounded(x, m, k, with_norm ? norm.data() : nullptr) : x;
+        const MatmulInput in{rounded.data(), m, with_norm && !int8 ? norm.data() : nullptr, 1e-5f};
+        const PreparedWeight* one[] = {wp};
+        float* const outs[] = {out.data()};
+        cpu->matmul_many(one, in, outs);
+        return out;
+      };
+      std::vector<std::vector<float>> y0(3);
       std::vector<std::unique_ptr<DeviceBuffer>> yd;
       for (size_t i = 0; i < 3; ++i) {
-        want[i].resize(static_cast<size_t>(m * rows[i]));
-        y0[i] = random_floats(want[i].size(), rng, 3.0f);
-        const PreparedWeight* one[] = {prepared[i].get()};
-        float* const out[] = {want[i].data()};
-        cpu->matmul_many(one, normed, out);
+        y0[i] = random_floats(static_cast<size_t>(m * rows[i]), rng, 3.0f);
         yd.push_back(std::make_unique<DeviceBuffer>(y0[i], 16));
       }
-      const auto expect_close = [&](const std::vector<float>& got, const std::vector<float>& expected, const char* what) {
+      const auto expect_close = [&](const std::vector<float>& got, const std::vector<float>& expected, bool with_norm,
+                                    const char* what) {
         double worst = 0.0, scale = 0.0;
         for (size_t i = 0; i < got.size(); ++i) {
           worst = std::max(worst, std::fabs(static_cast<double>(got[i]) - expected[i]));
           scale = std::max(scale, std::fabs(static_cast<double>(expected[i])));
         }
-        EXPECT_LE(worst, 1e-4 * (1.0 + scale)) << what;
+        EXPECT_LE(worst, (int8 && with_norm ? 2e-3 : 1e-4) * (1.0 + scale)) << what;
       };
+      ringlm_counters before{}, after{};
+      ASSERT_EQ(api().counters(ctx(), &before), RINGLM_OK);
       ringlm_matmul2_args args{};
       args.base = ringlm_matmul_args{wd[0]->get(), static_cast<uint32_t>(type), rows[0], k, xd.get(), 8,
                                      yd[0]->get(), 16, m};
@@ -543,32 +587,35 @@ TEST(OpenclPlugin, Matmul2GemmTakesPromptChunksOnAGpu) {
         continue;
       }
       ASSERT_EQ(status, RINGLM_OK) << last_error();
-      std::vector<float> residual = want[0];
+      ASSERT_EQ(api().counters(ctx(), &after), RINGLM_OK);
+      EXPECT_EQ(after.launches - before.launches, int8 ? 2u : 1u) << "the int8 path quantizes x, then multiplies";
+      std::vector<float> residual = reference(prepared[0].get(), rows[0], true);
       for (size_t i = 0; i < residual.size(); ++i) residual[i] += y0[0][i];
-      expect_close(yd[0]->download<float>(residual.size(), 16), residual, "norm + residual");
+      expect_close(yd[0]->download<float>(residual.size(), 16), residual, true, "norm + residual");
 
-      // q, k and v of one input in one launch.
+      // q, k and v of one input in one launch, without a norm.
       args.accumulate = 0;
+      args.rms_weight = nullptr;
       args.n_more = 2;
       for (size_t i = 1; i < 3; ++i) args.more[i - 1] = ringlm_matmul_part{wd[i]->get(), rows[i], yd[i]->get(), 16};
       ASSERT_EQ(api().matmul2(ctx(), &args), RINGLM_OK) << last_error();
-      for (size_t i = 0; i < 3; ++i) expect_close(yd[i]->download<float>(want[i].size(), 16), want[i], "parts");
-
-      // gate|up with SiLU.
-      std::vector<float> up_want(want[0].size());
-      {
-        const PreparedWeight* one[] = {up_prepared.get()};
-        float* const out[] = {up_want.data()};
-        cpu->matmul_many(one, normed, out);
+      for (size_t i = 0; i < 3; ++i) {
+        expect_close(yd[i]->download<float>(y0[i].size(), 16), reference(prepared[i].get(), rows[i], false), false,
+                     "parts");
       }
-      std::vector<float> glu_want(want[0].size());
-      for (size_t i = 0; i < glu_want.size(); ++i) glu_want[i] = want[0][i] / (1.0f + std::exp(-want[0][i])) * up_want[i];
+
+      // gate|up with SiLU, after the norm.
+      const std::vector<float> gate = reference(prepared[0].get(), rows[0], true);
+      const std::vector<float> up_want = reference(up_prepared.get(), rows[0], true);
+      std::vector<float> glu_want(gate.size());
+      for (size_t i = 0; i < glu_want.size(); ++i) glu_want[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up_want[i];
+      args.rms_weight = nd.get();
       args.n_more = 1;
       args.more[0] = ringlm_matmul_part{upd.get(), rows[0], nullptr, 0};
       args.glu = 1;
       args.activation = RINGLM_ACT_SILU;
       ASSERT_EQ(api().matmul2(ctx(), &args), RINGLM_OK) << last_error();
-      expect_close(yd[0]->download<float>(glu_want.size(), 16), glu_want, "gate|up");
+      expect_close(yd[0]->download<float>(glu_want.size(), 16), glu_want, true, "gate|up");
       args.glu = 0;
     }
   }
@@ -836,6 +883,8 @@ INSTANTIATE_TEST_SUITE_P(
         // Prefill chunks: from an empty cache, and on top of a ring.
         AttentionCase{4, 2, 64, 40, 40, 64, false, false}, AttentionCase{8, 2, 128, 900, 33, 1200, true, true},
         AttentionCase{4, 4, 64, 500, 17, 520, false, true},
+        // Gemma 3's head_dim 256 (a tile of fewer queries where local memory is 48 KiB).
+        AttentionCase{4, 1, 256, 60, 20, 80, true, true},
         // Decode with few heads over a long cache: split over the keys on a GPU (flash-decoding),
         // a split of empty slots only in the last.
         AttentionCase{2, 1, 64, 1500, 1, 2000, true, true}, AttentionCase{3, 1, 128, 1200, 1, 1300, false, false},
@@ -1559,7 +1608,7 @@ INSTANTIATE_TEST_SUITE_P(Formats, GetRows,
 TEST(OpenclPlugin, Attention2WindowMatchesReference) {
   REQUIRE_PLUGIN();
   std::mt19937 rng(17);
-  const int n_head = 4, n_head_kv = 2, hd = 32, n_keys = 40, n_tokens = 6, n_slots = 48;
+  const int n_head = 4, n_head_kv = 2, hd = 32, n_keys = 40, n_tokens = 12, n_slots = 48;
   const int kv_width = n_head_kv * hd, q_width = n_head * hd, row_stride = kv_width + 4;
   const int64_t q_pos0 = n_keys - n_tokens;
   std::vector<int> slot_of(n_slots);

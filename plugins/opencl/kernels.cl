@@ -65,12 +65,6 @@ int block_weights(const int format) {
 // The 16 values of IQ4_NL's and IQ4_XS's 4-bit codes (quant/formats.h, kIq4nlValues).
 __constant float kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-float16 iq4_values(const uchar16 codes) {
-  float v[16];
-  for (int i = 0; i < 16; ++i) v[i] = kIq4Values[((uchar*)&codes)[i]];
-  return vload16(0, v);
-}
-
 // Bits `first` .. first + 15 of qh, each as 16 (the fifth bit of a 5-bit code) or 0.
 uint16 fifth_bits(const uint qh, const int first) {
   const uint16 shifts = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) + (uint)first;
@@ -85,10 +79,34 @@ float2 scale_min_k4(const int j, __global const uchar* q) {
   return (float2)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4));
 }
 
-// Block j (0..7) of a super-block at s, dequantized as quant/formats.cpp does.
-WeightBlock load_sub_block(const int format, __global const uchar* s, const int j) {
-  WeightBlock b;
-  b.scale = 1.0f;
+// 32 consecutive weights of a quantized row as integer codes (int8: every format's codes fit):
+// w[i] = (i < 16 ? scale_lo * lo[i] : scale_hi * hi[i - 16]) + min. Q6_K's two halves have scales
+// of their own; every other format's scale_lo and scale_hi are equal. The integer GEMM multiplies
+// the codes by int8 activations; load_block turns them into floats.
+typedef struct {
+  char16 lo;
+  char16 hi;
+  float scale_lo, scale_hi;
+  float min;  // 0 for the formats of signed codes (Q4_0, Q5_0, Q8_0, Q6_K, IQ4_NL, IQ4_XS)
+} CodeBlock;
+
+// The formats whose weights are one scale times the codes: load_block keeps the codes (as floats)
+// and the scale multiplies a block's dot product once. (Q6_K has two scales, the others a min.)
+int codes_scaled_once(const int format) {
+  return format == FMT_Q4_0 || format == FMT_Q5_0 || format == FMT_Q8_0 || format == FMT_IQ4_NL ||
+         format == FMT_IQ4_XS;
+}
+
+char16 iq4_codes(const uchar16 nibbles) {
+  char v[16];
+  for (int i = 0; i < 16; ++i) v[i] = (char)kIq4Values[((uchar*)&nibbles)[i]];
+  return vload16(0, v);
+}
+
+// Block j (0..7) of a super-block at s, as quant/formats.cpp dequantizes it.
+CodeBlock load_sub_block_codes(const int format, __global const uchar* s, const int j) {
+  CodeBlock b;
+  b.min = 0.0f;
   if (format == FMT_Q4_K || format == FMT_Q5_K) {
     // {fp16 d; fp16 dmin; 12 bytes of scales and mins; (Q5_K: 32 bytes qh;) nibbles}: block j is
     // the low (j even) or high nibbles of bytes 32 (j / 2) .. + 31; Q5_K's fifth bit of element l
@@ -97,15 +115,17 @@ WeightBlock load_sub_block(const int format, __global const uchar* s, const int 
     const float2 sm = scale_min_k4(j, s + 4);
     __global const uchar* qs = s + (format == FMT_Q5_K ? 48 : 16) + 32 * (j / 2);
     const uchar16 a = vload16(0, qs), c = vload16(1, qs);
-    uint16 lo = convert_uint16(j % 2 ? a >> (uchar16)4 : a & (uchar16)0x0F);
-    uint16 hi = convert_uint16(j % 2 ? c >> (uchar16)4 : c & (uchar16)0x0F);
+    uchar16 lo = j % 2 ? a >> (uchar16)4 : a & (uchar16)0x0F;
+    uchar16 hi = j % 2 ? c >> (uchar16)4 : c & (uchar16)0x0F;
     if (format == FMT_Q5_K) {
-      const uint16 h0 = convert_uint16(vload16(0, s + 16)), h1 = convert_uint16(vload16(1, s + 16));
-      lo |= ((h0 >> (uint)j) & (uint16)1) << (uint16)4;
-      hi |= ((h1 >> (uint)j) & (uint16)1) << (uint16)4;
+      const uchar16 h0 = vload16(0, s + 16), h1 = vload16(1, s + 16);
+      lo |= ((h0 >> (uchar)j) & (uchar16)1) << (uchar16)4;
+      hi |= ((h1 >> (uchar)j) & (uchar16)1) << (uchar16)4;
     }
-    b.lo = d * sm.x * convert_float16(lo) - dmin * sm.y;
-    b.hi = d * sm.x * convert_float16(hi) - dmin * sm.y;
+    b.lo = as_char16(lo);
+    b.hi = as_char16(hi);
+    b.scale_lo = b.scale_hi = d * sm.x;
+    b.min = -(dmin * sm.y);
   } else if (format == FMT_Q6_K) {
     // {ql[128]; qh[64]; int8 scales[16]; fp16 d}: each half of 128 weights (n) holds four
     // blocks t: low nibbles of ql[l] (t 0) and ql[32 + l] (t 1), high nibbles of those (t 2, 3),
@@ -116,77 +136,89 @@ WeightBlock load_sub_block(const int format, __global const uchar* s, const int 
     __global const char* sc = (__global const char*)(s + 192) + 8 * n + 2 * t;
     const float d = vload_half(0, (__global const half*)(s + 208));
     const uchar16 l0 = vload16(0, ql), l1 = vload16(1, ql);
-    const uint16 h0 = convert_uint16(vload16(0, qh)), h1 = convert_uint16(vload16(1, qh));
-    const uint16 n0 = convert_uint16(t >= 2 ? l0 >> (uchar16)4 : l0 & (uchar16)0x0F);
-    const uint16 n1 = convert_uint16(t >= 2 ? l1 >> (uchar16)4 : l1 & (uchar16)0x0F);
-    const uint shift = 2 * t;
-    b.lo = d * sc[0] * (convert_float16(n0 | (((h0 >> shift) & (uint16)3) << (uint16)4)) - 32.0f);
-    b.hi = d * sc[1] * (convert_float16(n1 | (((h1 >> shift) & (uint16)3) << (uint16)4)) - 32.0f);
+    const uchar16 h0 = vload16(0, qh), h1 = vload16(1, qh);
+    const uchar16 n0 = t >= 2 ? l0 >> (uchar16)4 : l0 & (uchar16)0x0F;
+    const uchar16 n1 = t >= 2 ? l1 >> (uchar16)4 : l1 & (uchar16)0x0F;
+    const uchar shift = 2 * t;
+    b.lo = as_char16(n0 | (((h0 >> shift) & (uchar16)3) << (uchar16)4)) - (char16)32;
+    b.hi = as_char16(n1 | (((h1 >> shift) & (uchar16)3) << (uchar16)4)) - (char16)32;
+    b.scale_lo = d * sc[0];
+    b.scale_hi = d * sc[1];
   } else {  // FMT_IQ4_XS: {fp16 d; uint16 scales_h; scales_l[4]; nibbles[128]}, 6-bit scale ls per block
     const float d = vload_half(0, (__global const half*)s);
     const uint scales_h = s[2] | (s[3] << 8);
     const int ls = ((s[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((scales_h >> (2 * j)) & 3) << 4);
     const uchar16 q = vload16(0, s + 8 + 16 * j);
-    b.lo = iq4_values(q & (uchar16)0x0F);
-    b.hi = iq4_values(q >> (uchar16)4);
-    b.scale = d * (float)(ls - 32);
+    b.lo = iq4_codes(q & (uchar16)0x0F);
+    b.hi = iq4_codes(q >> (uchar16)4);
+    b.scale_lo = b.scale_hi = d * (float)(ls - 32);
   }
   return b;
 }
 
-// Block b (32 weights from column 32 b) of a row stored in blocks of block_bytes bytes.
-WeightBlock load_block(const int format, __global const uchar* row, const int b, const int block_bytes) {
-  if (block_weights(format) == 256) return load_sub_block(format, row + (ulong)(b / 8) * block_bytes, b % 8);
+// Block b (32 weights from column 32 b) of a quantized row stored in blocks of block_bytes bytes.
+CodeBlock load_codes(const int format, __global const uchar* row, const int b, const int block_bytes) {
+  if (block_weights(format) == 256) return load_sub_block_codes(format, row + (ulong)(b / 8) * block_bytes, b % 8);
   __global const uchar* p = row + (ulong)b * block_bytes;
-  WeightBlock b32;
-  b32.scale = 1.0f;
+  CodeBlock c;
+  c.min = 0.0f;
+  c.scale_lo = c.scale_hi = vload_half(0, (__global const half*)p);
   if (format == FMT_Q4_0) {  // {fp16 d; 16 bytes: low nibbles = elements 0..15, high = 16..31}, w = d (q - 8)
     const uchar16 q = vload16(0, p + 2);
-    b32.lo = convert_float16(q & (uchar16)0x0F) - 8.0f;
-    b32.hi = convert_float16(q >> (uchar16)4) - 8.0f;
-    b32.scale = vload_half(0, (__global const half*)p);
+    c.lo = as_char16(q & (uchar16)0x0F) - (char16)8;
+    c.hi = as_char16(q >> (uchar16)4) - (char16)8;
   } else if (format == FMT_Q4_1) {  // {fp16 d; fp16 m; nibbles as Q4_0}, w = d q + m
-    const float d = vload_half(0, (__global const half*)p);
-    const float m = vload_half(1, (__global const half*)p);
     const uchar16 q = vload16(0, p + 4);
-    b32.lo = d * convert_float16(q & (uchar16)0x0F) + m;
-    b32.hi = d * convert_float16(q >> (uchar16)4) + m;
+    c.lo = as_char16(q & (uchar16)0x0F);
+    c.hi = as_char16(q >> (uchar16)4);
+    c.min = vload_half(1, (__global const half*)p);
   } else if (format == FMT_Q5_0 || format == FMT_Q5_1) {
     // {fp16 d; (Q5_1: fp16 m;) uint32 qh; nibbles as Q4_0}: element i's fifth bit is bit i of qh.
     // Q5_0: w = d (q - 16); Q5_1: w = d q + m.
     const int h = format == FMT_Q5_1 ? 4 : 2;
     const uint qh = load_u32(p + h);
     const uchar16 q = vload16(0, p + h + 4);
-    const float16 lo = convert_float16(convert_uint16(q & (uchar16)0x0F) | fifth_bits(qh, 0));
-    const float16 hi = convert_float16(convert_uint16(q >> (uchar16)4) | fifth_bits(qh, 16));
-    const float d = vload_half(0, (__global const half*)p);
+    c.lo = convert_char16(convert_uint16(q & (uchar16)0x0F) | fifth_bits(qh, 0));
+    c.hi = convert_char16(convert_uint16(q >> (uchar16)4) | fifth_bits(qh, 16));
     if (format == FMT_Q5_0) {
-      b32.lo = lo - 16.0f;
-      b32.hi = hi - 16.0f;
-      b32.scale = d;
+      c.lo -= (char16)16;
+      c.hi -= (char16)16;
     } else {
-      const float m = vload_half(1, (__global const half*)p);
-      b32.lo = d * lo + m;
-      b32.hi = d * hi + m;
+      c.min = vload_half(1, (__global const half*)p);
     }
   } else if (format == FMT_Q8_0) {  // {fp16 d; int8 q[32]}, w = d q
     __global const char* q = (__global const char*)(p + 2);
-    b32.lo = convert_float16(vload16(0, q));
-    b32.hi = convert_float16(vload16(1, q));
-    b32.scale = vload_half(0, (__global const half*)p);
-  } else if (format == FMT_IQ4_NL) {  // {fp16 d; nibbles as Q4_0}, w = d kIq4Values[q]
+    c.lo = vload16(0, q);
+    c.hi = vload16(1, q);
+  } else {  // FMT_IQ4_NL: {fp16 d; nibbles as Q4_0}, w = d kIq4Values[q]
     const uchar16 q = vload16(0, p + 2);
-    b32.lo = iq4_values(q & (uchar16)0x0F);
-    b32.hi = iq4_values(q >> (uchar16)4);
-    b32.scale = vload_half(0, (__global const half*)p);
-  } else if (format == FMT_F16) {
-    b32.lo = vload_half16(0, (__global const half*)p);
-    b32.hi = vload_half16(1, (__global const half*)p);
-  } else {  // FMT_F32
-    b32.lo = vload16(0, (__global const float*)p);
-    b32.hi = vload16(1, (__global const float*)p);
+    c.lo = iq4_codes(q & (uchar16)0x0F);
+    c.hi = iq4_codes(q >> (uchar16)4);
   }
-  return b32;
+  return c;
+}
+
+// Block b (32 weights from column 32 b) of a row stored in blocks of block_bytes bytes: the codes
+// and one scale for the formats codes_scaled_once names, else the weights themselves.
+WeightBlock load_block(const int format, __global const uchar* row, const int b, const int block_bytes) {
+  WeightBlock w;
+  w.scale = 1.0f;
+  if (format == FMT_F16 || format == FMT_F32) {
+    __global const uchar* p = row + (ulong)b * block_bytes;
+    w.lo = format == FMT_F16 ? vload_half16(0, (__global const half*)p) : vload16(0, (__global const float*)p);
+    w.hi = format == FMT_F16 ? vload_half16(1, (__global const half*)p) : vload16(1, (__global const float*)p);
+    return w;
+  }
+  const CodeBlock c = load_codes(format, row, b, block_bytes);
+  w.lo = convert_float16(c.lo);
+  w.hi = convert_float16(c.hi);
+  if (codes_scaled_once(format)) {
+    w.scale = c.scale_lo;
+  } else {
+    w.lo = c.scale_lo * w.lo + c.min;
+    w.hi = c.scale_hi * w.hi + c.min;
+  }
+  return w;
 }
 
 // y[m][n] = sum_c x[m][c] W[n][c] for m < M (<= MAX_M), n < N, c < K (a multiple of 32): a flat
@@ -447,6 +479,30 @@ GEMV_KERNEL(gemv_iq4_xs, FMT_IQ4_XS, 136)
 #define GEMM_T 64        // a group's tile: GEMM_T rows of x by GEMM_T weight rows
 #define GEMM_LDS 33      // floats per tile row in local memory (32 columns; + 1 against bank conflicts)
 
+// Work-item (tx, ty)'s 4 x 4 sums of a GEMM tile into y: rows m0 + ty + 16 i of x, weight rows
+// n0 + tx + 16 j of the parts laid end to end (gemv_row), with glu's activation and accumulate's add.
+void gemm_store(float acc[4][4], float acc_up[4][4], const int m0, const int n0, const int M, const int format,
+                const int block_bytes, const int K, const int glu, const int activation, const int accumulate,
+                __global const uchar* W0, __global const uchar* W1, __global const uchar* W2, const int N0,
+                const int N1, const int N2, __global float* y0, __global float* y1, __global float* y2) {
+  const int tx = get_local_id(0), ty = get_local_id(1);
+  const int total = glu ? N0 : N0 + N1 + N2;
+  for (int i = 0; i < 4; ++i) {
+    const int m = m0 + ty + 16 * i;
+    if (m >= M) continue;
+    for (int j = 0; j < 4; ++j) {
+      const int n = n0 + tx + 16 * j;
+      if (n >= total) continue;
+      GemvRow g = gemv_row(n, format, block_bytes, K, glu, W0, W1, W2, N0, N1, y0, y1, y2);
+      if (g.n_out < 0) g.n_out = N2;
+      float sum = acc[i][j];
+      if (glu) sum = activation_of(activation, sum) * acc_up[i][j];
+      __global float* out = g.y + (ulong)m * g.n_out + g.row;
+      *out = accumulate ? *out + sum : sum;
+    }
+  }
+}
+
 // The product of matmul2 for M > MAX_M rows of x (a prompt chunk, a large batch), with the same
 // fusions as gemv_rows: the input's RMSNorm, the residual, up to three weights of one x, gate and
 // up with the activation. A 16 x 16 group computes a 64 x 64 tile of y, work-item (tx, ty) its
@@ -523,24 +579,173 @@ __kernel void gemm(__global const uchar* W0, __global const uchar* W1, __global 
     }
   }
 
-  for (int i = 0; i < 4; ++i) {
-    const int m = m0 + ty + 16 * i;
-    if (m >= M) continue;
-    for (int j = 0; j < 4; ++j) {
-      const int n = n0 + tx + 16 * j;
-      if (n >= total) continue;
-      GemvRow g = gemv_row(n, format, block_bytes, K, glu, W0, W1, W2, N0, N1, y0 + y0_off, y1 + y1_off, y2 + y2_off);
-      if (g.n_out < 0) g.n_out = N2;
-      float sum = acc[i][j], sum_up = acc_up[i][j];
-      if (has_norm) {
-        sum *= linv[ty + 16 * i];
-        sum_up *= linv[ty + 16 * i];
+  if (has_norm) {
+    for (int i = 0; i < 4; ++i) {
+      for (int j = 0; j < 4; ++j) {
+        acc[i][j] *= linv[ty + 16 * i];
+        acc_up[i][j] *= linv[ty + 16 * i];
       }
-      if (glu) sum = activation_of(activation, sum) * sum_up;
-      __global float* out = g.y + (ulong)m * g.n_out + g.row;
-      *out = accumulate ? *out + sum : sum;
     }
   }
+  gemm_store(acc, acc_up, m0, n0, M, format, block_bytes, K, glu, activation, accumulate, W0, W1, W2, N0, N1, N2,
+             y0 + y0_off, y1 + y1_off, y2 + y2_off);
+}
+
+// --- Integer GEMM: int8 activations times the weights' integer codes ----------------------------
+
+// a · b over the four int8 lanes of each, plus acc: NVIDIA's dp4a through inline PTX where the
+// host found NVIDIA's driver (DOT4_PTX), the integer dot product of cl_khr_integer_dot_product
+// where the compiler has it, else four multiply-adds (the reference, and what PoCL runs).
+int dot4_add(const int a, const int b, const int acc) {
+#if defined(DOT4_PTX)
+  int r;
+  asm volatile("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(acc));
+  return r;
+#elif defined(cl_khr_integer_dot_product) && defined(__opencl_c_integer_dot_product_input_4x8bit_packed)
+  return acc + dot_4x8packed_ss_int((uint)a, (uint)b);
+#else
+  const char4 x = as_char4(a), y = as_char4(b);
+  return acc + x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
+#endif
+}
+
+// Row m = get_group_id(0) of x (with has_norm RMS-normalised and scaled by norm_w first) quantized
+// per block of 32 as the CPU's int8 kernels do (backends/cpu/quantize_acts.h): d = max|x| / 127,
+// q = round-to-nearest-even(x * 127 / max|x|), s = d * (sum of the block's q). q: [M][K] int8;
+// ds: [M][K / 32] pairs (d, s) from pair ds_off on. The 1 / RMS sums squares in get_local_size(0) strided partials,
+// added in order by every work-item (no reduction tree: its barriers would sit in a loop).
+// partial: get_local_size(0) floats.
+__kernel void quantize_rows_q8(__global const float* x, const ulong x_off, const int K, __global const float* norm_w,
+                               const ulong norm_off, const float eps, const int has_norm, __global char* q,
+                               __global float* ds, const ulong ds_off, __local float* partial) {
+  const int m = get_group_id(0), tid = get_local_id(0), G = get_local_size(0);
+  __global const float* row = x + x_off + (ulong)m * K;
+  norm_w += norm_off;
+  float ss = 0.0f;
+  if (has_norm) {
+    for (int c = tid; c < K; c += G) ss += row[c] * row[c];
+  }
+  partial[tid] = ss;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  float inv_rms = 1.0f;
+  if (has_norm) {
+    float total = 0.0f;
+    for (int t = 0; t < G; ++t) total += partial[t];
+    inv_rms = 1.0f / sqrt(total / (float)K + eps);
+  }
+  for (int b = tid; b < K / BLOCK; b += G) {
+    float16 lo = vload16(0, row + b * BLOCK), hi = vload16(1, row + b * BLOCK);
+    if (has_norm) {
+      lo = lo * inv_rms * vload16(0, norm_w + b * BLOCK);
+      hi = hi * inv_rms * vload16(1, norm_w + b * BLOCK);
+    }
+    const float16 a = fmax(fabs(lo), fabs(hi));
+    const float8 a8 = fmax(a.lo, a.hi);
+    const float4 a4 = fmax(a8.lo, a8.hi);
+    const float amax = fmax(fmax(a4.x, a4.y), fmax(a4.z, a4.w));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const int16 qlo = convert_int16_rte(lo * inv), qhi = convert_int16_rte(hi * inv);
+    const int16 both = qlo + qhi;
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) sum += ((const int*)&both)[i];
+    __global char* qb = q + (ulong)m * K + b * BLOCK;
+    vstore16(convert_char16(qlo), 0, qb);
+    vstore16(convert_char16(qhi), 1, qb);
+    const float d = amax / 127.0f;
+    vstore2((float2)(d, d * (float)sum), ds_off + (ulong)m * (K / BLOCK) + b, ds);
+  }
+}
+
+#define GEMM_LDI 9  // ints per tile row of codes in local memory (8 words of 4 codes; + 1 against bank conflicts)
+
+// The GEMM of matmul2 on integers: x already quantized by quantize_rows_q8 (the norm folded in
+// there), the weights' blocks loaded as codes (load_codes), and per block of 32 and per pair
+// (x row, weight row) the integer dots of the two halves scaled once:
+//   y += dx (scale_lo dot_lo + scale_hi dot_hi) + min s.
+// The tiles and the epilogue are gemm's: a 16 x 16 group, a 64 x 64 tile of y, 4 x 4 per work-item.
+// lq, lw, lu: GEMM_T * GEMM_LDI ints; lxs: 2 GEMM_T floats (d, s per row); lws, lus: 3 GEMM_T
+// floats (scale_lo, scale_hi, min per weight row).
+__kernel void gemm_q8(__global const uchar* W0, __global const uchar* W1, __global const uchar* W2, const int N0,
+                      const int N1, const int N2, const int K, __global const int* q, __global const float2* ds,
+                      const ulong ds_off, const int M, __global float* y0, const ulong y0_off, __global float* y1, const ulong y1_off,
+                      __global float* y2, const ulong y2_off, const int accumulate, const int glu,
+                      const int activation, const int format, const int block_bytes, __local int* lq,
+                      __local int* lw, __local int* lu, __local float* lxs, __local float* lws, __local float* lus) {
+  const int tx = get_local_id(0), ty = get_local_id(1), tid = ty * 16 + tx;
+  const int m0 = get_group_id(1) * GEMM_T, n0 = get_group_id(0) * GEMM_T;
+  const int total = glu ? N0 : N0 + N1 + N2;
+  const int words = K / 4, blocks = K / BLOCK;
+  ds += ds_off;
+
+  const int stage_n = n0 + (tid % GEMM_T);
+  const bool stages_w = tid < GEMM_T, stages_up = glu && tid >= GEMM_T && tid < 2 * GEMM_T;
+  const GemvRow staged = gemv_row(stage_n < total ? stage_n : 0, format, block_bytes, K, glu, W0, W1, W2, N0, N1,
+                                  y0, y1, y2);
+
+  float acc[4][4], acc_up[4][4];
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 4; ++j) acc[i][j] = acc_up[i][j] = 0.0f;
+  }
+  for (int b = 0; b < blocks; ++b) {
+    barrier(CLK_LOCAL_MEM_FENCE);  // the previous block's tiles are read
+    for (int e = tid; e < GEMM_T * 8; e += 256) {
+      const int r = e / 8, w = e % 8;
+      lq[r * GEMM_LDI + w] = m0 + r < M ? q[(ulong)(m0 + r) * words + b * 8 + w] : 0;
+    }
+    if (tid < GEMM_T) {
+      const float2 xds = m0 + tid < M ? ds[(ulong)(m0 + tid) * blocks + b] : (float2)(0.0f, 0.0f);
+      lxs[2 * tid] = xds.x;
+      lxs[2 * tid + 1] = xds.y;
+    }
+    if (stages_w || stages_up) {
+      const int r = tid % GEMM_T;
+      __local int* dst = (stages_w ? lw : lu) + r * GEMM_LDI;
+      __local float* scales = (stages_w ? lws : lus) + 3 * r;
+      if (stage_n < total) {
+        const CodeBlock c = load_codes(format, stages_w ? staged.w : staged.up, b, block_bytes);
+        vstore4(as_int4(c.lo), 0, dst);
+        vstore4(as_int4(c.hi), 1, dst);
+        scales[0] = c.scale_lo;
+        scales[1] = c.scale_hi;
+        scales[2] = c.min;
+      } else {
+        vstore8((int8)0, 0, dst);
+        scales[0] = scales[1] = scales[2] = 0.0f;
+      }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    int xq[4][8];
+    for (int i = 0; i < 4; ++i) {
+      for (int w = 0; w < 8; ++w) xq[i][w] = lq[(ty + 16 * i) * GEMM_LDI + w];
+    }
+    for (int part = 0; part < (glu ? 2 : 1); ++part) {
+      __local const int* codes = part ? lu : lw;
+      __local const float* scales = part ? lus : lws;
+      for (int j = 0; j < 4; ++j) {
+        const int r = tx + 16 * j;
+        int wq[8];
+        for (int w = 0; w < 8; ++w) wq[w] = codes[r * GEMM_LDI + w];
+        const float s_lo = scales[3 * r], s_hi = scales[3 * r + 1], w_min = scales[3 * r + 2];
+        for (int i = 0; i < 4; ++i) {
+          int dot_lo = 0, dot_hi = 0;
+          for (int w = 0; w < 4; ++w) {
+            dot_lo = dot4_add(xq[i][w], wq[w], dot_lo);
+            dot_hi = dot4_add(xq[i][w + 4], wq[w + 4], dot_hi);
+          }
+          const int row = ty + 16 * i;
+          const float add = lxs[2 * row] * (s_lo * (float)dot_lo + s_hi * (float)dot_hi) + w_min * lxs[2 * row + 1];
+          if (part) {
+            acc_up[i][j] += add;
+          } else {
+            acc[i][j] += add;
+          }
+        }
+      }
+    }
+  }
+  gemm_store(acc, acc_up, m0, n0, M, format, block_bytes, K, glu, activation, accumulate, W0, W1, W2, N0, N1, N2,
+             y0 + y0_off, y1 + y1_off, y2 + y2_off);
 }
 
 // --- Attention --------------------------------------------------------------------------------
@@ -673,6 +878,117 @@ void attention_one(const int f16, __global const float* q, __global float* out, 
 
 ATTENTION_KERNEL(attention_f32, 0, float)
 ATTENTION_KERNEL(attention_f16, 1, half)
+
+// --- Tiled attention: prompts --------------------------------------------------------------------
+
+#define TILE_KEYS 16       // key slots per block of the tiled attention (its group's get_local_size(0))
+#define TILE_HD_MAX 256    // head_dim up to TILE_KEYS * 16: 16 output dimensions per work-item
+
+// attention_one for a tile of TQ = get_local_size(1) query tokens of one head at once (a prompt
+// chunk): query tokens TQ get_group_id(1) .. + TQ - 1, head h = get_group_id(0). Each block of
+// TILE_KEYS slots is read from global memory once per tile, not once per query: keys and values
+// go through local memory (lk, lv), as do the tile's queries (lq) and the block's scores (ls).
+// Work-item (t, r) scores slot j0 + t for query r; then, for the value side, it owns query r's
+// output dimensions t, t + TILE_KEYS, ... and reads the row's scores itself for the max and the
+// probabilities (each work-item of a row computing the same numbers in the same order, no
+// reduction). The visibility rule, the online softmax and the empty-query zeros are attention_one's.
+// Local memory: lq TQ * head_dim, lk and lv TILE_KEYS * head_dim, ls TQ * TILE_KEYS floats; lpos
+// TILE_KEYS ints.
+void attention_tile(const int f16, __global const float* q, __global float* out, __global const void* keys,
+                    __global const void* values, const long row_stride, __global const int* positions,
+                    const int n_slots, const int n_tokens, const long q_pos0, const int n_head, const int n_head_kv,
+                    const int head_dim, const float scale, const int window, __local float* lq, __local float* lk,
+                    __local float* lv, __local float* ls, __local int* lpos) {
+  const int h = get_group_id(0), t = get_local_id(0), r = get_local_id(1);
+  const int TQ = get_local_size(1), tid = r * TILE_KEYS + t, G = TILE_KEYS * TQ;
+  const int i = get_group_id(1) * TQ + r;  // this work-item's query token
+  const int g = h / (n_head / n_head_kv);
+  const long pos = q_pos0 + i;
+  const long oldest = window > 0 ? pos - window + 1 : 0;
+  const bool live = i < n_tokens;
+  const ulong kv_col = (ulong)g * head_dim;
+
+  for (int e = tid; e < TQ * head_dim; e += G) {
+    const int rr = e / head_dim, d = e % head_dim, ii = get_group_id(1) * TQ + rr;
+    lq[e] = ii < n_tokens ? q[((ulong)ii * n_head + h) * head_dim + d] : 0.0f;
+  }
+  // The tile's latest query position bounds the slots any of its queries sees.
+  const long tile_last = q_pos0 + min((long)(get_group_id(1) * TQ + TQ), (long)n_tokens) - 1;
+
+  float m_run = -INFINITY, l = 0.0f;
+  float acc[TILE_HD_MAX / TILE_KEYS];
+  for (int u = 0; u < TILE_HD_MAX / TILE_KEYS; ++u) acc[u] = 0.0f;
+
+  for (int j0 = 0; j0 < n_slots; j0 += TILE_KEYS) {
+    const int n_block = min(TILE_KEYS, n_slots - j0);
+    barrier(CLK_LOCAL_MEM_FENCE);  // the previous block's readers are done (and lq is written)
+    if (tid < TILE_KEYS) lpos[tid] = tid < n_block ? positions[j0 + tid] : -1;
+    for (int e = tid; e < n_block * head_dim; e += G) {
+      const int jj = e / head_dim, d = e % head_dim;
+      const ulong at = (ulong)(j0 + jj) * row_stride + kv_col + d;
+      lk[e] = load_kv(f16, keys, at);
+      lv[e] = load_kv(f16, values, at);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    // A block whose slots are all empty or later than every query of the tile: nothing to do
+    // (the same answer in every work-item, so the skip is uniform).
+    bool any = false;
+    for (int jj = 0; jj < n_block; ++jj) any = any || (lpos[jj] >= 0 && lpos[jj] <= tile_last);
+    if (!any) continue;
+
+    float s = -INFINITY;
+    const int p = lpos[t];
+    if (live && t < n_block && p >= 0 && p <= pos && p >= oldest) {
+      float dot_qk = 0.0f;
+      for (int c = 0; c < head_dim; c += 4) dot_qk += dot(vload4(0, lq + r * head_dim + c), vload4(0, lk + t * head_dim + c));
+      s = dot_qk * scale;
+    }
+    ls[tid] = s;
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    __local const float* row = ls + r * TILE_KEYS;
+    float block_max = -INFINITY;
+    for (int jj = 0; jj < n_block; ++jj) block_max = fmax(block_max, row[jj]);
+    // Branch-free from here (PoCL miscompiles work-items that leave a barrier loop's iteration
+    // early on their own): a query that sees nothing here keeps its state (rescale 1, weights 0).
+    const bool seen = block_max != -INFINITY;
+    const float m_new = seen ? fmax(m_run, block_max) : m_run;
+    const float rescale = seen ? exp(m_run - m_new) : 1.0f;  // exp(-inf) = 0: nothing visible before
+    m_run = m_new;
+    l *= rescale;
+    for (int u = 0; u < TILE_HD_MAX / TILE_KEYS; ++u) acc[u] *= rescale;
+    for (int jj = 0; jj < n_block; ++jj) {
+      const bool visible = row[jj] != -INFINITY;
+      const float pj = visible ? exp(row[jj] - m_new) : 0.0f;
+      l += pj;
+      for (int u = 0; u < TILE_HD_MAX / TILE_KEYS; ++u) {
+        const int d = t + u * TILE_KEYS;
+        // select, not a product: an empty slot's value may be garbage (NaN)
+        acc[u] += visible && d < head_dim ? pj * lv[jj * head_dim + min(d, head_dim - 1)] : 0.0f;
+      }
+    }
+  }
+  if (!live) return;
+  const ulong q_row = ((ulong)i * n_head + h) * head_dim;
+  for (int u = 0; u < TILE_HD_MAX / TILE_KEYS; ++u) {
+    const int d = t + u * TILE_KEYS;
+    if (d < head_dim) out[q_row + d] = l > 0.0f ? acc[u] / l : 0.0f;
+  }
+}
+
+#define ATTENTION_TILE_KERNEL(name, f16, kv_type)                                                                     \
+  __kernel void name(__global const float* q, const ulong q_off, __global float* out, const ulong out_off,            \
+                     __global const kv_type* keys, const ulong k_off, __global const kv_type* values,                 \
+                     const ulong v_off, const long row_stride, __global const int* positions, const int n_slots,      \
+                     const int n_tokens, const long q_pos0, const int n_head, const int n_head_kv,                     \
+                     const int head_dim, const float scale, const int window, __local float* lq, __local float* lk,  \
+                     __local float* lv, __local float* ls, __local int* lpos) {                                        \
+    attention_tile(f16, q + q_off, out + out_off, keys + k_off, values + v_off, row_stride, positions, n_slots,      \
+                   n_tokens, q_pos0, n_head, n_head_kv, head_dim, scale, window, lq, lk, lv, ls, lpos);               \
+  }
+
+ATTENTION_TILE_KERNEL(attention_tile_f32, 0, float)
+ATTENTION_TILE_KERNEL(attention_tile_f16, 1, half)
 
 // One split of flash-decoding: split get_group_id(2) sees slots split * split_len .. (split + 1) *
 // split_len - 1 and writes its record to partial ([n_tokens][n_head][n_splits] records).

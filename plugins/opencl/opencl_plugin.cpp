@@ -42,6 +42,9 @@ constexpr size_t kTopKFan = 16;         // TOP_K_FAN: top_k's second-round merge
 constexpr size_t kGemmTile = 64;        // GEMM_T: a GEMM group's tile of y is 64 x 64
 constexpr size_t kGemmTileStride = 33;  // GEMM_LDS
 constexpr int64_t kMaxGemmM = 4096;     // rows of x one matmul2 call takes (RINGLM_OP_GEMM)
+constexpr size_t kGemmCodeStride = 9;   // GEMM_LDI: ints per tile row of gemm_q8's codes
+constexpr size_t kTileKeys = 16;        // TILE_KEYS: key slots per block of the tiled attention
+constexpr int64_t kTileMaxHeadDim = 256;  // TILE_HD_MAX
 
 // Work-group caps: a group larger than this buys nothing for these kernels and costs occupancy.
 constexpr size_t kMaxGroup = 256;
@@ -88,6 +91,10 @@ enum KernelId {
   kGemvQ6K,
   kGemvIq4Xs,
   kGemm,
+  kGemmQ8,
+  kQuantizeRowsQ8,
+  kAttentionTileF32,
+  kAttentionTileF16,
   kKernelCount
 };
 constexpr std::array<const char*, kKernelCount> kKernelNames = {
@@ -97,7 +104,8 @@ constexpr std::array<const char*, kKernelCount> kKernelNames = {
     "gemv_q4_0",      "gemv_q4_1",      "gemv_q8_0",    "gemv_f16",     "gemv_f32",
     "attention_serial_f32", "attention_serial_f16", "rope_store", "attention_split_f32", "attention_split_f16",
     "attention_merge", "top_k_rows", "matmul_other", "gemv_q5_0", "gemv_q5_1", "gemv_iq4_nl", "gemv_q4_k",
-    "gemv_q5_k", "gemv_q6_k", "gemv_iq4_xs", "gemm",
+    "gemv_q5_k", "gemv_q6_k", "gemv_iq4_xs", "gemm", "gemm_q8",
+    "quantize_rows_q8", "attention_tile_f32", "attention_tile_f16",
 };
 
 // --- The thread's last error ------------------------------------------------------------------
@@ -147,6 +155,8 @@ struct DeviceProgram {
   cl_device_id device = nullptr;
   std::string name;
   DeviceLimits limits;
+  std::string options;      // the program's build options
+  bool fast_dot4 = false;   // int8 dot products in hardware (PTX dp4a or cl_khr_integer_dot_product)
   ContextHandle context;
   ProgramHandle program;
 };
@@ -171,6 +181,21 @@ cl_device_id device_at(int32_t index) {
   return devices[static_cast<size_t>(index)];
 }
 
+// How the kernels' dot4_add runs on a device: "PTX dp4a" on NVIDIA's driver (whose OpenCL lacks
+// cl_khr_integer_dot_product but compiles inline PTX), "cl_khr_integer_dot_product" where the
+// device has it, "" where four multiply-adds emulate it.
+std::string dot4_kind(cl_device_id device) {
+  const auto platform = device_value<cl_platform_id>(device, CL_DEVICE_PLATFORM, "CL_DEVICE_PLATFORM");
+  if (platform_string(platform, CL_PLATFORM_NAME, "CL_PLATFORM_NAME").find("NVIDIA") != std::string::npos) {
+    return "PTX dp4a";
+  }
+  if (device_string(device, CL_DEVICE_EXTENSIONS, "CL_DEVICE_EXTENSIONS").find("cl_khr_integer_dot_product") !=
+      std::string::npos) {
+    return "cl_khr_integer_dot_product";
+  }
+  return "";
+}
+
 // The program of device `index`, built once per process: a context opened while another one on
 // the same device is open shares its program (and writes it to its own cache_dir if that lacks it).
 std::shared_ptr<DeviceProgram> device_program(int32_t index, const ProgramSpec& spec) {
@@ -179,7 +204,9 @@ std::shared_ptr<DeviceProgram> device_program(int32_t index, const ProgramSpec& 
   std::lock_guard lock(mutex);
   if (std::shared_ptr<DeviceProgram> shared = programs[index].lock()) {
     if (spec.verbose) std::fprintf(stderr, "ringlm-opencl: program shared with a context already open\n");
-    store_program_binary(shared->program.get(), shared->device, spec);
+    ProgramSpec own = spec;
+    own.options = shared->options;
+    store_program_binary(shared->program.get(), shared->device, own);
     return shared;
   }
   auto dp = std::make_shared<DeviceProgram>();
@@ -189,7 +216,22 @@ std::shared_ptr<DeviceProgram> device_program(int32_t index, const ProgramSpec& 
   cl_int err = CL_SUCCESS;
   dp->context = ContextHandle(clCreateContext(nullptr, 1, &dp->device, nullptr, nullptr, &err));
   check(err, "clCreateContext");
-  dp->program = build_program(dp->context.get(), dp->device, spec);
+  const std::string dot4 = dot4_kind(dp->device);
+  dp->fast_dot4 = !dot4.empty();
+  dp->options = std::string(spec.options) + (dot4 == "PTX dp4a" ? " -D DOT4_PTX" : "");
+  ProgramSpec own = spec;
+  own.options = dp->options;
+  try {
+    dp->program = build_program(dp->context.get(), dp->device, own);
+  } catch (const Error& e) {
+    if (dot4 != "PTX dp4a") throw;
+    // A driver that refuses the inline PTX still runs the portable kernels.
+    if (spec.verbose) std::fprintf(stderr, "ringlm-opencl: inline PTX refused, building without it: %s\n", e.what());
+    dp->options = spec.options;
+    dp->fast_dot4 = false;
+    own.options = dp->options;
+    dp->program = build_program(dp->context.get(), dp->device, own);
+  }
   programs[index] = dp;
   return dp;
 }
@@ -252,6 +294,7 @@ struct ringlm_context {
   std::array<ringlm::opencl::Kernel, ringlm::opencl::kKernelCount> kernels;
   std::mutex mutex;  // a kernel's arguments are set and its launch enqueued as one step
   bool cpu_device = false;  // CL_DEVICE_TYPE_CPU: a GEMV row per work-item, not per warp
+  bool int8_products = false;  // prompts' GEMM on int8 activations (gemm_q8), not on floats
 
   // upload_async's copies, in the order of their writes on the (in-order) queue. Under
   // staging_mutex a copy's write is enqueued and next_seq counts it as one step, so a blocking
@@ -434,6 +477,9 @@ std::string rope_shift_unsupported(uint32_t kv_format, int32_t n_head_kv, int32_
 struct LocalFloats {  // a __local float* argument of this many floats
   size_t count;
 };
+struct LocalInts {  // a __local int* argument of this many ints
+  size_t count;
+};
 
 void set_arg(const Kernel& k, cl_uint i, size_t size, const void* value) {
   check(clSetKernelArg(k.handle.get(), i, size, value), "clSetKernelArg", k.name);
@@ -444,6 +490,7 @@ void set_arg(const Kernel& k, cl_uint i, cl_long v) { set_arg(k, i, sizeof(v), &
 void set_arg(const Kernel& k, cl_uint i, cl_ulong v) { set_arg(k, i, sizeof(v), &v); }
 void set_arg(const Kernel& k, cl_uint i, cl_float v) { set_arg(k, i, sizeof(v), &v); }
 void set_arg(const Kernel& k, cl_uint i, LocalFloats v) { set_arg(k, i, v.count * sizeof(float), nullptr); }
+void set_arg(const Kernel& k, cl_uint i, LocalInts v) { set_arg(k, i, v.count * sizeof(cl_int), nullptr); }
 
 // Sets the kernel's arguments in order (each exactly of the kernel parameter's CL type) and
 // enqueues it on the context's queue: one launch in the context's counters.
@@ -718,6 +765,23 @@ void run_attention_split(ringlm_context& ctx, const ringlm_attention_args& a, in
          cl_int{a.n_head}, cl_int{a.head_dim}, out, cl_ulong{a.out_offset / sizeof(float)});
 }
 
+// Prompt chunks of at least this many tokens take the tiled attention on a GPU: each block of keys
+// and values is then read once per tile of queries instead of once per query.
+constexpr int64_t kMinTileTokens = 8;
+
+// Query tokens per group of the tiled attention: 16, or fewer where the tile's queries, keys and
+// values do not fit the local memory (head_dim 256 on 48 KiB); 0 when not even 4 do.
+size_t attention_tile_queries(const ringlm_context& ctx, const Kernel& k, size_t head_dim) {
+  for (size_t tq = 16; tq >= 4; tq /= 2) {
+    const size_t bytes = ((tq + 2 * kTileKeys) * head_dim + tq * kTileKeys) * sizeof(float) + kTileKeys * sizeof(cl_int);
+    if (kTileKeys * tq <= std::min(k.max_group, kMaxGroup) && ctx.device->limits.max_item_sizes[1] >= tq &&
+        bytes <= local_budget(ctx, k)) {
+      return tq;
+    }
+  }
+  return 0;
+}
+
 // Attention (v1: window 0) and attention2: one kernel, a key at position pos being visible to the
 // query at position p iff 0 <= pos <= p and (window == 0 || pos > p - window).
 void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, int32_t window) {
@@ -768,6 +832,21 @@ void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, i
               (head_dim + 2 * group) * sizeof(float) <= local_budget(ctx, ctx.kernels[id]),
           RINGLM_ERROR_UNSUPPORTED,
           "attention: head_dim " + std::to_string(head_dim) + " is too large for this device");
+  if (a.n_tokens >= kMinTileTokens && a.head_dim <= kTileMaxHeadDim && !ctx.cpu_device) {
+    const KernelId tiled = a.kv_format == RINGLM_FORMAT_F16 ? kAttentionTileF16 : kAttentionTileF32;
+    if (const size_t tq = attention_tile_queries(ctx, ctx.kernels[tiled], head_dim); tq > 0) {
+      const size_t global[2] = {static_cast<size_t>(a.n_head) * kTileKeys,
+                                ceil_div(static_cast<size_t>(a.n_tokens), tq) * tq};
+      const size_t local[2] = {kTileKeys, tq};
+      launch(ctx, tiled, 2, global, local, q, cl_ulong{a.q_offset / sizeof(float)}, out,
+             cl_ulong{a.out_offset / sizeof(float)}, keys, cl_ulong{a.keys_offset / elem}, values,
+             cl_ulong{a.values_offset / elem}, cl_long{a.row_stride}, positions, cl_int{a.n_slots},
+             as_int(a.n_tokens), cl_long{a.q_pos0}, cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim},
+             cl_float{a.scale}, cl_int{window}, LocalFloats{tq * head_dim}, LocalFloats{kTileKeys * head_dim},
+             LocalFloats{kTileKeys * head_dim}, LocalFloats{tq * kTileKeys}, LocalInts{kTileKeys});
+      return;
+    }
+  }
   const size_t splits = attention_splits(ctx, a, group);
   if (splits > 1) {
     run_attention_split(ctx, a, window, group, splits, q, out, keys, values, positions);
@@ -1137,6 +1216,32 @@ void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
                               ceil_div(static_cast<size_t>(a.m), tile) * 16};
     const size_t local[2] = {16, 16};
     const FormatInfo& f = *format_info(a.weight_format);
+    if (ctx.int8_products && f.weights > 0 && a.weight_format != RINGLM_FORMAT_F32 &&
+        a.weight_format != RINGLM_FORMAT_F16) {
+      // x to int8 in the scratch memory ([m][k] codes, then [m][k / 32] pairs (d, s)), then the
+      // integer GEMM on it.
+      const size_t m = static_cast<size_t>(a.m);
+      const size_t code_bytes = mul(m, k, "matmul2: int8 x size");
+      const size_t ds_offset = ceil_div(code_bytes, 64) * 64;
+      const size_t ds_bytes = mul(m * (k / kBlock), 2 * sizeof(float), "matmul2: int8 x scales");
+      std::lock_guard lock(ctx.scratch_mutex);
+      const cl_mem scratch = scratch_buffer(ctx, ds_offset + ds_bytes);
+      const cl_ulong ds_pairs{ds_offset / (2 * sizeof(float))};
+      const size_t group = std::min<size_t>(64, group_cap(ctx, ctx.kernels[kQuantizeRowsQ8], 0));
+      const size_t q_global = mul(m, group, "matmul2: quantize grid");
+      launch(ctx, kQuantizeRowsQ8, 1, &q_global, &group, x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.k), norm_w,
+             cl_ulong{norm ? a2.rms_weight_offset / sizeof(float) : 0}, cl_float{a2.rms_eps}, cl_int{norm ? 1 : 0},
+             scratch, scratch, ds_pairs, LocalFloats{group});
+      launch(ctx, kGemmQ8, 2, global, local, parts[0].w_mem, parts[1].w_mem, parts[2].w_mem, as_int(parts[0].n),
+             as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), scratch, scratch, ds_pairs, as_int(a.m),
+             parts[0].y_mem, y_offset(parts[0]), parts[1].y_mem, glu ? cl_ulong{0} : y_offset(parts[1]),
+             parts[2].y_mem, y_offset(parts[2]), cl_int{a2.accumulate != 0 ? 1 : 0}, cl_int{glu ? 1 : 0},
+             cl_int{static_cast<cl_int>(a2.activation)}, cl_int{static_cast<cl_int>(f.format)},
+             cl_int{static_cast<cl_int>(f.bytes)}, LocalInts{tile * kGemmCodeStride},
+             LocalInts{tile * kGemmCodeStride}, LocalInts{tile * kGemmCodeStride}, LocalFloats{2 * tile},
+             LocalFloats{3 * tile}, LocalFloats{3 * tile});
+      return;
+    }
     launch(ctx, kGemm, 2, global, local, parts[0].w_mem, parts[1].w_mem, parts[2].w_mem, as_int(parts[0].n),
            as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
            parts[0].y_mem, y_offset(parts[0]), parts[1].y_mem, glu ? cl_ulong{0} : y_offset(parts[1]), parts[2].y_mem,
@@ -1214,8 +1319,10 @@ int32_t api_device_info(int32_t index, ringlm_device_info* out) {
     const cl_device_id device = device_at(index);
     ringlm_device_info info{};
     copy_text(device_string(device, CL_DEVICE_NAME, "CL_DEVICE_NAME"), info.name, sizeof(info.name));
+    const std::string dot4 = dot4_kind(device);
     copy_text(device_string(device, CL_DEVICE_VERSION, "CL_DEVICE_VERSION") + " " +
-                  device_string(device, CL_DRIVER_VERSION, "CL_DRIVER_VERSION"),
+                  device_string(device, CL_DRIVER_VERSION, "CL_DRIVER_VERSION") +
+                  (dot4.empty() ? "" : ", int8 products: " + dot4),
               info.version, sizeof(info.version));
     const auto type = device_value<cl_device_type>(device, CL_DEVICE_TYPE, "CL_DEVICE_TYPE");
     info.type = (type & CL_DEVICE_TYPE_GPU)           ? RINGLM_DEVICE_GPU
@@ -1239,6 +1346,16 @@ bool kernel_shapes_for_cpu(cl_device_id device) {
   return (device_value<cl_device_type>(device, CL_DEVICE_TYPE, "CL_DEVICE_TYPE") & CL_DEVICE_TYPE_CPU) != 0;
 }
 
+// Whether prompts' GEMM quantizes x to int8 (gemm_q8): where the device multiplies int8 in
+// hardware, or as RINGLM_OPENCL_INT8=1|0 says (the tests run both paths on PoCL with it).
+bool int8_products_wanted(const DeviceProgram& dp) {
+  if (const char* forced = std::getenv("RINGLM_OPENCL_INT8")) {
+    if (std::strcmp(forced, "1") == 0) return true;
+    if (std::strcmp(forced, "0") == 0) return false;
+  }
+  return dp.fast_dot4;
+}
+
 ringlm_context* api_open(int32_t index, const ringlm_open_options* options) {
   ringlm_context* opened = nullptr;
   guarded([&] {
@@ -1258,6 +1375,7 @@ ringlm_context* api_open(int32_t index, const ringlm_open_options* options) {
     check(err, "clCreateCommandQueue");
     for (int id = 0; id < kKernelCount; ++id) ctx->kernels[id] = make_kernel(*ctx->device, kKernelNames[id]);
     ctx->cpu_device = kernel_shapes_for_cpu(ctx->device->device);
+    ctx->int8_products = int8_products_wanted(*ctx->device);
     if (spec.verbose) std::fprintf(stderr, "ringlm-opencl: opened device %d (%s)\n", index, ctx->device->name.c_str());
     opened = ctx.release();
   });
