@@ -163,7 +163,10 @@ struct GeometryKey {
 };
 
 // A KV cache's rows on the device, slot for slot as on the host, for the layers the device runs:
-// layer l's keys start at layer_at(l) of `keys`, its values likewise in `values`.
+// layer l's keys start at layer_at(l) of `keys`, its values likewise in `values`. A cache that
+// reads a shared prompt segment (KvView::prefix) holds the segment's rows first, copied on the
+// device from the segment's own device copy: the device's attention reads one run of slots, the
+// segment's and then the cache's (slot_at(l, s) is the cache's slot s).
 class PluginKvCache final : public BackendKvState {
  public:
   PluginKvCache(const std::shared_ptr<OpenedDevice>& device, const DeviceKvShape& s)
@@ -176,6 +179,11 @@ class PluginKvCache final : public BackendKvState {
   DeviceKvShape shape;
   size_t row_bytes, layer_bytes;
   size_t layer_at(int layer) const { return static_cast<size_t>(layer - shape.first_layer) * layer_bytes; }
+  size_t slot_at(int layer, int slot) const {
+    return layer_at(layer) + static_cast<size_t>(prefix_slots + slot) * row_bytes;
+  }
+  int prefix_slots = 0;                // the segment's slots before the cache's own
+  const uint8_t* prefix_rows = nullptr;  // which segment they are (its host rows), nullptr: none
   DeviceBuffer keys, values, positions;
   int n_slots = 0;  // slots whose positions were set
   // What the device's `positions` holds, slot for slot (each slot ever uploaded): a forward
@@ -561,8 +569,8 @@ class PluginBackend final : public Backend {
       cpu_->store_kv(kv, layer, first_slot, n, host_read(k, count), host_read(v, count));
       return;
     }
-    if (kv.state != nullptr && kv.prefix == nullptr && on_device(k, count) && on_device(v, count)) {
-      PluginKvCache& copy = ensure_device_copy(kv);
+    if (device_may_hold(kv) && on_device(k, count) && on_device(v, count)) {
+      PluginKvCache& copy = ensure_device_copy(kv, first_slot, first_slot + n);
       if (!copy.host_only) {
         device_store(copy, copy.keys, layer, first_slot, n, device_read(k, count));
         device_store(copy, copy.values, layer, first_slot, n, device_read(v, count));
@@ -575,7 +583,7 @@ class PluginBackend final : public Backend {
     if (copy != nullptr) sync_host_rows(kv, *copy);
     cpu_->store_kv(kv, layer, first_slot, n, host_read(k, count), host_read(v, count));
     if (copy != nullptr) {
-      const size_t at = copy->layer_at(layer) + static_cast<size_t>(first_slot) * copy->row_bytes;
+      const size_t at = copy->slot_at(layer, first_slot);
       const size_t bytes = static_cast<size_t>(n) * copy->row_bytes;
       upload_staged(copy->keys, kv.key(layer, first_slot), bytes, at);
       upload_staged(copy->values, kv.value(layer, first_slot), bytes, at);
@@ -605,7 +613,7 @@ class PluginBackend final : public Backend {
       // Every call brings the positions up to date: set_positions uploads only what changed, and
       // the first layer that attends here need not be layer 0 (a model whose windowed layers
       // stay on the CPU), nor does a full ring change its slot count when its positions move.
-      set_positions(copy, call.kv->positions);
+      set_positions(copy, device_positions(copy, *call.kv));
       attend(copy, layer, call, shape);
     }
     if (!cpu_calls_.empty()) cpu_->attention(layer, shape, cpu_calls_);
@@ -681,7 +689,7 @@ class PluginBackend final : public Backend {
   // RoPE of q and k (pending) and the store of k and v into one cache's device copy, in one launch;
   // false (nothing done) when the calls are not that pattern.
   bool fused_rope_store(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) {
-    if (pending_ropes_.size() != 2 || kv.state == nullptr || kv.prefix != nullptr) return false;
+    if (pending_ropes_.size() != 2 || !device_may_hold(kv)) return false;
     const PendingRope& pq = pending_ropes_[0];
     const PendingRope& pk = pending_ropes_[1];
     const size_t count = static_cast<size_t>(n) * static_cast<size_t>(kv.row_width);
@@ -690,7 +698,7 @@ class PluginBackend final : public Backend {
                          pq.angles.sin == pk.angles.sin && pq.angles.n_rot == pk.angles.n_rot &&
                          pq.angles.adjacent_pairs == pk.angles.adjacent_pairs && on_device(v, count);
     if (!pattern) return false;
-    PluginKvCache& copy = ensure_device_copy(kv);
+    PluginKvCache& copy = ensure_device_copy(kv, first_slot, first_slot + n);
     if (copy.host_only) return false;
     const size_t n_q = static_cast<size_t>(n) * pq.n_heads * pq.head_dim;
     const size_t n_angles = static_cast<size_t>(n) * static_cast<size_t>(pq.angles.n_rot / 2);
@@ -716,7 +724,7 @@ class PluginBackend final : public Backend {
     args.v = vs.buffer;
     args.v_offset = vs.offset;
     args.n_head_kv = pk.n_heads;
-    const size_t at = copy.layer_at(layer) + static_cast<size_t>(first_slot) * copy.row_bytes;
+    const size_t at = copy.slot_at(layer, first_slot);
     args.keys = copy.keys.get();
     args.keys_offset = at;
     args.values = copy.values.get();
@@ -1052,8 +1060,8 @@ class PluginBackend final : public Backend {
       const size_t bytes = extent * copy.row_bytes;
       // The layers on the CPU have their rows on the host alone.
       for (int layer = copy.shape.first_layer; layer < kv.n_layer; ++layer) {
-        copy.keys.download(copy.layer_at(layer), kv.key(layer, 0), bytes);
-        copy.values.download(copy.layer_at(layer), kv.value(layer, 0), bytes);
+        copy.keys.download(copy.slot_at(layer, 0), kv.key(layer, 0), bytes);
+        copy.values.download(copy.slot_at(layer, 0), kv.value(layer, 0), bytes);
       }
     }
     copy.host_stale = false;
@@ -1065,7 +1073,7 @@ class PluginBackend final : public Backend {
     args.src = from.buffer;
     args.src_offset = from.offset;
     args.dst = rows.get();
-    args.dst_offset = copy.layer_at(layer) + static_cast<size_t>(first_slot) * copy.row_bytes;
+    args.dst_offset = copy.slot_at(layer, first_slot);
     args.kv_format = copy.shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32;
     args.n_rows = n;
     args.row_width = copy.shape.row_width;
@@ -1091,9 +1099,11 @@ class PluginBackend final : public Backend {
 
   // Why this cache's attention cannot run on the device, or nullptr when it can: the device
   // must run the geometry (asked once per geometry and cache type), and the cache must read no
-  // shared prefix (the device's attention reads one cache); a sliding window needs ABI v2.
+  // shared prefix unless it can copy the prefix's rows on the device; a sliding window needs ABI v2.
   const char* why_not_on_device(const KvView& kv, const AttentionShape& shape) {
-    if (kv.prefix != nullptr) return "attention over a shared prompt segment runs on the CPU";
+    if (kv.prefix != nullptr && !v2_) {
+      return "attention over a shared prompt segment runs on the CPU (the plugin cannot copy on the device: plugin ABI 1)";
+    }
     if (shape.window != 0 && !v2_) {
       return "sliding-window attention runs on the CPU (the plugin's attention has no window: plugin ABI 1)";
     }
@@ -1125,23 +1135,76 @@ class PluginBackend final : public Backend {
     return api_.supports(device_->context, &attention) != 0 && api_.supports(device_->context, &shift) != 0;
   }
 
-  // The cache's device copy, made on first use with the rows the cache already holds.
-  PluginKvCache& ensure_device_copy(const KvView& kv) {
-    if (PluginKvCache* copy = device_copy(kv)) return *copy;
-    const int first_layer = std::min(first_device_layer_, kv.n_layer);
-    auto copy =
-        std::make_unique<PluginKvCache>(device_, DeviceKvShape{kv.n_layer, first_layer, kv.capacity, kv.row_width, kv.f16});
-    const auto extent = static_cast<int>(kv.positions.size());
-    if (extent > 0) {
-      const size_t bytes = static_cast<size_t>(extent) * copy->row_bytes;
-      for (int layer = first_layer; layer < kv.n_layer; ++layer) {
-        copy->keys.upload(copy->layer_at(layer), kv.key(layer, 0), bytes);
-        copy->values.upload(copy->layer_at(layer), kv.value(layer, 0), bytes);
-      }
+  // Whether `kv`'s rows may live on the device: a cache of its own (not a read-only view), whose
+  // shared prefix, if any, the device can copy (ABI v2).
+  bool device_may_hold(const KvView& kv) const { return kv.state != nullptr && (kv.prefix == nullptr || v2_); }
+
+  // The cache's device copy, made on first use with the rows the cache already holds (and its
+  // prefix's), but for slots [fresh_begin, fresh_end): the ones a store is about to write in every
+  // layer, whose host rows are not written yet. A copy made for another prefix (the cache was
+  // cleared and given a new one) goes.
+  PluginKvCache& ensure_device_copy(const KvView& kv, int fresh_begin = 0, int fresh_end = 0) {
+    const uint8_t* prefix_rows = kv.prefix != nullptr ? kv.prefix->rows : nullptr;
+    if (PluginKvCache* copy = device_copy(kv)) {
+      if (copy->prefix_rows == prefix_rows) return *copy;
+      kv.state->reset();
     }
+    const int first_layer = std::min(first_device_layer_, kv.n_layer);
+    const int prefix_slots = kv.prefix != nullptr ? static_cast<int>(kv.prefix->positions.size()) : 0;
+    auto copy = std::make_unique<PluginKvCache>(
+        device_, DeviceKvShape{kv.n_layer, first_layer, prefix_slots + kv.capacity, kv.row_width, kv.f16});
+    copy->prefix_slots = prefix_slots;
+    copy->prefix_rows = prefix_rows;
+    if (prefix_slots > 0) copy_prefix_rows(*kv.prefix, *copy);
+    const auto extent = static_cast<int>(kv.positions.size());
+    const auto upload_slots = [&](int begin, int end) {
+      if (begin >= end) return;
+      const size_t bytes = static_cast<size_t>(end - begin) * copy->row_bytes;
+      for (int layer = first_layer; layer < kv.n_layer; ++layer) {
+        upload_staged(copy->keys, kv.key(layer, begin), bytes, copy->slot_at(layer, begin));
+        upload_staged(copy->values, kv.value(layer, begin), bytes, copy->slot_at(layer, begin));
+      }
+    };
+    upload_slots(0, std::min(fresh_begin, extent));
+    upload_slots(std::max(fresh_end, 0), extent);
     PluginKvCache& made = *copy;
     *kv.state = std::move(copy);
     return made;
+  }
+
+  // A prompt segment's rows into the front of a reader's device copy: on the device from the
+  // segment's own device copy where it has one (its rows the newest), else from the host.
+  void copy_prefix_rows(const KvView& prefix, PluginKvCache& reader) {
+    const size_t bytes = static_cast<size_t>(reader.prefix_slots) * reader.row_bytes;
+    PluginKvCache* source =
+        prefix.source_state != nullptr ? static_cast<PluginKvCache*>(prefix.source_state->get()) : nullptr;
+    const bool on_device = source != nullptr && !source->host_only && source->prefix_slots == 0 &&
+                           source->shape.first_layer == reader.shape.first_layer;
+    if (source != nullptr && !on_device) sync_host_rows(prefix, *source);
+    for (int layer = reader.shape.first_layer; layer < prefix.n_layer; ++layer) {
+      if (on_device) {
+        check(*device_,
+              api_.copy(device_->context, reader.keys.get(), reader.layer_at(layer), source->keys.get(),
+                        source->slot_at(layer, 0), bytes),
+              "copy");
+        check(*device_,
+              api_.copy(device_->context, reader.values.get(), reader.layer_at(layer), source->values.get(),
+                        source->slot_at(layer, 0), bytes),
+              "copy");
+      } else {
+        upload_staged(reader.keys, prefix.key(layer, 0), bytes, reader.layer_at(layer));
+        upload_staged(reader.values, prefix.value(layer, 0), bytes, reader.layer_at(layer));
+      }
+    }
+  }
+
+  // The positions of a copy's slots: its prefix's (as the cache reads them: the segment's tokens
+  // past the shared ones masked), then the cache's own.
+  std::span<const int64_t> device_positions(const PluginKvCache& c, const KvView& kv) {
+    if (c.prefix_slots == 0) return kv.positions;
+    joined_positions_.assign(kv.prefix->positions.begin(), kv.prefix->positions.end());
+    joined_positions_.insert(joined_positions_.end(), kv.positions.begin(), kv.positions.end());
+    return joined_positions_;
   }
 
   // A pass changes a few slots (a decode step one, a context shift the ring's): only the span
@@ -1222,6 +1285,7 @@ class PluginBackend final : public Backend {
     if (slots.empty()) return;
     const auto half = static_cast<size_t>(angles.n_rot / 2);
     std::vector<int32_t> slot_list(slots.begin(), slots.end());
+    for (int32_t& slot : slot_list) slot += c.prefix_slots;  // (a cache with a prefix does not shift)
     std::vector<float> cos_sin(angles.cos, angles.cos + half);
     cos_sin.insert(cos_sin.end(), angles.sin, angles.sin + half);
     DeviceBuffer slot_buffer(device_, slot_list.size() * sizeof(int32_t));
@@ -1292,6 +1356,7 @@ class PluginBackend final : public Backend {
   std::vector<float> normed_;
   std::map<GeometryKey, bool> geometries_;   // whether the device runs each attention geometry
   std::vector<AttentionCall> cpu_calls_;     // attention()'s calls left to the CPU, reused
+  std::vector<int64_t> joined_positions_;    // device_positions' prefix and own positions, reused
   std::vector<PendingRope> pending_ropes_;   // rope() calls not run yet (at most q's and k's)
 };
 

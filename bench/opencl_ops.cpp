@@ -4,10 +4,13 @@
 // SmolLM2-135M shape (d 576, 9 heads of 64, 3 KV heads, ff 1536, vocab 49152, Q4_1), or of the
 // Llama-3.2-1B shape with --1b (d 2048, 32 heads, 8 KV heads, ff 8192, vocab 128256, Q4_0).
 //
-//   bench_opencl_ops [--plugin PATH] [--device N] [--1b] [--slots N] [--flat]
+//   bench_opencl_ops [--plugin PATH] [--device N] [--1b] [--slots N] [--flat] [--prompt M]
 //
 // The products run as matmul2 (the decode GEMV, the norm fused into the products of a norm's
-// output); --flat times the version-1 flat GEMM instead.
+// output); --flat times the version-1 flat GEMM instead. --prompt M times a prompt chunk of M
+// tokens instead of a decode step: every product on M rows (past 16 the GEMM on a GPU, on int8
+// activations where the plugin takes that path: RINGLM_OPENCL_INT8=0|1 forces it either way) and
+// the chunk's causal attention over its own M slots (the tiled attention on a GPU).
 //
 // What it is for: seeing which op a decode step spends its time in on a device (and what one
 // launch costs there: "scale n=1"), before and after a kernel changes.
@@ -67,7 +70,7 @@ struct Shape {
 
 int main(int argc, char** argv) {
   std::string plugin = RINGLM_OPENCL_PLUGIN;
-  int device = 0, slots = 64;
+  int device = 0, slots = 64, m = 1;
   bool flat_only = false;  // --flat: the version-1 matmul instead of matmul2's GEMV
   Shape s{576, 9, 3, 64, 1536, 49152, 30, RINGLM_FORMAT_Q4_1, 20};
   for (int i = 1; i < argc; ++i) {
@@ -76,9 +79,11 @@ int main(int argc, char** argv) {
     else if (a == "--device" && i + 1 < argc) device = std::atoi(argv[++i]);
     else if (a == "--slots" && i + 1 < argc) slots = std::atoi(argv[++i]);
     else if (a == "--flat") flat_only = true;
+    else if (a == "--prompt" && i + 1 < argc) m = std::max(1, std::atoi(argv[++i]));
     else if (a == "--1b") s = Shape{2048, 32, 8, 64, 8192, 128256, 16, RINGLM_FORMAT_Q4_0, 18};
     else {
-      std::fprintf(stderr, "usage: %s [--plugin PATH] [--device N] [--1b] [--slots N] [--flat]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--plugin PATH] [--device N] [--1b] [--slots N] [--flat] [--prompt M]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -98,11 +103,12 @@ int main(int argc, char** argv) {
     std::printf("device: %s (%s)\n", info.name, info.version);
 
     const int64_t q_dim = s.n_head * s.head_dim, kv_dim = s.n_head_kv * s.head_dim;
+    if (m > 1) slots = std::max(slots, m);  // a prompt chunk attends over its own slots at least
     auto weight = [&](int64_t rows, int64_t cols) { return alloc(static_cast<size_t>(rows * cols / 32) * s.block_bytes); };
-    ringlm_buffer* x = alloc(static_cast<size_t>(std::max({s.d, s.ff, q_dim})) * 4);
-    ringlm_buffer* y = alloc(static_cast<size_t>(std::max({s.vocab, s.ff})) * 4);
+    ringlm_buffer* x = alloc(static_cast<size_t>(m * std::max({s.d, s.ff, q_dim})) * 4);
+    ringlm_buffer* y = alloc(static_cast<size_t>(m * std::max({s.vocab, s.ff})) * 4);
     ringlm_buffer* norm_w = alloc(static_cast<size_t>(s.d) * 4);
-    ringlm_buffer* angles = alloc(static_cast<size_t>(s.head_dim) * 4);
+    ringlm_buffer* angles = alloc(static_cast<size_t>(m * s.head_dim) * 4);
     ringlm_buffer* keys = alloc(static_cast<size_t>(slots * kv_dim) * 2);
     ringlm_buffer* values = alloc(static_cast<size_t>(slots * kv_dim) * 2);
     std::vector<int32_t> pos(static_cast<size_t>(slots));
@@ -125,7 +131,7 @@ int main(int argc, char** argv) {
       a.k = k;
       a.x = x;
       a.y = y;
-      a.m = 1;
+      a.m = m;
       ringlm_matmul2_args fused{};
       fused.base = a;
       fused.rms_weight = norm_w;
@@ -146,28 +152,28 @@ int main(int argc, char** argv) {
     matmul("matmul o (d x d)", s.d, q_dim, 1);
     matmul("matmul gate/up (ff x d)", s.ff, s.d, 2);
     matmul("matmul down (d x ff)", s.d, s.ff, 1);
-    matmul("matmul logits (vocab x d)", s.vocab, s.d, 0);
+    if (m == 1) matmul("matmul logits (vocab x d)", s.vocab, s.d, 0);  // a prompt's logits: its last row only
 
-    ringlm_rms_norm_args rn{x, 0, x, 0, norm_w, 0, 1, s.d, 1e-5f};
+    ringlm_rms_norm_args rn{x, 0, x, 0, norm_w, 0, m, s.d, 1e-5f};
     rows.push_back({"rms_norm (1 x d)", 2, time_op([&] { check(g_api->rms_norm(g_ctx, &rn), "rms_norm"); })});
-    ringlm_add_args ad{x, 0, y, 0, s.d, s.d};
+    ringlm_add_args ad{x, 0, y, 0, m * s.d, s.d};
     rows.push_back({"add (d)", 2, time_op([&] { check(g_api->add(g_ctx, &ad), "add"); })});
-    ringlm_glu_args gl{y, 0, x, 0, s.ff, RINGLM_ACT_SILU};
-    ringlm_buffer* up = alloc(static_cast<size_t>(s.ff) * 4);
+    ringlm_glu_args gl{y, 0, x, 0, m * s.ff, RINGLM_ACT_SILU};
+    ringlm_buffer* up = alloc(static_cast<size_t>(m * s.ff) * 4);
     gl.up = up;
     rows.push_back({"glu (ff)", 1, time_op([&] { check(g_api->glu(g_ctx, &gl), "glu"); })});
-    ringlm_rope_args rp{x, 0, 1, static_cast<int32_t>(s.n_head), static_cast<int32_t>(s.head_dim),
+    ringlm_rope_args rp{x, 0, m, static_cast<int32_t>(s.n_head), static_cast<int32_t>(s.head_dim),
                         static_cast<int32_t>(s.head_dim), 0, angles, 0, angles, 0};
     rows.push_back({"rope (q)", 2, time_op([&] { check(g_api->rope(g_ctx, &rp), "rope"); })});
-    ringlm_store_kv_args st{x, 0, keys, 0, RINGLM_FORMAT_F16, 1, kv_dim};
-    rows.push_back({"store_kv (1 row)", 2, time_op([&] { check(g_api->store_kv(g_ctx, &st), "store_kv"); })});
+    ringlm_store_kv_args st{x, 0, keys, 0, RINGLM_FORMAT_F16, m, kv_dim};
+    rows.push_back({"store_kv (" + std::to_string(m) + " rows)", 2, time_op([&] { check(g_api->store_kv(g_ctx, &st), "store_kv"); })});
     ringlm_attention2_args at{};
     at.base = ringlm_attention_args{x, 0, y, 0, keys, 0, values, 0, RINGLM_FORMAT_F16, kv_dim, positions,
-                                    slots, 1, slots - 1, static_cast<int32_t>(s.n_head),
+                                    slots, m, slots - m, static_cast<int32_t>(s.n_head),
                                     static_cast<int32_t>(s.n_head_kv), static_cast<int32_t>(s.head_dim), 0.125f};
     rows.push_back({"attention (" + std::to_string(slots) + " slots)", 1,
                     time_op([&] { check(g_api->attention2(g_ctx, &at), "attention"); })});
-    if (g_api->abi_version >= 3) {  // the greedy pick a step reads back instead of the logits; top-40 beside it
+    if (g_api->abi_version >= 3 && m == 1) {  // the greedy pick a step reads back instead of the logits; top-40 beside it
       ringlm_buffer* picks = alloc(RINGLM_TOP_K_MAX * sizeof(ringlm_top_entry));
       for (int32_t k : {1, 40}) {
         ringlm_top_k_args tk{y, 0, 1, s.vocab, k, picks, 0};
@@ -184,7 +190,12 @@ int main(int argc, char** argv) {
       step += per_step;
       std::printf("%-32s %10.1f %12.1f\n", r.name.c_str(), r.us, per_step);
     }
-    std::printf("%-32s %10s %12.1f  (%.1f t/s)\n", "decode step (sum)", "", step, 1e6 / step);
+    if (m == 1) {
+      std::printf("%-32s %10s %12.1f  (%.1f t/s)\n", "decode step (sum)", "", step, 1e6 / step);
+    } else {
+      std::printf("%-32s %10s %12.1f  (%.1f t/s)\n", ("prompt chunk of " + std::to_string(m) + " (sum)").c_str(), "",
+                  step, 1e6 * m / step);
+    }
     g_api->close(g_ctx);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_opencl_ops: %s\n", e.what());

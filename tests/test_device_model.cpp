@@ -259,10 +259,14 @@ TEST_F(DeviceModel, DecodeStepReadsBackOnlyTheTopKTheSamplerNeeds) {
   }
 }
 
-// A cache that reads a shared prompt prefix (batch sampling) attends on the CPU from the host
-// copy: still the right answer on a device backend.
-TEST_F(DeviceModel, PrefixCachesFallBackToTheCpuCorrectly) {
+// A cache that reads a shared prompt segment (batch sampling, the server's prompt cache) attends
+// on the device: the segment's rows are copied there from the segment's own device copy, so its
+// first step moves nothing but the token, the positions and the logits, and every answer is the
+// one a cache holding the whole prompt gives. Whole and partial segments; a cache cleared and
+// given another segment reads the new one.
+TEST_F(DeviceModel, PrefixCachesReadTheirSegmentOnTheDevice) {
   LlamaModel& model = *device_->model;
+  const Backend& backend = *device_->backend;
   const std::vector<int32_t> prompt = tokens("Write a haiku about autumn leaves");
   auto shared = std::make_shared<KvCache>(model.make_cache(128));
   std::vector<float> logits(vocab()), whole_logits(vocab());
@@ -271,10 +275,39 @@ TEST_F(DeviceModel, PrefixCachesFallBackToTheCpuCorrectly) {
   sample.attach_prefix(shared);
   model.forward(prompt, whole, whole_logits.data());
   const std::vector<int32_t> next = {argmax(logits)};
+  const DeviceCounters before = backend.counters();
   model.forward(next, sample, logits.data());
+  const DeviceCounters after = backend.counters();
+  EXPECT_EQ(after.waits - before.waits, 1u);
+  EXPECT_EQ(after.download_bytes - before.download_bytes, 4 * vocab()) << "the segment's rows came to the host";
+  EXPECT_LE(after.upload_bytes - before.upload_bytes, 2048u) << "the segment's rows went up from the host";
   model.forward(next, whole, whole_logits.data());
   EXPECT_LT(relative_gap(logits, whole_logits), 1e-3f);
   EXPECT_EQ(argmax(logits), argmax(whole_logits));
+
+  // The first n - 2 tokens of a segment (its last two masked), the rest prefilled here.
+  const int n = static_cast<int>(prompt.size()) - 2;
+  KvCache partial = model.make_cache(128);
+  partial.attach_prefix(shared, n);
+  const std::vector<int32_t> rest(prompt.begin() + n, prompt.end());
+  std::vector<float> partial_logits(vocab());
+  model.forward(rest, partial, partial_logits.data());
+  model.forward(next, partial, partial_logits.data());
+  EXPECT_LT(relative_gap(partial_logits, whole_logits), 1e-3f);
+
+  // Cleared and given another segment: the device copy follows.
+  const std::vector<int32_t> other = tokens("The capital of France is");
+  auto shared2 = std::make_shared<KvCache>(model.make_cache(128));
+  model.forward(other, *shared2, logits.data());
+  KvCache whole2 = model.make_cache(128);
+  model.forward(other, whole2, whole_logits.data());
+  const std::vector<int32_t> next2 = {argmax(logits)};
+  partial.clear();
+  partial.attach_prefix(shared2);
+  model.forward(next2, partial, partial_logits.data());
+  model.forward(next2, whole2, whole_logits.data());
+  EXPECT_LT(relative_gap(partial_logits, whole_logits), 1e-3f);
+  EXPECT_EQ(argmax(partial_logits), argmax(whole_logits));
 }
 
 // A weight in a format the plugin does not take (BF16) stays on the CPU: its product still reads
