@@ -1,6 +1,7 @@
 #include "core/kv/kv_cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -14,6 +15,13 @@ void KvCache::Rows::allocate(int n_layer_in_ring, int n_slots, size_t bytes_per_
   positions.assign(static_cast<size_t>(slots), -1);
 }
 
+namespace {
+uint64_t next_cache_id() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace
+
 void KvCache::Rows::clear() {
   std::fill(positions.begin(), positions.end(), -1);
   extent = held = 0;
@@ -22,7 +30,8 @@ void KvCache::Rows::clear() {
 
 KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const KvCacheOptions& options,
                  const KvWindowRing& window)
-    : n_layer_(n_layer),
+    : id_(next_cache_id()),
+      n_layer_(n_layer),
       capacity_(capacity),
       n_kv_head_(n_kv_head),
       head_dim_(head_dim),

@@ -66,6 +66,8 @@ class KvCache {
           const KvWindowRing& window = {});
 
   int capacity() const { return capacity_; }
+  // Unique in the process: what a pipeline's other stages know this cache by (a moved cache keeps it).
+  uint64_t id() const { return id_; }
   int size() const { return n_sink_ + ring_count_; }  // tokens cached here (not in the prefix)
   int n_keep() const { return n_keep_; }
   KvType type() const { return type_; }
@@ -186,6 +188,7 @@ class KvCache {
   int ring_capacity() const { return capacity_ - n_keep_; }
   int ring_slot(int i) const { return n_keep_ + (ring_head_ + i) % ring_capacity(); }  // i-th oldest after the sinks
 
+  uint64_t id_;
   int n_layer_, capacity_, n_kv_head_, head_dim_;
   KvCacheOptions options_;
   KvType type_;

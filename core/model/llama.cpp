@@ -56,6 +56,12 @@ class ModelTensors {
     used_.insert(name);
     return load_vector(gguf_, name, n);
   }
+  // Every tensor whose name starts with `prefix` counts as read: another pipeline stage reads it.
+  void leave_to_another_stage(const std::string& prefix) {
+    for (const GgufTensorInfo& t : gguf_.tensors()) {
+      if (t.name.starts_with(prefix)) used_.insert(t.name);
+    }
+  }
   void refuse_unused(const std::string& arch) const {
     for (const GgufTensorInfo& t : gguf_.tensors()) {
       if (!used_.contains(t.name)) gguf_.fail("tensor '" + t.name + "' is not part of the '" + arch + "' decoder");
@@ -125,8 +131,14 @@ WeightView row_range(const GgufFile& gguf, const GgufTensorInfo& t, int64_t row0
 
 }  // namespace
 
-LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
-    : hp_(LlamaHparams::from_gguf(gguf)), backend_(backend) {
+LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineStage& stage)
+    : hp_(LlamaHparams::from_gguf(gguf)), backend_(backend), stage_(stage) {
+  if (stage_.end_layer < 0) stage_.end_layer = hp_.n_layer;
+  if (stage_.first_layer < 0 || stage_.first_layer >= stage_.end_layer || stage_.end_layer > hp_.n_layer) {
+    throw std::invalid_argument("pipeline stage " + std::to_string(stage_.index) + ": layers [" +
+                                std::to_string(stage_.first_layer) + ", " + std::to_string(stage_.end_layer) +
+                                ") of a model of " + std::to_string(hp_.n_layer));
+  }
   const ArchInfo& arch = *find_arch(hp_.arch);
   const int64_t d = hp_.n_embd;
   const int64_t q_dim = static_cast<int64_t>(hp_.n_head) * hp_.head_dim;
@@ -161,6 +173,16 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
   for (int il = 0; il < hp_.n_layer; ++il) {
     Layer& L = layers_[static_cast<size_t>(il)];
     const std::string b = "blk." + std::to_string(il) + ".";
+    if (hp_.swa_period > 0 && (il + 1) % hp_.swa_period != 0) {
+      L.window = hp_.sliding_window;
+      L.rope_set = 1;
+    }
+    // Another stage's layer: its tensors are its to check and load (the file's pages of them
+    // are never touched here).
+    if (!stage_.runs_layer(il)) {
+      tensors.leave_to_another_stage(b);
+      continue;
+    }
     constant(L.attn_norm, tensors.vector(b + "attn_norm.weight", d));
     constant(L.ffn_norm, tensors.vector(b + "ffn_norm.weight", d));
     // q, k and v: three matrices, or one fused matrix of their rows in that order (llama.cpp's
@@ -195,10 +217,6 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
       constant(L.post_attn_norm, tensors.vector(b + "post_attention_norm.weight", d));
       constant(L.post_ffn_norm, tensors.vector(b + "post_ffw_norm.weight", d));
     }
-    if (hp_.swa_period > 0 && (il + 1) % hp_.swa_period != 0) {
-      L.window = hp_.sliding_window;
-      L.rope_set = 1;
-    }
     prepare(L.wo, b + "attn_output.weight", q_dim, d);
     if (hp_.fused_gate_up) {
       const GgufTensorInfo& gate_up = matrix(b + "ffn_up.weight", d, 2 * static_cast<int64_t>(hp_.n_ff));
@@ -210,12 +228,18 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend)
     }
     prepare(L.down, b + "ffn_down.weight", hp_.n_ff, d);
   }
-  constant(output_norm_, tensors.vector("output_norm.weight", d));
-  if (tensors.has("output.weight")) {
-    prepare(output_, "output.weight", d, hp_.n_vocab);
-  } else {  // tied embeddings: the output projection reuses token_embd
-    tied_output_ = true;
-    pending.push_back({&output_, WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data, true}});
+  if (!stage_.last()) {  // the output norm and projection are the last stage's
+    tensors.leave_to_another_stage("output_norm.weight");
+    tensors.leave_to_another_stage("output.weight");
+  } else {
+    constant(output_norm_, tensors.vector("output_norm.weight", d));
+    if (tensors.has("output.weight")) {
+      prepare(output_, "output.weight", d, hp_.n_vocab);
+    } else {  // tied embeddings: the output projection reuses token_embd
+      tied_output_ = true;
+      pending.push_back(
+          {&output_, WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data, true}});
+    }
   }
 
   // RoPE frequencies: set 0 for every layer (scaled; with the file's per-pair factors), set 1
@@ -312,8 +336,10 @@ void LlamaModel::forward_tokens(std::span<const int32_t> tokens, KvCache& cache,
                             std::to_string(tokens.size()) + " new tokens exceed the context size " +
                             std::to_string(cache.capacity()));
   }
+  if (!stage_.alone() && stage_.first()) announce_pass(cache, tokens.size(), out);
   // Chunks of at most max_batch tokens, each in contiguous slots of the ring (a chunk stops
-  // where the ring wraps), shifting the context whenever the cache is full.
+  // where the ring wraps), shifting the context whenever the cache is full. (The other stages of
+  // a pipeline run this same loop over their copy of the cache: the same chunks, the same shifts.)
   size_t start = 0;
   while (start < tokens.size()) {
     if (cache.contiguous_free() == 0) shift_context(cache);
@@ -471,12 +497,19 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   float* const gate = s.gate->data();
   backend_.begin_layer(-1);
   for (const Rows& r : rows) {
-    embed(r.tokens, x + static_cast<size_t>(r.row0) * d);
+    if (stage_.first()) embed(r.tokens, x + static_cast<size_t>(r.row0) * d);
     rope_angles(r.row0, r.pos0, static_cast<int>(r.tokens.size()), r.cache->capacity());
   }
-  if (hp_.embed_scale) backend_.scale(x, static_cast<int64_t>(n) * d, std::sqrt(static_cast<float>(d)));
+  const size_t hidden = static_cast<size_t>(n) * static_cast<size_t>(d);
+  if (!stage_.first()) {  // the previous stage's hidden states
+    pipeline_hidden_.resize(hidden);
+    link_->recv(stage_.index - 1, pipeline_hidden_.data(), hidden * sizeof(float));
+    backend_.write(x, pipeline_hidden_.data(), hidden);
+  } else if (hp_.embed_scale) {
+    backend_.scale(x, static_cast<int64_t>(n) * d, std::sqrt(static_cast<float>(d)));
+  }
   describe_sequences(rows);
-  for (int il = 0; il < hp_.n_layer; ++il) {
+  for (int il = stage_.first_layer; il < stage_.end_layer; ++il) {
     backend_.begin_layer(il);
     const Layer& L = layers_[static_cast<size_t>(il)];
     const RopeAngles angles = rope_layout(s.rope_cos[L.rope_set]->data(), s.rope_sin[L.rope_set]->data());
@@ -503,6 +536,11 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     // Feed-forward block: down(silu(gate(x)) * up(x)), gate and up in one fused pass.
     backend_.matmul_glu(*L.gate, *L.up, MatmulInput{x, n, L.ffn_norm, hp_.rms_eps}, hp_.activation, gate);
     residual(*L.down, gate, n, L.post_ffn_norm);
+  }
+  if (!stage_.last()) {  // on to the next stage
+    pipeline_hidden_.resize(hidden);
+    backend_.read(x, pipeline_hidden_.data(), hidden);
+    link_->send(stage_.index + 1, pipeline_hidden_.data(), hidden * sizeof(float));
   }
 }
 
@@ -555,15 +593,25 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
   const int n = static_cast<int>(tokens.size());
   const Rows rows[] = {append_rows(tokens, cache, 0)};
   run_layers(rows, n);
-  if (!out.wanted()) return;
+  if (!out.wanted() || !(stage_.first() || stage_.last())) return;
   // Only the rows whose logits are wanted go through the final norm and the vocabulary projection.
   const int first_row = out.all_logits ? 0 : n - 1;
+  const size_t n_logits = static_cast<size_t>(n - first_row) * static_cast<size_t>(hp_.n_vocab);
+  // What the pass hands back, as bytes: from the last stage to the first, when they differ.
+  void* const result = out.top.empty() ? static_cast<void*>(out.logits) : static_cast<void*>(out.top.data());
+  const size_t result_bytes = out.top.empty() ? n_logits * sizeof(float) : out.top.size_bytes();
+  if (!stage_.last()) return link_->recv(stage_.count - 1, result, result_bytes);
   const float* logits = project_logits(first_row, n - first_row);
-  if (!out.top.empty()) return backend_.top_k(logits, 1, hp_.n_vocab, static_cast<int>(out.top.size()), out.top);
-  backend_.read(logits, out.logits, static_cast<size_t>(n - first_row) * static_cast<size_t>(hp_.n_vocab));
+  if (!out.top.empty()) {
+    backend_.top_k(logits, 1, hp_.n_vocab, static_cast<int>(out.top.size()), out.top);
+  } else {
+    backend_.read(logits, out.logits, n_logits);
+  }
+  if (!stage_.first()) link_->send(0, result, result_bytes);
 }
 
 void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
+  if (!stage_.alone()) throw std::logic_error("forward_batch: batched passes do not run across pipeline stages yet");
   // Everything is checked before any cache changes.
   size_t total = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -647,6 +695,99 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
   }
 #pragma omp parallel for schedule(static) if (n_logits > 1)
   for (int k = 0; k < n_logits; ++k) std::copy_n(&batch_logits_[static_cast<size_t>(k) * vocab], vocab, out[static_cast<size_t>(k)]);
+}
+
+// --- Pipeline parallelism --------------------------------------------------------------------
+
+// One pass as the first stage announces it: the cache it runs on (by id, with what the other
+// stages need to make their copy and to check that it is in step), the tokens' count and what
+// the pass hands back. kExit ends serve_pipeline().
+struct LlamaModel::PipelineCommand {
+  enum Op : int32_t { kExit = 0, kForward = 1 };
+  int32_t op = kExit;
+  int32_t capacity = 0;
+  uint64_t cache_id = 0;
+  int64_t cache_size = 0, next_position = 0;  // the cache before the pass
+  int32_t kv_type = 0, n_keep = 0, n_discard = 0, context_shift = 0;
+  int64_t n_tokens = 0;
+  int32_t want_logits = 0, all_logits = 0, top_k = 0, reserved = 0;
+};
+
+void LlamaModel::announce_pass(const KvCache& cache, size_t n_tokens, const PassOutput& out) {
+  PipelineCommand c;
+  c.op = PipelineCommand::kForward;
+  c.capacity = cache.capacity();
+  c.cache_id = cache.id();
+  c.cache_size = cache.size();
+  c.next_position = cache.next_position();
+  c.kv_type = static_cast<int32_t>(cache.options().type);
+  c.n_keep = cache.options().n_keep;
+  c.n_discard = cache.options().n_discard;
+  c.context_shift = cache.options().context_shift ? 1 : 0;
+  c.n_tokens = static_cast<int64_t>(n_tokens);
+  c.want_logits = out.logits != nullptr ? 1 : 0;
+  c.all_logits = out.all_logits ? 1 : 0;
+  c.top_k = static_cast<int32_t>(out.top.size());
+  link_->broadcast(&c, sizeof(c));
+}
+
+// This stage's copy of the first stage's cache: made when first named, made afresh when the
+// first stage's cache starts over (cleared), and otherwise exactly as far along.
+KvCache& LlamaModel::pipeline_cache(const PipelineCommand& c) {
+  auto it = pipeline_caches_.find(c.cache_id);
+  if (it != pipeline_caches_.end() && c.next_position == 0 && it->second.next_position() != 0) {
+    pipeline_caches_.erase(it);
+    it = pipeline_caches_.end();
+  }
+  if (it == pipeline_caches_.end()) {
+    const KvCacheOptions options{static_cast<KvType>(c.kv_type), c.n_keep, c.n_discard, c.context_shift != 0};
+    it = pipeline_caches_.emplace(c.cache_id, make_cache(c.capacity, options)).first;
+  }
+  KvCache& cache = it->second;
+  if (cache.size() != c.cache_size || cache.next_position() != c.next_position) {
+    throw std::logic_error("pipeline stage " + std::to_string(stage_.index) + ": cache " + std::to_string(c.cache_id) +
+                           " holds " + std::to_string(cache.size()) + " tokens up to position " +
+                           std::to_string(cache.next_position()) + ", the first stage's " +
+                           std::to_string(c.cache_size) + " up to " + std::to_string(c.next_position));
+  }
+  return cache;
+}
+
+void LlamaModel::serve_pipeline() {
+  if (link_ == nullptr || stage_.first()) throw std::logic_error("serve_pipeline: not a later stage of a connected pipeline");
+  std::vector<int32_t> tokens;  // the first stage embeds: later stages need only their count
+  std::vector<float> logits;
+  std::vector<TopLogit> top;
+  for (;;) {
+    PipelineCommand c;
+    link_->broadcast(&c, sizeof(c));
+    if (c.op == PipelineCommand::kExit) return;
+    if (c.op != PipelineCommand::kForward || c.n_tokens < 0) {
+      throw std::runtime_error("pipeline stage " + std::to_string(stage_.index) + ": unknown command " +
+                               std::to_string(c.op));
+    }
+    KvCache& cache = pipeline_cache(c);
+    tokens.assign(static_cast<size_t>(c.n_tokens), 0);
+    // The last stage computes what the pass hands back (and sends it to the first); a middle
+    // stage hands back nothing.
+    PassOutput out;
+    if (stage_.last() && c.top_k > 0) {
+      top.resize(static_cast<size_t>(c.top_k));
+      out.top = top;
+    } else if (stage_.last() && c.want_logits != 0) {
+      logits.resize((c.all_logits != 0 ? tokens.size() : 1) * static_cast<size_t>(hp_.n_vocab));
+      out = PassOutput{logits.data(), c.all_logits != 0, {}};
+    }
+    forward_tokens(tokens, cache, out);
+  }
+}
+
+void LlamaModel::close_pipeline() {
+  if (link_ == nullptr || !stage_.first() || stage_.alone()) return;
+  PipelineCommand c;
+  c.op = PipelineCommand::kExit;
+  link_->broadcast(&c, sizeof(c));
+  link_ = nullptr;
 }
 
 }  // namespace ringlm

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -15,13 +16,16 @@
 #include "core/gguf/gguf.h"
 #include "core/kv/kv_cache.h"
 #include "core/model/hparams.h"
+#include "core/model/pipeline.h"
 
 namespace ringlm {
 
 class LlamaModel {
  public:
-  // Checks every tensor's presence, type and shape, and prepares the matrices on `backend`.
-  LlamaModel(const GgufFile& gguf, Backend& backend);
+  // Checks every tensor's presence, type and shape, and prepares the matrices on `backend`: all
+  // of them, or with a pipeline stage only its layers' (and the embedding on the first stage,
+  // the output on the last), the other layers' tensors left unread in the file.
+  LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineStage& stage = {});
   ~LlamaModel();
 
   const LlamaHparams& hparams() const { return hp_; }
@@ -71,6 +75,15 @@ class LlamaModel {
   bool async_softmax() const { return async_softmax_; }
 
   int max_batch() const { return max_batch_; }
+
+  // Pipeline parallelism (pipeline.h). Every stage connects its link after loading; the first
+  // stage then runs the model as usual (forward, forward_top: forward_batch is not split yet)
+  // and each pass runs across the stages, while every other stage calls serve_pipeline(), which
+  // runs the passes the first stage announces until it calls close_pipeline().
+  const PipelineStage& stage() const { return stage_; }
+  void connect_pipeline(PipelineLink& link) { link_ = &link; }
+  void serve_pipeline();
+  void close_pipeline();
   KvCache make_cache(int n_ctx, const KvCacheOptions& options = {}) const;
 
  private:
@@ -138,6 +151,17 @@ class LlamaModel {
 
   static constexpr int kWindowedMaxBatch = 256;  // max_batch of a model with sliding-window layers
   int max_batch_ = 512;
+  PipelineStage stage_;
+  PipelineLink* link_ = nullptr;
+  // What the first stage tells the others before each pass (POD: it crosses as bytes).
+  struct PipelineCommand;
+  // Another stage's view of the first stage's caches: one cache per cache the first stage runs,
+  // by KvCache::id(), kept in step by running the same passes (a cache the first stage cleared
+  // starts over here too).
+  std::map<uint64_t, KvCache> pipeline_caches_;
+  std::vector<float> pipeline_hidden_;  // hidden states on their way between stages
+  void announce_pass(const KvCache& cache, size_t n_tokens, const PassOutput& out);
+  KvCache& pipeline_cache(const PipelineCommand& c);
   bool async_softmax_ = true;
   std::unique_ptr<Scratch> scratch_;
   std::vector<Rows> batch_rows_;       // forward_batch's, reused

@@ -2,6 +2,7 @@
 // decoder, loaded and cross-checked together.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -24,7 +25,9 @@ struct LoadedModel {
 // activations quantized on the fly, the fast path; fp32: the reference path). Throws GgufError /
 // std::runtime_error with a message that names the file and what is wrong.
 LoadedModel load_model(const std::string& path, int n_threads, ComputeType compute = ComputeType::kInt8);
-// The same on a backend made by the caller (a plugin's device: backends/plugin_backend.h).
-LoadedModel load_model(const std::string& path, std::unique_ptr<Backend> backend);
+// The same on a backend made by the caller (a plugin's device: backends/plugin_backend.h). With
+// `stage_of`, only the pipeline stage it picks for the opened file is loaded (pipeline.h).
+LoadedModel load_model(const std::string& path, std::unique_ptr<Backend> backend,
+                       const std::function<PipelineStage(const GgufFile&)>& stage_of = {});
 
 }  // namespace ringlm
