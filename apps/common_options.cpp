@@ -8,6 +8,7 @@
 #include <thread>
 #include <utility>
 
+#include "apps/pipeline_process.h"
 #include "backends/plugin_backend.h"
 
 namespace ringlm {
@@ -33,6 +34,11 @@ void add_model_options(CLI::App& cmd, ModelOptions& opts) {
       ->capture_default_str();
   add_compute_option(cmd, opts.compute);
   add_device_options(cmd, opts.device, opts.plugin_dir, opts.gpu_layers);
+  cmd.add_option("--layer-split", opts.layer_split,
+                 "under mpirun -np N: layers per rank, e.g. 10,12 (default: balanced by the bytes of their weights)");
+  cmd.add_option_function<std::string>(
+         "--split", [](const std::string&) {}, "under mpirun -np N: how the model is split over the ranks (layer)")
+      ->check(CLI::IsMember({"layer"}));
 }
 
 void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir, int& gpu_layers) {
@@ -48,7 +54,11 @@ void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_
 }
 
 LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType compute, const std::string& device,
-                       const std::string& plugin_dir, int gpu_layers) {
+                       const std::string& plugin_dir, int gpu_layers,
+                       const std::function<PipelineStage(const GgufFile&)>& stage_of) {
+  if (!stage_of && !this_process().alone()) {
+    throw std::runtime_error("this command does not run across pipeline ranks yet (under mpirun: run and perplexity)");
+  }
   const std::string path = resolve_model_path(model_flag);
   BackendChoice choice;
   choice.device = device;
@@ -60,7 +70,7 @@ LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType
   std::string notice;
   std::unique_ptr<Backend> backend = make_backend(choice, notice);
   if (!notice.empty()) std::fprintf(stderr, "ringlm: %s\n", notice.c_str());
-  LoadedModel model = load_model(path, std::move(backend));
+  LoadedModel model = load_model(path, std::move(backend), stage_of);
   if (const std::string report = model.backend->cpu_fallback_report(); !report.empty()) {
     std::fprintf(stderr, "ringlm: %s\n", report.c_str());
   }

@@ -2,12 +2,15 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <exception>
+#include <span>
+#include <string>
 
 #include "apps/batch_command.h"
 #include "apps/bench_command.h"
 #include "apps/chat_command.h"
 #include "apps/devices_command.h"
 #include "apps/perplexity_command.h"
+#include "apps/pipeline_process.h"
 #include "apps/quantize_command.h"
 #include "apps/run_command.h"
 #include "apps/serve_command.h"
@@ -30,14 +33,19 @@ int main(int argc, char** argv) {
   ringlm::add_devices_command(app);
   ringlm::add_tokenize_command(app);
   try {
+    // Under mpirun with several processes: this one's rank in the pipeline (pipeline_process.h).
+    ringlm::set_this_process(ringlm::PipelineProcess::join(std::span<char* const>(argv, static_cast<size_t>(argc))));
     ringlm::apply_simd_target_override();
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const std::exception& e) {
     std::fflush(stdout);
+    // In a pipeline, every rank goes down with the error (and the rank that failed is named).
+    if (!ringlm::this_process().alone()) ringlm::this_process().abort(std::string("error: ") + e.what());
     std::fprintf(stderr, "ringlm: error: %s\n", e.what());
     return 1;
   }
+  ringlm::set_this_process(nullptr);  // MPI_Finalize before exit, once every rank is done
   return 0;
 }

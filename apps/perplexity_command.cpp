@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "apps/common_options.h"
+#include "apps/pipeline_process.h"
 #include "core/model/loader.h"
 
 namespace ringlm {
@@ -40,6 +41,7 @@ struct PerplexityOptions {
   std::string device = "cpu";
   std::string plugin_dir;
   int gpu_layers = -1;
+  std::string layer_split;  // --layer-split under mpirun ("": balanced by bytes)
   KvCacheOptions cache;
   int stream_tokens = 0;        // > 0: stream this many tokens through one ring of -c slots
   bool sliding_window = false;  // with stream_tokens: recompute the last -c tokens for every token instead
@@ -157,11 +159,22 @@ NllStats sliding_window_perplexity(LoadedModel& m, const PerplexityOptions& o, c
   return stats;
 }
 
+void perplexity_of(LoadedModel& m, const PerplexityOptions& o, const std::string& text);
+
 void perplexity(const PerplexityOptions& o) {
-  const std::string text = read_text(o.text_file);  // before the model load: fail fast
+  // Before the model load: fail fast. (Under mpirun only rank 0 reads it: the others run passes.)
+  PipelineProcess& process = this_process();
+  const std::string text = process.rank() == 0 ? read_text(o.text_file) : std::string();
   const int n_threads = resolve_threads(o.n_threads);
   omp_set_num_threads(n_threads);
-  LoadedModel m = load_model(o.model_path, n_threads, o.compute, o.device, o.plugin_dir, o.gpu_layers);
+  LoadedModel m = load_model(o.model_path, n_threads, o.compute, o.device, o.plugin_dir, o.gpu_layers,
+                             stage_picker(process, o.layer_split));
+  if (serve_as_later_rank(process, m)) return;
+  perplexity_of(m, o, text);
+  m.model->close_pipeline();
+}
+
+void perplexity_of(LoadedModel& m, const PerplexityOptions& o, const std::string& text) {
   const int n_vocab = m.model->hparams().n_vocab;
 
   std::fprintf(stderr, "perplexity: tokenizing the input ..\n");
@@ -223,6 +236,8 @@ void add_perplexity_command(CLI::App& app) {
   cmd->add_option("-t,--threads", o->n_threads, "CPU threads (0: all cores)")->check(CLI::Range(0, 1024));
   add_compute_option(*cmd, o->compute);
   add_device_options(*cmd, o->device, o->plugin_dir, o->gpu_layers);
+  cmd->add_option("--layer-split", o->layer_split,
+                  "under mpirun -np N: layers per rank, e.g. 10,12 (default: balanced by the bytes of their weights)");
   cmd->add_option("--chunks", o->n_chunks, "score at most this many chunks (-1: all)")
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "apps/common_options.h"
+#include "apps/pipeline_process.h"
 #include "core/model/loader.h"
 #include "core/session/generation.h"
 
@@ -105,7 +106,9 @@ void print_stats(const RunStats& s, const std::string& format) {
 void run(const RunOptions& o) {
   const int n_threads = resolve_threads(o.model.n_threads);
   omp_set_num_threads(n_threads);
-  LoadedModel m = load_model(o.model, n_threads);
+  PipelineProcess& process = this_process();
+  LoadedModel m = load_model(o.model, n_threads, stage_picker(process, o.model.layer_split));
+  if (serve_as_later_rank(process, m)) return;
   const LlamaHparams& hp = m.model->hparams();
   const int n_ctx = o.model.n_ctx > 0 ? o.model.n_ctx : hp.n_ctx_train;
 
@@ -173,6 +176,7 @@ void run(const RunOptions& o) {
   }
   stats.n_shifts = cache.shifts();
   stats.n_discarded = cache.discarded();
+  m.model->close_pipeline();
   print_stats(stats, o.stats_format);
 }
 

@@ -16,6 +16,7 @@ APT_PACKAGES=(
   libhwy-dev libomp-dev libopenblas-dev ocl-icd-opencl-dev opencl-headers pocl-opencl-icd clinfo
   libcli11-dev libpcre2-dev nlohmann-json3-dev libedit-dev libcpp-httplib-dev curl
   libgtest-dev libgmock-dev googletest libbenchmark-dev
+  openmpi-bin libopenmpi-dev
 )
 PIP_PACKAGES=(numpy==2.4.6 gguf==0.19.0 jinja2==3.1.6 regex==2026.5.9 openai==3.57.0)
 
