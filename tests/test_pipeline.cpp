@@ -1,0 +1,154 @@
+// Pipeline parallelism (core/model/pipeline.h, apps/pipeline_process.h): how layers are split over
+// stages, and `mpirun -np N ringlm run|perplexity` against the same command in one process: the
+// same greedy text and the same perplexity (logits equal to the last digit printed) for every
+// family, a context that shifts, the TCP transport that runs between machines, and the faults:
+// mismatched files, a rank that cannot open the file, a rank killed mid-run.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/model/pipeline.h"
+#include "tests/build_scale.h"
+#include "tests/command_runner.h"
+
+namespace ringlm {
+namespace {
+
+TEST(PipelineSplit, EqualLayersSplitEvenlyAndUnevenOnesByTheirBytes) {
+  const std::vector<size_t> equal(30, 100);
+  EXPECT_EQ(split_layers_by_bytes(equal, 2), (std::vector<int>{15, 15}));
+  EXPECT_EQ(split_layers_by_bytes(equal, 3), (std::vector<int>{10, 10, 10}));
+  EXPECT_EQ(split_layers_by_bytes(equal, 1), (std::vector<int>{30}));
+  // A heavy first layer (say, bigger quantization there): fewer layers go with it.
+  const std::vector<size_t> heavy_first = {500, 100, 100, 100, 100, 100};
+  EXPECT_EQ(split_layers_by_bytes(heavy_first, 2), (std::vector<int>{1, 5}));
+  // Every stage keeps a layer, however the bytes fall.
+  const std::vector<size_t> skewed = {1, 1, 1000};
+  EXPECT_EQ(split_layers_by_bytes(skewed, 3), (std::vector<int>{1, 1, 1}));
+  EXPECT_THROW(split_layers_by_bytes(skewed, 4), std::invalid_argument);
+}
+
+TEST(PipelineSplit, StagesOfASplitAndItsErrors) {
+  const std::vector<int> counts = {10, 12, 8};
+  const PipelineStage first = stage_of_split(counts, 30, 0), middle = stage_of_split(counts, 30, 1),
+                      last = stage_of_split(counts, 30, 2);
+  EXPECT_TRUE(first.first() && !first.last());
+  EXPECT_EQ(first.first_layer, 0);
+  EXPECT_EQ(first.end_layer, 10);
+  EXPECT_TRUE(!middle.first() && !middle.last());
+  EXPECT_EQ(middle.first_layer, 10);
+  EXPECT_EQ(middle.end_layer, 22);
+  EXPECT_TRUE(last.last());
+  EXPECT_EQ(last.first_layer, 22);
+  EXPECT_EQ(last.end_layer, 30);
+  EXPECT_TRUE(last.runs_layer(29) && !last.runs_layer(21));
+  EXPECT_THROW(stage_of_split(counts, 31, 0), std::invalid_argument);  // 30 layers named, 31 in the model
+  EXPECT_THROW(stage_of_split(std::vector<int>{10, 0, 20}, 30, 0), std::invalid_argument);
+  EXPECT_THROW(stage_of_split(counts, 30, 3), std::invalid_argument);
+}
+
+TEST(PipelineSplit, LayerSplitFlagIsAListOfPositiveCounts) {
+  EXPECT_EQ(parse_layer_split("10,12,8"), (std::vector<int>{10, 12, 8}));
+  EXPECT_EQ(parse_layer_split("7"), (std::vector<int>{7}));
+  for (const char* bad : {"", "10,", ",10", "10,x", "0,5", "-1,5", "3.5"}) {
+    EXPECT_THROW(parse_layer_split(bad), std::invalid_argument) << "'" << bad << "'";
+  }
+}
+
+#ifdef RINGLM_MPIRUN
+
+const std::string kRingLm = RINGLM_BINARY;
+// mpirun as CI runs it (as root, more ranks than cores); --mca btl tcp,self where a test wants
+// the transport that runs between machines.
+const std::string kMpirun = std::string(RINGLM_MPIRUN) + " --allow-run-as-root --oversubscribe";
+
+std::string tiny(const std::string& name) { return std::string(RINGLM_TEST_WORK_DIR) + "/tiny_" + name + ".gguf"; }
+
+test::CommandResult sh(const std::string& command) { return test::run_command(command, test::work_dir_for("pipeline"), 120); }
+
+// The same command alone and under mpirun (with `split_args` added there): the same stdout, both
+// exiting 0.
+void expect_same_output(const std::string& args, int ranks, const std::string& mpirun_flags = "",
+                        const std::string& split_args = "") {
+  SCOPED_TRACE(args + " on " + std::to_string(ranks) + " ranks " + mpirun_flags + " " + split_args);
+  const test::CommandResult alone = sh(kRingLm + " " + args);
+  ASSERT_EQ(alone.exit_code, 0) << alone.err;
+  ASSERT_FALSE(alone.out.empty());
+  const test::CommandResult split =
+      sh(kMpirun + " " + mpirun_flags + " -np " + std::to_string(ranks) + " " + kRingLm + " " + args + " " + split_args);
+  ASSERT_EQ(split.exit_code, 0) << split.err;
+  EXPECT_EQ(split.out, alone.out);
+  // Each rank said which layers it runs.
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_NE(split.err.find("rank " + std::to_string(r) + " of " + std::to_string(ranks)), std::string::npos) << split.err;
+  }
+}
+
+// Greedy text on two ranks for every family (Llama, Qwen 2 with biases, Qwen 3 with QK-norm and
+// an untied output, Gemma 3 with its sliding-window layers and post-norms, Phi-3 with fused
+// matrices), and on three ranks of the 7-layer Gemma 3 over TCP with a split given by hand.
+TEST(PipelineCli, GreedyTextEqualsOneProcessForEveryFamily) {
+  const std::string gen = " -t 1 --temp 0 --ignore-eos -n " + std::to_string(test::scaled(12, 6)) + " -p 'Once upon a time'";
+  for (const char* model : {"q4_0", "qwen2_q5_0", "qwen3_q4_k", "gemma3_q8_0", "phi3_q4_0"}) {
+    expect_same_output("run -m " + tiny(model) + gen, 2);
+  }
+  expect_same_output("run -m " + tiny("gemma3_q8_0") + gen, 3, "--mca btl tcp,self", "--layer-split 2,4,1");
+}
+
+// A context that fills and shifts (StreamingLLM) on every rank in step, and sampling with a seed.
+TEST(PipelineCli, ContextShiftsAndSamplingStayInStep) {
+  expect_same_output("run -m " + tiny("q4_0") + " -t 1 -c 24 --keep 2 --ignore-eos -n " +
+                         std::to_string(test::scaled(60, 30)) + " --temp 0.8 -s 7 -p 'Once upon a time'",
+                     2);
+}
+
+// Perplexity reads every position's logits back from the last rank: the estimate is the same to
+// the last printed digit.
+TEST(PipelineCli, PerplexityEqualsOneProcess) {
+  const std::string text = std::string(RINGLM_SHARED_DATA) + "/text/kjv-pentateuch.txt";
+  expect_same_output("perplexity -m " + tiny("gemma3_q8_0") + " -f " + text + " -c 32 --chunks 2 -t 1", 3);
+}
+
+// Ranks started with different files, or one that cannot open its file: every rank ends with an
+// error naming the rank, at start.
+TEST(PipelineCli, MismatchedOrMissingFilesEndEveryRankWithTheError) {
+  const std::string gen = " -t 1 -n 4 -p hi";
+  const test::CommandResult mismatch =
+      sh(kMpirun + " -np 1 " + kRingLm + " run -m " + tiny("q4_0") + gen + " : -np 1 " + kRingLm + " run -m " + tiny("phi3_q4_0") + gen);
+  EXPECT_NE(mismatch.exit_code, 0);
+  EXPECT_NE(mismatch.err.find("rank 1 opened another model file than rank 0"), std::string::npos) << mismatch.err;
+
+  const test::CommandResult missing =
+      sh(kMpirun + " -np 1 " + kRingLm + " run -m " + tiny("q4_0") + gen + " : -np 1 " + kRingLm + " run -m /nonexistent.gguf" + gen);
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.err.find("rank 1 of 2"), std::string::npos) << missing.err;
+  EXPECT_NE(missing.err.find("/nonexistent.gguf"), std::string::npos) << missing.err;
+}
+
+// A rank killed while the pipeline generates: every rank is gone within 10 s, and the run fails.
+// (pkill -n: the newest process that carries the marker, a rank: mpirun started them.)
+TEST(PipelineCli, AKilledRankEndsTheRunNotAHang) {
+  const std::string marker = "pipeline-kill-" + std::to_string(::getpid());
+  const std::string script_path = test::work_dir_for("pipeline") + "/kill_a_rank.sh";
+  std::ofstream(script_path) << "(" << kMpirun << " -np 2 " << kRingLm << " run -m " << tiny("q4_0")
+                             << " -t 1 -c 64 --ignore-eos -n 100000000 -p '" << marker
+                             << "' >/dev/null 2>&1; echo exit=$?) &\n"
+                             << "sleep 2\npkill -9 -n -f -- '" << marker << "'\nwait\n";
+  const auto t0 = std::chrono::steady_clock::now();
+  const test::CommandResult r = sh("bash " + script_path);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.out.find("exit="), std::string::npos) << r.out << r.err;
+  EXPECT_EQ(r.out.find("exit=0"), std::string::npos) << r.out;
+  EXPECT_LT(seconds, 2 + 10) << r.out;
+}
+
+#endif  // RINGLM_MPIRUN
+
+}  // namespace
+}  // namespace ringlm
