@@ -19,6 +19,7 @@
 #include <stdexcept>
 
 #include "apps/common_options.h"
+#include "apps/pipeline_process.h"
 #include "core/model/loader.h"
 #include "core/scheduler/batch_scheduler.h"
 #include "core/session/chat_session.h"
@@ -377,8 +378,12 @@ void add_batch_command(CLI::App& app) {
   cmd->callback([opts] {
     const int n_threads = resolve_threads(opts->model.n_threads);
     omp_set_num_threads(n_threads);
-    LoadedModel m = load_model(opts->model, n_threads);
+    PipelineProcess& process = this_process();
+    LoadedModel m = load_model(opts->model, n_threads, stage_picker(process, opts->model.layer_split));
+    // Under mpirun, rank 0 reads the requests and writes the results; the others run its passes.
+    if (serve_as_later_rank(process, m)) return;
     const int status = BatchRun(*opts, m).run();
+    m.model->close_pipeline();
     if (status != 0) throw CLI::RuntimeError(status);  // main() exits with it, destructors run
   });
 }

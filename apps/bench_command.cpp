@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "apps/common_options.h"
+#include "apps/pipeline_process.h"
 #include "core/model/loader.h"
 
 namespace ringlm {
@@ -48,6 +49,7 @@ struct BenchOptions {
   std::string plugin_dir;
   int gpu_layers = -1;
   std::string softmax = "async";  // decode attention: async (FlashDecoding++) or online
+  std::string layer_split;         // --layer-split under mpirun ("": balanced by bytes)
 };
 
 // One row of the result: a (p, n, threads) combination and its timed samples.
@@ -340,14 +342,20 @@ void bench(const BenchOptions& o) {
   const std::vector<int> thread_counts = parse_int_list(o.n_threads, "-t", 0);
   if (plan(o, 1).empty()) throw std::runtime_error("nothing to run: every -p and -n value is 0");
 
+  // Under mpirun, rank 0 times and prints; the other ranks run the passes it announces.
+  PipelineProcess& process = this_process();
+  const bool prints = process.rank() == 0;
   const bool md = o.output == "md";
   nlohmann::ordered_json all = nlohmann::ordered_json::array();
-  if (md) print_markdown_header();
+  if (md && prints) print_markdown_header();
   for (const int t_flag : thread_counts) {
     const int threads = resolve_threads(t_flag);
     omp_set_num_threads(threads);
-    LoadedModel m = load_model(path, threads, o.compute, o.device, o.plugin_dir, o.gpu_layers);  // the backend's thread count is fixed at load
+    // The backend's thread count is fixed at load.
+    LoadedModel m = load_model(path, threads, o.compute, o.device, o.plugin_dir, o.gpu_layers,
+                               stage_picker(process, o.layer_split));
     m.model->set_async_softmax(o.softmax == "async");
+    if (serve_as_later_rank(process, m)) continue;
     const ModelInfo info = describe(m, path);
     for (BenchTest& t : plan(o, threads)) {
       t.test_time = utc_now();
@@ -355,7 +363,9 @@ void bench(const BenchOptions& o) {
       if (md) print_markdown_row(info, t);
       else all.push_back(to_json(info, t, o.n_batch));
     }
+    m.model->close_pipeline();
   }
+  if (!prints) return;
   if (md) std::printf("\nbuild: ringlm 0.1.0\n");
   else std::printf("%s\n", all.dump(2).c_str());
 }
@@ -377,6 +387,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("-b,--batch-size", o->n_batch, "tokens per forward call in a pp test")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  cmd->add_option("--layer-split", o->layer_split,
+                  "under mpirun -np N: layers per rank, e.g. 10,12 (default: balanced by the bytes of their weights)");
   cmd->add_option("-r,--repetitions", o->reps, "timed repetitions of each test")->check(CLI::Range(1, 1000))->capture_default_str();
   add_compute_option(*cmd, o->compute);
   add_device_options(*cmd, o->device, o->plugin_dir, o->gpu_layers);

@@ -57,7 +57,7 @@ LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType
                        const std::string& plugin_dir, int gpu_layers,
                        const std::function<PipelineStage(const GgufFile&)>& stage_of) {
   if (!stage_of && !this_process().alone()) {
-    throw std::runtime_error("this command does not run across pipeline ranks yet (under mpirun: run and perplexity)");
+    throw std::runtime_error("this command does not run across pipeline ranks (under mpirun: run, perplexity, bench, batch and serve)");
   }
   const std::string path = resolve_model_path(model_flag);
   BackendChoice choice;

@@ -119,8 +119,12 @@ class MpiLink final : public PipelineLink {
 class MpiProcess final : public PipelineProcess {
  public:
   explicit MpiProcess(std::span<char* const> argv) {
+    // serve runs its passes on the engine's thread, not main's: one thread at a time calls MPI.
     int provided = 0;
-    mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+    mpi_check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+    if (provided < MPI_THREAD_SERIALIZED) {
+      throw std::runtime_error("this MPI library cannot be called from more than one thread (MPI_THREAD_SERIALIZED)");
+    }
     // Errors come back as codes (turned into exceptions, then into abort() with the rank named),
     // not as MPI's own abort without a word of ours.
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);

@@ -31,6 +31,7 @@
 #include <thread>
 
 #include "apps/common_options.h"
+#include "apps/pipeline_process.h"
 #include "apps/serve_api.h"
 #include "core/scheduler/serving_engine.h"
 #include "core/session/chat_session.h"
@@ -179,7 +180,9 @@ void Server::load() {
   try {
     const int n_threads = resolve_threads(o_.model.n_threads);
     omp_set_num_threads(n_threads);
-    model_.emplace(load_model(o_.model, n_threads));
+    PipelineProcess& process = this_process();
+    model_.emplace(load_model(o_.model, n_threads, stage_picker(process, o_.model.layer_split)));
+    if (!process.alone()) model_->model->connect_pipeline(process.link());
     std::string notice;
     template_ = chat_template_for(*model_->gguf, *model_->tokenizer, o_.chat_template, notice);
     if (!notice.empty()) std::fprintf(stderr, "ringlm: %s\n", notice.c_str());
@@ -579,9 +582,21 @@ void Server::run() {
   signal_thread.join();
   if (engine_) engine_->stop(Clock::now());
   if (!load_error_.empty()) throw std::runtime_error(load_error_);
+  if (model_) model_->model->close_pipeline();  // the other ranks end with the server
   std::fprintf(stderr, "ringlm: stopped\n");
 }
 
+}  // namespace
+
+namespace {
+// A later rank of `mpirun ... ringlm serve`: its layers, and the passes rank 0's server runs.
+void serve_later_rank(const ServeOptions& o) {
+  const int n_threads = resolve_threads(o.model.n_threads);
+  omp_set_num_threads(n_threads);
+  PipelineProcess& process = this_process();
+  LoadedModel m = load_model(o.model, n_threads, stage_picker(process, o.model.layer_split));
+  serve_as_later_rank(process, m);
+}
 }  // namespace
 
 void add_serve_command(CLI::App& app) {
@@ -615,6 +630,8 @@ void add_serve_command(CLI::App& app) {
     if (key->count() == 0) {
       if (const char* env = std::getenv("RINGLM_API_KEY"); env != nullptr) opts->api_key = env;
     }
+    // Under mpirun, rank 0 serves HTTP; the other ranks load their layers and run its passes.
+    if (this_process().rank() != 0) return serve_later_rank(*opts);
     Server server(*opts);
     server.run();
   });

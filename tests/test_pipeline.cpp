@@ -8,7 +8,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -113,6 +117,69 @@ TEST(PipelineCli, ContextShiftsAndSamplingStayInStep) {
 TEST(PipelineCli, PerplexityEqualsOneProcess) {
   const std::string text = std::string(RINGLM_SHARED_DATA) + "/text/kjv-pentateuch.txt";
   expect_same_output("perplexity -m " + tiny("gemma3_q8_0") + " -f " + text + " -c 32 --chunks 2 -t 1", 3);
+}
+
+// batch on three ranks over TCP: the same results as one process, with --parallel 4, samples
+// that share their prompt (a prompt segment every rank keeps in step) and sampling with seeds.
+TEST(PipelineCli, BatchResultsEqualOneProcess) {
+  const std::string dir = test::work_dir_for("pipeline");
+  const std::string in = dir + "/batch.in";
+  std::ofstream(in) << R"({"id":"a","prompt":"Once upon a time","max_tokens":12})" "\n"
+                    << R"({"id":"b","prompt":"The capital of France is","max_tokens":8})" "\n"
+                    << R"({"id":"c","prompt":"In the beginning","max_tokens":10,"n":3,"temperature":0.9,"seed":3})" "\n"
+                    << R"({"id":"d","prompt":"Write a list of fruits:","max_tokens":6})" "\n";
+  const auto texts = [&](const std::string& out) {
+    std::map<std::string, std::string> by_id;
+    std::ifstream lines(out);
+    for (std::string line; std::getline(lines, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      by_id[j.at("id").get<std::string>() + "/" + std::to_string(j.value("sample", 0))] = j.at("text").get<std::string>();
+    }
+    return by_id;
+  };
+  const std::string args = " batch -m " + tiny("gemma3_q8_0") + " -t 1 --parallel 4 --temp 0 -i " + in + " -o ";
+  std::filesystem::remove(dir + "/alone.out");
+  std::filesystem::remove(dir + "/split.out");
+  const test::CommandResult alone = sh(kRingLm + args + dir + "/alone.out");
+  ASSERT_EQ(alone.exit_code, 0) << alone.err;
+  const test::CommandResult split = sh(kMpirun + " --mca btl tcp,self -np 3 " + kRingLm + args + dir + "/split.out");
+  ASSERT_EQ(split.exit_code, 0) << split.err;
+  const auto want = texts(dir + "/alone.out");
+  EXPECT_EQ(want.size(), 6u);
+  EXPECT_EQ(texts(dir + "/split.out"), want);
+}
+
+// serve on two ranks: rank 0 answers HTTP (curl), the other runs its layers; the text of a
+// completion is `run`'s, and a second prompt that begins like the first reads the prompt cache.
+TEST(PipelineCli, ServeAnswersAsOneProcessRuns) {
+  const std::string dir = test::work_dir_for("pipeline");
+  const std::string port = std::to_string(20000 + ::getpid() % 20000);
+  const std::string script = dir + "/serve.sh";
+  const auto completion = [&](const std::string& prompt) {
+    return "curl -s localhost:" + port + "/v1/completions -H 'Content-Type: application/json' -d '{\"prompt\":\"" +
+           prompt + "\",\"max_tokens\":8,\"temperature\":0}'; echo\n";
+  };
+  std::ofstream(script) << kMpirun << " -np 2 " << kRingLm << " serve -m " << tiny("q4_0") << " -t 1 --prompt-cache 16 --port "
+                        << port << " >" << dir << "/serve.log 2>&1 &\n"
+                        << "for i in $(seq 1 100); do curl -s localhost:" << port
+                        << "/health | grep -q ok && break; sleep 0.2; done\n"
+                        << completion("Once upon a time") << completion("Once upon a time there")
+                        << "kill -INT $!; wait\n";
+  const test::CommandResult r = sh("bash " + script);
+  std::vector<std::string> texts;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << line << "\n" << test::slurp(dir + "/serve.log");
+    texts.push_back(j.at("choices").at(0).at("text").get<std::string>());
+  }
+  ASSERT_EQ(texts.size(), 2u) << r.out << test::slurp(dir + "/serve.log");
+  for (const auto& [prompt, text] : {std::pair{"Once upon a time", texts[0]}, std::pair{"Once upon a time there", texts[1]}}) {
+    const test::CommandResult run = sh(kRingLm + " run -m " + tiny("q4_0") + " -t 1 --temp 0 -n 8 -p '" + prompt + "'");
+    ASSERT_EQ(run.exit_code, 0) << run.err;
+    EXPECT_EQ(text, run.out) << prompt;
+  }
 }
 
 // Ranks started with different files, or one that cannot open its file: every rank ends with an

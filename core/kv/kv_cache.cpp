@@ -20,7 +20,26 @@ uint64_t next_cache_id() {
   static std::atomic<uint64_t> next{1};
   return next.fetch_add(1, std::memory_order_relaxed);
 }
+std::atomic<void (*)(uint64_t)> g_release_observer{nullptr};
+void release_id(uint64_t id) {
+  if (id == 0) return;
+  if (auto* observer = g_release_observer.load(std::memory_order_acquire)) observer(id);
+}
 }  // namespace
+
+void KvCache::set_release_observer(void (*observer)(uint64_t id)) {
+  g_release_observer.store(observer, std::memory_order_release);
+}
+
+KvCache::Id& KvCache::Id::operator=(Id&& other) noexcept {
+  if (this != &other) {
+    release_id(value);  // the cache assigned over goes
+    value = std::exchange(other.value, 0);
+  }
+  return *this;
+}
+
+KvCache::Id::~Id() { release_id(value); }
 
 void KvCache::Rows::clear() {
   std::fill(positions.begin(), positions.end(), -1);
@@ -30,7 +49,7 @@ void KvCache::Rows::clear() {
 
 KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const KvCacheOptions& options,
                  const KvWindowRing& window)
-    : id_(next_cache_id()),
+    : id_(Id(next_cache_id())),
       n_layer_(n_layer),
       capacity_(capacity),
       n_kv_head_(n_kv_head),

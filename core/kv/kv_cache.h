@@ -67,7 +67,10 @@ class KvCache {
 
   int capacity() const { return capacity_; }
   // Unique in the process: what a pipeline's other stages know this cache by (a moved cache keeps it).
-  uint64_t id() const { return id_; }
+  uint64_t id() const { return id_.value; }
+  // Called with the id of every cache that goes (not of one moved from): a pipeline's first stage
+  // tells the others, which then drop their copies. One observer per process; nullptr: none.
+  static void set_release_observer(void (*observer)(uint64_t id));
   int size() const { return n_sink_ + ring_count_; }  // tokens cached here (not in the prefix)
   int n_keep() const { return n_keep_; }
   KvType type() const { return type_; }
@@ -188,7 +191,15 @@ class KvCache {
   int ring_capacity() const { return capacity_ - n_keep_; }
   int ring_slot(int i) const { return n_keep_ + (ring_head_ + i) % ring_capacity(); }  // i-th oldest after the sinks
 
-  uint64_t id_;
+  // The id moves with the cache; a cache moved from has none (0), and its end releases nothing.
+  struct Id {
+    uint64_t value;
+    explicit Id(uint64_t v) : value(v) {}
+    Id(Id&& other) noexcept : value(std::exchange(other.value, 0)) {}
+    Id& operator=(Id&& other) noexcept;
+    ~Id();
+  };
+  Id id_;
   int n_layer_, capacity_, n_kv_head_, head_dim_;
   KvCacheOptions options_;
   KvType type_;

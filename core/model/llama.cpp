@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <unordered_set>
@@ -57,10 +58,15 @@ class ModelTensors {
     return load_vector(gguf_, name, n);
   }
   // Every tensor whose name starts with `prefix` counts as read: another pipeline stage reads it.
-  void leave_to_another_stage(const std::string& prefix) {
+  // Returns them (the model's size counts them all the same).
+  std::vector<const GgufTensorInfo*> leave_to_another_stage(const std::string& prefix) {
+    std::vector<const GgufTensorInfo*> left;
     for (const GgufTensorInfo& t : gguf_.tensors()) {
-      if (t.name.starts_with(prefix)) used_.insert(t.name);
+      if (!t.name.starts_with(prefix)) continue;
+      used_.insert(t.name);
+      left.push_back(&t);
     }
+    return left;
   }
   void refuse_unused(const std::string& arch) const {
     for (const GgufTensorInfo& t : gguf_.tensors()) {
@@ -156,6 +162,14 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineSta
     n_params_ += t.n_elements();
     return t;
   };
+  // The matrices another pipeline stage loads: part of the model's size all the same.
+  auto count_elsewhere = [&](const std::vector<const GgufTensorInfo*>& left) {
+    for (const GgufTensorInfo* t : left) {
+      if (t->shape.size() < 2) continue;  // norms and biases: not counted here either
+      weight_bytes_ += t->n_bytes;
+      n_params_ += t->n_elements();
+    }
+  };
   auto prepare = [&](std::unique_ptr<PreparedWeight>& slot, const std::string& name, int64_t cols, int64_t rows) {
     const GgufTensorInfo& t = matrix(name, cols, rows);
     pending.push_back({&slot, WeightView{name, t.type, rows, cols, t.data, true}});
@@ -180,7 +194,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineSta
     // Another stage's layer: its tensors are its to check and load (the file's pages of them
     // are never touched here).
     if (!stage_.runs_layer(il)) {
-      tensors.leave_to_another_stage(b);
+      count_elsewhere(tensors.leave_to_another_stage(b));
       continue;
     }
     constant(L.attn_norm, tensors.vector(b + "attn_norm.weight", d));
@@ -230,7 +244,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineSta
   }
   if (!stage_.last()) {  // the output norm and projection are the last stage's
     tensors.leave_to_another_stage("output_norm.weight");
-    tensors.leave_to_another_stage("output.weight");
+    count_elsewhere(tensors.leave_to_another_stage("output.weight"));
   } else {
     constant(output_norm_, tensors.vector("output_norm.weight", d));
     if (tensors.has("output.weight")) {
@@ -336,7 +350,7 @@ void LlamaModel::forward_tokens(std::span<const int32_t> tokens, KvCache& cache,
                             std::to_string(tokens.size()) + " new tokens exceed the context size " +
                             std::to_string(cache.capacity()));
   }
-  if (!stage_.alone() && stage_.first()) announce_pass(cache, tokens.size(), out);
+  if (!stage_.alone() && stage_.first()) announce_tokens(cache, tokens.size(), out);
   // Chunks of at most max_batch tokens, each in contiguous slots of the ring (a chunk stops
   // where the ring wraps), shifting the context whenever the cache is full. (The other stages of
   // a pipeline run this same loop over their copy of the cache: the same chunks, the same shifts.)
@@ -611,7 +625,6 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
 }
 
 void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
-  if (!stage_.alone()) throw std::logic_error("forward_batch: batched passes do not run across pipeline stages yet");
   // Everything is checked before any cache changes.
   size_t total = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -641,6 +654,7 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
                                 std::to_string(max_batch_));
   }
   if (total == 0) return;
+  if (!stage_.alone() && stage_.first()) announce_batch(batch);
 
   std::vector<Rows>& rows = batch_rows_;
   rows.clear();
@@ -654,7 +668,8 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
   // The last row of each sequence that wants its next token's scores, gathered so that the
   // vocabulary projection is one matrix product: first those that want only their top k (picked
   // in one call for all of them, at the largest k: a row's top k is the start of its top k_max),
-  // then those that want every logit.
+  // then those that want every logit. (In a pipeline the last stage computes them and sends them
+  // to the first, which hands them out.)
   Scratch& s = *scratch_;
   const size_t d = static_cast<size_t>(hp_.n_embd), vocab = static_cast<size_t>(hp_.n_vocab);
   int n_top = 0, n_logits = 0, k_max = 0;
@@ -662,20 +677,35 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
     for (size_t i = 0; i < batch.size(); ++i) {
       const bool wants_top = !batch[i].top.empty();
       if (wants_top != top || (!wants_top && batch[i].logits == nullptr)) continue;
-      const size_t last = static_cast<size_t>(rows[i].row0) + batch[i].tokens.size() - 1;
-      backend_.copy(s.xn->data() + static_cast<size_t>(n_top + n_logits) * d, s.x->data() + last * d, d);
+      if (stage_.last()) {
+        const size_t last = static_cast<size_t>(rows[i].row0) + batch[i].tokens.size() - 1;
+        backend_.copy(s.xn->data() + static_cast<size_t>(n_top + n_logits) * d, s.x->data() + last * d, d);
+      }
       (top ? n_top : n_logits) += 1;
       if (top) k_max = std::max(k_max, static_cast<int>(batch[i].top.size()));
     }
   }
   const int wanted = n_top + n_logits;
-  if (wanted == 0) return;
-  backend_.copy(s.x->data(), s.xn->data(), static_cast<size_t>(wanted) * d);
-  const float* logits = project_logits(0, wanted);
+  if (wanted == 0 || !(stage_.first() || stage_.last())) return;
+  std::vector<TopLogit>& picks = batch_top_;
+  picks.resize(static_cast<size_t>(n_top) * static_cast<size_t>(k_max));
+  const size_t n_floats = static_cast<size_t>(n_logits) * vocab;
+  if (batch_logits_.size() < n_floats) batch_logits_.resize(n_floats);
+  if (stage_.last()) {
+    backend_.copy(s.x->data(), s.xn->data(), static_cast<size_t>(wanted) * d);
+    const float* logits = project_logits(0, wanted);
+    if (n_top > 0) backend_.top_k(logits, n_top, hp_.n_vocab, k_max, picks);
+    if (n_logits > 0) backend_.read(logits + static_cast<size_t>(n_top) * vocab, batch_logits_.data(), n_floats);
+    if (!stage_.first()) {
+      link_->send(0, picks.data(), picks.size() * sizeof(TopLogit));
+      link_->send(0, batch_logits_.data(), n_floats * sizeof(float));
+      return;
+    }
+  } else {
+    link_->recv(stage_.count - 1, picks.data(), picks.size() * sizeof(TopLogit));
+    link_->recv(stage_.count - 1, batch_logits_.data(), n_floats * sizeof(float));
+  }
   if (n_top > 0) {
-    std::vector<TopLogit>& picks = batch_top_;
-    picks.resize(static_cast<size_t>(n_top) * static_cast<size_t>(k_max));
-    backend_.top_k(logits, n_top, hp_.n_vocab, k_max, picks);
     size_t at = 0;
     for (const SequenceTokens& b : batch) {
       if (b.top.empty()) continue;
@@ -684,9 +714,6 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
     }
   }
   if (n_logits == 0) return;
-  const size_t n_floats = static_cast<size_t>(n_logits) * vocab;
-  if (batch_logits_.size() < n_floats) batch_logits_.resize(n_floats);
-  backend_.read(logits + static_cast<size_t>(n_top) * vocab, batch_logits_.data(), n_floats);
   // Out to each sequence's buffer: 3 MiB at 16 sequences, split over the threads.
   std::vector<float*>& out = batch_logits_out_;
   out.clear();
@@ -699,86 +726,185 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
 
 // --- Pipeline parallelism --------------------------------------------------------------------
 
-// One pass as the first stage announces it: the cache it runs on (by id, with what the other
-// stages need to make their copy and to check that it is in step), the tokens' count and what
-// the pass hands back. kExit ends serve_pipeline().
+// What the first stage tells the others before each pass (POD: it crosses as bytes): the kind
+// of pass, how many sequences, and the caches the first stage dropped since the last one. The
+// sequences' records follow, then the dropped ids.
 struct LlamaModel::PipelineCommand {
-  enum Op : int32_t { kExit = 0, kForward = 1 };
+  enum Op : int32_t { kExit = 0, kTokens = 1, kBatch = 2 };
   int32_t op = kExit;
-  int32_t capacity = 0;
-  uint64_t cache_id = 0;
-  int64_t cache_size = 0, next_position = 0;  // the cache before the pass
+  int32_t n_sequences = 0;
+  int64_t n_released = 0;
+};
+
+// One sequence of a pass: its cache (by id, with what another stage needs to make its copy of it
+// and to check that the copy is in step: where the cache stands, its prefix), its tokens' count
+// and what the pass hands back for it.
+struct LlamaModel::PipelineSequence {
+  uint64_t cache_id = 0, prefix_id = 0;
+  int64_t cache_size = 0, next_position = 0, n_tokens = 0;
+  int32_t capacity = 0, prefix_tokens = 0;
   int32_t kv_type = 0, n_keep = 0, n_discard = 0, context_shift = 0;
-  int64_t n_tokens = 0;
   int32_t want_logits = 0, all_logits = 0, top_k = 0, reserved = 0;
 };
 
-void LlamaModel::announce_pass(const KvCache& cache, size_t n_tokens, const PassOutput& out) {
-  PipelineCommand c;
-  c.op = PipelineCommand::kForward;
-  c.capacity = cache.capacity();
-  c.cache_id = cache.id();
-  c.cache_size = cache.size();
-  c.next_position = cache.next_position();
-  c.kv_type = static_cast<int32_t>(cache.options().type);
-  c.n_keep = cache.options().n_keep;
-  c.n_discard = cache.options().n_discard;
-  c.context_shift = cache.options().context_shift ? 1 : 0;
-  c.n_tokens = static_cast<int64_t>(n_tokens);
-  c.want_logits = out.logits != nullptr ? 1 : 0;
-  c.all_logits = out.all_logits ? 1 : 0;
-  c.top_k = static_cast<int32_t>(out.top.size());
-  link_->broadcast(&c, sizeof(c));
+namespace {
+// The caches that went since the first stage last announced a pass (KvCache's release observer).
+std::mutex g_released_mutex;
+std::vector<uint64_t> g_released;
+void note_released(uint64_t id) {
+  std::lock_guard lock(g_released_mutex);
+  g_released.push_back(id);
+}
+}  // namespace
+
+void LlamaModel::connect_pipeline(PipelineLink& link) {
+  link_ = &link;
+  if (stage_.first() && !stage_.alone()) KvCache::set_release_observer(note_released);
 }
 
-// This stage's copy of the first stage's cache: made when first named, made afresh when the
-// first stage's cache starts over (cleared), and otherwise exactly as far along.
-KvCache& LlamaModel::pipeline_cache(const PipelineCommand& c) {
-  auto it = pipeline_caches_.find(c.cache_id);
-  if (it != pipeline_caches_.end() && c.next_position == 0 && it->second.next_position() != 0) {
+LlamaModel::PipelineSequence LlamaModel::describe_for_pipeline(const KvCache& cache, size_t n_tokens) {
+  PipelineSequence q;
+  q.cache_id = cache.id();
+  q.prefix_id = cache.prefix() != nullptr ? cache.prefix()->id() : 0;
+  q.prefix_tokens = cache.prefix_tokens();
+  q.cache_size = cache.size();
+  q.next_position = cache.next_position();
+  q.n_tokens = static_cast<int64_t>(n_tokens);
+  q.capacity = cache.capacity();
+  q.kv_type = static_cast<int32_t>(cache.options().type);
+  q.n_keep = cache.options().n_keep;
+  q.n_discard = cache.options().n_discard;
+  q.context_shift = cache.options().context_shift ? 1 : 0;
+  return q;
+}
+
+void LlamaModel::announce_pass(int32_t op, std::vector<PipelineSequence>& sequences) {
+  std::vector<uint64_t> released;
+  {
+    std::lock_guard lock(g_released_mutex);
+    released.swap(g_released);
+  }
+  PipelineCommand c;
+  c.op = op;
+  c.n_sequences = static_cast<int32_t>(sequences.size());
+  c.n_released = static_cast<int64_t>(released.size());
+  link_->broadcast(&c, sizeof(c));
+  link_->broadcast(sequences.data(), sequences.size() * sizeof(PipelineSequence));
+  if (!released.empty()) link_->broadcast(released.data(), released.size() * sizeof(uint64_t));
+}
+
+void LlamaModel::announce_tokens(const KvCache& cache, size_t n_tokens, const PassOutput& out) {
+  std::vector<PipelineSequence> one = {describe_for_pipeline(cache, n_tokens)};
+  one[0].want_logits = out.logits != nullptr ? 1 : 0;
+  one[0].all_logits = out.all_logits ? 1 : 0;
+  one[0].top_k = static_cast<int32_t>(out.top.size());
+  announce_pass(PipelineCommand::kTokens, one);
+}
+
+void LlamaModel::announce_batch(std::span<const SequenceTokens> batch) {
+  std::vector<PipelineSequence> all;
+  for (const SequenceTokens& b : batch) {
+    PipelineSequence q = describe_for_pipeline(*b.cache, b.tokens.size());
+    q.want_logits = b.logits != nullptr ? 1 : 0;
+    q.top_k = static_cast<int32_t>(b.top.size());
+    all.push_back(q);
+  }
+  announce_pass(PipelineCommand::kBatch, all);
+}
+
+// This stage's copy of one of the first stage's caches: made when first named, made afresh when
+// the first stage's cache starts over (empty there: cleared, maybe given a prefix), and
+// otherwise exactly as far along, or an error.
+KvCache& LlamaModel::pipeline_cache(const PipelineSequence& q) {
+  auto it = pipeline_caches_.find(q.cache_id);
+  const auto in_step = [&](const KvCache& c) {
+    const uint64_t prefix = c.prefix() != nullptr ? c.prefix()->id() : 0;
+    return c.size() == q.cache_size && c.next_position() == q.next_position && prefix == copied_id(q.prefix_id) &&
+           c.prefix_tokens() == q.prefix_tokens;
+  };
+  if (it != pipeline_caches_.end() && q.cache_size == 0 && !in_step(*it->second)) {
     pipeline_caches_.erase(it);
     it = pipeline_caches_.end();
   }
   if (it == pipeline_caches_.end()) {
-    const KvCacheOptions options{static_cast<KvType>(c.kv_type), c.n_keep, c.n_discard, c.context_shift != 0};
-    it = pipeline_caches_.emplace(c.cache_id, make_cache(c.capacity, options)).first;
+    const KvCacheOptions options{static_cast<KvType>(q.kv_type), q.n_keep, q.n_discard, q.context_shift != 0};
+    auto made = std::make_shared<KvCache>(make_cache(q.capacity, options));
+    if (q.prefix_id != 0) {
+      const auto prefix = pipeline_caches_.find(q.prefix_id);
+      if (prefix == pipeline_caches_.end()) {
+        throw std::logic_error("pipeline stage " + std::to_string(stage_.index) + ": prefix cache " +
+                               std::to_string(q.prefix_id) + " is unknown here");
+      }
+      made->attach_prefix(prefix->second, q.prefix_tokens);
+    }
+    it = pipeline_caches_.emplace(q.cache_id, std::move(made)).first;
   }
-  KvCache& cache = it->second;
-  if (cache.size() != c.cache_size || cache.next_position() != c.next_position) {
-    throw std::logic_error("pipeline stage " + std::to_string(stage_.index) + ": cache " + std::to_string(c.cache_id) +
+  KvCache& cache = *it->second;
+  if (!in_step(cache)) {
+    throw std::logic_error("pipeline stage " + std::to_string(stage_.index) + ": cache " + std::to_string(q.cache_id) +
                            " holds " + std::to_string(cache.size()) + " tokens up to position " +
                            std::to_string(cache.next_position()) + ", the first stage's " +
-                           std::to_string(c.cache_size) + " up to " + std::to_string(c.next_position));
+                           std::to_string(q.cache_size) + " up to " + std::to_string(q.next_position));
   }
   return cache;
 }
 
+// The id this stage's copy of cache `id` carries (its own KvCache, its own id); 0 for 0.
+uint64_t LlamaModel::copied_id(uint64_t id) const {
+  if (id == 0) return 0;
+  const auto it = pipeline_caches_.find(id);
+  return it != pipeline_caches_.end() ? it->second->id() : ~uint64_t{0};
+}
+
 void LlamaModel::serve_pipeline() {
   if (link_ == nullptr || stage_.first()) throw std::logic_error("serve_pipeline: not a later stage of a connected pipeline");
-  std::vector<int32_t> tokens;  // the first stage embeds: later stages need only their count
-  std::vector<float> logits;
-  std::vector<TopLogit> top;
+  std::vector<PipelineSequence> sequences;
+  std::vector<uint64_t> released;
+  std::vector<std::vector<int32_t>> tokens;  // the first stage embeds: later stages need only the counts
+  std::vector<std::vector<float>> logits;    // what the last stage computes, before it sends it on
+  std::vector<std::vector<TopLogit>> top;
+  std::vector<SequenceTokens> batch;
   for (;;) {
     PipelineCommand c;
     link_->broadcast(&c, sizeof(c));
     if (c.op == PipelineCommand::kExit) return;
-    if (c.op != PipelineCommand::kForward || c.n_tokens < 0) {
-      throw std::runtime_error("pipeline stage " + std::to_string(stage_.index) + ": unknown command " +
-                               std::to_string(c.op));
+    if ((c.op != PipelineCommand::kTokens && c.op != PipelineCommand::kBatch) || c.n_sequences < 1 ||
+        c.n_released < 0 || (c.op == PipelineCommand::kTokens && c.n_sequences != 1)) {
+      throw std::runtime_error("pipeline stage " + std::to_string(stage_.index) + ": a command it cannot read (op " +
+                               std::to_string(c.op) + ")");
     }
-    KvCache& cache = pipeline_cache(c);
-    tokens.assign(static_cast<size_t>(c.n_tokens), 0);
-    // The last stage computes what the pass hands back (and sends it to the first); a middle
-    // stage hands back nothing.
-    PassOutput out;
-    if (stage_.last() && c.top_k > 0) {
-      top.resize(static_cast<size_t>(c.top_k));
-      out.top = top;
-    } else if (stage_.last() && c.want_logits != 0) {
-      logits.resize((c.all_logits != 0 ? tokens.size() : 1) * static_cast<size_t>(hp_.n_vocab));
-      out = PassOutput{logits.data(), c.all_logits != 0, {}};
+    sequences.resize(static_cast<size_t>(c.n_sequences));
+    link_->broadcast(sequences.data(), sequences.size() * sizeof(PipelineSequence));
+    released.resize(static_cast<size_t>(c.n_released));
+    if (!released.empty()) link_->broadcast(released.data(), released.size() * sizeof(uint64_t));
+    for (const uint64_t id : released) pipeline_caches_.erase(id);
+
+    tokens.resize(sequences.size());
+    logits.resize(sequences.size());
+    top.resize(sequences.size());
+    batch.clear();
+    for (size_t i = 0; i < sequences.size(); ++i) {
+      const PipelineSequence& q = sequences[i];
+      tokens[i].assign(static_cast<size_t>(std::max<int64_t>(q.n_tokens, 0)), 0);
+      // The last stage computes what the pass hands back (and sends it to the first); a middle
+      // stage hands back nothing.
+      float* out_logits = nullptr;
+      std::span<TopLogit> out_top;
+      if (stage_.last() && q.top_k > 0) {
+        top[i].resize(static_cast<size_t>(q.top_k));
+        out_top = top[i];
+      } else if (stage_.last() && q.want_logits != 0) {
+        logits[i].resize((q.all_logits != 0 ? tokens[i].size() : 1) * static_cast<size_t>(hp_.n_vocab));
+        out_logits = logits[i].data();
+      }
+      KvCache& cache = pipeline_cache(q);
+      if (c.op == PipelineCommand::kTokens) {
+        forward_tokens(tokens[i], cache, PassOutput{out_logits, q.all_logits != 0, out_top});
+      } else {
+        batch.emplace_back(tokens[i], &cache, out_logits, out_top);
+      }
     }
-    forward_tokens(tokens, cache, out);
+    if (c.op == PipelineCommand::kBatch) forward_batch(batch);
   }
 }
 
@@ -787,6 +913,7 @@ void LlamaModel::close_pipeline() {
   PipelineCommand c;
   c.op = PipelineCommand::kExit;
   link_->broadcast(&c, sizeof(c));
+  KvCache::set_release_observer(nullptr);
   link_ = nullptr;
 }
 

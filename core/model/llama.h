@@ -81,7 +81,7 @@ class LlamaModel {
   // and each pass runs across the stages, while every other stage calls serve_pipeline(), which
   // runs the passes the first stage announces until it calls close_pipeline().
   const PipelineStage& stage() const { return stage_; }
-  void connect_pipeline(PipelineLink& link) { link_ = &link; }
+  void connect_pipeline(PipelineLink& link);
   void serve_pipeline();
   void close_pipeline();
   KvCache make_cache(int n_ctx, const KvCacheOptions& options = {}) const;
@@ -153,15 +153,20 @@ class LlamaModel {
   int max_batch_ = 512;
   PipelineStage stage_;
   PipelineLink* link_ = nullptr;
-  // What the first stage tells the others before each pass (POD: it crosses as bytes).
+  // What the first stage tells the others before each pass (POD: they cross as bytes).
   struct PipelineCommand;
-  // Another stage's view of the first stage's caches: one cache per cache the first stage runs,
-  // by KvCache::id(), kept in step by running the same passes (a cache the first stage cleared
-  // starts over here too).
-  std::map<uint64_t, KvCache> pipeline_caches_;
+  struct PipelineSequence;
+  // Another stage's copies of the first stage's caches, by the first stage's KvCache::id(), kept
+  // in step by running the same passes (a cache the first stage cleared starts over here too;
+  // one it dropped goes here too). Shared: a copy may be another one's prefix.
+  std::map<uint64_t, std::shared_ptr<KvCache>> pipeline_caches_;
   std::vector<float> pipeline_hidden_;  // hidden states on their way between stages
-  void announce_pass(const KvCache& cache, size_t n_tokens, const PassOutput& out);
-  KvCache& pipeline_cache(const PipelineCommand& c);
+  static PipelineSequence describe_for_pipeline(const KvCache& cache, size_t n_tokens);
+  void announce_pass(int32_t op, std::vector<PipelineSequence>& sequences);
+  void announce_tokens(const KvCache& cache, size_t n_tokens, const PassOutput& out);
+  void announce_batch(std::span<const SequenceTokens> batch);
+  KvCache& pipeline_cache(const PipelineSequence& q);
+  uint64_t copied_id(uint64_t id) const;
   bool async_softmax_ = true;
   std::unique_ptr<Scratch> scratch_;
   std::vector<Rows> batch_rows_;       // forward_batch's, reused
