@@ -479,6 +479,27 @@ GEMV_KERNEL(gemv_iq4_xs, FMT_IQ4_XS, 136)
 #define GEMM_T 64        // a group's tile: GEMM_T rows of x by GEMM_T weight rows
 #define GEMM_LDS 33      // floats per tile row in local memory (32 columns; + 1 against bank conflicts)
 
+// Which weight row work-item tid of a GEMM group stages through local memory for each block of
+// K: row n0 + tid % GEMM_T of the weights (tid < GEMM_T) or, with glu, of up (the next GEMM_T);
+// the others stage nothing.
+typedef struct {
+  int n;           // the row among the parts' rows (>= total: past the end, staged as zeros)
+  int weight, up;  // whether it stages the weight's row, or up's
+  GemvRow row;
+} GemmStager;
+
+GemmStager gemm_stager(const int tid, const int n0, const int total, const int format, const int block_bytes,
+                       const int K, const int glu, __global const uchar* W0, __global const uchar* W1,
+                       __global const uchar* W2, const int N0, const int N1, __global float* y0, __global float* y1,
+                       __global float* y2) {
+  GemmStager st;
+  st.n = n0 + (tid % GEMM_T);
+  st.weight = tid < GEMM_T;
+  st.up = glu && tid >= GEMM_T && tid < 2 * GEMM_T;
+  st.row = gemv_row(st.n < total ? st.n : 0, format, block_bytes, K, glu, W0, W1, W2, N0, N1, y0, y1, y2);
+  return st;
+}
+
 // Work-item (tx, ty)'s 4 x 4 sums of a GEMM tile into y: rows m0 + ty + 16 i of x, weight rows
 // n0 + tx + 16 j of the parts laid end to end (gemv_row), with glu's activation and accumulate's add.
 void gemm_store(float acc[4][4], float acc_up[4][4], const int m0, const int n0, const int M, const int format,
@@ -534,11 +555,7 @@ __kernel void gemm(__global const uchar* W0, __global const uchar* W1, __global 
     linv[tid] = 1.0f / sqrt(ss / (float)K + eps);
   }
 
-  // The weight row (or, with glu, the up row) this work-item stages: rows n0 + tid (tid < 64).
-  const int stage_n = n0 + (tid % GEMM_T);
-  const bool stages_w = tid < GEMM_T, stages_up = glu && tid >= GEMM_T && tid < 2 * GEMM_T;
-  const GemvRow staged = gemv_row(stage_n < total ? stage_n : 0, format, block_bytes, K, glu, W0, W1, W2, N0, N1,
-                                  y0, y1, y2);
+  const GemmStager st = gemm_stager(tid, n0, total, format, block_bytes, K, glu, W0, W1, W2, N0, N1, y0, y1, y2);
 
   float acc[4][4], acc_up[4][4];
   for (int i = 0; i < 4; ++i) {
@@ -551,10 +568,10 @@ __kernel void gemm(__global const uchar* W0, __global const uchar* W1, __global 
       const float scale = has_norm ? norm_w[b * BLOCK + c] : 1.0f;
       lx[r * GEMM_LDS + c] = m0 + r < M ? x[(ulong)(m0 + r) * K + b * BLOCK + c] * scale : 0.0f;
     }
-    if (stages_w || stages_up) {
-      __local float* dst = (stages_w ? lw : lu) + (tid % GEMM_T) * GEMM_LDS;
-      if (stage_n < total) {
-        const WeightBlock wb = load_block(format, stages_w ? staged.w : staged.up, b, block_bytes);
+    if (st.weight || st.up) {
+      __local float* dst = (st.weight ? lw : lu) + (tid % GEMM_T) * GEMM_LDS;
+      if (st.n < total) {
+        const WeightBlock wb = load_block(format, st.weight ? st.row.w : st.row.up, b, block_bytes);
         vstore16(wb.lo * wb.scale, 0, dst);
         vstore16(wb.hi * wb.scale, 0, dst + 16);
       } else {
@@ -677,10 +694,7 @@ __kernel void gemm_q8(__global const uchar* W0, __global const uchar* W1, __glob
   const int words = K / 4, blocks = K / BLOCK;
   ds += ds_off;
 
-  const int stage_n = n0 + (tid % GEMM_T);
-  const bool stages_w = tid < GEMM_T, stages_up = glu && tid >= GEMM_T && tid < 2 * GEMM_T;
-  const GemvRow staged = gemv_row(stage_n < total ? stage_n : 0, format, block_bytes, K, glu, W0, W1, W2, N0, N1,
-                                  y0, y1, y2);
+  const GemmStager st = gemm_stager(tid, n0, total, format, block_bytes, K, glu, W0, W1, W2, N0, N1, y0, y1, y2);
 
   float acc[4][4], acc_up[4][4];
   for (int i = 0; i < 4; ++i) {
@@ -697,12 +711,12 @@ __kernel void gemm_q8(__global const uchar* W0, __global const uchar* W1, __glob
       lxs[2 * tid] = xds.x;
       lxs[2 * tid + 1] = xds.y;
     }
-    if (stages_w || stages_up) {
+    if (st.weight || st.up) {
       const int r = tid % GEMM_T;
-      __local int* dst = (stages_w ? lw : lu) + r * GEMM_LDI;
-      __local float* scales = (stages_w ? lws : lus) + 3 * r;
-      if (stage_n < total) {
-        const CodeBlock c = load_codes(format, stages_w ? staged.w : staged.up, b, block_bytes);
+      __local int* dst = (st.weight ? lw : lu) + r * GEMM_LDI;
+      __local float* scales = (st.weight ? lws : lus) + 3 * r;
+      if (st.n < total) {
+        const CodeBlock c = load_codes(format, st.weight ? st.row.w : st.row.up, b, block_bytes);
         vstore4(as_int4(c.lo), 0, dst);
         vstore4(as_int4(c.hi), 1, dst);
         scales[0] = c.scale_lo;
