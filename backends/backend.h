@@ -94,6 +94,7 @@ struct KvView {
   int row_width = 0;
   bool f16 = false;
   std::span<const int64_t> positions;
+  uint64_t cache_id = 0;  // the viewed cache's KvCache::id(): what names a prefix (its rows' address may be reused)
   const KvView* prefix = nullptr;
   std::unique_ptr<BackendKvState>* state = nullptr;
   // A read-only view (a prefix) has no state of its own to keep, but the cache it reads may have

@@ -183,7 +183,7 @@ class PluginKvCache final : public BackendKvState {
     return layer_at(layer) + static_cast<size_t>(prefix_slots + slot) * row_bytes;
   }
   int prefix_slots = 0;                // the segment's slots before the cache's own
-  const uint8_t* prefix_rows = nullptr;  // which segment they are (its host rows), nullptr: none
+  uint64_t prefix_id = 0;              // which segment they are (its KvCache::id()), 0: none
   DeviceBuffer keys, values, positions;
   int n_slots = 0;  // slots whose positions were set
   // What the device's `positions` holds, slot for slot (each slot ever uploaded): a forward
@@ -1144,9 +1144,9 @@ class PluginBackend final : public Backend {
   // layer, whose host rows are not written yet. A copy made for another prefix (the cache was
   // cleared and given a new one) goes.
   PluginKvCache& ensure_device_copy(const KvView& kv, int fresh_begin = 0, int fresh_end = 0) {
-    const uint8_t* prefix_rows = kv.prefix != nullptr ? kv.prefix->rows : nullptr;
+    const uint64_t prefix_id = kv.prefix != nullptr ? kv.prefix->cache_id : 0;
     if (PluginKvCache* copy = device_copy(kv)) {
-      if (copy->prefix_rows == prefix_rows) return *copy;
+      if (copy->prefix_id == prefix_id) return *copy;
       kv.state->reset();
     }
     const int first_layer = std::min(first_device_layer_, kv.n_layer);
@@ -1154,7 +1154,7 @@ class PluginBackend final : public Backend {
     auto copy = std::make_unique<PluginKvCache>(
         device_, DeviceKvShape{kv.n_layer, first_layer, prefix_slots + kv.capacity, kv.row_width, kv.f16});
     copy->prefix_slots = prefix_slots;
-    copy->prefix_rows = prefix_rows;
+    copy->prefix_id = prefix_id;
     if (prefix_slots > 0) copy_prefix_rows(*kv.prefix, *copy);
     const auto extent = static_cast<int>(kv.positions.size());
     const auto upload_slots = [&](int begin, int end) {

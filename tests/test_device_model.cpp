@@ -295,14 +295,17 @@ TEST_F(DeviceModel, PrefixCachesReadTheirSegmentOnTheDevice) {
   model.forward(next, partial, partial_logits.data());
   EXPECT_LT(relative_gap(partial_logits, whole_logits), 1e-3f);
 
-  // Cleared and given another segment: the device copy follows.
+  // Cleared and given another segment: the device copy follows, even when the new segment's
+  // rows take the memory the old one gave back (the first segment goes first here).
+  partial.clear();
+  sample.clear();
+  shared.reset();
   const std::vector<int32_t> other = tokens("The capital of France is");
   auto shared2 = std::make_shared<KvCache>(model.make_cache(128));
   model.forward(other, *shared2, logits.data());
   KvCache whole2 = model.make_cache(128);
   model.forward(other, whole2, whole_logits.data());
   const std::vector<int32_t> next2 = {argmax(logits)};
-  partial.clear();
   partial.attach_prefix(shared2);
   model.forward(next2, partial, partial_logits.data());
   model.forward(next2, whole2, whole_logits.data());

@@ -223,6 +223,7 @@ KvView KvCache::view(KvRing ring) {
   v.row_width = row_width();
   v.f16 = type_ == KvType::kF16;
   v.positions = r.used_positions();
+  v.cache_id = id();
   v.state = &r.backend_state;
   return v;
 }
