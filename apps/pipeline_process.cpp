@@ -1,12 +1,16 @@
 #include "apps/pipeline_process.h"
 
 #include <algorithm>
+#include <chrono>
+#include <deque>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string_view>
+#include <thread>
+#include <vector>
 
 #ifdef RINGLM_WITH_MPI
 #include <mpi.h>
@@ -86,29 +90,86 @@ void mpi_check(int err, const char* what) {
   throw std::runtime_error(std::string(what) + ": " + std::string(text, static_cast<size_t>(n)));
 }
 
-// Point-to-point messages between neighbouring stages, and the first stage's commands to all.
-// Large transfers go in pieces of at most 1 GiB (MPI counts are ints).
+// Waits for `requests` to complete. MPI's own waits spin all along, so a rank waiting for its
+// turn (a later stage between passes, a server's ranks between requests) would take a core from
+// the ranks that work, on one host. This one spins for a millisecond (a neighbour's answer is
+// often that near), then tests every 50 µs, and past 100 ms every millisecond.
+void wait_for(std::vector<MPI_Request>& requests) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  for (;;) {
+    int done = 0;
+    mpi_check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+    if (done != 0) return;
+    const auto waited = Clock::now() - start;
+    if (waited < std::chrono::milliseconds(1)) continue;
+    std::this_thread::sleep_for(waited < std::chrono::milliseconds(100) ? std::chrono::microseconds(50)
+                                                                         : std::chrono::microseconds(1000));
+  }
+}
+
+// Point-to-point messages between neighbouring stages (and from the last to the first). Large
+// transfers go in pieces of at most 1 GiB (MPI counts are ints); an empty one is no message.
 class MpiLink final : public PipelineLink {
  public:
   void send(int stage, const void* data, size_t bytes) override {
+    std::vector<MPI_Request> requests;
     for_pieces(bytes, [&](size_t at, int n) {
-      mpi_check(MPI_Send(static_cast<const char*>(data) + at, n, MPI_BYTE, stage, kTag, MPI_COMM_WORLD), "MPI_Send");
+      mpi_check(MPI_Isend(static_cast<const char*>(data) + at, n, MPI_BYTE, stage, kTag, MPI_COMM_WORLD,
+                          &requests.emplace_back()),
+                "MPI_Isend");
     });
+    wait_for(requests);
+  }
+  void send_copy(int stage, const void* data, size_t bytes) override {
+    reap_copies();
+    Copy& c = copies_.emplace_back();
+    c.bytes.assign(static_cast<const char*>(data), static_cast<const char*>(data) + bytes);
+    for_pieces(bytes, [&](size_t at, int n) {
+      mpi_check(MPI_Isend(c.bytes.data() + at, n, MPI_BYTE, stage, kTag, MPI_COMM_WORLD, &c.requests.emplace_back()),
+                "MPI_Isend");
+    });
+  }
+  // Waits until every copy is sent (before MPI_Finalize).
+  void flush() {
+    for (Copy& c : copies_) wait_for(c.requests);
+    copies_.clear();
   }
   void recv(int stage, void* data, size_t bytes) override {
+    start_recv(stage, data, bytes);
+    finish_recv();
+  }
+  void start_recv(int stage, void* data, size_t bytes) override {
+    std::vector<MPI_Request>& requests = receiving_.emplace_back();
     for_pieces(bytes, [&](size_t at, int n) {
-      mpi_check(MPI_Recv(static_cast<char*>(data) + at, n, MPI_BYTE, stage, kTag, MPI_COMM_WORLD, MPI_STATUS_IGNORE),
-                "MPI_Recv");
+      mpi_check(MPI_Irecv(static_cast<char*>(data) + at, n, MPI_BYTE, stage, kTag, MPI_COMM_WORLD, &requests.emplace_back()),
+                "MPI_Irecv");
     });
   }
-  void broadcast(void* data, size_t bytes) override {
-    for_pieces(bytes, [&](size_t at, int n) {
-      mpi_check(MPI_Bcast(static_cast<char*>(data) + at, n, MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast");
-    });
+  void finish_recv() override {
+    if (receiving_.empty()) throw std::logic_error("finish_recv: no receive begun");
+    wait_for(receiving_.front());
+    receiving_.pop_front();
   }
 
  private:
   static constexpr int kTag = 7;
+  std::deque<std::vector<MPI_Request>> receiving_;  // begun, oldest first
+  struct Copy {
+    std::vector<char> bytes;
+    std::vector<MPI_Request> requests;
+  };
+  std::deque<Copy> copies_;  // send_copy()'s, until sent
+  // Drops the copies already sent.
+  void reap_copies() {
+    while (!copies_.empty()) {
+      int done = 0;
+      std::vector<MPI_Request>& r = copies_.front().requests;
+      mpi_check(MPI_Testall(static_cast<int>(r.size()), r.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+      if (done == 0) return;
+      copies_.pop_front();
+    }
+  }
   template <typename Piece>
   static void for_pieces(size_t bytes, Piece piece) {
     constexpr size_t kMaxPiece = size_t{1} << 30;
@@ -138,7 +199,13 @@ class MpiProcess final : public PipelineProcess {
     for (size_t i = 1; i < argv.size(); ++i) f.add(argv[i] != nullptr ? argv[i] : "");
     options_hash_ = f.h;
   }
-  ~MpiProcess() override { MPI_Finalize(); }
+  ~MpiProcess() override {
+    try {
+      link_.flush();
+    } catch (const std::exception&) {  // a neighbour is gone: nothing more to send
+    }
+    MPI_Finalize();
+  }
 
   PipelineStage stage_for(const GgufFile& gguf, const std::string& layer_split) override {
     check_same_everywhere(gguf);

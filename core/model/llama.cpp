@@ -350,6 +350,7 @@ void LlamaModel::forward_tokens(std::span<const int32_t> tokens, KvCache& cache,
                             std::to_string(tokens.size()) + " new tokens exceed the context size " +
                             std::to_string(cache.capacity()));
   }
+  if (!pending_batches_.empty()) throw std::logic_error("forward: batched passes are still in flight (finish_batch)");
   if (!stage_.alone() && stage_.first()) announce_tokens(cache, tokens.size(), out);
   // Chunks of at most max_batch tokens, each in contiguous slots of the ring (a chunk stops
   // where the ring wraps), shifting the context whenever the cache is full. (The other stages of
@@ -625,6 +626,11 @@ void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, 
 }
 
 void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
+  if (!begin_batch(batch)) return;
+  if (stage_.first()) finish_batch();
+}
+
+bool LlamaModel::begin_batch(std::span<const SequenceTokens> batch) {
   // Everything is checked before any cache changes.
   size_t total = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -653,7 +659,7 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
     throw std::invalid_argument("forward_batch: " + std::to_string(total) + " tokens exceed the batch of " +
                                 std::to_string(max_batch_));
   }
-  if (total == 0) return;
+  if (total == 0) return false;
   if (!stage_.alone() && stage_.first()) announce_batch(batch);
 
   std::vector<Rows>& rows = batch_rows_;
@@ -669,10 +675,11 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
   // vocabulary projection is one matrix product: first those that want only their top k (picked
   // in one call for all of them, at the largest k: a row's top k is the start of its top k_max),
   // then those that want every logit. (In a pipeline the last stage computes them and sends them
-  // to the first, which hands them out.)
+  // to the first, which hands them out when the pass finishes.)
   Scratch& s = *scratch_;
   const size_t d = static_cast<size_t>(hp_.n_embd), vocab = static_cast<size_t>(hp_.n_vocab);
-  int n_top = 0, n_logits = 0, k_max = 0;
+  PendingBatch pass = take_spare_batch();
+  int n_top = 0, n_logits = 0;
   for (const bool top : {true, false}) {
     for (size_t i = 0; i < batch.size(); ++i) {
       const bool wants_top = !batch[i].top.empty();
@@ -681,47 +688,73 @@ void LlamaModel::forward_batch(std::span<const SequenceTokens> batch) {
         const size_t last = static_cast<size_t>(rows[i].row0) + batch[i].tokens.size() - 1;
         backend_.copy(s.xn->data() + static_cast<size_t>(n_top + n_logits) * d, s.x->data() + last * d, d);
       }
-      (top ? n_top : n_logits) += 1;
-      if (top) k_max = std::max(k_max, static_cast<int>(batch[i].top.size()));
+      if (top) {
+        ++n_top;
+        pass.k_max = std::max(pass.k_max, static_cast<int>(batch[i].top.size()));
+        pass.top_out.push_back(batch[i].top);
+      } else {
+        ++n_logits;
+        pass.logits_out.push_back(batch[i].logits);
+      }
     }
   }
   const int wanted = n_top + n_logits;
-  if (wanted == 0 || !(stage_.first() || stage_.last())) return;
-  std::vector<TopLogit>& picks = batch_top_;
-  picks.resize(static_cast<size_t>(n_top) * static_cast<size_t>(k_max));
+  pass.picks.resize(static_cast<size_t>(n_top) * static_cast<size_t>(pass.k_max));
   const size_t n_floats = static_cast<size_t>(n_logits) * vocab;
-  if (batch_logits_.size() < n_floats) batch_logits_.resize(n_floats);
-  if (stage_.last()) {
+  if (pass.logits.size() < n_floats) pass.logits.resize(n_floats);
+  if (stage_.last() && wanted > 0) {
     backend_.copy(s.x->data(), s.xn->data(), static_cast<size_t>(wanted) * d);
     const float* logits = project_logits(0, wanted);
-    if (n_top > 0) backend_.top_k(logits, n_top, hp_.n_vocab, k_max, picks);
-    if (n_logits > 0) backend_.read(logits + static_cast<size_t>(n_top) * vocab, batch_logits_.data(), n_floats);
+    if (n_top > 0) backend_.top_k(logits, n_top, hp_.n_vocab, pass.k_max, pass.picks);
+    if (n_logits > 0) backend_.read(logits + static_cast<size_t>(n_top) * vocab, pass.logits.data(), n_floats);
     if (!stage_.first()) {
-      link_->send(0, picks.data(), picks.size() * sizeof(TopLogit));
-      link_->send(0, batch_logits_.data(), n_floats * sizeof(float));
-      return;
+      link_->send(0, pass.picks.data(), pass.picks.size() * sizeof(TopLogit));
+      link_->send(0, pass.logits.data(), n_floats * sizeof(float));
     }
-  } else {
-    link_->recv(stage_.count - 1, picks.data(), picks.size() * sizeof(TopLogit));
-    link_->recv(stage_.count - 1, batch_logits_.data(), n_floats * sizeof(float));
+  } else if (stage_.first() && wanted > 0) {
+    link_->start_recv(stage_.count - 1, pass.picks.data(), pass.picks.size() * sizeof(TopLogit));
+    link_->start_recv(stage_.count - 1, pass.logits.data(), n_floats * sizeof(float));
   }
-  if (n_top > 0) {
-    size_t at = 0;
-    for (const SequenceTokens& b : batch) {
-      if (b.top.empty()) continue;
-      std::copy_n(picks.begin() + static_cast<std::ptrdiff_t>(at * static_cast<size_t>(k_max)), b.top.size(), b.top.begin());
-      ++at;
-    }
+  if (!stage_.first()) {
+    spare_batches_.push_back(std::move(pass));
+    return true;
   }
-  if (n_logits == 0) return;
+  pending_batches_.push_back(std::move(pass));
+  return true;
+}
+
+void LlamaModel::finish_batch() {
+  if (pending_batches_.empty()) throw std::logic_error("finish_batch: no pass begun on the first stage");
+  PendingBatch pass = std::move(pending_batches_.front());
+  pending_batches_.pop_front();
+  const size_t wanted = pass.top_out.size() + pass.logits_out.size();
+  if (!stage_.last() && wanted > 0) {  // the last stage's picks, then its logits
+    link_->finish_recv();
+    link_->finish_recv();
+  }
+  for (size_t i = 0; i < pass.top_out.size(); ++i) {
+    const std::span<TopLogit> out = pass.top_out[i];
+    std::copy_n(pass.picks.begin() + static_cast<std::ptrdiff_t>(i * static_cast<size_t>(pass.k_max)), out.size(), out.begin());
+  }
   // Out to each sequence's buffer: 3 MiB at 16 sequences, split over the threads.
-  std::vector<float*>& out = batch_logits_out_;
-  out.clear();
-  for (const SequenceTokens& b : batch) {
-    if (b.top.empty() && b.logits != nullptr) out.push_back(b.logits);
-  }
+  const size_t vocab = static_cast<size_t>(hp_.n_vocab);
+  const auto n_logits = static_cast<int64_t>(pass.logits_out.size());
 #pragma omp parallel for schedule(static) if (n_logits > 1)
-  for (int k = 0; k < n_logits; ++k) std::copy_n(&batch_logits_[static_cast<size_t>(k) * vocab], vocab, out[static_cast<size_t>(k)]);
+  for (int64_t k = 0; k < n_logits; ++k) {
+    std::copy_n(&pass.logits[static_cast<size_t>(k) * vocab], vocab, pass.logits_out[static_cast<size_t>(k)]);
+  }
+  spare_batches_.push_back(std::move(pass));
+}
+
+// A pass record with its buffers from an earlier pass (their capacity kept), emptied.
+LlamaModel::PendingBatch LlamaModel::take_spare_batch() {
+  if (spare_batches_.empty()) return {};
+  PendingBatch pass = std::move(spare_batches_.back());
+  spare_batches_.pop_back();
+  pass.k_max = 0;
+  pass.top_out.clear();
+  pass.logits_out.clear();
+  return pass;
 }
 
 // --- Pipeline parallelism --------------------------------------------------------------------
@@ -788,9 +821,9 @@ void LlamaModel::announce_pass(int32_t op, std::vector<PipelineSequence>& sequen
   c.op = op;
   c.n_sequences = static_cast<int32_t>(sequences.size());
   c.n_released = static_cast<int64_t>(released.size());
-  link_->broadcast(&c, sizeof(c));
-  link_->broadcast(sequences.data(), sequences.size() * sizeof(PipelineSequence));
-  if (!released.empty()) link_->broadcast(released.data(), released.size() * sizeof(uint64_t));
+  link_->send_copy(1, &c, sizeof(c));
+  link_->send_copy(1, sequences.data(), sequences.size() * sizeof(PipelineSequence));
+  link_->send_copy(1, released.data(), released.size() * sizeof(uint64_t));
 }
 
 void LlamaModel::announce_tokens(const KvCache& cache, size_t n_tokens, const PassOutput& out) {
@@ -864,9 +897,12 @@ void LlamaModel::serve_pipeline() {
   std::vector<std::vector<float>> logits;    // what the last stage computes, before it sends it on
   std::vector<std::vector<TopLogit>> top;
   std::vector<SequenceTokens> batch;
+  // Each command comes from the stage before and goes on to the next before this one runs it.
+  const int from = stage_.index - 1, to = stage_.last() ? -1 : stage_.index + 1;
   for (;;) {
     PipelineCommand c;
-    link_->broadcast(&c, sizeof(c));
+    link_->recv(from, &c, sizeof(c));
+    if (to >= 0) link_->send_copy(to, &c, sizeof(c));
     if (c.op == PipelineCommand::kExit) return;
     if ((c.op != PipelineCommand::kTokens && c.op != PipelineCommand::kBatch) || c.n_sequences < 1 ||
         c.n_released < 0 || (c.op == PipelineCommand::kTokens && c.n_sequences != 1)) {
@@ -874,9 +910,13 @@ void LlamaModel::serve_pipeline() {
                                std::to_string(c.op) + ")");
     }
     sequences.resize(static_cast<size_t>(c.n_sequences));
-    link_->broadcast(sequences.data(), sequences.size() * sizeof(PipelineSequence));
     released.resize(static_cast<size_t>(c.n_released));
-    if (!released.empty()) link_->broadcast(released.data(), released.size() * sizeof(uint64_t));
+    link_->recv(from, sequences.data(), sequences.size() * sizeof(PipelineSequence));
+    link_->recv(from, released.data(), released.size() * sizeof(uint64_t));
+    if (to >= 0) {
+      link_->send_copy(to, sequences.data(), sequences.size() * sizeof(PipelineSequence));
+      link_->send_copy(to, released.data(), released.size() * sizeof(uint64_t));
+    }
     for (const uint64_t id : released) pipeline_caches_.erase(id);
 
     tokens.resize(sequences.size());
@@ -910,9 +950,10 @@ void LlamaModel::serve_pipeline() {
 
 void LlamaModel::close_pipeline() {
   if (link_ == nullptr || !stage_.first() || stage_.alone()) return;
+  while (!pending_batches_.empty()) finish_batch();
   PipelineCommand c;
   c.op = PipelineCommand::kExit;
-  link_->broadcast(&c, sizeof(c));
+  link_->send_copy(1, &c, sizeof(c));
   KvCache::set_release_observer(nullptr);
   link_ = nullptr;
 }

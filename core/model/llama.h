@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <span>
@@ -63,6 +64,16 @@ class LlamaModel {
   // all, each sequence's fitting its cache without a shift (contiguous_free()), each cache used
   // once; std::invalid_argument otherwise, before anything runs.
   void forward_batch(std::span<const SequenceTokens> batch);
+  // forward_batch() in two halves, so that the stages of a pipeline work at once: begin_batch()
+  // runs this stage's share of the pass and returns before the later stages have given its
+  // results; finish_batch() waits for the oldest pass begun and writes its results out. The first
+  // stage may begin up to pipeline_depth() passes (on disjoint caches) before it finishes the
+  // first: the later stages then run one pass while it runs the next. Alone, begin_batch() runs
+  // the whole pass. begin_batch() returns false (and nothing is begun) when the batch is empty.
+  bool begin_batch(std::span<const SequenceTokens> batch);
+  void finish_batch();
+  size_t batches_in_flight() const { return pending_batches_.size(); }
+  int pipeline_depth() const { return stage_.count; }
 
   // StreamingLLM: drops cache.shift_size() tokens after the sinks and re-rotates the keys of
   // every token after them by minus that many positions, in place ("shift-RoPE": a rotation by
@@ -77,9 +88,9 @@ class LlamaModel {
   int max_batch() const { return max_batch_; }
 
   // Pipeline parallelism (pipeline.h). Every stage connects its link after loading; the first
-  // stage then runs the model as usual (forward, forward_top: forward_batch is not split yet)
-  // and each pass runs across the stages, while every other stage calls serve_pipeline(), which
-  // runs the passes the first stage announces until it calls close_pipeline().
+  // stage then runs the model as usual and each pass runs across the stages, while every other
+  // stage calls serve_pipeline(), which runs the passes the first stage announces until it calls
+  // close_pipeline() (which finishes the passes still in flight first).
   const PipelineStage& stage() const { return stage_; }
   void connect_pipeline(PipelineLink& link);
   void serve_pipeline();
@@ -170,9 +181,18 @@ class LlamaModel {
   bool async_softmax_ = true;
   std::unique_ptr<Scratch> scratch_;
   std::vector<Rows> batch_rows_;       // forward_batch's, reused
-  std::vector<float> batch_logits_;    // forward_batch's logits of every sequence, reused
-  std::vector<float*> batch_logits_out_;  // where forward_batch copies them, reused
-  std::vector<TopLogit> batch_top_;       // forward_batch's top k of every sequence that wants them, reused
+  // What a pass begun on the first stage hands out when it finishes: the top k of the sequences
+  // that want them, then the logits of those that want all of them, and where each goes.
+  struct PendingBatch {
+    int k_max = 0;
+    std::vector<TopLogit> picks;  // [sequences wanting their top][k_max]
+    std::vector<float> logits;    // [sequences wanting logits][n_vocab]
+    std::vector<std::span<TopLogit>> top_out;
+    std::vector<float*> logits_out;
+  };
+  std::deque<PendingBatch> pending_batches_;  // begun, oldest first
+  std::vector<PendingBatch> spare_batches_;   // finished: their buffers kept for the next
+  PendingBatch take_spare_batch();
   size_t weight_bytes_ = 0;
   int64_t n_params_ = 0;
 };

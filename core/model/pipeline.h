@@ -1,8 +1,9 @@
 // Pipeline parallelism: one model's layers split into contiguous stages, one per process, the
 // hidden state of every token passed from each stage to the next. The first stage holds the
-// embedding and drives: it tells the other stages each pass before it runs it (PipelineCommand),
-// and gets the last stage's logits back. The link that moves the bytes is an interface, so that
-// core/ knows nothing of MPI (apps/mpi_pipeline.h is the MPI one).
+// embedding and drives: it tells the next stage each pass before it runs it (PipelineCommand,
+// which each stage passes on to the next), and gets the last stage's logits back. The link that
+// moves the bytes is an interface, so that core/ knows nothing of MPI (apps/pipeline_process.cpp
+// has the MPI one).
 #pragma once
 
 #include <cstddef>
@@ -45,15 +46,20 @@ std::vector<int> parse_layer_split(const std::string& text);
 // Bytes of each layer's tensors in the file ("blk.N."), what a balanced split balances.
 std::vector<size_t> layer_weight_bytes(const GgufFile& gguf, int n_layer);
 
-// Moves bytes between the stages, in order, each call blocking until its bytes are sent or
-// received. Every stage calls broadcast() with the same size; the first stage's bytes arrive at
-// the others.
+// Moves bytes between the stages, in order: the messages from one stage to another arrive in
+// the order they were sent. send() and recv() return when their bytes are sent or received;
+// send_copy() sends a copy and returns at once (a command must not wait for a busy stage to take
+// it); a receive begun with start_recv() lets the caller work on until finish_recv() (which
+// finishes the oldest receive begun and not yet finished). A stage that waits long leaves the
+// cores to the others.
 class PipelineLink {
  public:
   virtual ~PipelineLink() = default;
   virtual void send(int stage, const void* data, size_t bytes) = 0;
+  virtual void send_copy(int stage, const void* data, size_t bytes) = 0;
   virtual void recv(int stage, void* data, size_t bytes) = 0;
-  virtual void broadcast(void* data, size_t bytes) = 0;
+  virtual void start_recv(int stage, void* data, size_t bytes) = 0;
+  virtual void finish_recv() = 0;
 };
 
 }  // namespace ringlm

@@ -26,6 +26,9 @@ struct BatchScheduler::Slot {
         logits(static_cast<size_t>(model.hparams().n_vocab)) {}
 
   State state = State::kFree;
+  int group = 0;            // the passes it runs in (pipeline: groups take turns)
+  bool in_flight = false;   // in a pass begun and not finished
+  bool cancelled = false;   // cancelled while in flight: released when its pass finishes
   GenerationRequest request;
   int sample = 0;
   Slot* prompt_owner = nullptr;  // a sample waiting for the prompt that this slot prefills
@@ -48,7 +51,10 @@ struct BatchScheduler::Slot {
 };
 
 BatchScheduler::BatchScheduler(LlamaModel& model, const Tokenizer& tokenizer, const BatchOptions& options)
-    : model_(model), tokenizer_(tokenizer), options_(options) {
+    : model_(model),
+      tokenizer_(tokenizer),
+      options_(options),
+      n_groups_(std::max(1, std::min(model.pipeline_depth(), options.n_parallel))) {
   if (options.n_parallel < 1) throw std::invalid_argument("--parallel must be at least 1");
   if (options.n_parallel > model.max_batch()) {
     throw std::invalid_argument("--parallel " + std::to_string(options.n_parallel) + " exceeds the batch of " +
@@ -58,10 +64,22 @@ BatchScheduler::BatchScheduler(LlamaModel& model, const Tokenizer& tokenizer, co
     throw std::invalid_argument("the prefill chunk must be between 1 and " +
                                 std::to_string(model.max_batch() - options.n_parallel) + " tokens");
   }
-  for (int i = 0; i < options.n_parallel; ++i) slots_.push_back(std::make_unique<Slot>(model, options));
+  for (int i = 0; i < options.n_parallel; ++i) {
+    slots_.push_back(std::make_unique<Slot>(model, options));
+    slots_.back()->group = i % n_groups_;
+  }
 }
 
-BatchScheduler::~BatchScheduler() = default;
+BatchScheduler::~BatchScheduler() {
+  // Passes still in flight (a batch stopped early) finish before their slots' buffers go.
+  try {
+    while (!in_flight_.empty()) {
+      in_flight_.pop_front();
+      model_.finish_batch();
+    }
+  } catch (const std::exception&) {  // the pipeline broke: nothing will arrive
+  }
+}
 
 void BatchScheduler::submit(GenerationRequest request) {
   check(request);
@@ -93,7 +111,7 @@ void BatchScheduler::check(const GenerationRequest& request) const {
   if (request.max_tokens < -1) throw std::invalid_argument("max_tokens must be -1 (no limit) or more");
 }
 
-bool BatchScheduler::idle() const { return queue_.empty() && n_running() == 0; }
+bool BatchScheduler::idle() const { return queue_.empty() && n_running() == 0 && in_flight_.empty(); }
 
 int BatchScheduler::n_running() const {
   int n = 0;
@@ -104,8 +122,12 @@ int BatchScheduler::n_running() const {
 bool BatchScheduler::cancel(size_t index) {
   bool found = std::erase_if(queue_, [&](const Queued& q) { return q.request.index == index; }) > 0;
   for (auto& s : slots_) {
-    if (s->state == Slot::State::kFree || s->request.index != index) continue;
-    release(*s);
+    if (s->state == Slot::State::kFree || s->request.index != index || s->cancelled) continue;
+    if (s->in_flight) {
+      s->cancelled = true;
+    } else {
+      release(*s);
+    }
     found = true;
   }
   return found;
@@ -197,44 +219,79 @@ void BatchScheduler::read_kept_prompt(Slot& s, const Reuse& reuse, const std::fu
 bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) {
   admit(on_done);
   if (idle()) return false;
+  // With a pipeline the oldest pass finishes once as many are in flight as there are stages (or
+  // when no other group has work): until then the first stage goes on with the next group.
+  const bool began = begin_pass();
+  if (!in_flight_.empty() && (!began || in_flight_.size() >= static_cast<size_t>(n_groups_))) finish_pass(on_done);
+  account_memory();
+  return true;
+}
 
-  // The pass: every decoding sequence's pending token, then the next chunks of joining prompts,
-  // up to prefill_chunk prompt tokens in all. A prompt's chunks are fixed (prefill_chunk tokens
-  // from its start), so a chunk that does not fit what is left of the step waits for the next
-  // one; the first chunk of the step always goes in.
-  std::vector<LlamaModel::SequenceTokens> batch;
-  std::vector<Slot*> in_batch;
+bool BatchScheduler::begin_pass() {
+  for (int tried = 0; tried < n_groups_; ++tried) {
+    const int group = next_group_;
+    next_group_ = (next_group_ + 1) % n_groups_;
+    const bool busy = std::any_of(in_flight_.begin(), in_flight_.end(), [&](const Pass& p) { return p.group == group; });
+    if (busy) continue;
+    Pass pass = gather_pass(group);
+    if (pass.slots.empty()) continue;
+    model_.begin_batch(pass.batch);
+    for (Slot* s : pass.slots) s->in_flight = true;
+    in_flight_.push_back(std::move(pass));
+    ++steps_;
+    return true;
+  }
+  return false;
+}
+
+// The pass of a group: every decoding sequence's pending token, then the next chunks of joining
+// prompts, up to prefill_chunk prompt tokens in all. A prompt's chunks are fixed (prefill_chunk
+// tokens from its start), so a chunk that does not fit what is left of the pass waits for the
+// next one; the first chunk of the pass always goes in.
+BatchScheduler::Pass BatchScheduler::gather_pass(int group) {
+  Pass pass;
+  pass.group = group;
   for (auto& s : slots_) {
-    if (s->state != Slot::State::kDecode) continue;
-    batch.push_back({std::span<const int32_t>(&s->next_token, 1), &s->cache, s->logits.data(), s->top});
+    if (s->group != group || s->state != Slot::State::kDecode) continue;
+    pass.batch.push_back({std::span<const int32_t>(&s->next_token, 1), &s->cache, s->logits.data(), s->top});
     s->drew_from_top = !s->top.empty();
-    in_batch.push_back(s.get());
+    pass.slots.push_back(s.get());
   }
   const auto now = Clock::now();
   size_t prompt_budget = static_cast<size_t>(options_.prefill_chunk);
   for (auto& slot : slots_) {
     Slot& s = *slot;
-    if (s.state != Slot::State::kPrefill) continue;
+    if (s.group != group || s.state != Slot::State::kPrefill) continue;
     const size_t n = std::min(static_cast<size_t>(options_.prefill_chunk), s.request.prompt.size() - s.prefilled);
     if (n > prompt_budget) continue;
     prompt_budget -= n;
     if (s.prefilled == 0) s.started = now;
     const bool last = s.prefilled + n == s.request.prompt.size();
-    batch.push_back({std::span<const int32_t>(s.request.prompt).subspan(s.prefilled, n), &s.cache,
-                     last ? s.logits.data() : nullptr, {}});
+    pass.batch.push_back({std::span<const int32_t>(s.request.prompt).subspan(s.prefilled, n), &s.cache,
+                          last ? s.logits.data() : nullptr, {}});
     s.drew_from_top = false;
-    in_batch.push_back(&s);
+    pass.slots.push_back(&s);
   }
-  model_.forward_batch(batch);
-  ++steps_;
+  return pass;
+}
+
+void BatchScheduler::finish_pass(const std::function<void(GenerationResult)>& on_done) {
+  Pass pass = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  model_.finish_batch();
 
   // Slots with fresh logits. A prompt's samples take a copy of its logits here, before its own
   // draw changes them.
   std::vector<Slot*> fresh;
-  for (size_t i = 0; i < in_batch.size(); ++i) {
-    Slot& s = *in_batch[i];
+  for (size_t i = 0; i < pass.slots.size(); ++i) {
+    Slot& s = *pass.slots[i];
+    s.in_flight = false;
+    if (s.cancelled) {
+      release(s);
+      continue;
+    }
     if (s.state == Slot::State::kPrefill) {
-      s.prefilled += batch[i].tokens.size();
+      s.prefilled += pass.batch[i].tokens.size();
       if (s.prefilled < s.request.prompt.size()) continue;
       s.state = Slot::State::kDecode;
       if (s.request.n_samples > 1) {
@@ -247,8 +304,6 @@ bool BatchScheduler::step(const std::function<void(GenerationResult)>& on_done) 
   }
   draw_tokens(fresh);
   for (Slot* s : fresh) take_token(*s, on_done);
-  account_memory();
-  return true;
 }
 
 std::shared_ptr<const KvCache> BatchScheduler::detach_prompt(Slot& owner) {
@@ -402,6 +457,7 @@ void BatchScheduler::finish(Slot& s, const std::function<void(GenerationResult)>
 
 void BatchScheduler::release(Slot& s) {
   s.state = Slot::State::kFree;
+  s.cancelled = false;
   s.generation.reset();
   s.sampler.reset();
   s.cache.clear();  // its memory goes back now, and its share of a prompt segment with it

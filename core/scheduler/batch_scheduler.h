@@ -18,6 +18,11 @@
 // prompt begins with the same tokens as a kept one reads that beginning from it and prefills only
 // the rest (the same prompt again: nothing, its logits are kept too).
 //
+// On a pipeline of several stages (LlamaModel::pipeline_depth()), the slots form as many groups,
+// which take turns: the first stage begins one group's pass while the later stages still run the
+// previous groups' (micro-batches in flight), so that every stage works. Each group's pass is
+// what the step would be for its slots alone, so the results do not change.
+//
 // Callers that stream (a server) listen to every token taken (set_token_listener) and may
 // cancel a request between steps (cancel).
 #pragma once
@@ -31,13 +36,12 @@
 #include <vector>
 
 #include "core/kv/kv_cache.h"
+#include "core/model/llama.h"
 #include "core/sampling/sampler.h"
 #include "core/session/generation.h"
 #include "core/tokenizer/tokenizer.h"
 
 namespace ringlm {
-
-class LlamaModel;
 
 struct GenerationRequest {
   size_t index = 0;               // the caller's handle, echoed in the results
@@ -131,6 +135,16 @@ class BatchScheduler {
     Clock::time_point submitted;
   };
 
+  struct Pass {
+    int group = 0;
+    std::vector<LlamaModel::SequenceTokens> batch;
+    std::vector<Slot*> slots;  // batch[i] is slots[i]'s
+  };
+  // Begins the pass of the next group that has work and is not in flight; false when none has.
+  bool begin_pass();
+  Pass gather_pass(int group);
+  // Finishes the oldest pass in flight: its slots take their tokens.
+  void finish_pass(const std::function<void(GenerationResult)>& on_done);
   void admit(const std::function<void(GenerationResult)>& on_done);
   // Hands the result of the slot's finished generation to on_done and frees the slot.
   void finish(Slot& slot, const std::function<void(GenerationResult)>& on_done);
@@ -161,6 +175,9 @@ class BatchScheduler {
   const Tokenizer& tokenizer_;
   BatchOptions options_;
   std::vector<std::unique_ptr<Slot>> slots_;
+  int n_groups_ = 1;  // passes in flight at most (the pipeline's stages)
+  int next_group_ = 0;
+  std::deque<Pass> in_flight_;
   std::deque<Queued> queue_;
   std::function<void(const TokenEvent&)> on_token_;
   // The prompt cache: prefilled prompts, their tokens and the logits after them.
