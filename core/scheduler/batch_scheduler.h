@@ -143,6 +143,7 @@ class BatchScheduler {
   // Begins the pass of the next group that has work and is not in flight; false when none has.
   bool begin_pass();
   Pass gather_pass(int group);
+  size_t even_prompt_budget(int group) const;
   // Finishes the oldest pass in flight: its slots take their tokens.
   void finish_pass(const std::function<void(GenerationResult)>& on_done);
   void admit(const std::function<void(GenerationResult)>& on_done);
