@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -15,6 +16,7 @@
 #include "apps/pipeline_process.h"
 #include "core/model/loader.h"
 #include "core/session/generation.h"
+#include "core/speculative/prompt_lookup.h"
 
 namespace ringlm {
 
@@ -29,13 +31,16 @@ struct RunOptions {
   int n_predict = -1;  // -1: until end of generation or a full context
   bool ignore_eos = false;
   std::string stats_format;  // "" (one human line) or "json"
+  int lookup = 0;            // --lookup N: prompt lookup drafts of up to N tokens (0: off)
 };
 
 struct RunStats {
   size_t prompt_tokens = 0;
   double prompt_ms = 0;
   size_t gen_tokens = 0;
-  size_t decode_evals = 0;  // forward passes of single generated tokens
+  size_t decode_evals = 0;  // generated tokens evaluated (one a pass, or a pass's accepted draft too)
+  bool speculative = false;
+  SpeculationStats speculation;
   std::vector<double> token_ms;  // the time of each of them (constant-speed checks)
   double decode_ms = 0;
   double load_ms = 0;
@@ -94,6 +99,12 @@ void print_stats(const RunStats& s, const std::string& format) {
       j["token_device"] = {{"launches", launches}, {"upload_bytes", up}, {"download_bytes", down}, {"waits", waits}};
       j["layer_device"] = s.layer_device;
       j["output_device"] = s.output_device;
+    }
+    if (s.speculative) {
+      j["speculative"] = {{"drafted", s.speculation.drafted},
+                          {"accepted", s.speculation.accepted},
+                          {"passes", s.speculation.passes},
+                          {"acceptance", s.speculation.acceptance()}};
     }
     std::fprintf(stderr, "%s\n", j.dump().c_str());
     return;
@@ -162,13 +173,38 @@ void run(const RunOptions& o) {
     ++stats.decode_evals;
   };
   sequence.has_room = [&] { return has_room(cache); };
+  std::optional<PromptLookup> lookup;
+  std::vector<float> draft_logits;
+  if (o.lookup > 0) {
+    if (o.sampling.temperature > 0) {
+      throw std::invalid_argument("--lookup checks drafts for greedy sampling only: add --temp 0 (speculative sampling "
+                                  "at a temperature is not built yet)");
+    }
+    lookup.emplace(o.lookup);
+    sequence.evaluate_draft = [&](std::span<const int32_t> tokens) {
+      const auto step = std::chrono::steady_clock::now();
+      draft_logits.resize(tokens.size() * static_cast<size_t>(hp.n_vocab));
+      m.model->forward_steps(tokens, cache, draft_logits.data());
+      stats.token_ms.push_back(ms_since(step));
+      return std::span<float>(draft_logits);
+    };
+    sequence.rollback = [&](int n) { cache.rollback(n); };
+    sequence.draft_room = [&] { return draft_room(cache); };
+  }
   GenerateOptions options;
+  if (lookup) {
+    options.lookup = &*lookup;
+    options.speculation = &stats.speculation;
+    stats.speculative = true;
+  }
   options.on_text = [](std::string_view piece) {
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
   };
   const FinishReason finish = generate(generation, TokenScores{logits, top}, sequence, options);
   stats.decode_ms = ms_since(t0);
+  // A checking pass evaluated its first token and the draft tokens it accepted.
+  stats.decode_evals += static_cast<size_t>(stats.speculation.passes + stats.speculation.accepted);
   stats.gen_tokens = static_cast<size_t>(generation.n_tokens());
   stats.stop_reason = stop_reason(finish);
   if (finish == FinishReason::kContextFull) {
@@ -195,6 +231,10 @@ void add_run_command(CLI::App& app) {
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();
   cmd->add_flag("--ignore-eos", opts->ignore_eos, "keep generating past end-of-generation tokens");
+  cmd->add_option("--lookup", opts->lookup,
+                  "speculative decoding by prompt lookup: drafts of up to N tokens from earlier text, checked in "
+                  "one pass (greedy sampling; 0: off)")
+      ->check(CLI::Range(0, 64));
   cmd->add_option("--stats", opts->stats_format, "print the final speed summary as: json")->check(CLI::IsMember({"json"}));
   cmd->callback([opts, p, f] {
     if (p->count() == 0 && f->count() == 0) throw CLI::RequiredError("-p,--prompt or -f,--file");

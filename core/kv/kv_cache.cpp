@@ -174,6 +174,33 @@ int KvCache::append(int n) {
   return first;
 }
 
+void KvCache::rollback(int n) {
+  if (n < 0 || n > size()) {
+    throw std::invalid_argument("cannot roll back " + std::to_string(n) + " of the " + std::to_string(size()) +
+                                " tokens of the cache");
+  }
+  if (n > max_rollback()) {
+    throw std::invalid_argument("cannot roll back " + std::to_string(n) + " tokens: the window ring keeps " +
+                                std::to_string(max_rollback()) + " beyond its window");
+  }
+  for (int i = 0; i < n; ++i) {  // the newest first: the ring's, then the sinks'
+    const int slot = ring_count_ > 0 ? ring_slot(--ring_count_) : --n_sink_;
+    full_.positions[static_cast<size_t>(slot)] = -1;
+  }
+  full_.held = size();
+  for (int i = 0; i < n && has_window_ring(); ++i) {
+    --window_appended_;
+    int64_t& p = window_.positions[static_cast<size_t>(window_appended_ % window_.slots)];
+    window_.held -= p >= 0;
+    p = -1;
+  }
+  if (has_window_ring()) window_.extent = static_cast<int>(std::min<int64_t>(window_appended_, window_.slots));
+  next_position_ -= n;
+  const auto rows = static_cast<int>(softmax_phi_rows_.size());
+  if (n < rows) softmax_phi_ = softmax_phi_rows_[static_cast<size_t>(rows - 1 - n)];
+  softmax_phi_rows_.clear();
+}
+
 KvDiscard KvCache::discard(int n_discard) {
   if (prefix_ != nullptr) throw std::logic_error("KvCache::discard: a cache with a shared prefix does not shift");
   if (n_discard <= 0 || n_discard > ring_count_) {

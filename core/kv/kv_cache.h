@@ -122,6 +122,14 @@ class KvCache {
   // rings and moves every later token back n_discard positions. Returns the slots whose keys
   // must be re-rotated by -n_discard (every remaining token after the sinks).
   KvDiscard discard(int n_discard);
+  // Forgets the n newest tokens (speculative decoding's rejected draft): their slots are empty
+  // and the next token takes the position of the first of them, as if they had never been
+  // appended. A window ring gives back its slots (the tokens they held before are out of every
+  // later window), so n is at most what it keeps beyond its window; std::invalid_argument
+  // otherwise, or past size(). Tokens a context shift already moved are not rolled back.
+  void rollback(int n);
+  // The most tokens rollback() can forget after an append (the window ring's slack).
+  int max_rollback() const { return has_window_ring() ? window_.slots - window_size_ : capacity_; }
   // Empties the cache (and drops its prefix); the memory of its tokens goes back to the system.
   void clear();
 
@@ -147,6 +155,10 @@ class KvCache {
   // yet (the exact softmax runs). It belongs to the sequence, not the model, so sequences
   // decoded together never see each other's maxima.
   std::vector<float>& softmax_phi() { return softmax_phi_; }
+  // After a pass that checked a draft (LlamaModel::forward_steps), the maxima as each of its
+  // rows left them ([row][n_layer * n_head]), so that rollback() leaves them as the last row
+  // kept left them, as plain decoding would have. Empty after any other pass.
+  std::vector<std::vector<float>>& softmax_phi_rows() { return softmax_phi_rows_; }
 
   // A ring as the backend's ops see it (backends/backend.h): its rows, positions and the
   // backend's own state for it (a device copy, which the backend made and keeps in step). The
@@ -217,6 +229,7 @@ class KvCache {
   std::vector<int64_t> prefix_positions_[2];  // the prefix's rings' positions as read here ([full, window])
   int window_size_ = 0;  // positions a sliding-window layer sees (with a window ring)
   std::vector<float> softmax_phi_;
+  std::vector<std::vector<float>> softmax_phi_rows_;
 };
 
 }  // namespace ringlm

@@ -114,6 +114,7 @@ struct LlamaModel::Scratch {
   // them is taken).
   std::vector<KvView> kv_views, prefix_views;
   std::vector<AttentionCall> attention_calls;
+  std::vector<AttentionCall> attention_steps;  // one row of each sequence (stepwise attention)
 };
 
 namespace {
@@ -338,6 +339,17 @@ void LlamaModel::forward_top(std::span<const int32_t> tokens, KvCache& cache, st
   forward_tokens(tokens, cache, PassOutput{nullptr, false, top});
 }
 
+void LlamaModel::forward_steps(std::span<const int32_t> tokens, KvCache& cache, float* logits) {
+  stepwise_attention_ = true;
+  try {
+    forward_tokens(tokens, cache, PassOutput{logits, true, {}});
+  } catch (...) {
+    stepwise_attention_ = false;
+    throw;
+  }
+  stepwise_attention_ = false;
+}
+
 void LlamaModel::forward_tokens(std::span<const int32_t> tokens, KvCache& cache, PassOutput out) {
   for (int32_t t : tokens) {
     if (t < 0 || t >= hp_.n_vocab) {
@@ -477,6 +489,10 @@ void LlamaModel::describe_sequences(std::span<const Rows> rows) {
       const size_t n = static_cast<size_t>(hp_.n_layer) * static_cast<size_t>(hp_.n_head);
       if (phi.size() != n) phi.assign(n, NAN);
     }
+    cache.softmax_phi_rows().clear();
+    if (stepwise_attention_ && async_softmax_) {
+      cache.softmax_phi_rows().assign(rows[i].tokens.size(), cache.softmax_phi());
+    }
     const size_t q_at = static_cast<size_t>(rows[i].row0) * q_dim;
     s.attention_calls[i] = AttentionCall{s.q->data() + q_at, static_cast<int>(rows[i].tokens.size()), rows[i].pos0,
                                          s.attn->data() + q_at, nullptr, nullptr};
@@ -497,7 +513,36 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
   // Every sequence of a pass has the same rings (one model, one context size per pass).
   const int index = rows[0].cache->place(layer).index;
   const int window = layers_[static_cast<size_t>(layer)].window;
-  backend_.attention(index, {hp_.n_head, hp_.n_head_kv, hp_.head_dim, window, hp_.attn_scale}, s.attention_calls);
+  const AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim, window, hp_.attn_scale};
+  if (!stepwise_attention_) return backend_.attention(index, shape, s.attention_calls);
+  // Each query row as the decode step of its token would run it: the j-th rows of all the
+  // sequences together, one j after the other (a row's softmax maxima are the next row's start).
+  const size_t q_dim = static_cast<size_t>(hp_.n_head) * hp_.head_dim;
+  int longest = 0;
+  for (const AttentionCall& c : s.attention_calls) longest = std::max(longest, c.n_tokens);
+  std::vector<AttentionCall>& step = s.attention_steps;
+  for (int j = 0; j < longest; ++j) {
+    step.clear();
+    for (const AttentionCall& c : s.attention_calls) {
+      if (j >= c.n_tokens) continue;
+      AttentionCall one = c;
+      one.q += static_cast<size_t>(j) * q_dim;
+      one.out += static_cast<size_t>(j) * q_dim;
+      one.pos0 += j;
+      one.n_tokens = 1;
+      step.push_back(one);
+    }
+    backend_.attention(index, shape, step);
+    if (!async_softmax_) continue;
+    // The maxima row j left in this layer, for a rollback to the row it keeps.
+    const size_t at = static_cast<size_t>(layer) * static_cast<size_t>(hp_.n_head);
+    for (const Rows& r : rows) {
+      if (j >= static_cast<int>(r.tokens.size())) continue;
+      const std::vector<float>& phi = r.cache->softmax_phi();
+      std::copy_n(phi.begin() + static_cast<std::ptrdiff_t>(at), hp_.n_head,
+                  r.cache->softmax_phi_rows()[static_cast<size_t>(j)].begin() + static_cast<std::ptrdiff_t>(at));
+    }
+  }
 }
 
 void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
@@ -777,7 +822,7 @@ struct LlamaModel::PipelineSequence {
   int64_t cache_size = 0, next_position = 0, n_tokens = 0;
   int32_t capacity = 0, prefix_tokens = 0;
   int32_t kv_type = 0, n_keep = 0, n_discard = 0, context_shift = 0;
-  int32_t want_logits = 0, all_logits = 0, top_k = 0, reserved = 0;
+  int32_t want_logits = 0, all_logits = 0, top_k = 0, stepwise_attention = 0;
 };
 
 namespace {
@@ -831,6 +876,7 @@ void LlamaModel::announce_tokens(const KvCache& cache, size_t n_tokens, const Pa
   one[0].want_logits = out.logits != nullptr ? 1 : 0;
   one[0].all_logits = out.all_logits ? 1 : 0;
   one[0].top_k = static_cast<int32_t>(out.top.size());
+  one[0].stepwise_attention = stepwise_attention_ ? 1 : 0;
   announce_pass(PipelineCommand::kTokens, one);
 }
 
@@ -873,6 +919,11 @@ KvCache& LlamaModel::pipeline_cache(const PipelineSequence& q) {
     it = pipeline_caches_.emplace(q.cache_id, std::move(made)).first;
   }
   KvCache& cache = *it->second;
+  // The first stage rolled back a speculative draft's rejected tokens: the copy forgets them too.
+  const int64_t ahead = cache.size() - q.cache_size;
+  if (ahead > 0 && cache.next_position() - q.next_position == ahead && ahead <= cache.max_rollback()) {
+    cache.rollback(static_cast<int>(ahead));
+  }
   if (!in_step(cache)) {
     throw std::logic_error("pipeline stage " + std::to_string(stage_.index) + ": cache " + std::to_string(q.cache_id) +
                            " holds " + std::to_string(cache.size()) + " tokens up to position " +
@@ -939,7 +990,9 @@ void LlamaModel::serve_pipeline() {
       }
       KvCache& cache = pipeline_cache(q);
       if (c.op == PipelineCommand::kTokens) {
+        stepwise_attention_ = q.stepwise_attention != 0;
         forward_tokens(tokens[i], cache, PassOutput{out_logits, q.all_logits != 0, out_top});
+        stepwise_attention_ = false;
       } else {
         batch.emplace_back(tokens[i], &cache, out_logits, out_top);
       }

@@ -43,6 +43,11 @@ class LlamaModel {
   // order, at most Sampler::kMaxCandidates): on a device they are picked there, and the
   // vocabulary's logits never cross to the host.
   void forward_top(std::span<const int32_t> tokens, KvCache& cache, std::span<TopLogit> top);
+  // forward() with every row's logits ([tokens.size()][n_vocab]), each row computed exactly (bit
+  // for bit) as the decode step of its token would compute it, one token at a time: what checks
+  // a speculative draft, so that the tokens it accepts are those plain decoding would take.
+  // (A plain pass of several rows attends with the prefill kernel, whose sums round otherwise.)
+  void forward_steps(std::span<const int32_t> tokens, KvCache& cache, float* logits);
 
   // One sequence's share of a batched pass.
   struct SequenceTokens {
@@ -179,6 +184,7 @@ class LlamaModel {
   KvCache& pipeline_cache(const PipelineSequence& q);
   uint64_t copied_id(uint64_t id) const;
   bool async_softmax_ = true;
+  bool stepwise_attention_ = false;  // forward_steps(): each query row as its decode step
   std::unique_ptr<Scratch> scratch_;
   std::vector<Rows> batch_rows_;       // forward_batch's, reused
   // What a pass begun on the first stage hands out when it finishes: the top k of the sequences

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "core/kv/kv_cache.h"
+#include "core/speculative/prompt_lookup.h"
 
 namespace ringlm {
 
@@ -104,29 +105,117 @@ void Generation::drop_history(size_t first, size_t count) {
 
 bool has_room(const KvCache& cache) { return cache.can_shift() || cache.context_size() < cache.capacity(); }
 
-FinishReason generate(Generation& g, TokenScores scores, const SequenceModel& model, const GenerateOptions& options) {
-  auto show = [&](const GenerationStep& step) {
-    if (!step.text.empty() && options.on_text) options.on_text(step.text);
-  };
-  const bool keep_cache_in_step = options.evaluate_every_token;
-  while (!g.finished()) {
-    const int32_t token = scores.top.empty() ? g.draw(scores.logits) : g.draw_top(scores.top);
-    if (keep_cache_in_step && !g.is_end_token(token) && !model.has_room()) {
-      show(g.finish(FinishReason::kContextFull));
-      break;
+int draft_room(const KvCache& cache) { return std::max(0, std::min(cache.contiguous_free() - 1, cache.max_rollback())); }
+
+namespace {
+
+// One sequence's loop, plain or speculative.
+class GenerationLoop {
+ public:
+  GenerationLoop(Generation& g, TokenScores scores, const SequenceModel& model, const GenerateOptions& options)
+      : g_(g), scores_(scores), model_(model), options_(options) {}
+
+  FinishReason run() {
+    int32_t token = draw(scores_);
+    while (!g_.finished()) {
+      // Takes the token; false when the sequence ended without anything left to evaluate.
+      if (!take(token)) break;
+      const std::vector<int32_t> draft = guess();
+      if (draft.empty()) {
+        model_.evaluate(token);
+        if (g_.finished() || interrupted()) break;
+        token = draw(scores_);
+      } else {
+        token = check_draft(token, draft);
+        if (token < 0 || interrupted()) break;
+      }
     }
-    const int taken_before = g.n_tokens();
-    show(g.take(token));
-    if (g.n_tokens() == taken_before) break;  // an end token: nothing to evaluate
-    if (g.finished() && !keep_cache_in_step) break;
-    if (!g.finished() && !model.has_room()) {
-      show(g.finish(FinishReason::kContextFull));
-      break;
-    }
-    model.evaluate(token);
-    if (!g.finished() && options.interrupt != nullptr && options.interrupt->load()) show(g.finish(FinishReason::kInterrupted));
+    return g_.finish_reason();
   }
-  return g.finish_reason();
+
+ private:
+  int32_t draw(TokenScores scores) { return scores.top.empty() ? g_.draw(scores.logits) : g_.draw_top(scores.top); }
+
+  void show(const GenerationStep& step) {
+    if (!step.text.empty() && options_.on_text) options_.on_text(step.text);
+  }
+
+  // Takes `token` (or ends on it). True when it is to be evaluated next: a text token, and the
+  // sequence goes on (or ended, but the cache is to hold every token shown).
+  bool take(int32_t token) {
+    const bool keep_cache_in_step = options_.evaluate_every_token;
+    if (keep_cache_in_step && !g_.is_end_token(token) && !model_.has_room()) {
+      show(g_.finish(FinishReason::kContextFull));
+      return false;
+    }
+    const int taken_before = g_.n_tokens();
+    show(g_.take(token));
+    if (g_.n_tokens() == taken_before) return false;  // an end token: nothing to evaluate
+    if (g_.finished() && !keep_cache_in_step) return false;
+    if (!g_.finished() && !model_.has_room()) {
+      show(g_.finish(FinishReason::kContextFull));
+      return false;
+    }
+    return true;
+  }
+
+  bool interrupted() {
+    if (g_.finished() || options_.interrupt == nullptr || !options_.interrupt->load()) return false;
+    show(g_.finish(FinishReason::kInterrupted));
+    return true;
+  }
+
+  // The draft to check with the token just taken: none without a guesser, when the sequence has
+  // ended (the last token is evaluated alone), or when the cache has no room for one.
+  std::vector<int32_t> guess() const {
+    if (options_.lookup == nullptr || !model_.evaluate_draft || g_.finished() || !g_.greedy()) return {};
+    return options_.lookup->propose(g_.history(), model_.draft_room());
+  }
+
+  // Evaluates `token` and `draft` in one pass and takes the draft's tokens while each is the one
+  // drawn from the row before it. Returns the next token to take (drawn from the row after the
+  // last accepted one, not yet evaluated), or -1 when the sequence ended on an accepted token.
+  int32_t check_draft(int32_t token, const std::vector<int32_t>& draft) {
+    const auto k = static_cast<int>(draft.size());
+    std::vector<int32_t> pass(1, token);
+    pass.insert(pass.end(), draft.begin(), draft.end());
+    const std::span<float> rows = model_.evaluate_draft(pass);
+    const size_t vocab = rows.size() / pass.size();
+    SpeculationStats* stats = options_.speculation;
+    if (stats != nullptr) {
+      stats->drafted += k;
+      ++stats->passes;
+    }
+    for (int j = 0;; ++j) {  // row j: the scores after pass[j]
+      const int32_t next = g_.draw(rows.subspan(static_cast<size_t>(j) * vocab, vocab));
+      if (j == k || next != draft[static_cast<size_t>(j)]) {
+        model_.rollback(k - j);  // draft[j..] never happened
+        return next;
+      }
+      if (stats != nullptr) ++stats->accepted;
+      // Accepted: the token is in the cache already. If it ends the sequence, what follows it goes.
+      if (!take(next)) {
+        const bool evaluated = !g_.is_end_token(next);
+        model_.rollback(k - j - (evaluated ? 1 : 0));
+        return -1;
+      }
+      if (g_.finished()) {  // ended on a text token that the cache keeps (evaluate_every_token)
+        model_.rollback(k - j - 1);
+        return -1;
+      }
+    }
+  }
+
+  Generation& g_;
+  TokenScores scores_;
+  const SequenceModel& model_;
+  const GenerateOptions& options_;
+};
+
+}  // namespace
+
+FinishReason generate(Generation& g, TokenScores scores, const SequenceModel& model, const GenerateOptions& options) {
+  return GenerationLoop(g, scores, model, options).run();
 }
 
 }  // namespace ringlm

@@ -92,6 +92,9 @@ class Generation {
   // The text handed out so far: the final text once finished.
   std::string_view text() const { return std::string_view(text_).substr(0, released_); }
   std::span<const int32_t> history() const { return history_; }
+  // Whether draws are greedy (the most likely token, after the penalties): they then depend on
+  // the logits alone, and a speculative draft is checked by comparing tokens.
+  bool greedy() const { return sampler_->params().temperature <= 0; }
 
  private:
   // Cuts the text before the earliest complete stop string; false if there is none.
@@ -112,6 +115,9 @@ class Generation {
 
 // Whether `cache` can take one more token: it has a free slot, or it shifts when full.
 bool has_room(const KvCache& cache);
+// How many draft tokens may follow the next token in one pass over `cache`: what fits before a
+// context shift would be needed, and what a rollback can forget.
+int draft_room(const KvCache& cache);
 
 // The model side of one sequence, as generate() drives it.
 struct SequenceModel {
@@ -120,6 +126,25 @@ struct SequenceModel {
   std::function<void(int32_t)> evaluate;
   // Whether the context can take one more token (has_room of the sequence's cache).
   std::function<bool()> has_room;
+
+  // Speculative decoding (all three, or none):
+  // - evaluate_draft runs `token` and the draft after it in one pass whose rows are exactly the
+  //   decode steps of those tokens (LlamaModel::forward_steps), and returns every row's logits;
+  // - rollback forgets the cache's n newest tokens (a rejected draft's);
+  // - draft_room says how many draft tokens may follow the next token in one pass: those that
+  //   fit the cache before a context shift (plain decoding shifts at the token that needs it,
+  //   not earlier) and that a rollback can forget.
+  std::function<std::span<float>(std::span<const int32_t>)> evaluate_draft;
+  std::function<void(int)> rollback;
+  std::function<int()> draft_room;
+};
+
+class PromptLookup;
+
+// What speculative decoding did: draft tokens proposed and accepted, and the passes that checked them.
+struct SpeculationStats {
+  int64_t drafted = 0, accepted = 0, passes = 0;
+  double acceptance() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0; }
 };
 
 struct GenerateOptions {
@@ -133,6 +158,10 @@ struct GenerateOptions {
   // Otherwise the last token is not evaluated (nothing reads its logits), and a token that
   // does not fit is still shown before the sequence ends.
   bool evaluate_every_token = false;
+  // Speculative decoding with this guesser (greedy sampling only: see generate()), when the
+  // sequence model can check drafts; its counts go to `speculation`.
+  const PromptLookup* lookup = nullptr;
+  SpeculationStats* speculation = nullptr;
 };
 
 // Where generate() finds the scores of the sequence's next token, which every evaluate
@@ -145,6 +174,12 @@ struct TokenScores {
 
 // Generates until the sequence ends, from `scores`: at first those of the sequence's last
 // evaluated token (a prefilled prompt). Returns why it ended.
+//
+// With a guesser and greedy sampling, each evaluated token goes with a draft of the tokens
+// guessed to follow it, all checked in one pass: the draft's tokens are taken for as long as
+// each is the one drawn from the row before it, the first that is not is replaced by the drawn
+// one, and the rest are rolled back out of the cache. Each row is what the decode step of its
+// token computes, bit for bit, so the text is exactly plain decoding's, only in fewer passes.
 FinishReason generate(Generation& generation, TokenScores scores, const SequenceModel& model,
                       const GenerateOptions& options);
 inline FinishReason generate(Generation& generation, std::span<float> logits, const SequenceModel& model,

@@ -1,0 +1,180 @@
+// Speculative decoding (prompt lookup, core/speculative/prompt_lookup.h): the guesser's drafts,
+// the KV cache's rollback against a cache that never saw the rolled-back tokens, the checking
+// pass whose rows are bit for bit the decode steps, and `ringlm run --lookup` against plain
+// greedy decoding: the same text, through a StreamingLLM shift and on Gemma 3's window ring.
+#include <gtest/gtest.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/model/loader.h"
+#include "core/speculative/prompt_lookup.h"
+#include "tests/build_scale.h"
+#include "tests/command_runner.h"
+
+namespace ringlm {
+namespace {
+
+using Tokens = std::vector<int32_t>;
+
+TEST(PromptLookup, TheLongestNgramsLatestContinuation) {
+  const PromptLookup lookup(4, 3, 1);
+  // "7 8 9" occurs twice before the end: the later occurrence's continuation wins.
+  EXPECT_EQ(lookup.propose(Tokens{7, 8, 9, 1, 2, 7, 8, 9, 3, 4, 5, 6, 7, 8, 9}, 10), (Tokens{3, 4, 5, 6}));
+  // Only "9" (one token) matches earlier: its continuation, cut to the limit.
+  EXPECT_EQ(lookup.propose(Tokens{9, 5, 6, 7, 1, 9}, 2), (Tokens{5, 6}));
+  // A match near the end gives what is left after it.
+  EXPECT_EQ(lookup.propose(Tokens{1, 2, 3, 1, 2}, 10), (Tokens{3, 1, 2}));
+  // No earlier occurrence, no room, or too short a history: no draft.
+  EXPECT_TRUE(lookup.propose(Tokens{1, 2, 3, 4}, 10).empty());
+  EXPECT_TRUE(lookup.propose(Tokens{1, 2, 1}, 0).empty());
+  EXPECT_TRUE(lookup.propose(Tokens{1}, 10).empty());
+  // n-grams shorter than min_ngram do not count.
+  EXPECT_TRUE(PromptLookup(4, 3, 2).propose(Tokens{9, 5, 6, 7, 1, 9}, 10).empty());
+  EXPECT_THROW(PromptLookup(0), std::invalid_argument);
+  EXPECT_THROW(PromptLookup(4, 1, 2), std::invalid_argument);
+}
+
+class SpeculativeModel : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    omp_set_num_threads(1);
+    loaded_ = new LoadedModel(load_model(RINGLM_TEST_MODEL, 1));
+  }
+  static void TearDownTestSuite() {
+    delete loaded_;
+    loaded_ = nullptr;
+  }
+  static LlamaModel& model() { return *loaded_->model; }
+  static size_t vocab() { return static_cast<size_t>(model().hparams().n_vocab); }
+  static Tokens prompt() { return loaded_->tokenizer->encode("The quick brown fox jumps over the lazy dog. Once", true, true); }
+  static int32_t argmax(std::span<const float> x) { return static_cast<int32_t>(std::max_element(x.begin(), x.end()) - x.begin()); }
+
+  // Greedy decoding one token at a time: the logits before each of `n` tokens.
+  static std::vector<std::vector<float>> decode(KvCache& cache, int n, Tokens& taken) {
+    std::vector<float> logits(vocab());
+    model().forward(prompt(), cache, logits.data());
+    std::vector<std::vector<float>> before;
+    for (int i = 0; i < n; ++i) {
+      before.push_back(logits);
+      taken.push_back(argmax(logits));
+      model().forward(std::span<const int32_t>(&taken.back(), 1), cache, logits.data());
+    }
+    return before;
+  }
+
+  static LoadedModel* loaded_;
+};
+
+LoadedModel* SpeculativeModel::loaded_ = nullptr;
+
+// The checking pass of k + 1 tokens gives each row exactly the logits its decode step gives
+// (the int8 path: a plain pass of several rows would round otherwise).
+TEST_F(SpeculativeModel, CheckingRowsAreTheDecodeStepsBitForBit) {
+  const int n = test::scaled(40, 16);
+  Tokens taken;
+  KvCache plain = model().make_cache(256);
+  const auto before = decode(plain, n, taken);
+  KvCache cache = model().make_cache(256);
+  std::vector<float> logits(vocab());
+  model().forward(prompt(), cache, logits.data());
+  const int k = 4;
+  for (int i = 0; i + k + 1 < n; i += k + 1) {
+    std::vector<float> rows((k + 1) * vocab());
+    model().forward_steps(std::span<const int32_t>(taken).subspan(static_cast<size_t>(i), k + 1), cache, rows.data());
+    for (int j = 0; j <= k; ++j) {
+      const auto row = std::span<const float>(rows).subspan(static_cast<size_t>(j) * vocab(), vocab());
+      EXPECT_TRUE(std::equal(row.begin(), row.end(), before[static_cast<size_t>(i + j + 1)].begin())) << "row " << i + j;
+    }
+  }
+}
+
+// A rejected draft rolled back leaves the cache as one that never saw it: the same slots and
+// positions, and the same logits (bit for bit) for the tokens after.
+TEST_F(SpeculativeModel, ARolledBackDraftLeavesNoTrace) {
+  const int n = test::scaled(24, 10);
+  Tokens taken;
+  KvCache plain = model().make_cache(256);
+  const auto before = decode(plain, n, taken);
+
+  KvCache cache = model().make_cache(256);
+  std::vector<float> logits(vocab());
+  model().forward(prompt(), cache, logits.data());
+  // Each step checks the right token followed by three wrong ones, then rolls the wrong ones back.
+  for (int i = 0; i + 1 < n; ++i) {
+    const Tokens pass = {taken[static_cast<size_t>(i)], 11, 12, 13};
+    std::vector<float> rows(pass.size() * vocab());
+    model().forward_steps(pass, cache, rows.data());
+    cache.rollback(3);
+    const auto row = std::span<const float>(rows).subspan(0, vocab());
+    ASSERT_TRUE(std::equal(row.begin(), row.end(), before[static_cast<size_t>(i + 1)].begin())) << "token " << i;
+  }
+  KvCache never = model().make_cache(256);
+  model().forward(prompt(), never, logits.data());
+  model().forward(std::span<const int32_t>(taken).first(static_cast<size_t>(n - 1)), never, logits.data());
+  EXPECT_EQ(cache.size(), never.size());
+  EXPECT_EQ(cache.next_position(), never.next_position());
+  const auto used = [](const KvCache& c) {
+    std::vector<int64_t> p(c.positions().begin(), c.positions().end());
+    while (!p.empty() && p.back() < 0) p.pop_back();
+    return p;
+  };
+  EXPECT_EQ(used(cache), used(never));
+  EXPECT_THROW(cache.rollback(cache.size() + 1), std::invalid_argument);
+}
+
+// `ringlm run --lookup` against plain greedy decoding: the same bytes, with drafts accepted.
+std::string tiny(const std::string& name) { return std::string(RINGLM_TEST_WORK_DIR) + "/tiny_" + name + ".gguf"; }
+
+test::CommandResult sh(const std::string& command) { return test::run_command(command, test::work_dir_for("speculative"), 120); }
+
+nlohmann::json stats_of(const std::string& err) {
+  const size_t at = err.rfind("\n{");
+  return nlohmann::json::parse(err.substr(at == std::string::npos ? 0 : at + 1));
+}
+
+void expect_same_text(const std::string& args) {
+  SCOPED_TRACE(args);
+  const test::CommandResult plain = sh(std::string(RINGLM_BINARY) + " run --temp 0 --stats json " + args);
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const test::CommandResult spec = sh(std::string(RINGLM_BINARY) + " run --temp 0 --stats json --lookup 6 " + args);
+  ASSERT_EQ(spec.exit_code, 0) << spec.err;
+  EXPECT_EQ(spec.out, plain.out);
+  const nlohmann::json s = stats_of(spec.err);
+  EXPECT_GT(s.at("speculative").at("accepted").get<int>(), 0) << spec.err;
+  EXPECT_EQ(s.at("gen_tokens"), stats_of(plain.err).at("gen_tokens"));
+}
+
+const std::string kCopyPrompt =
+    "'Copy the list: apples, pears, plums, cherries, grapes, melons, lemons, limes. Copy: apples, pears,'";
+
+TEST(SpeculativeCli, GreedyTextIsPlainDecodings) {
+  expect_same_text("-m " + std::string(RINGLM_TEST_MODEL) + " -t 1 -n " + std::to_string(test::scaled(48, 24)) + " -p " + kCopyPrompt);
+}
+
+// A context of 48 tokens that shifts (StreamingLLM, 4 sinks) several times while drafts are checked.
+TEST(SpeculativeCli, GreedyTextIsPlainDecodingsThroughContextShifts) {
+  const test::CommandResult r = sh(std::string(RINGLM_BINARY) + " run --temp 0 --stats json --lookup 6 -c 48 --keep 4 "
+                                   "--ignore-eos -t 1 -n 64 -m " + RINGLM_TEST_MODEL + " -p " + kCopyPrompt);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_GT(stats_of(r.err).at("n_shifts").get<int>(), 0) << r.err;
+  expect_same_text("-c 48 --keep 4 --ignore-eos -t 1 -n 64 -m " + std::string(RINGLM_TEST_MODEL) + " -p " + kCopyPrompt);
+}
+
+// Gemma 3's sliding-window layers keep a ring of their window: a rollback gives slots back there.
+TEST(SpeculativeCli, GreedyTextIsPlainDecodingsOnAWindowRing) {
+  expect_same_text("-m " + tiny("gemma3_q8_0") + " -t 1 -c 40 --ignore-eos -n 60 -p 'one two three one two three one two'");
+}
+
+TEST(SpeculativeCli, LookupWithATemperatureIsRefused) {
+  const test::CommandResult r = sh(std::string(RINGLM_BINARY) + " run --lookup 4 --temp 0.8 -n 4 -p hi -m " + tiny("q4_0"));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--lookup checks drafts for greedy sampling only"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace ringlm
