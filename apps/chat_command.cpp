@@ -31,6 +31,7 @@ struct ChatOptions {
   bool system_given = false;
   std::string chat_template;  // "" : from the model
   int n_predict = -1;
+  int lookup = 0;
 };
 
 constexpr const char* kHelp =
@@ -174,6 +175,7 @@ class ChatApp {
     s.cache = o.cache;
     s.sampling = o.sampling;
     s.n_predict = o.n_predict;
+    s.lookup = o.lookup;
     return s;
   }
 
@@ -349,6 +351,10 @@ void add_chat_command(CLI::App& app) {
   cmd->add_option("-n,--n-predict", opts->n_predict, "most tokens per reply (-1: until the end of the turn)")
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();
+  cmd->add_option("--lookup", opts->lookup,
+                  "speculative decoding by prompt lookup: drafts of up to N tokens from the conversation, checked in "
+                  "one pass (greedy sampling; 0: off)")
+      ->check(CLI::Range(0, 64));
   cmd->callback([opts, system] {
     opts->system_given = system->count() > 0;
     chat(*opts);

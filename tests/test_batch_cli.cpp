@@ -126,7 +126,7 @@ TEST(BatchCli, GreedyOutputsDoNotDependOnParallel) {
   for (const char* parallel : {"1", "3", "8"}) {
     const std::string name = std::string("parallel") + parallel;
     const BatchRunResult r =
-        run_batch(name, eight_prompts(test::scaled(40, 12)), std::string("--parallel ") + parallel + " --prefill-chunk 4");
+        run_batch(name, eight_prompts(test::scaled(40, 16), test::scaled(3, 2)), std::string("--parallel ") + parallel + " --prefill-chunk 4");
     ASSERT_EQ(r.exit_code, 0) << r.err;
     const auto texts = texts_by_id(records(work_dir() + "/" + name + ".out"));
     ASSERT_EQ(texts.size(), 8u);

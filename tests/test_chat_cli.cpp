@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -275,8 +276,10 @@ TEST(ChatTerminal, LongChatOverflowsTheContextAndKeepsAnswering) {
   EXPECT_GT(system_tokens, 4);
   EXPECT_EQ(start["kept_tokens"], system_tokens);  // the sinks cover the system prompt
 
-  const char* topics[] = {"the sea", "mountains", "rivers", "forests", "deserts", "the moon", "volcanoes"};
-  for (const char* topic : topics) {
+  // Five topics overflow the 256 tokens already (the sanitizer build stops there); seven go round again.
+  const std::vector<std::string> topics = {"the sea", "mountains", "rivers", "forests", "deserts", "the moon", "volcanoes"};
+  const size_t n_topics = test::kSanitizedBuild ? 5 : topics.size();
+  for (const std::string& topic : std::span(topics).first(n_topics)) {
     const std::string question = std::string("Tell me about ") + topic + ".";
     chat.say(question);
     const nlohmann::json s = stats_of(chat);

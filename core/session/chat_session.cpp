@@ -72,6 +72,13 @@ ChatSession::ChatSession(LlamaModel& model, const Tokenizer& tokenizer, ChatTemp
   // A reply ends at the vocabulary's end-of-generation tokens and at the format's own marker,
   // which some vocabularies do not flag as one (a GGUF converted without it).
   if (auto marker = tokenizer_.find_token(template_.end_of_turn())) end_of_turn_tokens_.push_back(*marker);
+  if (options.lookup > 0) {
+    if (options.sampling.temperature > 0) {
+      throw std::invalid_argument("--lookup checks drafts for greedy sampling only: add --temp 0 (speculative sampling "
+                                  "at a temperature is not built yet)");
+    }
+    lookup_ = std::make_unique<PromptLookup>(options.lookup);
+  }
 }
 
 std::vector<int32_t> ChatSession::conversation_start_tokens(std::string_view system) const {
@@ -117,6 +124,24 @@ int ChatSession::evaluate(const std::vector<int32_t>& tokens) {
   context_.erase(sinks, sinks + dropped);
   evaluated_total_ += static_cast<int64_t>(tokens.size());
   return static_cast<int>(dropped);
+}
+
+std::span<float> ChatSession::evaluate_draft(std::span<const int32_t> tokens) {
+  draft_rows_.resize(tokens.size() * logits_.size());
+  model_.forward_steps(tokens, cache_, draft_rows_.data());
+  context_.insert(context_.end(), tokens.begin(), tokens.end());
+  evaluated_total_ += static_cast<int64_t>(tokens.size());
+  draft_pass_ = tokens.size();
+  return draft_rows_;
+}
+
+void ChatSession::rollback(int n) {
+  cache_.rollback(n);
+  context_.resize(context_.size() - static_cast<size_t>(n));
+  evaluated_total_ -= n;
+  // logits() is the last kept token's row, as if it had been evaluated alone.
+  const size_t row = draft_pass_ - 1 - static_cast<size_t>(n);
+  std::copy_n(draft_rows_.begin() + static_cast<std::ptrdiff_t>(row * logits_.size()), logits_.size(), logits_.begin());
 }
 
 ChatTurnStats ChatSession::reply(std::string_view user_message, const std::function<void(std::string_view)>& on_text,
@@ -165,6 +190,13 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
   options.on_text = on_text;
   options.interrupt = stop;
   options.evaluate_every_token = true;
+  if (lookup_ != nullptr) {  // a draft never crosses a context shift (draft_room): nothing to drop
+    sequence.evaluate_draft = [&](std::span<const int32_t> pass) { return evaluate_draft(pass); };
+    sequence.rollback = [&](int n) { rollback(n); };
+    sequence.draft_room = [&] { return draft_room(cache_); };
+    options.lookup = lookup_.get();
+    options.speculation = &stats.speculation;
+  }
   stats.stop_reason = stop_reason(generate(generation, logits_, sequence, options));
   stats.reply_tokens = generation.n_tokens();
   turns_.back().assistant = std::string(generation.text());

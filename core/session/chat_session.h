@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -23,6 +24,8 @@
 #include "core/kv/kv_cache.h"
 #include "core/sampling/sampler.h"
 #include "core/session/chat_template.h"
+#include "core/session/generation.h"
+#include "core/speculative/prompt_lookup.h"
 
 namespace ringlm {
 
@@ -47,6 +50,7 @@ struct ChatSessionOptions {
   KvCacheOptions cache;  // n_keep is a minimum: the session raises it to cover the system prompt
   SamplingParams sampling;
   int n_predict = -1;    // most tokens per reply (-1: until the end of the turn)
+  int lookup = 0;        // speculative decoding by prompt lookup: drafts of up to N tokens (greedy only; 0: off)
 };
 
 // What one turn cost.
@@ -56,6 +60,7 @@ struct ChatTurnStats {
   int reply_tokens = 0;     // tokens the reply generated
   double reply_ms = 0;
   std::string stop_reason;  // "end" (end of turn), "limit" (-n), "interrupted", "context" (full, no shift)
+  SpeculationStats speculation;  // with a lookup
 };
 
 class ChatSession {
@@ -126,6 +131,12 @@ class ChatSession {
   KvCache cache_;
   std::vector<int32_t> context_;
   std::vector<float> logits_;
+  std::unique_ptr<PromptLookup> lookup_;
+  std::vector<float> draft_rows_;  // the last checking pass's logits, a row per token
+  size_t draft_pass_ = 0;          // ... and its tokens
+  // Runs a token and its draft in one checking pass; rollback() then forgets the rejected ones.
+  std::span<float> evaluate_draft(std::span<const int32_t> tokens);
+  void rollback(int n);
   std::vector<int32_t> end_of_turn_tokens_;  // single tokens that end a reply besides the vocab's EOG
 
   int system_tokens_ = 0;
