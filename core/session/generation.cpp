@@ -167,9 +167,30 @@ class GenerationLoop {
 
   // The draft to check with the token just taken: none without a guesser, when the sequence has
   // ended (the last token is evaluated alone), or when the cache has no room for one.
-  std::vector<int32_t> guess() const {
+  std::vector<int32_t> guess() {
     if (options_.lookup == nullptr || !model_.evaluate_draft || g_.finished() || !g_.greedy()) return {};
-    return options_.lookup->propose(g_.history(), model_.draft_room());
+    if (pause_ > 0) {
+      --pause_;
+      return {};
+    }
+    return options_.lookup->propose(g_.history(), std::min(draft_limit_, model_.draft_room()));
+  }
+
+  // A checking pass costs more the more rows it has, and a rejected row is lost: the draft limit
+  // doubles after a draft accepted whole and halves after one rejected at once; a rejected
+  // draft of one token pauses drafting for some tokens, twice as many each time in a row (open
+  // chat, where the text does not repeat, then runs nearly as plain decoding does).
+  void adapt(int drafted, int accepted) {
+    if (accepted > 0) next_pause_ = kFirstPause;
+    if (accepted == drafted) {
+      draft_limit_ = std::min(2 * draft_limit_, kMaxDraftLimit);
+    } else if (accepted == 0) {
+      if (draft_limit_ == 1) {
+        pause_ = next_pause_;
+        next_pause_ = std::min(2 * next_pause_, kLongestPause);
+      }
+      draft_limit_ = std::max(1, draft_limit_ / 2);
+    }
   }
 
   // Evaluates `token` and `draft` in one pass and takes the draft's tokens while each is the one
@@ -190,6 +211,7 @@ class GenerationLoop {
       const int32_t next = g_.draw(rows.subspan(static_cast<size_t>(j) * vocab, vocab));
       if (j == k || next != draft[static_cast<size_t>(j)]) {
         model_.rollback(k - j);  // draft[j..] never happened
+        adapt(k, j);
         return next;
       }
       if (stats != nullptr) ++stats->accepted;
@@ -206,10 +228,15 @@ class GenerationLoop {
     }
   }
 
+  static constexpr int kMaxDraftLimit = 64;
+  static constexpr int kFirstPause = 8, kLongestPause = 128;
   Generation& g_;
   TokenScores scores_;
   const SequenceModel& model_;
   const GenerateOptions& options_;
+  int draft_limit_ = kMaxDraftLimit;  // the guesser's own maximum applies too
+  int pause_ = 0;                     // tokens to go without a draft
+  int next_pause_ = kFirstPause;
 };
 
 }  // namespace
