@@ -323,6 +323,15 @@ TEST(PipelineCli, ContextShiftsAndSamplingStayInStep) {
                      2);
 }
 
+// Speculative decoding across ranks: the checking pass runs stepwise on every rank, and a later
+// rank rolls its copy of the cache back with the first rank's, through a context shift.
+TEST(PipelineCli, PromptLookupDraftsStayInStep) {
+  if (test::kSanitizedBuild) GTEST_SKIP() << "the sanitizer build checks rollback in one process (test_speculative)";
+  expect_same_output("run -m " + std::string(RINGLM_TEST_MODEL) + " -t 1 --temp 0 -c 48 --keep 4 --ignore-eos -n 40 "
+                     "--lookup 6 -p 'Copy the list: apples, pears, plums, cherries, grapes, melons, lemons, limes. Copy: apples, pears,'",
+                     2);
+}
+
 // Perplexity reads every position's logits back from the last rank: the estimate is the same to
 // the last printed digit.
 TEST(PipelineCli, PerplexityEqualsOneProcess) {
