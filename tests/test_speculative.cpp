@@ -70,6 +70,14 @@ class SpeculativeModel : public ::testing::Test {
     return before;
   }
 
+  // A cache holding the prompt, as a decode starts from it.
+  static KvCache prompt_cache() {
+    KvCache cache = model().make_cache(256);
+    std::vector<float> logits(vocab());
+    model().forward(prompt(), cache, logits.data());
+    return cache;
+  }
+
   static LoadedModel* loaded_;
 };
 
@@ -82,9 +90,7 @@ TEST_F(SpeculativeModel, CheckingRowsAreTheDecodeStepsBitForBit) {
   Tokens taken;
   KvCache plain = model().make_cache(256);
   const auto before = decode(plain, n, taken);
-  KvCache cache = model().make_cache(256);
-  std::vector<float> logits(vocab());
-  model().forward(prompt(), cache, logits.data());
+  KvCache cache = prompt_cache();
   const int k = 4;
   for (int i = 0; i + k + 1 < n; i += k + 1) {
     std::vector<float> rows((k + 1) * vocab());
@@ -104,9 +110,7 @@ TEST_F(SpeculativeModel, ARolledBackDraftLeavesNoTrace) {
   KvCache plain = model().make_cache(256);
   const auto before = decode(plain, n, taken);
 
-  KvCache cache = model().make_cache(256);
-  std::vector<float> logits(vocab());
-  model().forward(prompt(), cache, logits.data());
+  KvCache cache = prompt_cache();
   // Each step checks the right token followed by three wrong ones, then rolls the wrong ones back.
   for (int i = 0; i + 1 < n; ++i) {
     const Tokens pass = {taken[static_cast<size_t>(i)], 11, 12, 13};
@@ -116,8 +120,8 @@ TEST_F(SpeculativeModel, ARolledBackDraftLeavesNoTrace) {
     const auto row = std::span<const float>(rows).subspan(0, vocab());
     ASSERT_TRUE(std::equal(row.begin(), row.end(), before[static_cast<size_t>(i + 1)].begin())) << "token " << i;
   }
-  KvCache never = model().make_cache(256);
-  model().forward(prompt(), never, logits.data());
+  KvCache never = prompt_cache();
+  std::vector<float> logits(vocab());
   model().forward(std::span<const int32_t>(taken).first(static_cast<size_t>(n - 1)), never, logits.data());
   EXPECT_EQ(cache.size(), never.size());
   EXPECT_EQ(cache.next_position(), never.next_position());
