@@ -58,7 +58,8 @@ class SpeculativeModel : public ::testing::Test {
   static int32_t argmax(std::span<const float> x) { return static_cast<int32_t>(std::max_element(x.begin(), x.end()) - x.begin()); }
 
   // Greedy decoding one token at a time: the logits before each of `n` tokens.
-  static std::vector<std::vector<float>> decode(KvCache& cache, int n, Tokens& taken) {
+  static std::vector<std::vector<float>> decode(int n, Tokens& taken) {
+    KvCache cache = model().make_cache(256);
     std::vector<float> logits(vocab());
     model().forward(prompt(), cache, logits.data());
     std::vector<std::vector<float>> before;
@@ -88,8 +89,7 @@ LoadedModel* SpeculativeModel::loaded_ = nullptr;
 TEST_F(SpeculativeModel, CheckingRowsAreTheDecodeStepsBitForBit) {
   const int n = test::scaled(40, 16);
   Tokens taken;
-  KvCache plain = model().make_cache(256);
-  const auto before = decode(plain, n, taken);
+  const auto before = decode(n, taken);
   KvCache cache = prompt_cache();
   const int k = 4;
   for (int i = 0; i + k + 1 < n; i += k + 1) {
@@ -107,8 +107,7 @@ TEST_F(SpeculativeModel, CheckingRowsAreTheDecodeStepsBitForBit) {
 TEST_F(SpeculativeModel, ARolledBackDraftLeavesNoTrace) {
   const int n = test::scaled(24, 10);
   Tokens taken;
-  KvCache plain = model().make_cache(256);
-  const auto before = decode(plain, n, taken);
+  const auto before = decode(n, taken);
 
   KvCache cache = prompt_cache();
   // Each step checks the right token followed by three wrong ones, then rolls the wrong ones back.
