@@ -176,10 +176,6 @@ void run(const RunOptions& o) {
   std::optional<PromptLookup> lookup;
   std::vector<float> draft_logits;
   if (o.lookup > 0) {
-    if (o.sampling.temperature > 0) {
-      throw std::invalid_argument("--lookup checks drafts for greedy sampling only: add --temp 0 (speculative sampling "
-                                  "at a temperature is not built yet)");
-    }
     lookup.emplace(o.lookup);
     sequence.evaluate_draft = [&](std::span<const int32_t> tokens) {
       const auto step = std::chrono::steady_clock::now();
@@ -193,7 +189,7 @@ void run(const RunOptions& o) {
   }
   GenerateOptions options;
   if (lookup) {
-    options.lookup = &*lookup;
+    options.drafter = &*lookup;
     options.speculation = &stats.speculation;
     stats.speculative = true;
   }

@@ -100,6 +100,76 @@ TEST(Sampler, FrequenciesFollowTemperatureSoftmax) {
   }
 }
 
+// Speculative sampling: whatever distribution q the draft came from, the tokens check_draft
+// returns follow the target's p, and a draft is accepted with probability sum_x min(p(x), q(x))
+// (the identity of Leviathan et al.). p here: top-2 of five logits at temperature 0.8, computed
+// by hand; q: certain guesses (prompt lookup) of each token, one outside p's support included,
+// and draft distributions that over- and under-weight p's tokens.
+TEST(Sampler, SpeculativeSamplingFollowsTheTarget) {
+  const std::vector<double> base = {0.4, 0.3, 0.15, 0.1, 0.05};
+  const float temperature = 0.8f;
+  SamplingParams params = no_filters(temperature, 11);
+  params.top_k = 3;
+  // p: tokens 0, 1 and 2, base^(1/T) normalised over them.
+  std::vector<double> p(base.size(), 0.0);
+  double z = 0;
+  for (size_t i = 0; i < 3; ++i) z += std::pow(base[i], 1.0 / temperature);
+  for (size_t i = 0; i < 3; ++i) p[i] = std::pow(base[i], 1.0 / temperature) / z;
+
+  using Q = std::vector<double>;
+  const std::vector<Q> drafts = {
+      {1, 0, 0, 0, 0}, {0, 0, 1, 0, 0}, {0, 0, 0, 1, 0},  // certain guesses: likely, unlikely, impossible
+      {0.1, 0.1, 0.2, 0.3, 0.3},                          // mostly outside p's support
+      {0.7, 0.1, 0.1, 0.1, 0.0},                          // over-weights p's best
+      p,                                                  // the target itself: always accepted
+  };
+  const int n = 40000;
+  std::mt19937_64 guesser(5);
+  for (size_t d = 0; d < drafts.size(); ++d) {
+    const Q& q = drafts[d];
+    const bool certain = std::count(q.begin(), q.end(), 1.0) == 1;
+    std::vector<Sampler::Candidate> q_candidates;
+    for (size_t i = 0; i < q.size(); ++i) {
+      if (q[i] > 0) q_candidates.push_back({static_cast<int32_t>(i), 0.0f, static_cast<float>(q[i])});
+    }
+    Sampler sampler(params, static_cast<int>(base.size()));
+    std::discrete_distribution<int32_t> draw_q(q.begin(), q.end());
+    std::vector<int> counts(base.size(), 0);
+    int accepted = 0;
+    for (int t = 0; t < n; ++t) {
+      std::vector<float> logits = logits_for(base);
+      const int32_t drafted = draw_q(guesser);
+      const auto verdict = sampler.check_draft(logits, {}, drafted, certain ? std::span<const Sampler::Candidate>()
+                                                                              : std::span<const Sampler::Candidate>(q_candidates));
+      ++counts[static_cast<size_t>(verdict.token)];
+      if (verdict.accepted) {
+        ++accepted;
+        EXPECT_EQ(verdict.token, drafted);
+      }
+    }
+    for (size_t i = 0; i < base.size(); ++i) {
+      const double got = counts[i] / double(n);
+      EXPECT_NEAR(got, p[i], 5 * std::sqrt(p[i] * (1 - p[i]) / n) + 1e-12) << "draft " << d << ", token " << i;
+    }
+    double overlap = 0;
+    for (size_t i = 0; i < base.size(); ++i) overlap += std::min(p[i], q[i]);
+    overlap = std::min(overlap, 1.0);
+    EXPECT_NEAR(accepted / double(n), overlap, 5 * std::sqrt(overlap * (1 - overlap) / n) + 1e-3) << "draft " << d;
+  }
+}
+
+// Greedy: a draft is accepted when it is the most likely token, which is returned otherwise.
+TEST(Sampler, GreedyCheckingAcceptsOnlyTheMostLikelyToken) {
+  Sampler sampler(no_filters(0.0f, 1), 4);
+  const std::vector<float> logits = {0.1f, 2.0f, 1.5f, -1.0f};
+  for (int32_t drafted = 0; drafted < 4; ++drafted) {
+    std::vector<float> l = logits;
+    const auto verdict = sampler.check_draft(l, {}, drafted, {});
+    EXPECT_EQ(verdict.token, 1);
+    EXPECT_EQ(verdict.accepted, drafted == 1);
+  }
+}
+
 TEST(Sampler, TopKOneIsGreedyAtAnyTemperature) {
   SamplingParams p = no_filters(5.0f, 3);
   p.top_k = 1;

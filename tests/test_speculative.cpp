@@ -7,6 +7,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
@@ -16,6 +21,7 @@
 #include "core/session/chat_session.h"
 #include "core/session/chat_template.h"
 #include "core/speculative/prompt_lookup.h"
+#include "core/session/generation.h"
 #include "tests/build_scale.h"
 #include "tests/command_runner.h"
 
@@ -165,8 +171,158 @@ TEST_F(SpeculativeModel, AChatWithLookupIsTheChatWithout) {
   EXPECT_GT(plain.cache().shifts(), 0);
 }
 
-// `ringlm run --lookup` against plain greedy decoding: the same bytes, with drafts accepted.
+// The speculative sampling rule on a tiny model, end to end: three tokens sampled at a
+// temperature with drafts checked in one pass follow the model's exact distribution over the
+// 27 sequences its top 3 allow, computed here from plain forward passes. The guesser knows the
+// model's top 3 after each prefix and drafts two tokens from them, either certainly (the second
+// most likely, q one-hot) or drawn from a distribution q unlike the model's, a token outside the
+// top 3 included: accepted and rejected drafts, and rows after an accepted one, all occur.
 std::string tiny(const std::string& name) { return std::string(RINGLM_TEST_WORK_DIR) + "/tiny_" + name + ".gguf"; }
+
+class TopThreeOracle : public Drafter {
+ public:
+  using Tree = std::map<Tokens, std::vector<int32_t>>;  // generated prefix -> the model's top 3 after it
+  TopThreeOracle(const Tree& tree, size_t prompt_size, bool certain, int32_t outsider)
+      : tree_(tree), prompt_size_(prompt_size), certain_(certain), outsider_(outsider) {}
+
+  Draft guess(std::span<const int32_t> history, int limit) override {
+    Draft draft;
+    Tokens prefix(history.begin() + static_cast<std::ptrdiff_t>(prompt_size_), history.end());
+    while (static_cast<int>(draft.tokens.size()) < std::min(limit, 2) && tree_.count(prefix) != 0) {
+      const std::vector<int32_t>& top = tree_.at(prefix);
+      int32_t token = top[1];
+      if (!certain_) {
+        const std::vector<Sampler::Candidate> q = {{top[0], 0, 0.2f}, {top[1], 0, 0.5f}, {top[2], 0, 0.1f}, {outsider_, 0, 0.2f}};
+        std::discrete_distribution<int> pick({0.2, 0.5, 0.1, 0.2});
+        token = q[static_cast<size_t>(pick(rng_))].id;
+        draft.q.push_back(q);
+      }
+      draft.tokens.push_back(token);
+      prefix.push_back(token);
+    }
+    return draft;
+  }
+
+ private:
+  const Tree& tree_;
+  size_t prompt_size_;
+  bool certain_;
+  int32_t outsider_;
+  std::mt19937_64 rng_{7};
+};
+
+TEST(SpeculativeSampling, FollowsTheModelsDistribution) {
+  omp_set_num_threads(1);
+  const LoadedModel m = load_model(tiny("q8_0"), 1);
+  LlamaModel& model = *m.model;
+  const auto vocab = static_cast<size_t>(model.hparams().n_vocab);
+  const Tokens prompt = {1, 20, 21, 22, 20, 21};
+  const float temperature = 1.5f;
+  SamplingParams params;
+  params.temperature = temperature;
+  params.top_k = 3;
+  params.top_p = 1.0f;
+  params.min_p = 0.0f;
+  params.seed = 5;
+
+  // The exact distribution: the top 3 after each prefix, softmax(logit / T) over them.
+  TopThreeOracle::Tree tree;
+  std::map<Tokens, std::vector<double>> probs;
+  const std::function<void(const Tokens&)> expand = [&](const Tokens& generated) {
+    KvCache cache = model.make_cache(64);
+    std::vector<float> logits(vocab);
+    Tokens all = prompt;
+    all.insert(all.end(), generated.begin(), generated.end());
+    model.forward(all, cache, logits.data());
+    std::vector<int32_t> ids(vocab);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::partial_sort(ids.begin(), ids.begin() + 3, ids.end(), [&](int32_t a, int32_t b) {
+      return logits[static_cast<size_t>(a)] > logits[static_cast<size_t>(b)];
+    });
+    ids.resize(3);
+    std::vector<double> p;
+    double z = 0;
+    for (int32_t id : ids) z += std::exp((logits[static_cast<size_t>(id)] - logits[static_cast<size_t>(ids[0])]) / temperature);
+    for (int32_t id : ids) p.push_back(std::exp((logits[static_cast<size_t>(id)] - logits[static_cast<size_t>(ids[0])]) / temperature) / z);
+    tree[generated] = ids;
+    probs[generated] = p;
+    if (generated.size() < 2) {
+      for (int32_t id : ids) {
+        Tokens next = generated;
+        next.push_back(id);
+        expand(next);
+      }
+    }
+  };
+  expand({});
+  std::map<Tokens, double> exact;
+  for (const auto& [prefix, top] : tree) {
+    if (prefix.size() != 2) continue;
+    for (size_t i = 0; i < 3; ++i) {
+      const double p = probs.at({}).at(static_cast<size_t>(std::find(tree.at({}).begin(), tree.at({}).end(), prefix[0]) - tree.at({}).begin())) *
+                       probs.at({prefix[0]}).at(static_cast<size_t>(std::find(tree.at({prefix[0]}).begin(), tree.at({prefix[0]}).end(), prefix[1]) - tree.at({prefix[0]}).begin())) *
+                       probs.at(prefix)[i];
+      exact[{prefix[0], prefix[1], top[i]}] = p;
+    }
+  }
+  ASSERT_EQ(exact.size(), 27u);
+  int32_t outsider = 0;
+  while (std::find(tree.at({}).begin(), tree.at({}).end(), outsider) != tree.at({}).end()) ++outsider;
+
+  const int n = test::scaled(1200, 150);
+  for (const bool certain : {true, false}) {
+    SCOPED_TRACE(certain ? "certain guesses" : "guesses drawn from q");
+    TopThreeOracle oracle(tree, prompt.size(), certain, outsider);
+    Sampler sampler(params, static_cast<int>(vocab));
+    KvCache cache = model.make_cache(64);
+    std::vector<float> logits(vocab), rows;
+    SequenceModel sequence;
+    sequence.evaluate = [&](int32_t token) { model.forward(std::span<const int32_t>(&token, 1), cache, logits.data()); };
+    sequence.has_room = [&] { return has_room(cache); };
+    sequence.evaluate_draft = [&](std::span<const int32_t> pass) {
+      rows.resize(pass.size() * vocab);
+      model.forward_steps(pass, cache, rows.data());
+      return std::span<float>(rows);
+    };
+    sequence.rollback = [&](int k) { cache.rollback(k); };
+    sequence.draft_room = [&] { return draft_room(cache); };
+    SpeculationStats stats;
+    GenerateOptions options;
+    options.drafter = &oracle;
+    options.speculation = &stats;
+    std::map<Tokens, int> counts;
+    std::vector<float> prompt_logits(vocab);
+    model.forward(prompt, cache, prompt_logits.data());
+    for (int t = 0; t < n; ++t) {
+      cache.rollback(cache.size() - static_cast<int>(prompt.size()));  // back to the prompt alone
+      logits = prompt_logits;
+      StopConditions stop;
+      stop.max_tokens = 3;
+      stop.ignore_eos = true;
+      Generation g(*m.tokenizer, sampler, stop, prompt);
+      generate(g, logits, sequence, options);
+      ASSERT_EQ(g.n_tokens(), 3);
+      ++counts[Tokens(g.history().end() - 3, g.history().end())];
+    }
+    // Pearson's chi-square over the 27 sequences (a sequence outside them counts against it in
+    // full), against its 1e-4 quantile for 26 degrees of freedom (Wilson-Hilferty).
+    double chi2 = 0;
+    for (const auto& [sequence_tokens, p] : exact) {
+      const double expected = p * n, got = counts.count(sequence_tokens) ? counts.at(sequence_tokens) : 0;
+      chi2 += (got - expected) * (got - expected) / expected;
+    }
+    for (const auto& [sequence_tokens, c] : counts) {
+      EXPECT_EQ(exact.count(sequence_tokens), 1u) << "a sequence outside the top 3";
+    }
+    const double k = 26, z = 3.719;
+    const double quantile = k * std::pow(1 - 2 / (9 * k) + z * std::sqrt(2 / (9 * k)), 3);
+    EXPECT_LT(chi2, quantile);
+    EXPECT_GT(stats.accepted, n / 10);
+    EXPECT_LT(stats.accepted, stats.drafted);
+  }
+}
+
+// `ringlm run --lookup` against plain greedy decoding: the same bytes, with drafts accepted.
 
 test::CommandResult sh(const std::string& command) { return test::run_command(command, test::work_dir_for("speculative"), 120); }
 
@@ -212,10 +368,14 @@ TEST(SpeculativeCli, GreedyTextIsPlainDecodingsOnAWindowRing) {
   expect_same_text("-m " + tiny("gemma3_q8_0") + " -t 1 -c 40 --ignore-eos -n 60 -p 'one two three one two three one two'");
 }
 
-TEST(SpeculativeCli, LookupWithATemperatureIsRefused) {
-  const test::CommandResult r = sh(std::string(RINGLM_BINARY) + " run --lookup 4 --temp 0.8 -n 4 -p hi -m " + tiny("q4_0"));
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find("--lookup checks drafts for greedy sampling only"), std::string::npos) << r.err;
+// `ringlm run --lookup` at a temperature: the speculative sampling rule, with drafts accepted.
+TEST(SpeculativeCli, LookupSamplesAtATemperature) {
+  const test::CommandResult r = sh(std::string(RINGLM_BINARY) + " run --lookup 4 --temp 0.7 --seed 3 --stats json -n 40 "
+                                   "--ignore-eos -t 1 -m " + std::string(RINGLM_TEST_MODEL) + " -p " + kCopyPrompt);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json s = stats_of(r.err);
+  EXPECT_EQ(s.at("gen_tokens").get<int>(), 40);
+  EXPECT_GT(s.at("speculative").at("accepted").get<int>(), 0) << r.err;
 }
 
 }  // namespace

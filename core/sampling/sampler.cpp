@@ -86,16 +86,73 @@ static void softmax_sorted(std::vector<Sampler::Candidate>& c, float temperature
   for (auto& x : c) x.p = static_cast<float>(x.p / sum);
 }
 
-int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> history) {
+void Sampler::gather_candidates(std::span<float> logits, std::span<const int32_t> history) {
   apply_penalties(logits, history);
-  if (params_.temperature <= 0.0f) return argmax(logits);
-
   candidates_.clear();
   for (size_t i = 0; i < logits.size(); ++i) candidates_.push_back({static_cast<int32_t>(i), logits[i], 0.0f});
   const size_t k = params_.top_k > 0 ? static_cast<size_t>(params_.top_k) : candidates_.size();
   keep_top_k(k);
   std::sort(candidates_.begin(), candidates_.end(), ranks_before);
-  return draw_sorted();
+}
+
+int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> history) {
+  if (params_.temperature <= 0.0f) {
+    apply_penalties(logits, history);
+    return argmax(logits);
+  }
+  gather_candidates(logits, history);
+  filter_sorted();
+  return draw_from(candidates_);
+}
+
+std::span<const Sampler::Candidate> Sampler::distribution(std::span<float> logits, std::span<const int32_t> history) {
+  if (params_.temperature <= 0.0f) {
+    apply_penalties(logits, history);
+    const int32_t best = argmax(logits);
+    candidates_.assign(1, {best, logits[static_cast<size_t>(best)], 1.0f});
+    return candidates_;
+  }
+  gather_candidates(logits, history);
+  filter_sorted();
+  return candidates_;
+}
+
+Sampler::Verdict Sampler::check_draft(std::span<float> logits, std::span<const int32_t> history, int32_t drafted,
+                                      std::span<const Candidate> q) {
+  if (params_.temperature <= 0.0f) {
+    const int32_t best = sample(logits, history);
+    return {best, best == drafted};
+  }
+  const std::span<const Candidate> p = distribution(logits, history);
+  q_by_id_.assign(q.begin(), q.end());
+  std::sort(q_by_id_.begin(), q_by_id_.end(), [](const Candidate& a, const Candidate& b) { return a.id < b.id; });
+  const auto q_of = [&](int32_t id) -> double {
+    if (q.empty()) return id == drafted ? 1.0 : 0.0;
+    const auto it = std::lower_bound(q_by_id_.begin(), q_by_id_.end(), id,
+                                     [](const Candidate& c, int32_t wanted) { return c.id < wanted; });
+    return it != q_by_id_.end() && it->id == id ? it->p : 0.0;
+  };
+  double p_drafted = 0;
+  for (const Candidate& c : p) {
+    if (c.id == drafted) p_drafted = c.p;
+  }
+  const double q_drafted = q_of(drafted);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  // Accept when u < p/q (u in [0, 1)): certain when p >= q, impossible when p = 0.
+  if (p_drafted > 0 && uniform(rng_) * q_drafted < p_drafted) return {drafted, true};
+  residual_.clear();
+  double mass = 0;
+  for (const Candidate& c : p) {
+    const double r = std::max(0.0, static_cast<double>(c.p) - q_of(c.id));
+    if (r > 0) {
+      residual_.push_back({c.id, c.logit, static_cast<float>(r)});
+      mass += r;
+    }
+  }
+  // p = q leaves no residual, and then no draft is ever rejected; rounding may still get here.
+  if (residual_.empty()) return {draw_from(p), false};
+  for (Candidate& c : residual_) c.p = static_cast<float>(c.p / mass);
+  return {draw_from(residual_), false};
 }
 
 int Sampler::candidates_needed() const {
@@ -115,23 +172,27 @@ int32_t Sampler::sample_top(std::span<const TopLogit> top) {
     if (t.id >= 0) candidates_.push_back({t.id, t.logit, 0.0f});
   }
   if (candidates_.empty()) return 0;
-  return draw_sorted();
+  filter_sorted();
+  return draw_from(candidates_);
 }
 
-int32_t Sampler::draw_sorted() {
+void Sampler::filter_sorted() {
   // top-p and min-p judge the distribution before temperature, as llama.cpp's default chain does.
   softmax_sorted(candidates_, 1.0f);
   keep_top_p();
   keep_min_p();
   softmax_sorted(candidates_, params_.temperature);
+}
 
+int32_t Sampler::draw_from(std::span<const Candidate> distribution) {
+  if (distribution.empty()) throw std::invalid_argument("Sampler::draw_from: no candidates");
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   double r = uniform(rng_);
-  for (const Candidate& c : candidates_) {
+  for (const Candidate& c : distribution) {
     r -= c.p;
     if (r <= 0) return c.id;
   }
-  return candidates_.back().id;
+  return distribution.back().id;
 }
 
 TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int top_n) {

@@ -51,6 +51,26 @@ class Sampler {
     float p;
   };
 
+  // The distribution sample() draws from: the tokens the penalties and filters leave, most
+  // likely first, with their probabilities at the temperature (greedy: the most likely token
+  // alone, p = 1). `logits` is modified in place; the span lives until the next call.
+  std::span<const Candidate> distribution(std::span<float> logits, std::span<const int32_t> history);
+  // A draw from a distribution() (or any list of candidates whose p sum to 1).
+  int32_t draw_from(std::span<const Candidate> distribution);
+
+  // Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): `drafted` was guessed from the
+  // distribution q (empty: guessed with certainty, q = 1 for it). With p the distribution of
+  // `logits` (after penalties and filters, as sample()), it is accepted with probability
+  // min(1, p/q); otherwise the token is drawn from the residual max(0, p - q), normalised.
+  // The token returned then follows p exactly, whatever q was. Greedy: accepted when it is the
+  // most likely token, which is returned otherwise (no random draw).
+  struct Verdict {
+    int32_t token;
+    bool accepted;
+  };
+  Verdict check_draft(std::span<float> logits, std::span<const int32_t> history, int32_t drafted,
+                      std::span<const Candidate> q);
+
   uint64_t seed() const { return seed_; }
   const SamplingParams& params() const { return params_; }
 
@@ -59,13 +79,18 @@ class Sampler {
   void keep_top_k(size_t k);
   void keep_top_p();
   void keep_min_p();
-  // Top-p, min-p and temperature over the candidates (sorted, largest logit first), then the draw.
-  int32_t draw_sorted();
+  // Top-p, min-p and temperature over the candidates (sorted, largest logit first): the
+  // probabilities draw_from() draws by.
+  void filter_sorted();
+  // sample()'s candidates, before filter_sorted(): the top k of the penalised logits, sorted.
+  void gather_candidates(std::span<float> logits, std::span<const int32_t> history);
 
   SamplingParams params_;
   uint64_t seed_;
   std::mt19937_64 rng_;
   std::vector<Candidate> candidates_;  // reused between calls: no allocation per token
+  std::vector<Candidate> residual_;    // check_draft's max(0, p - q)
+  std::vector<Candidate> q_by_id_;     // check_draft's q, sorted by id for lookups
   std::vector<int32_t> recent_;                         // reused by apply_penalties
   std::vector<std::pair<int32_t, int>> recent_counts_;  // ... (token, count)
 };

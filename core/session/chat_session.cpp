@@ -73,10 +73,6 @@ ChatSession::ChatSession(LlamaModel& model, const Tokenizer& tokenizer, ChatTemp
   // which some vocabularies do not flag as one (a GGUF converted without it).
   if (auto marker = tokenizer_.find_token(template_.end_of_turn())) end_of_turn_tokens_.push_back(*marker);
   if (options.lookup > 0) {
-    if (options.sampling.temperature > 0) {
-      throw std::invalid_argument("--lookup checks drafts for greedy sampling only: add --temp 0 (speculative sampling "
-                                  "at a temperature is not built yet)");
-    }
     lookup_ = std::make_unique<PromptLookup>(options.lookup);
   }
 }
@@ -194,7 +190,7 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
     sequence.evaluate_draft = [&](std::span<const int32_t> pass) { return evaluate_draft(pass); };
     sequence.rollback = [&](int n) { rollback(n); };
     sequence.draft_room = [&] { return draft_room(cache_); };
-    options.lookup = lookup_.get();
+    options.drafter = lookup_.get();
     options.speculation = &stats.speculation;
   }
   stats.stop_reason = stop_reason(generate(generation, logits_, sequence, options));

@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "core/kv/kv_cache.h"
-#include "core/speculative/prompt_lookup.h"
+#include "core/speculative/drafter.h"
 
 namespace ringlm {
 
@@ -120,8 +120,8 @@ class GenerationLoop {
     while (!g_.finished()) {
       // Takes the token; false when the sequence ended without anything left to evaluate.
       if (!take(token)) break;
-      const std::vector<int32_t> draft = guess();
-      if (draft.empty()) {
+      const Draft draft = guess();
+      if (draft.tokens.empty()) {
         model_.evaluate(token);
         if (g_.finished() || interrupted()) break;
         token = draw(scores_);
@@ -167,13 +167,13 @@ class GenerationLoop {
 
   // The draft to check with the token just taken: none without a guesser, when the sequence has
   // ended (the last token is evaluated alone), or when the cache has no room for one.
-  std::vector<int32_t> guess() {
-    if (options_.lookup == nullptr || !model_.evaluate_draft || g_.finished() || !g_.greedy()) return {};
+  Draft guess() {
+    if (options_.drafter == nullptr || !model_.evaluate_draft || g_.finished()) return {};
     if (pause_ > 0) {
       --pause_;
       return {};
     }
-    return options_.lookup->propose(g_.history(), std::min(draft_limit_, model_.draft_room()));
+    return options_.drafter->guess(g_.history(), std::min(draft_limit_, model_.draft_room()));
   }
 
   // A checking pass costs more the more rows it has, and a rejected row is lost: the draft limit
@@ -193,13 +193,14 @@ class GenerationLoop {
     }
   }
 
-  // Evaluates `token` and `draft` in one pass and takes the draft's tokens while each is the one
-  // drawn from the row before it. Returns the next token to take (drawn from the row after the
-  // last accepted one, not yet evaluated), or -1 when the sequence ended on an accepted token.
-  int32_t check_draft(int32_t token, const std::vector<int32_t>& draft) {
-    const auto k = static_cast<int>(draft.size());
+  // Evaluates `token` and `draft` in one pass and takes the draft's tokens while the row before
+  // each accepts it. Returns the next token to take (the replacement of the first rejected one,
+  // or drawn from the row after the last, not yet evaluated), or -1 when the sequence ended on
+  // an accepted token.
+  int32_t check_draft(int32_t token, const Draft& draft) {
+    const auto k = static_cast<int>(draft.tokens.size());
     std::vector<int32_t> pass(1, token);
-    pass.insert(pass.end(), draft.begin(), draft.end());
+    pass.insert(pass.end(), draft.tokens.begin(), draft.tokens.end());
     const std::span<float> rows = model_.evaluate_draft(pass);
     const size_t vocab = rows.size() / pass.size();
     SpeculationStats* stats = options_.speculation;
@@ -208,8 +209,14 @@ class GenerationLoop {
       ++stats->passes;
     }
     for (int j = 0;; ++j) {  // row j: the scores after pass[j]
-      const int32_t next = g_.draw(rows.subspan(static_cast<size_t>(j) * vocab, vocab));
-      if (j == k || next != draft[static_cast<size_t>(j)]) {
+      const std::span<float> row = rows.subspan(static_cast<size_t>(j) * vocab, vocab);
+      if (j == k) {
+        adapt(k, k);
+        return g_.draw(row);
+      }
+      const auto q = draft.q.empty() ? std::span<const Sampler::Candidate>() : draft.q[static_cast<size_t>(j)];
+      const auto [next, accepted] = g_.check(row, draft.tokens[static_cast<size_t>(j)], q);
+      if (!accepted) {
         model_.rollback(k - j);  // draft[j..] never happened
         adapt(k, j);
         return next;

@@ -92,9 +92,11 @@ class Generation {
   // The text handed out so far: the final text once finished.
   std::string_view text() const { return std::string_view(text_).substr(0, released_); }
   std::span<const int32_t> history() const { return history_; }
-  // Whether draws are greedy (the most likely token, after the penalties): they then depend on
-  // the logits alone, and a speculative draft is checked by comparing tokens.
-  bool greedy() const { return sampler_->params().temperature <= 0; }
+  // Checks a speculative draft's token against the scores of the row before it
+  // (Sampler::check_draft): the token taken next either way, and whether it was the draft's.
+  Sampler::Verdict check(std::span<float> logits, int32_t drafted, std::span<const Sampler::Candidate> q) {
+    return sampler_->check_draft(logits, history_, drafted, q);
+  }
 
  private:
   // Cuts the text before the earliest complete stop string; false if there is none.
@@ -139,7 +141,7 @@ struct SequenceModel {
   std::function<int()> draft_room;
 };
 
-class PromptLookup;
+class Drafter;
 
 // What speculative decoding did: draft tokens proposed and accepted, and the passes that checked them.
 struct SpeculationStats {
@@ -158,9 +160,9 @@ struct GenerateOptions {
   // Otherwise the last token is not evaluated (nothing reads its logits), and a token that
   // does not fit is still shown before the sequence ends.
   bool evaluate_every_token = false;
-  // Speculative decoding with this guesser (greedy sampling only: see generate()), when the
-  // sequence model can check drafts; its counts go to `speculation`.
-  const PromptLookup* lookup = nullptr;
+  // Speculative decoding with this guesser (see generate()), when the sequence model can check
+  // drafts; its counts go to `speculation`.
+  Drafter* drafter = nullptr;
   SpeculationStats* speculation = nullptr;
 };
 
@@ -175,11 +177,13 @@ struct TokenScores {
 // Generates until the sequence ends, from `scores`: at first those of the sequence's last
 // evaluated token (a prefilled prompt). Returns why it ended.
 //
-// With a guesser and greedy sampling, each evaluated token goes with a draft of the tokens
-// guessed to follow it, all checked in one pass: the draft's tokens are taken for as long as
-// each is the one drawn from the row before it, the first that is not is replaced by the drawn
-// one, and the rest are rolled back out of the cache. Each row is what the decode step of its
-// token computes, bit for bit, so the text is exactly plain decoding's, only in fewer passes.
+// With a guesser, each evaluated token goes with a draft of the tokens guessed to follow it,
+// all checked in one pass: the draft's tokens are taken for as long as the row before each
+// accepts it (Sampler::check_draft: when greedy, when it is the most likely token; at a
+// temperature, by the speculative sampling rule), the first rejected one is replaced by the
+// token the check drew, and the rest are rolled back out of the cache. Each row is what the
+// decode step of its token computes, bit for bit, so greedy text is exactly plain decoding's,
+// and sampled text follows the model's own distribution, only in fewer passes.
 FinishReason generate(Generation& generation, TokenScores scores, const SequenceModel& model,
                       const GenerateOptions& options);
 inline FinishReason generate(Generation& generation, std::span<float> logits, const SequenceModel& model,

@@ -9,9 +9,11 @@
 #include <span>
 #include <vector>
 
+#include "core/speculative/drafter.h"
+
 namespace ringlm {
 
-class PromptLookup {
+class PromptLookup : public Drafter {
  public:
   // Drafts of at most max_draft tokens, from matches of the last max_ngram tokens, or, when
   // they occur nowhere earlier, of fewer, down to min_ngram.
@@ -21,6 +23,7 @@ class PromptLookup {
   // `history` (the prompt and the text so far), at most `limit` (and max_draft) of them; empty
   // when no n-gram of min_ngram or more tokens occurs earlier.
   std::vector<int32_t> propose(std::span<const int32_t> history, int limit) const;
+  Draft guess(std::span<const int32_t> history, int limit) override { return {propose(history, limit), {}}; }
 
  private:
   int max_draft_, max_ngram_, min_ngram_;
