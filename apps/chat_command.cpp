@@ -11,11 +11,13 @@
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
 #include "apps/chat_input.h"
 #include "apps/common_options.h"
+#include "apps/speculative_options.h"
 #include "core/model/loader.h"
 #include "core/session/chat_session.h"
 
@@ -31,7 +33,7 @@ struct ChatOptions {
   bool system_given = false;
   std::string chat_template;  // "" : from the model
   int n_predict = -1;
-  int lookup = 0;
+  SpeculativeOptions speculative;
 };
 
 constexpr const char* kHelp =
@@ -132,8 +134,11 @@ void save_conversation(const ChatSession& session, const std::string& path) {
 
 class ChatApp {
  public:
-  ChatApp(const ChatOptions& o, LoadedModel& m, ChatInput& input)
-      : options_(o), model_(m), input_(input), session_(*m.model, *m.tokenizer, choose_template(o, m), session_options(o, m)) {
+  ChatApp(const ChatOptions& o, LoadedModel& m, Drafter* drafter, ChatInput& input)
+      : options_(o),
+        model_(m),
+        input_(input),
+        session_(*m.model, *m.tokenizer, choose_template(o, m), session_options(o, m, drafter)) {
     const std::string system = o.system_given ? o.system : session_.chat_template().default_system_prompt();
     if (!system.empty()) session_.set_system(system);
   }
@@ -169,13 +174,13 @@ class ChatApp {
   }
 
  private:
-  static ChatSessionOptions session_options(const ChatOptions& o, const LoadedModel& m) {
+  static ChatSessionOptions session_options(const ChatOptions& o, const LoadedModel& m, Drafter* drafter) {
     ChatSessionOptions s;
     s.n_ctx = o.model.n_ctx > 0 ? o.model.n_ctx : m.model->hparams().n_ctx_train;
     s.cache = o.cache;
     s.sampling = o.sampling;
     s.n_predict = o.n_predict;
-    s.lookup = o.lookup;
+    s.drafter = drafter;
     return s;
   }
 
@@ -328,8 +333,12 @@ void chat(const ChatOptions& o) {
   const int n_threads = resolve_threads(o.model.n_threads);
   omp_set_num_threads(n_threads);
   LoadedModel m = load_model(o.model, n_threads);
+  std::optional<LoadedModel> draft_model = load_draft_model(o.speculative, m, n_threads);
+  const int n_ctx = o.model.n_ctx > 0 ? o.model.n_ctx : m.model->hparams().n_ctx_train;
+  const std::unique_ptr<Drafter> drafter =
+      make_drafter(o.speculative, draft_model ? &*draft_model : nullptr, n_ctx, o.cache, o.sampling);
   std::unique_ptr<ChatInput> input = isatty(STDIN_FILENO) ? make_terminal_input(history_file()) : make_pipe_input();
-  ChatApp app(o, m, *input);
+  ChatApp app(o, m, drafter.get(), *input);
   install_interrupt_handler();
   app.run();
 }
@@ -351,10 +360,7 @@ void add_chat_command(CLI::App& app) {
   cmd->add_option("-n,--n-predict", opts->n_predict, "most tokens per reply (-1: until the end of the turn)")
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();
-  cmd->add_option("--lookup", opts->lookup,
-                  "speculative decoding by prompt lookup: drafts of up to N tokens from the conversation, checked in "
-                  "one pass (greedy sampling; 0: off)")
-      ->check(CLI::Range(0, 64));
+  add_speculative_options(*cmd, opts->speculative, "the conversation");
   cmd->callback([opts, system] {
     opts->system_given = system->count() > 0;
     chat(*opts);

@@ -4,6 +4,7 @@
 #include <exception>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "apps/batch_command.h"
 #include "apps/bench_command.h"
@@ -17,6 +18,19 @@
 #include "apps/tokenize_command.h"
 #include "apps/tune_command.h"
 #include "backends/cpu/tuning.h"
+
+namespace {
+
+// llama.cpp's flags of several letters after one dash, which CLI11 cannot name: each is read as
+// its long name, so that a llama.cpp command line works as it is.
+void translate_llama_cpp_short_flags(int argc, char** argv) {
+  static char model_draft[] = "--model-draft";
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "-md") argv[i] = model_draft;
+  }
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"ringlm: LLM inference on GGUF models, CPU first"};
@@ -36,6 +50,7 @@ int main(int argc, char** argv) {
     // Under mpirun with several processes: this one's rank in the pipeline (pipeline_process.h).
     ringlm::set_this_process(ringlm::PipelineProcess::join(std::span<char* const>(argv, static_cast<size_t>(argc))));
     ringlm::apply_simd_target_override();
+    translate_llama_cpp_short_flags(argc, argv);
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

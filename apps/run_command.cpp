@@ -14,9 +14,9 @@
 
 #include "apps/common_options.h"
 #include "apps/pipeline_process.h"
+#include "apps/speculative_options.h"
 #include "core/model/loader.h"
 #include "core/session/generation.h"
-#include "core/speculative/prompt_lookup.h"
 
 namespace ringlm {
 
@@ -31,7 +31,7 @@ struct RunOptions {
   int n_predict = -1;  // -1: until end of generation or a full context
   bool ignore_eos = false;
   std::string stats_format;  // "" (one human line) or "json"
-  int lookup = 0;            // --lookup N: prompt lookup drafts of up to N tokens (0: off)
+  SpeculativeOptions speculative;
 };
 
 struct RunStats {
@@ -40,6 +40,7 @@ struct RunStats {
   size_t gen_tokens = 0;
   size_t decode_evals = 0;  // generated tokens evaluated (one a pass, or a pass's accepted draft too)
   bool speculative = false;
+  std::string guesser;  // "lookup" or "draft model"
   SpeculationStats speculation;
   std::vector<double> token_ms;  // the time of each of them (constant-speed checks)
   double decode_ms = 0;
@@ -101,7 +102,8 @@ void print_stats(const RunStats& s, const std::string& format) {
       j["output_device"] = s.output_device;
     }
     if (s.speculative) {
-      j["speculative"] = {{"drafted", s.speculation.drafted},
+      j["speculative"] = {{"guesser", s.guesser},
+                          {"drafted", s.speculation.drafted},
                           {"accepted", s.speculation.accepted},
                           {"passes", s.speculation.passes},
                           {"acceptance", s.speculation.acceptance()}};
@@ -173,10 +175,11 @@ void run(const RunOptions& o) {
     ++stats.decode_evals;
   };
   sequence.has_room = [&] { return has_room(cache); };
-  std::optional<PromptLookup> lookup;
+  std::optional<LoadedModel> draft_model = load_draft_model(o.speculative, m, n_threads);
+  const std::unique_ptr<Drafter> drafter =
+      make_drafter(o.speculative, draft_model ? &*draft_model : nullptr, n_ctx, o.cache, o.sampling);
   std::vector<float> draft_logits;
-  if (o.lookup > 0) {
-    lookup.emplace(o.lookup);
+  if (drafter) {
     sequence.evaluate_draft = [&](std::span<const int32_t> tokens) {
       const auto step = std::chrono::steady_clock::now();
       draft_logits.resize(tokens.size() * static_cast<size_t>(hp.n_vocab));
@@ -188,8 +191,9 @@ void run(const RunOptions& o) {
     sequence.draft_room = [&] { return draft_room(cache); };
   }
   GenerateOptions options;
-  if (lookup) {
-    options.drafter = &*lookup;
+  if (drafter) {
+    options.drafter = drafter.get();
+    stats.guesser = o.speculative.lookup > 0 ? "lookup" : "draft model";
     options.speculation = &stats.speculation;
     stats.speculative = true;
   }
@@ -227,10 +231,7 @@ void add_run_command(CLI::App& app) {
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();
   cmd->add_flag("--ignore-eos", opts->ignore_eos, "keep generating past end-of-generation tokens");
-  cmd->add_option("--lookup", opts->lookup,
-                  "speculative decoding by prompt lookup: drafts of up to N tokens from earlier text, checked in "
-                  "one pass (greedy sampling; 0: off)")
-      ->check(CLI::Range(0, 64));
+  add_speculative_options(*cmd, opts->speculative, "earlier text");
   cmd->add_option("--stats", opts->stats_format, "print the final speed summary as: json")->check(CLI::IsMember({"json"}));
   cmd->callback([opts, p, f] {
     if (p->count() == 0 && f->count() == 0) throw CLI::RequiredError("-p,--prompt or -f,--file");

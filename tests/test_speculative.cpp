@@ -1,7 +1,8 @@
-// Speculative decoding (prompt lookup, core/speculative/prompt_lookup.h): the guesser's drafts,
-// the KV cache's rollback against a cache that never saw the rolled-back tokens, the checking
-// pass whose rows are bit for bit the decode steps, and `ringlm run --lookup` against plain
-// greedy decoding: the same text, through a StreamingLLM shift and on Gemma 3's window ring.
+// Speculative decoding (core/speculative/): prompt lookup's drafts, the KV cache's rollback
+// against a cache that never saw the rolled-back tokens, the checking pass whose rows are bit for
+// bit the decode steps, the speculative sampling rule against the model's exact distribution,
+// and `ringlm run --lookup` / `-md` against plain greedy decoding: the same text, through a
+// StreamingLLM shift and on Gemma 3's window ring; a draft model of another vocabulary refused.
 #include <gtest/gtest.h>
 
 #include <omp.h>
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <nlohmann/json.hpp>
@@ -20,6 +22,7 @@
 #include "core/model/loader.h"
 #include "core/session/chat_session.h"
 #include "core/session/chat_template.h"
+#include "core/speculative/draft_model.h"
 #include "core/speculative/prompt_lookup.h"
 #include "core/session/generation.h"
 #include "tests/build_scale.h"
@@ -144,17 +147,18 @@ TEST_F(SpeculativeModel, ARolledBackDraftLeavesNoTrace) {
 TEST_F(SpeculativeModel, AChatWithLookupIsTheChatWithout) {
   const auto source = loaded_->gguf->get_string("tokenizer.chat_template");
   const ChatTemplate chat_template = ChatTemplate::detect(source.value_or("")).value_or(ChatTemplate::from_name("chatml"));
-  const auto session = [&](int lookup) {
+  PromptLookup lookup(6);
+  const auto session = [&](Drafter* drafter) {
     ChatSessionOptions o;
     o.n_ctx = test::scaled(160, 80);
     o.cache.n_keep = 4;
     o.cache.context_shift = true;
     o.sampling.temperature = 0.0f;
     o.n_predict = test::scaled(40, 16);
-    o.lookup = lookup;
+    o.drafter = drafter;
     return ChatSession(model(), *loaded_->tokenizer, chat_template, o);
   };
-  ChatSession plain = session(0), spec = session(6);
+  ChatSession plain = session(nullptr), spec = session(&lookup);
   int64_t accepted = 0;
   const std::vector<std::string> messages = {"Repeat after me: red, green, blue, red, green, blue, red, green.",
                                              "Say it again: red, green, blue, red, green, blue.", "And once more, please."};
@@ -177,6 +181,8 @@ TEST_F(SpeculativeModel, AChatWithLookupIsTheChatWithout) {
 // model's top 3 after each prefix and drafts two tokens from them, either certainly (the second
 // most likely, q one-hot) or drawn from a distribution q unlike the model's, a token outside the
 // top 3 included: accepted and rejected drafts, and rows after an accepted one, all occur.
+// Then a draft model drafts, each token with the q it was drawn from: the model itself at
+// another temperature.
 std::string tiny(const std::string& name) { return std::string(RINGLM_TEST_WORK_DIR) + "/tiny_" + name + ".gguf"; }
 
 class TopThreeOracle : public Drafter {
@@ -269,10 +275,19 @@ TEST(SpeculativeSampling, FollowsTheModelsDistribution) {
   int32_t outsider = 0;
   while (std::find(tree.at({}).begin(), tree.at({}).end(), outsider) != tree.at({}).end()) ++outsider;
 
-  const int n = test::scaled(1200, 150);
-  for (const bool certain : {true, false}) {
-    SCOPED_TRACE(certain ? "certain guesses" : "guesses drawn from q");
-    TopThreeOracle oracle(tree, prompt.size(), certain, outsider);
+  const int n = test::scaled(800, 100);
+  // The draft model: the model itself at another temperature, so that q and p differ but overlap.
+  SamplingParams draft_params = params;
+  draft_params.temperature = 0.6f;
+  for (const std::string guesser : {"certain guesses", "guesses drawn from q", "a draft model's"}) {
+    SCOPED_TRACE(guesser);
+    std::unique_ptr<Drafter> drafter;
+    if (guesser == "a draft model's") {
+      drafter = std::make_unique<DraftModel>(model, 64, KvCacheOptions{}, draft_params,
+                                             DraftModelOptions{.max_draft = 2, .min_draft = 0, .p_min = 0.0f});
+    } else {
+      drafter = std::make_unique<TopThreeOracle>(tree, prompt.size(), guesser == "certain guesses", outsider);
+    }
     Sampler sampler(params, static_cast<int>(vocab));
     KvCache cache = model.make_cache(64);
     std::vector<float> logits(vocab), rows;
@@ -288,7 +303,7 @@ TEST(SpeculativeSampling, FollowsTheModelsDistribution) {
     sequence.draft_room = [&] { return draft_room(cache); };
     SpeculationStats stats;
     GenerateOptions options;
-    options.drafter = &oracle;
+    options.drafter = drafter.get();
     options.speculation = &stats;
     std::map<Tokens, int> counts;
     std::vector<float> prompt_logits(vocab);
@@ -332,17 +347,20 @@ nlohmann::json stats_of(const std::string& err) {
 }
 
 // The stats of the plain run.
-nlohmann::json expect_same_text(const std::string& args) {
-  SCOPED_TRACE(args);
+nlohmann::json speculation_;  // the speculative run's counts, from the last expect_same_text
+
+nlohmann::json expect_same_text(const std::string& args, const std::string& guesser = "--lookup 6") {
+  SCOPED_TRACE(args + " " + guesser);
   const test::CommandResult plain = sh(std::string(RINGLM_BINARY) + " run --temp 0 --stats json " + args);
   EXPECT_EQ(plain.exit_code, 0) << plain.err;
-  const test::CommandResult spec = sh(std::string(RINGLM_BINARY) + " run --temp 0 --stats json --lookup 6 " + args);
+  const test::CommandResult spec = sh(std::string(RINGLM_BINARY) + " run --temp 0 --stats json " + guesser + " " + args);
   EXPECT_EQ(spec.exit_code, 0) << spec.err;
   if (plain.exit_code != 0 || spec.exit_code != 0) return {};
   EXPECT_EQ(spec.out, plain.out);
   const nlohmann::json s = stats_of(spec.err), p = stats_of(plain.err);
   EXPECT_GT(s.at("speculative").at("accepted").get<int>(), 0) << spec.err;
   EXPECT_EQ(s.at("gen_tokens"), p.at("gen_tokens"));
+  speculation_ = s.at("speculative");
   return p;
 }
 
@@ -366,6 +384,46 @@ TEST(SpeculativeCli, GreedyTextIsPlainDecodingsThroughContextShifts) {
 // Gemma 3's sliding-window layers keep a ring of their window: a rollback gives slots back there.
 TEST(SpeculativeCli, GreedyTextIsPlainDecodingsOnAWindowRing) {
   expect_same_text("-m " + tiny("gemma3_q8_0") + " -t 1 -c 40 --ignore-eos -n 60 -p 'one two three one two three one two'");
+}
+
+// A draft model through context shifts: the real model drafting for itself requantized to Q8_0,
+// whose drafts are mostly accepted but not always.
+TEST(SpeculativeCli, DraftModelGreedyTextIsPlainDecodingsThroughContextShifts) {
+  const std::string q8 = test::work_dir_for("speculative") + "/smollm2-q8_0.gguf";
+  const test::CommandResult quantized =
+      sh(std::string(RINGLM_BINARY) + " quantize " + std::string(RINGLM_TEST_MODEL) + " " + q8 + " --type Q8_0");
+  ASSERT_EQ(quantized.exit_code, 0) << quantized.err;
+  const std::string n = std::to_string(test::scaled(64, 24));
+  const nlohmann::json plain = expect_same_text(
+      "-c 40 --keep 4 --ignore-eos -t 1 -n " + n + " -m " + std::string(RINGLM_TEST_MODEL) + " -p 'Write a poem about the sea.'",
+      "-md " + q8 + " --draft-p-min 0 --draft-max 8");
+  ASSERT_FALSE(plain.is_null());
+  EXPECT_GT(plain.at("n_shifts").get<int>(), 0);
+  if (!test::kSanitizedBuild) {
+    EXPECT_LT(speculation_.at("accepted").get<int>(), speculation_.at("drafted").get<int>()) << "no draft was rejected";
+  }
+}
+
+// Gemma 3's window ring, for the target and for its draft model (itself: every draft accepted).
+TEST(SpeculativeCli, DraftModelGreedyTextIsPlainDecodingsOnAWindowRing) {
+  expect_same_text("-m " + tiny("gemma3_q8_0") + " -t 1 -c 40 --ignore-eos -n 60 -p 'one two three one two three one two'",
+                   "-md " + tiny("gemma3_q8_0") + " --draft-p-min 0");
+  EXPECT_EQ(speculation_.at("accepted"), speculation_.at("drafted"));
+}
+
+// A draft model of another vocabulary is refused at load, naming the first token that differs.
+TEST(SpeculativeCli, ADraftModelOfAnotherVocabularyIsRefused) {
+  const test::CommandResult r = sh(std::string(RINGLM_BINARY) + " run -md " + tiny("q8_0") + " -n 4 -p hi -m " +
+                                   std::string(RINGLM_TEST_MODEL));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("vocabulary differs from the target's at token 1:"), std::string::npos) << r.err;
+  const test::CommandResult sizes = sh(std::string(RINGLM_BINARY) + " run -md " + tiny("q4_0") + " -n 4 -p hi -m " + tiny("q8_0"));
+  EXPECT_NE(sizes.exit_code, 0);
+  EXPECT_NE(sizes.err.find("the draft model's vocabulary has 32000 tokens and the target's 49152"), std::string::npos)
+      << sizes.err;
+  const test::CommandResult both = sh(std::string(RINGLM_BINARY) + " run --lookup 4 -md " + tiny("q8_0") + " -n 4 -p hi -m " + tiny("q8_0"));
+  EXPECT_NE(both.exit_code, 0);
+  EXPECT_NE(both.err.find("excludes"), std::string::npos) << both.err;
 }
 
 // `ringlm run --lookup` at a temperature: the speculative sampling rule, with drafts accepted.

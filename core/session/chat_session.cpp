@@ -72,9 +72,6 @@ ChatSession::ChatSession(LlamaModel& model, const Tokenizer& tokenizer, ChatTemp
   // A reply ends at the vocabulary's end-of-generation tokens and at the format's own marker,
   // which some vocabularies do not flag as one (a GGUF converted without it).
   if (auto marker = tokenizer_.find_token(template_.end_of_turn())) end_of_turn_tokens_.push_back(*marker);
-  if (options.lookup > 0) {
-    lookup_ = std::make_unique<PromptLookup>(options.lookup);
-  }
 }
 
 std::vector<int32_t> ChatSession::conversation_start_tokens(std::string_view system) const {
@@ -186,11 +183,11 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
   options.on_text = on_text;
   options.interrupt = stop;
   options.evaluate_every_token = true;
-  if (lookup_ != nullptr) {  // a draft never crosses a context shift (draft_room): nothing to drop
+  if (options_.drafter != nullptr) {  // a draft never crosses a context shift (draft_room): nothing to drop
     sequence.evaluate_draft = [&](std::span<const int32_t> pass) { return evaluate_draft(pass); };
     sequence.rollback = [&](int n) { rollback(n); };
     sequence.draft_room = [&] { return draft_room(cache_); };
-    options.drafter = lookup_.get();
+    options.drafter = options_.drafter;
     options.speculation = &stats.speculation;
   }
   stats.stop_reason = stop_reason(generate(generation, logits_, sequence, options));

@@ -25,7 +25,7 @@
 #include "core/sampling/sampler.h"
 #include "core/session/chat_template.h"
 #include "core/session/generation.h"
-#include "core/speculative/prompt_lookup.h"
+#include "core/speculative/drafter.h"
 
 namespace ringlm {
 
@@ -50,7 +50,7 @@ struct ChatSessionOptions {
   KvCacheOptions cache;  // n_keep is a minimum: the session raises it to cover the system prompt
   SamplingParams sampling;
   int n_predict = -1;    // most tokens per reply (-1: until the end of the turn)
-  int lookup = 0;        // speculative decoding by prompt lookup: drafts of up to N tokens (greedy only; 0: off)
+  Drafter* drafter = nullptr;  // speculative decoding with this guesser (the caller's; null: off)
 };
 
 // What one turn cost.
@@ -60,7 +60,7 @@ struct ChatTurnStats {
   int reply_tokens = 0;     // tokens the reply generated
   double reply_ms = 0;
   std::string stop_reason;  // "end" (end of turn), "limit" (-n), "interrupted", "context" (full, no shift)
-  SpeculationStats speculation;  // with a lookup
+  SpeculationStats speculation;  // with a guesser
 };
 
 class ChatSession {
@@ -131,7 +131,6 @@ class ChatSession {
   KvCache cache_;
   std::vector<int32_t> context_;
   std::vector<float> logits_;
-  std::unique_ptr<PromptLookup> lookup_;
   std::vector<float> draft_rows_;  // the last checking pass's logits, a row per token
   size_t draft_pass_ = 0;          // ... and its tokens
   // Runs a token and its draft in one checking pass; rollback() then forgets the rejected ones.

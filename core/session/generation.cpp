@@ -173,7 +173,10 @@ class GenerationLoop {
       --pause_;
       return {};
     }
-    return options_.drafter->guess(g_.history(), std::min(draft_limit_, model_.draft_room()));
+    int limit = std::min(draft_limit_, model_.draft_room());
+    if (g_.tokens_left() >= 0) limit = std::min(limit, g_.tokens_left());  // no guess past the token limit
+    if (limit <= 0) return {};
+    return options_.drafter->guess(g_.history(), limit);
   }
 
   // A checking pass costs more the more rows it has, and a rejected row is lost: the draft limit

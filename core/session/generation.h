@@ -15,6 +15,7 @@
 // its own (run, chat): draw, take, show, forward, until the sequence ends.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -89,6 +90,8 @@ class Generation {
   bool finished() const { return finish_ != FinishReason::kNone; }
   FinishReason finish_reason() const { return finish_; }
   int n_tokens() const { return n_tokens_; }  // taken (end tokens are not)
+  // Tokens it may still take before its token limit (-1: no limit).
+  int tokens_left() const { return stop_.max_tokens < 0 ? -1 : std::max(0, stop_.max_tokens - n_tokens_); }
   // The text handed out so far: the final text once finished.
   std::string_view text() const { return std::string_view(text_).substr(0, released_); }
   std::span<const int32_t> history() const { return history_; }

@@ -46,6 +46,8 @@ class Tokenizer {
   std::string decode(std::span<const int32_t> ids, bool render_special = false) const;
 
   int32_t n_vocab() const { return static_cast<int32_t>(tokens_.size()); }
+  // The token as the vocabulary stores it ("▁the", "Ġthe", "<0x0A>", "<s>").
+  std::string_view token_text(int32_t id) const { return tokens_.at(static_cast<size_t>(id)).text; }
   int32_t bos_id() const { return bos_id_; }  // -1 if none
   int32_t eos_id() const { return eos_id_; }  // -1 if none
   int32_t eot_id() const { return eot_id_; }  // -1 if none
