@@ -15,11 +15,13 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <stdexcept>
 
 #include "apps/common_options.h"
 #include "apps/pipeline_process.h"
+#include "apps/speculative_options.h"
 #include "core/model/loader.h"
 #include "core/scheduler/batch_scheduler.h"
 #include "core/session/chat_session.h"
@@ -39,6 +41,7 @@ struct BatchCommandOptions {
   int prefill_chunk = 64;
   bool share_prompt = true;
   std::string chat_template;
+  SpeculativeOptions speculative;
 };
 
 // One line of the input, ready to run (or the reason it cannot).
@@ -220,7 +223,7 @@ double mib(size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0)
 
 class BatchRun {
  public:
-  BatchRun(const BatchCommandOptions& o, LoadedModel& m) : options_(o), model_(m) {}
+  BatchRun(const BatchCommandOptions& o, LoadedModel& m, LoadedModel* draft) : options_(o), model_(m), draft_(draft) {}
 
   int run() {
     std::vector<InputLine> lines = InputReader(options_, model_).read(options_.input);
@@ -233,6 +236,11 @@ class BatchRun {
     bo.n_ctx = options_.model.n_ctx > 0 ? options_.model.n_ctx : model_.model->hparams().n_ctx_train;
     bo.prefill_chunk = options_.prefill_chunk;
     bo.share_prompt = options_.share_prompt;
+    if (options_.speculative.enabled()) {
+      bo.make_drafter = [this, n_ctx = bo.n_ctx](const GenerationRequest& r) {
+        return make_drafter(options_.speculative, draft_, n_ctx, KvCacheOptions{}, r.sampling);
+      };
+    }
     BatchScheduler scheduler(*model_.model, *model_.tokenizer, bo);
 
     for (size_t i = 0; i < lines.size(); ++i) {
@@ -338,10 +346,17 @@ class BatchRun {
                  percentile(latencies_ms_, 99), percentile(first_token_ms_, 50), percentile(first_token_ms_, 90),
                  static_cast<long long>(s.shared_prefill_tokens()), mib(s.peak_kv_bytes()),
                  mib(s.peak_kv_bytes_unshared()));
+    if (options_.speculative.enabled()) {
+      const SpeculationStats& sp = s.speculation();
+      std::fprintf(stderr, "ringlm batch: speculative (%s): %lld tokens drafted, %lld accepted (%.0f%%), in %lld checking passes\n",
+                   options_.speculative.lookup > 0 ? "lookup" : "draft model", static_cast<long long>(sp.drafted),
+                   static_cast<long long>(sp.accepted), 100.0 * sp.acceptance(), static_cast<long long>(sp.passes));
+    }
   }
 
   const BatchCommandOptions& options_;
   LoadedModel& model_;
+  LoadedModel* draft_;  // -md's model, or null
   std::FILE* out_ = nullptr;
   std::map<size_t, std::set<int>> already_;  // request index -> samples written by an earlier run
   std::map<size_t, int> samples_done_;        // request index -> samples finished in this run
@@ -369,6 +384,7 @@ void add_batch_command(CLI::App& app) {
   cmd->add_option("--prefill-chunk", opts->prefill_chunk, "prompt tokens prefilled per step")
       ->check(CLI::Range(1, 448))
       ->capture_default_str();
+  add_speculative_options(*cmd, opts->speculative, "each prompt and its text so far");
   cmd->add_flag("!--no-prompt-sharing", opts->share_prompt,
                "n > 1 samples each prefill and hold their own copy of the prompt (to measure what sharing saves)");
   std::vector<std::string> names;
@@ -382,7 +398,8 @@ void add_batch_command(CLI::App& app) {
     LoadedModel m = load_model(opts->model, n_threads, stage_picker(process, opts->model.layer_split));
     // Under mpirun, rank 0 reads the requests and writes the results; the others run its passes.
     if (serve_as_later_rank(process, m)) return;
-    const int status = BatchRun(*opts, m).run();
+    std::optional<LoadedModel> draft = load_draft_model(opts->speculative, m, n_threads);
+    const int status = BatchRun(*opts, m, draft ? &*draft : nullptr).run();
     m.model->close_pipeline();
     if (status != 0) throw CLI::RuntimeError(status);  // main() exits with it, destructors run
   });

@@ -199,6 +199,7 @@ CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, 
     r.logprobs = true;
     r.top_logprobs = static_cast<int>(*v);
   }
+  if (auto v = integer(body, "speculative.n_max", 0, 64)) r.draft_max = static_cast<int>(*v);
   return r;
 }
 

@@ -54,6 +54,9 @@ struct CompletionRequest {
   bool include_usage = false;  // stream_options.include_usage: a last chunk with the usage
   bool logprobs = false;
   int top_logprobs = 0;
+  // llama-server's "speculative.n_max": drafts of at most this many tokens for this request
+  // (0: none), when the server decodes speculatively.
+  std::optional<int> draft_max;
 };
 
 // Reads a request body. `defaults` are the server's sampling settings, which the request's

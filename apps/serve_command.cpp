@@ -32,6 +32,7 @@
 
 #include "apps/common_options.h"
 #include "apps/pipeline_process.h"
+#include "apps/speculative_options.h"
 #include "apps/serve_api.h"
 #include "core/scheduler/serving_engine.h"
 #include "core/session/chat_session.h"
@@ -62,6 +63,7 @@ struct ServeOptions {
   std::string alias;  // the model's name in the API; default: the file name
   std::string chat_template;
   KvType cache_type = KvType::kF16;
+  SpeculativeOptions speculative;
 };
 
 // --- Small pieces ------------------------------------------------------------------------------
@@ -167,6 +169,7 @@ class Server {
   std::atomic<bool> ready_{false}, stopping_{false}, signal_received_{false};
   std::string load_error_;
   std::optional<LoadedModel> model_;
+  std::optional<LoadedModel> draft_model_;  // -md's, when speculative decoding has one
   std::optional<ChatTemplate> template_;
   std::vector<int32_t> end_of_turn_;
   std::unique_ptr<ServingEngine> engine_;
@@ -193,6 +196,12 @@ void Server::load() {
     batch.prefill_chunk = o_.prefill_chunk;
     batch.cache_type = o_.cache_type;
     batch.prompt_cache_bytes = o_.prompt_cache_mib << 20;
+    draft_model_ = load_draft_model(o_.speculative, *model_, n_threads);
+    if (o_.speculative.enabled()) {
+      batch.make_drafter = [this, n_ctx = batch.n_ctx](const GenerationRequest& r) {
+        return make_drafter(o_.speculative, draft_model_ ? &*draft_model_ : nullptr, n_ctx, KvCacheOptions{}, r.sampling);
+      };
+    }
     engine_ = std::make_unique<ServingEngine>(*model_->model, *model_->tokenizer, batch, o_.max_queue);
     ready_ = true;
     std::fprintf(stderr, "ringlm: model loaded (%s, %.0f ms); ready\n", model_name_.c_str(), model_->load_ms);
@@ -219,6 +228,7 @@ GenerationRequest Server::generation_request(const CompletionRequest& request) c
   g.stop = request.stop;
   g.n_samples = request.n;
   g.top_logprobs = request.logprobs ? request.top_logprobs : -1;
+  g.draft_max = request.draft_max.value_or(-1);
   return g;
 }
 
@@ -417,6 +427,12 @@ std::string Server::metrics() const {
   metric("ringlm_kv_cache_bytes", "gauge", "KV cache memory the running sequences hold.", static_cast<double>(s.kv_bytes));
   metric("ringlm_prompt_cache_bytes", "gauge", "KV cache memory of the prompts kept for reuse.",
          static_cast<double>(s.prompt_cache_bytes));
+  metric("ringlm_draft_tokens_total", "counter", "Speculative decoding: tokens drafted (--lookup, -md).",
+         static_cast<double>(s.speculation.drafted));
+  metric("ringlm_draft_tokens_accepted_total", "counter", "Speculative decoding: drafted tokens accepted.",
+         static_cast<double>(s.speculation.accepted));
+  metric("ringlm_draft_acceptance_ratio", "gauge", "Speculative decoding: drafted tokens accepted, over those drafted.",
+         s.speculation.acceptance());
   return m.str();
 }
 
@@ -620,6 +636,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--http-threads", opts->http_threads, "connections served at once (0: 4 x --parallel + 16)")
       ->check(CLI::Range(0, 4096));
   auto* key = cmd->add_option("--api-key", opts->api_key, "require 'Authorization: Bearer KEY' (default: $RINGLM_API_KEY)");
+  add_speculative_options(*cmd, opts->speculative, "each prompt and its text so far");
   cmd->add_option("--alias", opts->alias, "the model's name in the API (default: the file name)");
   cmd->add_option("--chat-template", opts->chat_template, "chat format, instead of the model's");
   cmd->add_option("--cache-type", opts->cache_type, "KV cache type: f16 or f32")

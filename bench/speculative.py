@@ -72,12 +72,15 @@ def main() -> None:
     ap.add_argument("--lookup", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--llama-cpp", help="llama.cpp's build/bin (llama-simple, llama-lookup)")
+    ap.add_argument("--only", help="one prompt's name")
     args = ap.parse_args()
 
     print(f"| prompt | plain t/s | --lookup {args.lookup} t/s | acceptance | speed-up | same text |"
           + (" llama.cpp plain t/s | llama-lookup t/s | its acceptance | its speed-up |" if args.llama_cpp else ""))
     print("|---|---:|---:|---:|---:|---|" + ("---:|---:|---:|---:|" if args.llama_cpp else ""))
     for name, prompt in PROMPTS.items():
+        if args.only and name != args.only:
+            continue
         plain, spec, acceptance, same = [], [], [], True
         for _ in range(args.repeats):
             text0, s0 = ringlm_run(args, prompt, 0)
@@ -87,7 +90,7 @@ def main() -> None:
             acceptance.append(s1["speculative"]["acceptance"])
             same = same and text0 == text1
         p, s = statistics.median(plain), statistics.median(spec)
-        row = f"| {name} | {p:.1f} | {s:.1f} | {statistics.median(acceptance):.2f} | {s / p:.2f}x | {'yes' if same else 'NO'} |"
+        row = f"| {name} | {p:.1f} | {s:.1f} | {statistics.median(acceptance):.2f} | {s / p:.2f}x | {'yes' if same else 'NO'} | {s1['speculative']['accepted']} / {s1['gen_tokens']} |"
         if args.llama_cpp:
             lp = statistics.median(llama_cpp_speed(os.path.join(args.llama_cpp, "llama-simple"), args, prompt, [])[0]
                                    for _ in range(args.repeats))

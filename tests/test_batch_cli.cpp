@@ -14,6 +14,7 @@
 #include <fstream>
 #include <cstdio>
 #include <map>
+#include <regex>
 #include <set>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -135,6 +136,28 @@ TEST(BatchCli, GreedyOutputsDoNotDependOnParallel) {
     } else {
       EXPECT_EQ(texts, reference) << "--parallel " << parallel;
     }
+  }
+}
+
+// Speculative decoding inside continuous batching: each sequence's draft rows go into the step
+// with its token, and the greedy texts are those of plain batching (prompt lookup, then a draft
+// model: the test model drafting for itself).
+TEST(BatchCli, SpeculativeDraftsGiveThePlainTexts) {
+  std::string input = eight_prompts(test::scaled(40, 16), test::scaled(3, 2));
+  input += R"({"id": "copy", "prompt": "Copy the list: apples, pears, plums, cherries, grapes. Copy: apples, pears,", "max_tokens": 24})"
+           "\n";
+  const BatchRunResult plain = run_batch("spec-plain", input, "--parallel 3 --prefill-chunk 4");
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const auto reference = texts_by_id(records(work_dir() + "/spec-plain.out"));
+  ASSERT_EQ(reference.size(), 9u);
+  for (const std::string& guesser : {std::string("--lookup 6"), std::string("-md ") + RINGLM_TEST_MODEL}) {
+    const BatchRunResult r = run_batch("spec", input, "--parallel 3 --prefill-chunk 4 " + guesser);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(texts_by_id(records(work_dir() + "/spec.out")), reference) << guesser;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.err, m, std::regex(R"((\d+) tokens drafted, (\d+) accepted)"))) << r.err;
+    EXPECT_GT(std::stoi(m[2]), 0) << r.err;
+    EXPECT_LE(std::stoi(m[2]), std::stoi(m[1])) << r.err;
   }
 }
 

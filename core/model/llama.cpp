@@ -490,7 +490,7 @@ void LlamaModel::describe_sequences(std::span<const Rows> rows) {
       if (phi.size() != n) phi.assign(n, NAN);
     }
     cache.softmax_phi_rows().clear();
-    if (stepwise_attention_ && async_softmax_) {
+    if (rows[i].steps && async_softmax_) {
       cache.softmax_phi_rows().assign(rows[i].tokens.size(), cache.softmax_phi());
     }
     const size_t q_at = static_cast<size_t>(rows[i].row0) * q_dim;
@@ -514,17 +514,27 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
   const int index = rows[0].cache->place(layer).index;
   const int window = layers_[static_cast<size_t>(layer)].window;
   const AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim, window, hp_.attn_scale};
-  if (!stepwise_attention_) return backend_.attention(index, shape, s.attention_calls);
-  // Each query row as the decode step of its token would run it: the j-th rows of all the
-  // sequences together, one j after the other (a row's softmax maxima are the next row's start).
+  const bool any_steps = std::any_of(rows.begin(), rows.end(), [](const Rows& r) { return r.steps; });
+  if (!any_steps) return backend_.attention(index, shape, s.attention_calls);
+  // The other sequences in one call, as always; then each query row of a checking pass as the
+  // decode step of its token would run it: the j-th rows of all of them together, one j after
+  // the other (a row's softmax maxima are the next row's start).
+  std::vector<AttentionCall>& step = s.attention_steps;
+  step.clear();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (!rows[i].steps) step.push_back(s.attention_calls[i]);
+  }
+  if (!step.empty()) backend_.attention(index, shape, step);
   const size_t q_dim = static_cast<size_t>(hp_.n_head) * hp_.head_dim;
   int longest = 0;
-  for (const AttentionCall& c : s.attention_calls) longest = std::max(longest, c.n_tokens);
-  std::vector<AttentionCall>& step = s.attention_steps;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i].steps) longest = std::max(longest, s.attention_calls[i].n_tokens);
+  }
   for (int j = 0; j < longest; ++j) {
     step.clear();
-    for (const AttentionCall& c : s.attention_calls) {
-      if (j >= c.n_tokens) continue;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const AttentionCall& c = s.attention_calls[i];
+      if (!rows[i].steps || j >= c.n_tokens) continue;
       AttentionCall one = c;
       one.q += static_cast<size_t>(j) * q_dim;
       one.out += static_cast<size_t>(j) * q_dim;
@@ -537,7 +547,7 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
     // The maxima row j left in this layer, for a rollback to the row it keeps.
     const size_t at = static_cast<size_t>(layer) * static_cast<size_t>(hp_.n_head);
     for (const Rows& r : rows) {
-      if (j >= static_cast<int>(r.tokens.size())) continue;
+      if (!r.steps || j >= static_cast<int>(r.tokens.size())) continue;
       const std::vector<float>& phi = r.cache->softmax_phi();
       std::copy_n(phi.begin() + static_cast<std::ptrdiff_t>(at), hp_.n_head,
                   r.cache->softmax_phi_rows()[static_cast<size_t>(j)].begin() + static_cast<std::ptrdiff_t>(at));
@@ -651,7 +661,8 @@ const float* LlamaModel::project_logits(int row, int n) {
 
 void LlamaModel::forward_chunk(std::span<const int32_t> tokens, KvCache& cache, PassOutput out) {
   const int n = static_cast<int>(tokens.size());
-  const Rows rows[] = {append_rows(tokens, cache, 0)};
+  Rows rows[] = {append_rows(tokens, cache, 0)};
+  rows[0].steps = stepwise_attention_;
   run_layers(rows, n);
   if (!out.wanted() || !(stage_.first() || stage_.last())) return;
   // Only the rows whose logits are wanted go through the final norm and the vocabulary projection.
@@ -698,6 +709,9 @@ bool LlamaModel::begin_batch(std::span<const SequenceTokens> batch) {
       throw std::invalid_argument("forward_batch: " + std::to_string(b.top.size()) + " top tokens of a vocabulary of " +
                                   std::to_string(hp_.n_vocab));
     }
+    if (b.steps && (b.logits == nullptr || !b.top.empty())) {
+      throw std::invalid_argument("forward_batch: a checking pass (steps) hands back every row's logits");
+    }
     total += b.tokens.size();
   }
   if (total > static_cast<size_t>(max_batch_)) {
@@ -712,15 +726,16 @@ bool LlamaModel::begin_batch(std::span<const SequenceTokens> batch) {
   int row = 0;
   for (const SequenceTokens& b : batch) {
     rows.push_back(append_rows(b.tokens, *b.cache, row));
+    rows.back().steps = b.steps;
     row += static_cast<int>(b.tokens.size());
   }
   run_layers(rows, row);
 
-  // The last row of each sequence that wants its next token's scores, gathered so that the
-  // vocabulary projection is one matrix product: first those that want only their top k (picked
-  // in one call for all of them, at the largest k: a row's top k is the start of its top k_max),
-  // then those that want every logit. (In a pipeline the last stage computes them and sends them
-  // to the first, which hands them out when the pass finishes.)
+  // The last row of each sequence that wants its next token's scores (every row of a checking
+  // pass), gathered so that the vocabulary projection is one matrix product: first those that
+  // want only their top k (picked in one call for all of them, at the largest k: a row's top k is
+  // the start of its top k_max), then those that want every logit. (In a pipeline the last stage
+  // computes them and sends them to the first, which hands them out when the pass finishes.)
   Scratch& s = *scratch_;
   const size_t d = static_cast<size_t>(hp_.n_embd), vocab = static_cast<size_t>(hp_.n_vocab);
   PendingBatch pass = take_spare_batch();
@@ -729,17 +744,18 @@ bool LlamaModel::begin_batch(std::span<const SequenceTokens> batch) {
     for (size_t i = 0; i < batch.size(); ++i) {
       const bool wants_top = !batch[i].top.empty();
       if (wants_top != top || (!wants_top && batch[i].logits == nullptr)) continue;
+      const size_t n_rows = batch[i].steps ? batch[i].tokens.size() : 1;
+      const size_t first = static_cast<size_t>(rows[i].row0) + batch[i].tokens.size() - n_rows;
       if (stage_.last()) {
-        const size_t last = static_cast<size_t>(rows[i].row0) + batch[i].tokens.size() - 1;
-        backend_.copy(s.xn->data() + static_cast<size_t>(n_top + n_logits) * d, s.x->data() + last * d, d);
+        backend_.copy(s.xn->data() + static_cast<size_t>(n_top + n_logits) * d, s.x->data() + first * d, n_rows * d);
       }
       if (top) {
         ++n_top;
         pass.k_max = std::max(pass.k_max, static_cast<int>(batch[i].top.size()));
         pass.top_out.push_back(batch[i].top);
       } else {
-        ++n_logits;
-        pass.logits_out.push_back(batch[i].logits);
+        for (size_t r = 0; r < n_rows; ++r) pass.logits_out.push_back(batch[i].logits + r * vocab);
+        n_logits += static_cast<int>(n_rows);
       }
     }
   }
@@ -886,6 +902,8 @@ void LlamaModel::announce_batch(std::span<const SequenceTokens> batch) {
     PipelineSequence q = describe_for_pipeline(*b.cache, b.tokens.size());
     q.want_logits = b.logits != nullptr ? 1 : 0;
     q.top_k = static_cast<int32_t>(b.top.size());
+    q.all_logits = b.steps ? 1 : 0;
+    q.stepwise_attention = b.steps ? 1 : 0;
     all.push_back(q);
   }
   announce_pass(PipelineCommand::kBatch, all);
@@ -994,7 +1012,7 @@ void LlamaModel::serve_pipeline() {
         forward_tokens(tokens[i], cache, PassOutput{out_logits, q.all_logits != 0, out_top});
         stepwise_attention_ = false;
       } else {
-        batch.emplace_back(tokens[i], &cache, out_logits, out_top);
+        batch.emplace_back(tokens[i], &cache, out_logits, out_top, q.stepwise_attention != 0);
       }
     }
     if (c.op == PipelineCommand::kBatch) forward_batch(batch);

@@ -53,14 +53,17 @@ class LlamaModel {
   struct SequenceTokens {
     SequenceTokens() = default;
     SequenceTokens(std::span<const int32_t> tokens_, KvCache* cache_, float* logits_ = nullptr,
-                   std::span<TopLogit> top_ = {})
-        : tokens(tokens_), cache(cache_), logits(logits_), top(top_) {}
+                   std::span<TopLogit> top_ = {}, bool steps_ = false)
+        : tokens(tokens_), cache(cache_), logits(logits_), top(top_), steps(steps_) {}
     std::span<const int32_t> tokens;  // appended to `cache` at its next positions
     KvCache* cache = nullptr;
     float* logits = nullptr;  // [n_vocab]: the logits of its last token; nullptr: not wanted
     // Or, when not empty, only its last token's top.size() most likely next tokens
     // (select_top_k's order; at most Sampler::kMaxCandidates), instead of the logits.
     std::span<TopLogit> top;
+    // A speculative draft's checking pass (forward_steps): every row's logits, [tokens][n_vocab]
+    // in `logits`, each row computed as the decode step of its token.
+    bool steps = false;
   };
   // Runs the tokens of several sequences in one pass (continuous batching): every matrix
   // multiplies all their rows at once, attention runs per sequence over its own cache. A row's
@@ -113,6 +116,7 @@ class LlamaModel {
     int64_t pos0;    // position of its first token
     int first_slot;   // slot of its first token in the cache's full ring
     int window_slot;  // ... in its window ring (the run may wrap around the ring's end)
+    bool steps = false;  // each row attends as its decode step (forward_steps)
   };
   // Appends `tokens` to `cache` and returns where their rows go (rows row0..).
   static Rows append_rows(std::span<const int32_t> tokens, KvCache& cache, int row0);

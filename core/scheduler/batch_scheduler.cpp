@@ -46,6 +46,11 @@ struct BatchScheduler::Slot {
   std::vector<float> raw_logits;         // the logits before the draw, when log-probabilities are wanted
   TokenLogprobs logprobs;                // of the drawn token
   int32_t next_token = -1;               // taken, to be evaluated in the next step
+  std::unique_ptr<Drafter> drafter;      // speculative decoding's guesser, when there is one
+  DraftLength draft_length;
+  Draft draft;                           // sent with next_token in the pass in flight (empty: none)
+  std::vector<int32_t> pass_tokens;      // next_token, then the draft
+  std::vector<float> rows;               // the checking pass's logits, a row per token
   GenerationResult result;               // what is known before the end: index, sample, prompt size
   Clock::time_point submitted, started, first_token;
 };
@@ -186,6 +191,9 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
       stop.stop_strings = q.request.stop;
       stop.end_tokens = q.request.end_tokens;
       s.generation.emplace(tokenizer_, *s.sampler, std::move(stop), q.request.prompt);
+      s.drafter = options_.make_drafter && q.request.draft_max != 0 ? options_.make_drafter(q.request) : nullptr;
+      s.draft_length = DraftLength();
+      s.draft = {};
       s.prefilled = 0;
       s.next_token = -1;
       s.result = GenerationResult{};
@@ -251,10 +259,25 @@ bool BatchScheduler::begin_pass() {
 BatchScheduler::Pass BatchScheduler::gather_pass(int group) {
   Pass pass;
   pass.group = group;
+  // Drafts take what the pass has beyond one row per decoding slot and a prompt chunk.
+  int n_decoding = 0;
+  for (const auto& s : slots_) n_decoding += s->group == group && s->state == Slot::State::kDecode;
+  size_t draft_budget = static_cast<size_t>(std::max(0, model_.max_batch() - options_.prefill_chunk - n_decoding));
+  const size_t vocab = static_cast<size_t>(model_.hparams().n_vocab);
   for (auto& s : slots_) {
     if (s->group != group || s->state != Slot::State::kDecode) continue;
-    pass.batch.push_back({std::span<const int32_t>(&s->next_token, 1), &s->cache, s->logits.data(), s->top});
-    s->drew_from_top = !s->top.empty();
+    s->draft = propose_draft(*s, draft_budget);
+    if (s->draft.tokens.empty()) {
+      pass.batch.push_back({std::span<const int32_t>(&s->next_token, 1), &s->cache, s->logits.data(), s->top});
+      s->drew_from_top = !s->top.empty();
+    } else {
+      draft_budget -= s->draft.tokens.size();
+      s->pass_tokens.assign(1, s->next_token);
+      s->pass_tokens.insert(s->pass_tokens.end(), s->draft.tokens.begin(), s->draft.tokens.end());
+      s->rows.resize(s->pass_tokens.size() * vocab);
+      pass.batch.push_back({s->pass_tokens, &s->cache, s->rows.data(), {}, /*steps=*/true});
+      s->drew_from_top = false;
+    }
     pass.slots.push_back(s.get());
   }
   const auto now = Clock::now();
@@ -320,7 +343,53 @@ void BatchScheduler::finish_pass(const std::function<void(GenerationResult)>& on
     fresh.push_back(&s);
   }
   draw_tokens(fresh);
-  for (Slot* s : fresh) take_token(*s, on_done);
+  for (Slot* s : fresh) {
+    if (s->draft.tokens.empty()) {
+      take_token(*s, on_done);
+    } else {
+      take_checked(*s, on_done);
+    }
+  }
+}
+
+Draft BatchScheduler::propose_draft(Slot& s, size_t budget) {
+  const Generation& g = *s.generation;
+  // Log-probabilities come with each drawn token: those sequences go a token at a time.
+  if (s.drafter == nullptr || g.finished() || s.request.top_logprobs >= 0) return {};
+  int limit = s.draft_length.next_limit();
+  limit = std::min({limit, draft_room(s.cache), static_cast<int>(std::min<size_t>(budget, 1 << 20))});  // budget <= max_batch
+  if (s.request.draft_max > 0) limit = std::min(limit, s.request.draft_max);
+  if (g.tokens_left() >= 0) limit = std::min(limit, g.tokens_left());
+  if (limit <= 0) return {};
+  return s.drafter->guess(g.history(), limit);
+}
+
+bool BatchScheduler::take_checked(Slot& s, const std::function<void(GenerationResult)>& on_done) {
+  const Draft draft = std::move(s.draft);
+  s.draft = {};
+  const auto k = static_cast<int>(draft.tokens.size());
+  const size_t vocab = static_cast<size_t>(model_.hparams().n_vocab);
+  ++speculation_.passes;
+  speculation_.drafted += k;
+  for (int j = 0;; ++j) {  // row j: the scores after pass_tokens[j]
+    const std::span<float> row = std::span<float>(s.rows).subspan(static_cast<size_t>(j) * vocab, vocab);
+    if (j == k) {
+      s.draft_length.record(k, k);
+      s.drawn = s.generation->draw(row);
+      return take_token(s, on_done);
+    }
+    const auto q = draft.q.empty() ? std::span<const Sampler::Candidate>() : draft.q[static_cast<size_t>(j)];
+    const auto [next, accepted] = s.generation->check(row, draft.tokens[static_cast<size_t>(j)], q);
+    s.drawn = next;
+    if (!accepted) {
+      s.cache.rollback(k - j);  // draft[j..] never happened
+      s.draft_length.record(k, j);
+      return take_token(s, on_done);
+    }
+    ++speculation_.accepted;
+    // Accepted: the token is in the cache already. Ending on it frees the slot, draft and all.
+    if (!take_token(s, on_done)) return false;
+  }
 }
 
 std::shared_ptr<const KvCache> BatchScheduler::detach_prompt(Slot& owner) {
@@ -418,6 +487,7 @@ void BatchScheduler::draw_tokens(std::span<Slot* const> slots) {
       s.drawn = -1;
       continue;
     }
+    if (!s.draft.tokens.empty()) continue;  // checked row by row (take_checked)
     if (s.drew_from_top) {
       s.drawn = s.generation->draw_top(s.top);
       continue;
@@ -477,6 +547,8 @@ void BatchScheduler::release(Slot& s) {
   s.cancelled = false;
   s.generation.reset();
   s.sampler.reset();
+  s.drafter.reset();
+  s.draft = {};
   s.cache.clear();  // its memory goes back now, and its share of a prompt segment with it
 }
 

@@ -39,6 +39,8 @@
 #include "core/model/llama.h"
 #include "core/sampling/sampler.h"
 #include "core/session/generation.h"
+#include "core/speculative/draft_length.h"
+#include "core/speculative/drafter.h"
 #include "core/tokenizer/tokenizer.h"
 
 namespace ringlm {
@@ -53,6 +55,7 @@ struct GenerationRequest {
   int first_sample = 0;           // the sample index of the first of these samples
   int top_logprobs = -1;          // >= 0: each token's log-probability and this many alternatives
   std::vector<int32_t> end_tokens;  // end the text besides the vocabulary's end-of-generation tokens
+  int draft_max = -1;  // speculative decoding: drafts of at most this many tokens (-1: the guesser's; 0: none)
 };
 
 // A token a sequence took (or its end), as a streaming caller sees it.
@@ -87,6 +90,10 @@ struct BatchOptions {
   // KV memory of prefilled prompts kept for reuse by later requests (0: none kept).
   size_t prompt_cache_bytes = 0;
   int min_reused_tokens = 16;  // a kept prompt is read when at least this many tokens match
+  // Speculative decoding: each sequence's guesser, made when it starts (null, or returning null:
+  // none). A sequence's draft goes into the next pass with its token, and the rows it accepts are
+  // decode steps saved (generate()'s rule, per sequence).
+  std::function<std::unique_ptr<Drafter>(const GenerationRequest&)> make_drafter;
 };
 
 class BatchScheduler {
@@ -125,6 +132,8 @@ class BatchScheduler {
   size_t prompt_cache_entries() const { return segments_.size(); }
   // Prompt tokens read from the prompt cache instead of prefilled.
   int64_t reused_prompt_tokens() const { return reused_prompt_tokens_; }
+  // Speculative decoding's drafts, over every sequence.
+  const SpeculationStats& speculation() const { return speculation_; }
 
  private:
   struct Slot;
@@ -157,6 +166,11 @@ class BatchScheduler {
   // take_token then ends the slot or queues its drawn token, one slot at a time.
   static void draw_tokens(std::span<Slot* const> slots);
   bool take_token(Slot& slot, const std::function<void(GenerationResult)>& on_done);
+  // The draft a decoding slot sends with its token, within `budget` tokens (empty: none).
+  Draft propose_draft(Slot& slot, size_t budget);
+  // Checks the slot's draft against its pass's rows (generate()'s rule): takes the accepted tokens
+  // and the one after, and rolls the rejected ones back. False once the slot has finished.
+  bool take_checked(Slot& slot, const std::function<void(GenerationResult)>& on_done);
   // The prompt that `owner` prefilled becomes the shared prefix of every one of its samples (and
   // is kept in the prompt cache, when there is one).
   void share_prompt(Slot& owner, const std::function<void(GenerationResult)>& on_done);
@@ -190,6 +204,7 @@ class BatchScheduler {
   };
   std::vector<PromptSegment> segments_;
   int64_t reused_prompt_tokens_ = 0;
+  SpeculationStats speculation_;
   int64_t generated_tokens_ = 0;
   int64_t steps_ = 0;
   int64_t shared_prefill_tokens_ = 0;

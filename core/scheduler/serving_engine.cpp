@@ -143,6 +143,7 @@ void ServingEngine::publish_stats() {
   stats_.reused_prompt_tokens = scheduler_.reused_prompt_tokens();
   stats_.kv_bytes = scheduler_.kv_bytes_in_use();
   stats_.prompt_cache_bytes = scheduler_.prompt_cache_bytes_in_use();
+  stats_.speculation = scheduler_.speculation();
   rate_window_.emplace_back(now, stats_.generated_tokens);
   while (now - rate_window_.front().first > kRateWindow) rate_window_.pop_front();
 }

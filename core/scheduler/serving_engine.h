@@ -81,6 +81,7 @@ struct EngineStats {
   size_t kv_bytes = 0;           // held by the running sequences
   size_t prompt_cache_bytes = 0;
   int n_parallel = 0;
+  SpeculationStats speculation;  // drafts, when the server decodes speculatively
 };
 
 class ServingEngine {

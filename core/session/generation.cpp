@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "core/kv/kv_cache.h"
+#include "core/speculative/draft_length.h"
 #include "core/speculative/drafter.h"
 
 namespace ringlm {
@@ -169,31 +170,10 @@ class GenerationLoop {
   // ended (the last token is evaluated alone), or when the cache has no room for one.
   Draft guess() {
     if (options_.drafter == nullptr || !model_.evaluate_draft || g_.finished()) return {};
-    if (pause_ > 0) {
-      --pause_;
-      return {};
-    }
-    int limit = std::min(draft_limit_, model_.draft_room());
+    int limit = std::min(draft_length_.next_limit(), model_.draft_room());
     if (g_.tokens_left() >= 0) limit = std::min(limit, g_.tokens_left());  // no guess past the token limit
     if (limit <= 0) return {};
     return options_.drafter->guess(g_.history(), limit);
-  }
-
-  // A checking pass costs more the more rows it has, and a rejected row is lost: the draft limit
-  // doubles after a draft accepted whole and halves after one rejected at once; a rejected
-  // draft of one token pauses drafting for some tokens, twice as many each time in a row (open
-  // chat, where the text does not repeat, then runs nearly as plain decoding does).
-  void adapt(int drafted, int accepted) {
-    if (accepted > 0) next_pause_ = kFirstPause;
-    if (accepted == drafted) {
-      draft_limit_ = std::min(2 * draft_limit_, kMaxDraftLimit);
-    } else if (accepted == 0) {
-      if (draft_limit_ == 1) {
-        pause_ = next_pause_;
-        next_pause_ = std::min(2 * next_pause_, kLongestPause);
-      }
-      draft_limit_ = std::max(1, draft_limit_ / 2);
-    }
   }
 
   // Evaluates `token` and `draft` in one pass and takes the draft's tokens while the row before
@@ -214,14 +194,14 @@ class GenerationLoop {
     for (int j = 0;; ++j) {  // row j: the scores after pass[j]
       const std::span<float> row = rows.subspan(static_cast<size_t>(j) * vocab, vocab);
       if (j == k) {
-        adapt(k, k);
+        draft_length_.record(k, k);
         return g_.draw(row);
       }
       const auto q = draft.q.empty() ? std::span<const Sampler::Candidate>() : draft.q[static_cast<size_t>(j)];
       const auto [next, accepted] = g_.check(row, draft.tokens[static_cast<size_t>(j)], q);
       if (!accepted) {
         model_.rollback(k - j);  // draft[j..] never happened
-        adapt(k, j);
+        draft_length_.record(k, j);
         return next;
       }
       if (stats != nullptr) ++stats->accepted;
@@ -238,15 +218,11 @@ class GenerationLoop {
     }
   }
 
-  static constexpr int kMaxDraftLimit = 64;
-  static constexpr int kFirstPause = 8, kLongestPause = 128;
   Generation& g_;
   TokenScores scores_;
   const SequenceModel& model_;
   const GenerateOptions& options_;
-  int draft_limit_ = kMaxDraftLimit;  // the guesser's own maximum applies too
-  int pause_ = 0;                     // tokens to go without a draft
-  int next_pause_ = kFirstPause;
+  DraftLength draft_length_;
 };
 
 }  // namespace

@@ -249,6 +249,40 @@ class OpenAiClient(unittest.TestCase):
         self.assertTrue(any(re.search(r"GET /v1/models 200 .* ms", line) for line in self.server.log), self.server.log)
 
 
+class SpeculativeServer(unittest.TestCase):
+    """`serve --lookup`: drafts checked inside continuous batching give the greedy text of plain
+    `ringlm run`, concurrent requests each their own; /metrics counts the drafts."""
+
+    COPY = "Copy the list: apples, pears, plums, cherries, grapes. Copy: apples, pears,"
+
+    def test_greedy_texts_are_plain_decodings_and_metrics_count_drafts(self):
+        server = Server("--parallel", "2", "-c", "512", "--lookup", "8")
+        try:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+            prompts = [self.COPY, PROMPTS[1]]
+            results = {}
+
+            def ask(prompt, extra):
+                r = client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+                results[(prompt, json.dumps(extra))] = r.choices[0].text
+
+            threads = [threading.Thread(target=ask, args=(p, {})) for p in prompts]
+            threads.append(threading.Thread(target=ask, args=(self.COPY, {"speculative.n_max": 0})))
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for (prompt, _), text in results.items():
+                self.assertEqual(text, ringlm_run(prompt, 24), prompt)
+            _, metrics = curl(server.url + "/metrics")
+            drafted = float(re.search(r"^ringlm_draft_tokens_total (\S+)$", metrics, re.M).group(1))
+            accepted = float(re.search(r"^ringlm_draft_tokens_accepted_total (\S+)$", metrics, re.M).group(1))
+            self.assertGreater(accepted, 0)
+            self.assertLessEqual(accepted, drafted)
+        finally:
+            self.assertEqual(server.stop(), 0)
+
+
 class Limits(unittest.TestCase):
     def test_a_file_that_is_not_a_model_is_a_clear_error(self):
         with tempfile.NamedTemporaryFile(suffix=".gguf") as bad:
