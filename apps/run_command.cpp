@@ -152,8 +152,13 @@ void run(const RunOptions& o) {
     m.model->forward_top(tokens, cache, top);
   };
 
+  std::optional<LoadedModel> draft_model = load_draft_model(o.speculative, m, n_threads);
+  const std::unique_ptr<Drafter> drafter =
+      make_drafter(o.speculative, draft_model ? &*draft_model : nullptr, n_ctx, o.cache, o.sampling);
+
   auto t0 = std::chrono::steady_clock::now();
   evaluate(prompt);
+  if (drafter) drafter->start(prompt);
   stats.prompt_ms = ms_since(t0);
 
   t0 = std::chrono::steady_clock::now();
@@ -175,9 +180,6 @@ void run(const RunOptions& o) {
     ++stats.decode_evals;
   };
   sequence.has_room = [&] { return has_room(cache); };
-  std::optional<LoadedModel> draft_model = load_draft_model(o.speculative, m, n_threads);
-  const std::unique_ptr<Drafter> drafter =
-      make_drafter(o.speculative, draft_model ? &*draft_model : nullptr, n_ctx, o.cache, o.sampling);
   std::vector<float> draft_logits;
   if (drafter) {
     sequence.evaluate_draft = [&](std::span<const int32_t> tokens) {

@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
-"""Speculative decoding by prompt lookup against plain greedy decoding (issue 31).
+"""Speculative decoding against plain greedy decoding (issue 31), side by side with llama.cpp.
 
     python3 bench/speculative.py [-m MODEL] [--ringlm build/bin/ringlm] [-t 2] [-n 128]
-        [--lookup 8] [--repeats 3] [--llama-cpp DIR]
+        [--lookup 8] [--repeats 3] [--llama-cpp DIR] [--draft-model DRAFT [--target TARGET]]
 
 For each prompt (written for this project: a summary, a rewrite and a code edit of a given text,
-which the answer quotes, and an open chat, which it does not), `ringlm run --temp 0` with and
-without `--lookup N`: decode tokens/s (median of --repeats), the acceptance rate, the speed-up,
-and whether the two texts are the same (they must be). With --llama-cpp DIR (llama.cpp's
-build/bin, from ../shared/tools/build-llama-cpp.sh llama-lookup llama-simple), llama.cpp's own
-`llama-simple` and `llama-lookup --draft N` on the same prompts, side by side.
+which the answer quotes, and an open chat, which it does not), `ringlm run --temp 0 --ignore-eos`
+with and without `--lookup N`: decode tokens/s (median of --repeats), the acceptance rate, the
+speed-up, whether the two texts are the same (they must be), and the draft tokens accepted of
+those generated. With --llama-cpp DIR (llama.cpp's build/bin, from
+../shared/tools/build-llama-cpp.sh llama-lookup llama-speculative), llama.cpp's own
+`llama-lookup` on the same prompts, with drafting off (its plain decoding) and on, and the ratio
+of the two speed-ups.
+
+With --draft-model DRAFT, a second table: TARGET (default: MODEL) with and without `-md DRAFT`
+(--draft-max 16 --draft-p-min 0.75, llama.cpp's long-standing defaults), and with --llama-cpp
+`llama-speculative` with the same settings. For SmolLM2 drafting for itself requantized to Q8_0
+the acceptance is near 1: the table shows what the machinery costs.
 
 Not part of CI: run it on an idle machine.
 """
@@ -42,25 +49,65 @@ PROMPTS = {
     "open chat": "Question: What are three good habits for learning a new language?\nAnswer:",
 }
 INPUT_GROUNDED = ("summarise", "rewrite", "code edit")
+DRAFT_MAX, DRAFT_P_MIN = 16, 0.75
 
 
-def ringlm_run(args, prompt: str, lookup: int) -> tuple[str, dict]:
-    cmd = [args.ringlm, "run", "-m", args.model, "-t", str(args.threads), "--temp", "0", "-n", str(args.n),
-           "--ignore-eos", "--stats", "json", "-p", prompt]
-    if lookup:
-        cmd += ["--lookup", str(lookup)]
+def ringlm_run(args, model: str, prompt: str, extra: list[str]) -> tuple[str, dict]:
+    cmd = [args.ringlm, "run", "-m", model, "-t", str(args.threads), "--temp", "0", "-n", str(args.n),
+           "--ignore-eos", "--stats", "json", "-p", prompt, *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    stats = json.loads(r.stderr.strip().splitlines()[-1])
-    return r.stdout, stats
+    return r.stdout, json.loads(r.stderr.strip().splitlines()[-1])
 
 
-def llama_cpp_speed(binary: str, args, prompt: str, extra: list[str]) -> tuple[float, float | None]:
-    cmd = [binary, "-m", args.model, "-t", str(args.threads), "-n", str(args.n), "-p", prompt, "--temp", "0", *extra]
+def llama_cpp_run(args, binary: str, model: str, prompt: str, extra: list[str]) -> tuple[float, float | None]:
+    """Decode tokens/s and acceptance of llama-lookup / llama-speculative."""
+    cmd = [os.path.join(args.llama_cpp, binary), "-m", model, "-t", str(args.threads), "-n", str(args.n), "-p", prompt,
+           "--temp", "0", "--ignore-eos", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True)
     out = r.stdout + r.stderr
-    speed = re.findall(r"speed:\s*([0-9.]+)\s*t/s", out)
+    speed = re.findall(r"decoded\s+\d+\s+tokens in\s+[0-9.]+ seconds, speed:\s*([0-9.]+)\s*t/s", out)
     accept = re.findall(r"accept\s*=\s*([0-9.]+)%", out)
     return (float(speed[-1]) if speed else float("nan")), (float(accept[-1]) / 100 if accept else None)
+
+
+def llama_cpp_median(args, binary, model, prompt, extra):
+    runs = [llama_cpp_run(args, binary, model, prompt, extra) for _ in range(args.repeats)]
+    return statistics.median(r[0] for r in runs), runs[-1][1]
+
+
+def ringlm_side(args, model, prompt, extra):
+    """Median plain and speculative tokens/s, acceptance, same text, accepted / generated."""
+    plain, spec, acceptance, same, stats = [], [], [], True, {}
+    for _ in range(args.repeats):
+        text0, s0 = ringlm_run(args, model, prompt, [])
+        text1, stats = ringlm_run(args, model, prompt, extra)
+        plain.append(s0["gen_tps"])
+        spec.append(stats["gen_tps"])
+        acceptance.append(stats["speculative"]["acceptance"])
+        same = same and text0 == text1
+    return (statistics.median(plain), statistics.median(spec), statistics.median(acceptance), same,
+            f"{stats['speculative']['accepted']} / {stats['gen_tokens']}")
+
+
+def table(args, title, model, extra, llama_binary, llama_extra, llama_model):
+    print(f"\n{title}\n")
+    head = "| prompt | plain t/s | speculative t/s | acceptance | speed-up | same text | accepted / generated |"
+    rule = "|---|---:|---:|---:|---:|---|---:|"
+    if args.llama_cpp:
+        head += f" llama.cpp plain t/s | {llama_binary} t/s | its acceptance | its speed-up | speed-up ratio |"
+        rule += "---:|---:|---:|---:|---:|"
+    print(head + "\n" + rule, flush=True)
+    for name, prompt in PROMPTS.items():
+        if args.only and name != args.only:
+            continue
+        p, s, a, same, accepted = ringlm_side(args, model, prompt, extra)
+        row = f"| {name} | {p:.1f} | {s:.1f} | {a:.2f} | {s / p:.2f}x | {'yes' if same else 'NO'} | {accepted} |"
+        if args.llama_cpp:
+            lp, _ = llama_cpp_median(args, "llama-lookup", llama_model, prompt, ["--spec-draft-n-max", "0"])
+            ls, la = llama_cpp_median(args, llama_binary, llama_model, prompt, llama_extra)
+            row += (f" {lp:.1f} | {ls:.1f} | {la if la is not None else float('nan'):.2f} | {ls / lp:.2f}x |"
+                    f" {(s / p) / (ls / lp):.2f} |")
+        print(row, flush=True)
 
 
 def main() -> None:
@@ -71,35 +118,21 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--lookup", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--llama-cpp", help="llama.cpp's build/bin (llama-simple, llama-lookup)")
+    ap.add_argument("--llama-cpp", help="llama.cpp's build/bin (llama-lookup, llama-speculative)")
+    ap.add_argument("--draft-model", help="a draft model: the second table")
+    ap.add_argument("--target", help="the draft model's target (default: -m)")
     ap.add_argument("--only", help="one prompt's name")
     args = ap.parse_args()
 
-    print(f"| prompt | plain t/s | --lookup {args.lookup} t/s | acceptance | speed-up | same text |"
-          + (" llama.cpp plain t/s | llama-lookup t/s | its acceptance | its speed-up |" if args.llama_cpp else ""))
-    print("|---|---:|---:|---:|---:|---|" + ("---:|---:|---:|---:|" if args.llama_cpp else ""))
-    for name, prompt in PROMPTS.items():
-        if args.only and name != args.only:
-            continue
-        plain, spec, acceptance, same = [], [], [], True
-        for _ in range(args.repeats):
-            text0, s0 = ringlm_run(args, prompt, 0)
-            text1, s1 = ringlm_run(args, prompt, args.lookup)
-            plain.append(s0["gen_tps"])
-            spec.append(s1["gen_tps"])
-            acceptance.append(s1["speculative"]["acceptance"])
-            same = same and text0 == text1
-        p, s = statistics.median(plain), statistics.median(spec)
-        row = f"| {name} | {p:.1f} | {s:.1f} | {statistics.median(acceptance):.2f} | {s / p:.2f}x | {'yes' if same else 'NO'} | {s1['speculative']['accepted']} / {s1['gen_tokens']} |"
-        if args.llama_cpp:
-            lp = statistics.median(llama_cpp_speed(os.path.join(args.llama_cpp, "llama-simple"), args, prompt, [])[0]
-                                   for _ in range(args.repeats))
-            runs = [llama_cpp_speed(os.path.join(args.llama_cpp, "llama-lookup"), args, prompt,
-                                    ["--draft", str(args.lookup)]) for _ in range(args.repeats)]
-            ls = statistics.median(r[0] for r in runs)
-            la = runs[-1][1]
-            row += f" {lp:.1f} | {ls:.1f} | {la if la is not None else float('nan'):.2f} | {ls / lp:.2f}x |"
-        print(row, flush=True)
+    if args.lookup > 0:
+        table(args, f"Prompt lookup (--lookup {args.lookup}; llama-lookup --spec-draft-n-max {args.lookup})", args.model,
+              ["--lookup", str(args.lookup)], "llama-lookup", ["--spec-draft-n-max", str(args.lookup)], args.model)
+    if args.draft_model:
+        target = args.target or args.model
+        settings = ["--draft-max", str(DRAFT_MAX), "--draft-p-min", str(DRAFT_P_MIN)]
+        table(args, f"Draft model {os.path.basename(args.draft_model)} for {os.path.basename(target)}", target,
+              ["-md", args.draft_model, *settings], "llama-speculative",
+              ["-md", args.draft_model, "--spec-draft-n-max", str(DRAFT_MAX), "--draft-p-min", str(DRAFT_P_MIN)], target)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,12 @@ void DraftModel::follow(std::span<const int32_t> history) {
   for (size_t i = 0; i < fresh.size(); ++i) evaluate(fresh.subspan(i, 1));
 }
 
+void DraftModel::start(std::span<const int32_t> prompt) {
+  cache_.clear();
+  fed_.clear();
+  if (!prompt.empty()) evaluate(prompt);  // in one pass, as the target did
+}
+
 Draft DraftModel::guess(std::span<const int32_t> history, int limit) {
   if (history.empty()) return {};
   follow(history);

@@ -38,6 +38,7 @@ class DraftModel : public Drafter {
              const DraftModelOptions& options);
 
   Draft guess(std::span<const int32_t> history, int limit) override;
+  void start(std::span<const int32_t> prompt) override;
 
   // Tokens the draft model has evaluated: the history it followed and its own drafts.
   int64_t evaluated() const { return evaluated_; }

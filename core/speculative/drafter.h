@@ -27,6 +27,10 @@ class Drafter {
   // At most `limit` tokens guessed to follow `history` (the prompt and every token taken so
   // far, the one about to be evaluated included); empty for no guess.
   virtual Draft guess(std::span<const int32_t> history, int limit) = 0;
+  // The target has just evaluated `prompt` (in one pass): a guesser with a model of its own
+  // evaluates it too, so that the first guess does not (a draft model's prefill then counts as
+  // the prompt's time, as llama.cpp counts it). Optional: guess() follows any history anyway.
+  virtual void start(std::span<const int32_t> prompt) { (void)prompt; }
 };
 
 }  // namespace ringlm
