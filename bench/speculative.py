@@ -5,7 +5,7 @@
         [--lookup 8] [--repeats 3] [--llama-cpp DIR] [--draft-model DRAFT [--target TARGET]]
 
 For each prompt (written for this project: a summary, a rewrite and a code edit of a given text,
-which the answer quotes, and an open chat, which it does not), `ringlm run --temp 0 --ignore-eos`
+which the answer quotes, and an open chat, which it does not), `ringlm run --temp 0`
 with and without `--lookup N`: decode tokens/s (median of --repeats), the acceptance rate, the
 speed-up, whether the two texts are the same (they must be), and the draft tokens accepted of
 those generated. With --llama-cpp DIR (llama.cpp's build/bin, from
@@ -42,11 +42,20 @@ CODE = (
     "        total = total + item.price * item.quantity\n"
     "    return total\n"
 )
+def chatml(user: str, reply_start: str = "") -> str:
+    """SmolLM2's chat format, with the start of the reply written in: what `chat` would send."""
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{reply_start}"
+
+
+# The answers end at the model's end of turn (no --ignore-eos: llama.cpp's never draws it, ringlm's
+# takes it and goes on, and the texts would differ past it), or at -n.
 PROMPTS = {
-    "summarise": f"Text: {SOURCE}\n\nSummarise the text above in three sentences, reusing its words.\nSummary: The harbour town of Wellmere",
-    "rewrite": f"Text: {SOURCE}\n\nRewrite the text above in the past tense.\nRewritten text: The harbour town of Wellmere sat",
-    "code edit": f"Code:\n{CODE}\nRename the function to order_total and add a docstring.\nEdited code:\ndef order_total(items):",
-    "open chat": "Question: What are three good habits for learning a new language?\nAnswer:",
+    "summarise": chatml(f"Text: {SOURCE}\n\nSummarise the text above in five sentences, reusing its words.",
+                        "The harbour town of Wellmere"),
+    "rewrite": chatml(f"Text: {SOURCE}\n\nRewrite the text above in the past tense.", "The harbour town of Wellmere sat"),
+    "code edit": chatml(f"Code:\n{CODE}\nRename the function to order_total and add a docstring.",
+                        "```python\ndef order_total(items):\n    \"\"\"Return the total price of the items.\"\"\"\n"),
+    "open chat": chatml("What are three good habits for learning a new language?"),
 }
 INPUT_GROUNDED = ("summarise", "rewrite", "code edit")
 DRAFT_MAX, DRAFT_P_MIN = 16, 0.75
@@ -54,7 +63,7 @@ DRAFT_MAX, DRAFT_P_MIN = 16, 0.75
 
 def ringlm_run(args, model: str, prompt: str, extra: list[str]) -> tuple[str, dict]:
     cmd = [args.ringlm, "run", "-m", model, "-t", str(args.threads), "--temp", "0", "-n", str(args.n),
-           "--ignore-eos", "--stats", "json", "-p", prompt, *extra]
+           "--stats", "json", "-p", prompt, *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return r.stdout, json.loads(r.stderr.strip().splitlines()[-1])
 
@@ -62,7 +71,7 @@ def ringlm_run(args, model: str, prompt: str, extra: list[str]) -> tuple[str, di
 def llama_cpp_run(args, binary: str, model: str, prompt: str, extra: list[str]) -> tuple[float, float | None]:
     """Decode tokens/s and acceptance of llama-lookup / llama-speculative."""
     cmd = [os.path.join(args.llama_cpp, binary), "-m", model, "-t", str(args.threads), "-n", str(args.n), "-p", prompt,
-           "--temp", "0", "--ignore-eos", *extra]
+           "--temp", "0", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True)
     out = r.stdout + r.stderr
     speed = re.findall(r"decoded\s+\d+\s+tokens in\s+[0-9.]+ seconds, speed:\s*([0-9.]+)\s*t/s", out)
