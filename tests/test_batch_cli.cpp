@@ -143,7 +143,7 @@ TEST(BatchCli, GreedyOutputsDoNotDependOnParallel) {
 // with its token, and the greedy texts are those of plain batching (prompt lookup, then a draft
 // model: the test model drafting for itself).
 TEST(BatchCli, SpeculativeDraftsGiveThePlainTexts) {
-  std::string input = eight_prompts(test::scaled(40, 16), test::scaled(3, 2));
+  std::string input = eight_prompts(test::scaled(24, 12), 1);
   input += R"({"id": "copy", "prompt": "Copy the list: apples, pears, plums, cherries, grapes. Copy: apples, pears,", "max_tokens": 24})"
            "\n";
   const BatchRunResult plain = run_batch("spec-plain", input, "--parallel 3 --prefill-chunk 4");

@@ -219,7 +219,7 @@ class TopThreeOracle : public Drafter {
 
 TEST(SpeculativeSampling, FollowsTheModelsDistribution) {
   omp_set_num_threads(1);
-  const LoadedModel m = load_model(tiny("q8_0"), 1);
+  const LoadedModel m = load_model(tiny("q4_0"), 1);
   LlamaModel& model = *m.model;
   const auto vocab = static_cast<size_t>(model.hparams().n_vocab);
   const Tokens prompt = {1, 20, 21, 22, 20, 21};
@@ -393,9 +393,9 @@ TEST(SpeculativeCli, DraftModelGreedyTextIsPlainDecodingsThroughContextShifts) {
   const test::CommandResult quantized =
       sh(std::string(RINGLM_BINARY) + " quantize " + std::string(RINGLM_TEST_MODEL) + " " + q8 + " --type Q8_0");
   ASSERT_EQ(quantized.exit_code, 0) << quantized.err;
-  const std::string n = std::to_string(test::scaled(64, 24));
+  const std::string n = std::to_string(test::scaled(64, 32));
   const nlohmann::json plain = expect_same_text(
-      "-c 40 --keep 4 --ignore-eos -t 1 -n " + n + " -m " + std::string(RINGLM_TEST_MODEL) + " -p 'Write a poem about the sea.'",
+      "-c 32 --keep 4 --ignore-eos -t 1 -n " + n + " -m " + std::string(RINGLM_TEST_MODEL) + " -p 'Write a poem about the sea.'",
       "-md " + q8 + " --draft-p-min 0 --draft-max 8");
   ASSERT_FALSE(plain.is_null());
   EXPECT_GT(plain.at("n_shifts").get<int>(), 0);
@@ -428,11 +428,11 @@ TEST(SpeculativeCli, ADraftModelOfAnotherVocabularyIsRefused) {
 
 // `ringlm run --lookup` at a temperature: the speculative sampling rule, with drafts accepted.
 TEST(SpeculativeCli, LookupSamplesAtATemperature) {
-  const test::CommandResult r = sh(std::string(RINGLM_BINARY) + " run --lookup 4 --temp 0.7 --seed 3 --stats json -n 40 "
+  const test::CommandResult r = sh(std::string(RINGLM_BINARY) + " run --lookup 4 --temp 0.7 --seed 3 --stats json -n " + std::to_string(test::scaled(40, 16)) + " "
                                    "--ignore-eos -t 1 -m " + std::string(RINGLM_TEST_MODEL) + " -p " + kCopyPrompt);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json s = stats_of(r.err);
-  EXPECT_EQ(s.at("gen_tokens").get<int>(), 40);
+  EXPECT_EQ(s.at("gen_tokens").get<int>(), test::scaled(40, 16));
   EXPECT_GT(s.at("speculative").at("accepted").get<int>(), 0) << r.err;
 }
 
