@@ -43,19 +43,20 @@ std::vector<json> records(const std::string& path) {
   return out;
 }
 
-std::string batch_command(const std::string& in, const std::string& out, const std::string& extra) {
-  return std::string(RINGLM_BINARY) + " batch -m " + RINGLM_TEST_MODEL + " -t 1 --temp 0 -i " + in + " -o " + out + " " +
-         extra;
+std::string batch_command(const std::string& in, const std::string& out, const std::string& extra,
+                          const std::string& model = RINGLM_TEST_MODEL) {
+  return std::string(RINGLM_BINARY) + " batch -m " + model + " -t 1 --temp 0 -i " + in + " -o " + out + " " + extra;
 }
 
 // The run's exit code and stderr (the results go to its output file).
 using BatchRunResult = test::CommandResult;
 
-BatchRunResult run_batch(const std::string& name, const std::string& input, const std::string& extra, bool fresh = true) {
+BatchRunResult run_batch(const std::string& name, const std::string& input, const std::string& extra, bool fresh = true,
+                         const std::string& model = RINGLM_TEST_MODEL) {
   const std::string in = work_dir() + "/" + name + ".in", out = work_dir() + "/" + name + ".out";
   std::ofstream(in) << input;
   if (fresh) std::filesystem::remove(out);
-  return test::run_command(batch_command(in, out, extra), work_dir(), 300);
+  return test::run_command(batch_command(in, out, extra, model), work_dir(), 300);
 }
 
 // id (as JSON text) -> text, for results without a sample index.
@@ -141,17 +142,22 @@ TEST(BatchCli, GreedyOutputsDoNotDependOnParallel) {
 
 // Speculative decoding inside continuous batching: each sequence's draft rows go into the step
 // with its token, and the greedy texts are those of plain batching (prompt lookup, then a draft
-// model: the test model drafting for itself).
+// model: the test model drafting for itself). The sanitizer build checks the memory of the same
+// paths on a tiny model drafting for itself (every draft accepted).
 TEST(BatchCli, SpeculativeDraftsGiveThePlainTexts) {
+  const std::string model =
+      test::kSanitizedBuild ? std::string(RINGLM_TEST_WORK_DIR) + "/tiny_q8_0.gguf" : std::string(RINGLM_TEST_MODEL);
   std::string input = eight_prompts(test::scaled(24, 12), 1);
   input += R"({"id": "copy", "prompt": "Copy the list: apples, pears, plums, cherries, grapes. Copy: apples, pears,", "max_tokens": 24})"
            "\n";
-  const BatchRunResult plain = run_batch("spec-plain", input, "--parallel 3 --prefill-chunk 4");
+  const BatchRunResult plain = run_batch("spec-plain", input, "--parallel 3 --prefill-chunk 4", true, model);
   ASSERT_EQ(plain.exit_code, 0) << plain.err;
   const auto reference = texts_by_id(records(work_dir() + "/spec-plain.out"));
   ASSERT_EQ(reference.size(), 9u);
-  for (const std::string& guesser : {std::string("--lookup 6"), std::string("-md ") + RINGLM_TEST_MODEL}) {
-    const BatchRunResult r = run_batch("spec", input, "--parallel 3 --prefill-chunk 4 " + guesser);
+  const std::vector<std::string> guessers = test::kSanitizedBuild ? std::vector<std::string>{"-md " + model + " --draft-p-min 0"}
+                                                                  : std::vector<std::string>{"--lookup 6", "-md " + model};
+  for (const std::string& guesser : guessers) {
+    const BatchRunResult r = run_batch("spec", input, "--parallel 3 --prefill-chunk 4 " + guesser, true, model);
     ASSERT_EQ(r.exit_code, 0) << r.err;
     EXPECT_EQ(texts_by_id(records(work_dir() + "/spec.out")), reference) << guesser;
     std::smatch m;
