@@ -150,6 +150,11 @@ struct AttentionCall {
   float* out = nullptr;
   const KvView* kv = nullptr;
   float* softmax_phi = nullptr;
+  // A speculative draft's checking pass (only to a backend that attends_stepwise()): each row
+  // attends exactly as the decode step of its token would, one after the other (row i's maxima
+  // are row i + 1's softmax_phi); step_phi[i] ([n_head], optional) gets the maxima row i leaves.
+  bool steps = false;
+  float* const* step_phi = nullptr;
 };
 
 // Activation memory from Backend::alloc_activations: `size()` floats at `data()`, an address
@@ -243,6 +248,9 @@ class Backend {
   // sequences shares the threads): query i of a call, at position pos0 + i, sees exactly the
   // slots of its prefix and its cache at positions 0 .. pos0 + i (the last shape.window of them).
   virtual void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) = 0;
+  // Whether attention() runs a checking pass's calls (AttentionCall::steps) itself; otherwise
+  // the model hands it their rows one at a time, as decode calls.
+  virtual bool attends_stepwise() const { return false; }
 
   // StreamingLLM's shift-RoPE: rotates the keys of `slots` in `layers` by one set of angles
   // (angles.cos / sin: one row), in place, wherever the backend keeps the cache.

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -282,6 +283,100 @@ TEST(AttentionBatch, EachJobMatchesItsOwnCallBitForBit) {
     }
   }
 }
+
+// attention_steps (a speculative draft's checking pass): every row, and the maxima it leaves,
+// bit for bit what the decode calls of its tokens give one after the other (attention_causal of
+// one token, its phi the one the row before left). Cases: in order and as a ring, fp16, a
+// prefix, a window, keys split across threads (past 512), the exact softmax (no phi; NaN: the
+// first step, then the learned maxima), and shapes that go row by row (a group too large for
+// the row path).
+struct StepsCase {
+  AttentionShape shape;
+  Case layout;  // n_past, n_tokens (the checking rows), ring, f16, prefix of the same Case
+  bool async;   // a phi to start from (else the exact softmax throughout)
+  float phi0;   // the first row's phi (NaN: not known yet)
+};
+
+class AttentionSteps : public ::testing::TestWithParam<StepsCase> {};
+
+TEST_P(AttentionSteps, EveryRowIsItsDecodeStepBitForBit) {
+  const StepsCase sc = GetParam();
+  const Case& c = sc.layout;
+  const AttentionShape& sh = sc.shape;
+  std::mt19937 rng(static_cast<unsigned>(c.n_past * 31 + c.n_tokens));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const Layout l = make_layout(c, rng);
+  const int n_slots = static_cast<int>(l.positions.size()), kv_w = sh.n_head_kv * sh.head_dim;
+  const int64_t q_w = static_cast<int64_t>(sh.n_head) * sh.head_dim;
+  std::vector<float> q(static_cast<size_t>(c.n_tokens * q_w)), k(static_cast<size_t>(n_slots) * kv_w), v(k.size());
+  for (auto* vec : {&q, &k, &v}) {
+    for (float& x : *vec) x = normal(rng) * 1.5f;
+  }
+  std::vector<uint16_t> k16(k.size()), v16(v.size());
+  for (size_t i = 0; i < k.size(); ++i) k16[i] = static_cast<uint16_t>(fp32_to_fp16(k[i])), v16[i] = static_cast<uint16_t>(fp32_to_fp16(v[i]));
+  const void* keys = c.f16 ? static_cast<const void*>(k16.data()) : k.data();
+  const void* values = c.f16 ? static_cast<const void*>(v16.data()) : v.data();
+  const size_t elem = c.f16 ? 2 : 4;
+  KvLayer prefix{keys, values, kv_w, c.f16, l.positions.data(), c.prefix, nullptr};
+  KvLayer kv{static_cast<const char*>(keys) + c.prefix * kv_w * elem, static_cast<const char*>(values) + c.prefix * kv_w * elem,
+             kv_w, c.f16, l.positions.data() + c.prefix, n_slots - c.prefix, c.prefix > 0 ? &prefix : nullptr};
+  const int64_t pos0 = c.n_past;
+  for (int threads : {1, 2}) {
+    // The decode steps, one call per row.
+    std::vector<float> want(q.size(), NAN), phi(static_cast<size_t>(sh.n_head), sc.phi0);
+    std::vector<std::vector<float>> want_rows;
+    AttentionScratch one;
+    for (int i = 0; i < c.n_tokens; ++i) {
+      attention_causal(sh, q.data() + i * q_w, kv, pos0 + i, 1, want.data() + i * q_w, one, threads,
+                       sc.async ? phi.data() : nullptr);
+      want_rows.push_back(phi);
+    }
+    // The checking pass.
+    std::vector<float> got(q.size(), NAN), got_phi(static_cast<size_t>(sh.n_head), sc.phi0);
+    std::vector<std::vector<float>> got_rows(static_cast<size_t>(c.n_tokens), std::vector<float>(got_phi.size(), NAN));
+    std::vector<float*> row_ptrs;
+    for (auto& r : got_rows) row_ptrs.push_back(r.data());
+    AttentionScratch scratch;
+    const AttentionJob job{q.data(), kv, pos0, c.n_tokens, got.data(), sc.async ? got_phi.data() : nullptr,
+                           sc.async ? row_ptrs.data() : nullptr};
+    attention_steps(sh, job, scratch, threads);
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
+          << "threads " << threads << " row " << i / static_cast<size_t>(q_w) << " element " << i % static_cast<size_t>(q_w)
+          << ": " << got[i] << " vs " << want[i];
+    }
+    if (!sc.async) continue;
+    for (int i = 0; i < c.n_tokens; ++i) {
+      for (int h = 0; h < sh.n_head; ++h) {
+        ASSERT_EQ(got_rows[static_cast<size_t>(i)][static_cast<size_t>(h)], want_rows[static_cast<size_t>(i)][static_cast<size_t>(h)])
+            << "row " << i << " head " << h;
+      }
+    }
+    ASSERT_EQ(got_phi, want_rows.back());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Passes, AttentionSteps,
+    ::testing::Values(StepsCase{{9, 3, 64}, Case{9, 3, 64, 150, 9}, true, 4.0f},
+                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 150, 9}, true, NAN},
+                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 150, 9}, false, NAN},
+                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 300, 5, true, true}, true, 3.0f},
+                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 600, 9, false, true}, true, 3.0f},  // split keys
+                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 600, 4, true, false, 200}, true, 100.0f},  // phi too high: exact
+                      StepsCase{{8, 2, 32, 64}, Case{8, 2, 32, 300, 6, false, true}, true, 2.0f},    // a window
+                      StepsCase{{4, 1, 16}, Case{4, 1, 16, 127, 3}, true, 2.0f},                      // across a block's end
+                      StepsCase{{16, 1, 64}, Case{16, 1, 64, 200, 4, false, true}, true, NAN}),       // row by row
+    [](const auto& info) {
+      const StepsCase& s = info.param;
+      std::ostringstream name;
+      name << "H" << s.shape.n_head << "_KV" << s.shape.n_head_kv << "_past" << s.layout.n_past << "_rows" << s.layout.n_tokens
+           << (s.layout.ring ? "_ring" : "") << (s.layout.f16 ? "_f16" : "");
+      if (s.layout.prefix > 0) name << "_prefix" << s.layout.prefix;
+      if (s.shape.window > 0) name << "_window" << s.shape.window;
+      name << (s.async ? (std::isnan(s.phi0) ? "_phi_learned" : "_phi") : "_exact") << "_" << info.index;
+      return name.str();
+    });
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                          ::testing::Values(Case{4, 4, 16, 0, 1}, Case{4, 4, 16, 0, 9}, Case{9, 3, 64, 0, 130},

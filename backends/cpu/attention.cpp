@@ -410,6 +410,16 @@ void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float*
 // with room to add a position to it.
 int64_t window_of(const AttentionShape& sh) { return sh.window > 0 ? sh.window : int64_t{1} << 62; }
 
+// What a checking pass (attention_steps) computed once for all its rows, for one KV head: the
+// keys and values as fp32 rows ([n_keys][hd], in the unit numbering of the keys), and the
+// scores of a unit's query rows (row r's score of key j at scores[r * scores_ld + j]).
+struct StepsInput {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const float* scores = nullptr;
+  int64_t scores_ld = 0;
+};
+
 // One block of a unit's keys as the products read them.
 struct BlockView {
   const float* k = nullptr;
@@ -428,14 +438,15 @@ struct BlockView {
 // in-order cache, the future of a prefill's diagonal block): they would only add zeros.
 // Returns false when no row of the unit (positions first_pos .. last_pos) sees any key.
 bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t first_pos, int64_t last_pos,
-                int64_t window, const UnitBuffers& buf, int64_t* pos_buf, BlockView* view) {
+                int64_t window, const UnitBuffers& buf, int64_t* pos_buf, BlockView* view,
+                const StepsInput* pre = nullptr) {
   const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
   // The block's pieces: at most one per run, each its run, first slot, length and column.
   struct Piece {
     const KvLayer* run;
     int slot, count, column;
   };
-  Piece pieces[2];
+  Piece pieces[2] = {};
   int n_pieces = 0;
   if (j0 < n_prefix) pieces[n_pieces++] = {kv.prefix, j0, std::min(nb, n_prefix - j0), 0};
   if (j0 + nb > n_prefix) {
@@ -462,6 +473,12 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   view->nb = nb;
   view->pos = pos;
   view->all_visible = all_visible;
+  if (pre != nullptr) {  // converted already, for every row of a checking pass
+    view->k = pre->k + static_cast<int64_t>(j0) * hd;
+    view->v = pre->v + static_cast<int64_t>(j0) * hd;
+    view->ldk = view->ldv = hd;
+    return true;
+  }
   if (n_pieces == 1 && !pieces[0].run->f16) {
     const KvLayer& run = *pieces[0].run;
     const int64_t offset = pieces[0].slot * run.row_stride + static_cast<int64_t>(kv_head) * hd;
@@ -494,7 +511,8 @@ const float* query_row(const AttentionShape& sh, const float* q, const Unit& u, 
 // of split parts is a plain sum. Returns false, leaving the state to be discarded, when a score
 // leaves [phi + kAsyncLow, phi + kAsyncHigh]. seen_max[r] gets row r's largest visible score.
 bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
-                   const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max) {
+                   const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max,
+                   const StepsInput* pre = nullptr) {
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int rows = (u.token_end - u.token_begin) * group;
   const float scale = sh.score_scale();
@@ -514,9 +532,13 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
   // Meets keys [j0, j0 + nb); false when the asynchronized softmax must give up (see above).
   const auto meet_block = [&](int j0, int nb) {
     BlockView b;
-    if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, window, buf, pos_buf, &b)) return true;
-    // scores[rows][nb] = qt · Kᵀ
-    HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, b.k, b.ldk, b.nb, scores, kKeyBlock);
+    if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, window, buf, pos_buf, &b, pre)) return true;
+    // scores[rows][nb] = qt · Kᵀ (a checking pass took them already: the same sums)
+    if (pre != nullptr) {
+      for (int r = 0; r < rows; ++r) std::copy_n(pre->scores + r * pre->scores_ld + j0, b.nb, scores + r * kKeyBlock);
+    } else {
+      HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, b.k, b.ldk, b.nb, scores, kKeyBlock);
+    }
     for (int r = 0; r < rows; ++r) {
       float* s = scores + r * kKeyBlock;
       if (!b.all_visible) {
@@ -669,6 +691,11 @@ float* AttentionScratch::partials(size_t floats) {
   return partials_.data();
 }
 
+float* AttentionScratch::steps(size_t floats) {
+  if (steps_.size() < floats) steps_.resize(floats);
+  return steps_.data();
+}
+
 namespace {
 
 AttentionPlan plan_job(const AttentionShape& sh, const AttentionJob& job, int tokens_per_tile, int n_threads) {
@@ -802,6 +829,183 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
         }
       }
     }
+  }
+}
+
+namespace {
+
+// attention_steps' shared buffers may take this much; a longer checking pass runs its rows as
+// decode calls one after the other (the same results, the keys converted once per row).
+constexpr size_t kMaxStepsBytes = size_t{64} << 20;
+
+// attention_steps the plain way: each row a decode call of its own.
+void attention_steps_one_by_one(const AttentionShape& sh, const AttentionJob& job, AttentionScratch& scratch,
+                                int n_threads) {
+  const int64_t q_stride = static_cast<int64_t>(sh.n_head) * sh.head_dim;
+  for (int i = 0; i < job.n_tokens; ++i) {
+    const AttentionJob row{job.q + i * q_stride, job.kv, job.q_pos0 + i, 1, job.out + i * q_stride, job.softmax_phi};
+    attention_batch(sh, std::span<const AttentionJob>(&row, 1), scratch, n_threads);
+    if (job.softmax_phi != nullptr && job.step_phi != nullptr) std::copy_n(job.softmax_phi, sh.n_head, job.step_phi[i]);
+  }
+}
+
+// Positions of the keys in the unit numbering (the prefix's slots first).
+void number_positions(const KvLayer& kv, std::vector<int64_t>& pos) {
+  const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
+  pos.resize(static_cast<size_t>(n_prefix + kv.n_slots));
+  if (n_prefix > 0) std::copy_n(kv.prefix->positions, n_prefix, pos.begin());
+  std::copy_n(kv.positions, kv.n_slots, pos.begin() + n_prefix);
+}
+
+}  // namespace
+
+void attention_steps(const AttentionShape& sh, const AttentionJob& job, AttentionScratch& scratch, int n_threads) {
+  const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim, n_kv = sh.n_head_kv;
+  const int n_rows = job.n_tokens;
+  // A row as attention_batch plans its decode step: every row the same, over the same cache.
+  AttentionJob first_row = job;
+  first_row.n_tokens = 1;
+  const AttentionPlan plan = plan_job(sh, first_row, 1, n_threads);
+  const int n_keys = plan.n_keys, splits = plan.splits;
+  const int rows_all = n_rows * group;  // one KV head's query rows, every token's
+  const size_t kv_floats = static_cast<size_t>(n_keys) * hd;
+  const size_t score_floats = static_cast<size_t>(rows_all) * n_keys;
+  const size_t unit_state = static_cast<size_t>(group) * (2 + hd);
+  const size_t n_units = static_cast<size_t>(n_kv) * n_rows * splits;
+  const size_t shared = static_cast<size_t>(n_kv) * (2 * kv_floats + score_floats) +
+                        static_cast<size_t>(n_rows) * sh.n_head + (splits > 1 ? n_units * (unit_state + group) : 0);
+  // Exact-path decode units of more than kDirectRows rows take the tile path, whose scores
+  // (and maxima) round otherwise than these: such shapes, and long passes, go row by row.
+  if (n_rows == 1 || group > kDirectRows || shared * sizeof(float) > kMaxStepsBytes) {
+    return attention_steps_one_by_one(sh, job, scratch, n_threads);
+  }
+  float* const base = scratch.steps(shared);
+  const auto keys_of = [&](int g) { return base + static_cast<size_t>(g) * kv_floats; };
+  const auto values_of = [&](int g) { return base + (n_kv + static_cast<size_t>(g)) * kv_floats; };
+  const auto scores_of = [&](int g) { return base + 2 * n_kv * kv_floats + static_cast<size_t>(g) * score_floats; };
+  float* const row_max = base + n_kv * (2 * kv_floats + score_floats);  // [n_rows][n_head]: each row's maxima
+  float* const partials = row_max + static_cast<size_t>(n_rows) * sh.n_head;
+  float* const unit_max = partials + n_units * unit_state;
+  std::vector<int64_t>& pos = scratch.step_positions;
+  number_positions(job.kv, pos);
+  std::vector<char>& row_async = scratch.step_async;
+  row_async.assign(static_cast<size_t>(n_rows), 0);
+
+  const int64_t q_stride = static_cast<int64_t>(sh.n_head) * hd;
+  const int64_t window = window_of(sh);
+  const int n_blocks = (n_keys + kKeyBlock - 1) / kKeyBlock;
+  const size_t thread_floats = static_cast<size_t>(rows_all) * hd + static_cast<size_t>(group) * kKeyBlock + unit_state + group;
+  for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats);
+  const auto state_at = [&](float* at) { return TileState{at, at + group, at + 2 * group}; };
+  const auto split_unit = [&](int g, int s) {
+    Unit u{g, 0, 1, 0, n_keys};
+    if (splits > 1) {
+      const int per = (n_keys + splits - 1) / splits;
+      u.key_begin = std::min(n_keys, s * per);
+      u.key_end = std::min(n_keys, (s + 1) * per);
+    }
+    return u;
+  };
+  const auto pre_of = [&](int g, int row) {
+    return StepsInput{keys_of(g), values_of(g), scores_of(g) + static_cast<size_t>(row) * group * n_keys, n_keys};
+  };
+
+#pragma omp parallel num_threads(n_threads)
+  {
+    float* const buf = scratch.thread_buffer(omp_get_thread_num(), thread_floats);
+    UnitBuffers ub{};
+    ub.qt = buf;
+    ub.scores = buf + static_cast<size_t>(rows_all) * hd;
+    float* const own_state = ub.scores + static_cast<size_t>(group) * kKeyBlock;
+    float* const own_max = own_state + unit_state;
+    int64_t pos_buf[kKeyBlock];
+
+    // 1. Per KV head and block of keys: the keys and values as fp32, once, and every row's scores.
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n_kv * n_blocks; ++i) {
+      const int g = i / n_blocks, j0 = (i % n_blocks) * kKeyBlock;
+      float* const k_out = keys_of(g) + static_cast<size_t>(j0) * hd;
+      float* const v_out = values_of(g) + static_cast<size_t>(j0) * hd;
+      UnitBuffers into = ub;
+      into.kbuf = k_out;
+      into.vbuf = v_out;
+      BlockView b;
+      if (!view_block(job.kv, g, hd, j0, std::min(kKeyBlock, n_keys - j0), job.q_pos0, job.q_pos0 + n_rows - 1, window,
+                      into, pos_buf, &b)) {
+        continue;
+      }
+      if (b.k != k_out) {  // fp32 rows read in place: copied, so that every row reads them alike
+        for (int j = 0; j < b.nb; ++j) {
+          std::copy_n(b.k + j * b.ldk, hd, k_out + static_cast<int64_t>(j) * hd);
+          std::copy_n(b.v + j * b.ldv, hd, v_out + static_cast<int64_t>(j) * hd);
+        }
+      }
+      const Unit all{g, 0, n_rows, 0, n_keys};
+      const float scale = sh.score_scale();
+      for (int r = 0; r < rows_all; ++r) {
+        const float* src = query_row(sh, job.q, all, r);
+        for (int c = 0; c < hd; ++c) ub.qt[r * hd + c] = src[c] * scale;
+      }
+      HWY_DYNAMIC_DISPATCH(ScoreRows)(ub.qt, rows_all, hd, k_out, hd, b.nb, scores_of(g) + j0, n_keys);
+    }
+
+    // 2. Each row's maxima over the keys it sees: the phi of the next row's asynchronized softmax.
+#pragma omp for schedule(static)
+    for (int i = 0; i < n_kv * n_rows; ++i) {
+      const int g = i / n_rows, row = i % n_rows;
+      const int64_t row_pos = job.q_pos0 + row;
+      const float* scores = scores_of(g) + static_cast<size_t>(row) * group * n_keys;
+      for (int r = 0; r < group; ++r) {
+        float mx = -INFINITY;
+        for (int j = 0; j < n_keys; ++j) {
+          const int64_t p = pos[static_cast<size_t>(j)];
+          if (p >= 0 && p <= row_pos && row_pos - p < window) mx = std::max(mx, scores[r * n_keys + j]);
+        }
+        row_max[static_cast<size_t>(row) * sh.n_head + g * group + r] = mx;
+      }
+    }
+#pragma omp single
+    for (int row = 0; row < n_rows; ++row) {  // each row's phi: the caller's for the first
+      const float* phi = row == 0 ? job.softmax_phi : row_max + static_cast<size_t>(row - 1) * sh.n_head;
+      bool known = job.softmax_phi != nullptr;
+      for (int h = 0; known && h < sh.n_head; ++h) known = std::isfinite(phi[h]);
+      row_async[static_cast<size_t>(row)] = known ? 1 : 0;
+    }
+
+    // 3. Every row's decode units at once (a row's split parts as attention_batch cuts them).
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < n_units; ++i) {
+      const int s = static_cast<int>(i % splits), row = static_cast<int>(i / splits % n_rows);
+      const int g = static_cast<int>(i / splits / n_rows);
+      const Unit u = split_unit(g, s);
+      const StepsInput pre = pre_of(g, row);
+      const float* phi = row == 0 ? job.softmax_phi : row_max + static_cast<size_t>(row - 1) * sh.n_head;
+      const TileState st = state_at(splits > 1 ? partials + i * unit_state : own_state);
+      float* seen = splits > 1 ? unit_max + i * group : own_max;
+      const float* q_row = job.q + row * q_stride;
+      const int64_t row_pos = job.q_pos0 + row;
+      const bool async = row_async[static_cast<size_t>(row)] != 0;
+      if (!run_unit_rows(sh, q_row, job.kv, row_pos, u, ub, st, async ? phi + g * group : nullptr, seen, &pre)) {
+        run_unit_rows(sh, q_row, job.kv, row_pos, u, ub, st, nullptr, seen, &pre);
+      }
+      if (splits == 1) store_unit(sh, u, st, job.out + row * q_stride);
+    }
+    if (splits > 1) {
+#pragma omp for schedule(static)
+      for (int i = 0; i < n_kv * n_rows; ++i) {
+        const int g = i / n_rows, row = i % n_rows;
+        const size_t first = static_cast<size_t>(i) * splits;
+        TileState parts[kMaxSplits];
+        for (int s = 0; s < splits; ++s) parts[s] = state_at(partials + (first + s) * unit_state);
+        merge_splits(parts, splits, group, hd);
+        store_unit(sh, split_unit(g, 0), parts[0], job.out + row * q_stride);
+      }
+    }
+  }
+  if (job.softmax_phi == nullptr) return;
+  std::copy_n(row_max + static_cast<size_t>(n_rows - 1) * sh.n_head, sh.n_head, job.softmax_phi);
+  for (int row = 0; job.step_phi != nullptr && row < n_rows; ++row) {
+    std::copy_n(row_max + static_cast<size_t>(row) * sh.n_head, sh.n_head, job.step_phi[row]);
   }
 }
 

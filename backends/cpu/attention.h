@@ -53,16 +53,22 @@ class AttentionScratch {
  public:
   float* thread_buffer(int thread, size_t floats);
   float* partials(size_t floats);
+  float* steps(size_t floats);  // attention_steps' keys, values, scores and maxima
 
   // attention_batch's lists: each job's plan, the job of every unit, the (job, KV head) pairs
   // whose split parts are merged.
   std::vector<AttentionPlan> plans;
   std::vector<int> job_of_unit;
   std::vector<std::pair<int, int>> merges;
+  // attention_steps': the keys' positions in the unit numbering, and which rows run the
+  // asynchronized softmax.
+  std::vector<int64_t> step_positions;
+  std::vector<char> step_async;
 
  private:
   std::vector<std::vector<float>> per_thread_;
   std::vector<float> partials_;
+  std::vector<float> steps_;
 };
 
 // out[i][h] = softmax(q[i][h] · K_visibleᵀ / sqrt(d)) · V_visible for the n_tokens queries of
@@ -86,6 +92,9 @@ struct AttentionJob {
   int n_tokens = 0;
   float* out = nullptr;
   float* softmax_phi = nullptr;
+  // attention_steps only (a checking pass): where each row's maxima go, step_phi[i] ([n_head])
+  // for row i; nullptr: not wanted.
+  float* const* step_phi = nullptr;
 };
 
 // attention_causal for several sequences (each with its own cache) in one parallel region: the
@@ -94,5 +103,14 @@ struct AttentionJob {
 // sequence. Each job's result is exactly what attention_causal gives it alone.
 void attention_batch(const AttentionShape& shape, std::span<const AttentionJob> jobs, AttentionScratch& scratch,
                      int n_threads);
+
+// A speculative draft's checking pass: each of the job's rows attends exactly (bit for bit) as
+// the decode step of its token would, one row after another: attention_causal of row i alone
+// (one token at position q_pos0 + i, over the same cache), its softmax_phi the maxima row i - 1
+// left. softmax_phi ends as the last row leaves it; step_phi[i] gets row i's maxima. In one
+// parallel region: the keys and values are converted once for all the rows, and every row's
+// scores are taken in one pass, which gives each row's maxima, hence the next row's phi, up
+// front; the rows then run at once.
+void attention_steps(const AttentionShape& shape, const AttentionJob& job, AttentionScratch& scratch, int n_threads);
 
 }  // namespace ringlm::cpu

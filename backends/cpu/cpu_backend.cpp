@@ -130,6 +130,7 @@ class CpuBackend final : public Backend {
   void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) override {
     layer_ops_.attention(layer, shape, calls);
   }
+  bool attends_stepwise() const override { return true; }
   void shift_keys(const KvView& kv, std::span<const int> layers, std::span<const int> slots, const RopeAngles& angles,
                   int n_head_kv, int head_dim) override {
     layer_ops_.shift_keys(kv, layers, slots, angles, n_head_kv, head_dim);

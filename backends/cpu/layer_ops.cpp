@@ -70,7 +70,13 @@ void LayerOps::attention(int layer, const AttentionShape& shape, std::span<const
       prefixes_[i] = layer_of(*c.kv->prefix, layer, nullptr);
       prefix = &prefixes_[i];
     }
-    jobs_.push_back({c.q, layer_of(*c.kv, layer, prefix), c.pos0, c.n_tokens, c.out, c.softmax_phi});
+    const AttentionJob job{c.q, layer_of(*c.kv, layer, prefix), c.pos0, c.n_tokens, c.out, c.softmax_phi, c.step_phi};
+    // A checking pass on its own; the other calls together.
+    if (c.steps) {
+      attention_steps(shape, job, scratch_, n_threads_);
+    } else {
+      jobs_.push_back(job);
+    }
   }
   if (!jobs_.empty()) {
     attention_batch(shape, jobs_, scratch_, n_threads_);

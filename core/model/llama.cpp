@@ -115,6 +115,7 @@ struct LlamaModel::Scratch {
   std::vector<KvView> kv_views, prefix_views;
   std::vector<AttentionCall> attention_calls;
   std::vector<AttentionCall> attention_steps;  // one row of each sequence (stepwise attention)
+  std::vector<float*> step_phi;                 // each checking row's maxima of this layer
 };
 
 namespace {
@@ -516,6 +517,7 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
   const AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim, window, hp_.attn_scale};
   const bool any_steps = std::any_of(rows.begin(), rows.end(), [](const Rows& r) { return r.steps; });
   if (!any_steps) return backend_.attention(index, shape, s.attention_calls);
+  if (backend_.attends_stepwise()) return attention_stepwise(layer, index, shape, rows);
   // The other sequences in one call, as always; then each query row of a checking pass as the
   // decode step of its token would run it: the j-th rows of all of them together, one j after
   // the other (a row's softmax maxima are the next row's start).
@@ -553,6 +555,29 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
                   r.cache->softmax_phi_rows()[static_cast<size_t>(j)].begin() + static_cast<std::ptrdiff_t>(at));
     }
   }
+}
+
+// attention() of a pass with checking rows, on a backend that runs them itself: every call in one,
+// each checking row's maxima written where a rollback finds them.
+void LlamaModel::attention_stepwise(int layer, int index, const AttentionShape& shape, std::span<const Rows> rows) {
+  Scratch& s = *scratch_;
+  std::vector<float*>& row_phi = s.step_phi;
+  row_phi.clear();
+  const size_t at = static_cast<size_t>(layer) * static_cast<size_t>(hp_.n_head);
+  for (const Rows& r : rows) {
+    if (!r.steps || !async_softmax_) continue;
+    for (std::vector<float>& phi : r.cache->softmax_phi_rows()) row_phi.push_back(phi.data() + at);
+  }
+  size_t next = 0;  // (filled before any pointer into row_phi is taken: it does not move)
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (!rows[i].steps) continue;
+    s.attention_calls[i].steps = true;
+    if (async_softmax_) {
+      s.attention_calls[i].step_phi = row_phi.data() + next;
+      next += rows[i].tokens.size();
+    }
+  }
+  backend_.attention(index, shape, s.attention_calls);
 }
 
 void LlamaModel::run_layers(std::span<const Rows> rows, int n) {

@@ -146,6 +146,7 @@ class LlamaModel {
   void forward_chunk(std::span<const int32_t> tokens, KvCache& cache, PassOutput out);
   void embed(std::span<const int32_t> tokens, float* out);
   void attention(int layer, std::span<const Rows> rows);
+  void attention_stepwise(int layer, int index, const AttentionShape& shape, std::span<const Rows> rows);
   // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0.., of a
   // sequence whose cache holds n_ctx positions.
   void rope_angles(int row0, int64_t pos0, int n_tokens, int n_ctx);
