@@ -74,7 +74,7 @@ void BM_Matmul(benchmark::State& state, TensorType type, ComputeType compute, in
 // SmolLM2-135M's matrices (q/o, k/v, gate/up, down, output) and Llama-7B's FFN and attention.
 void Shapes(benchmark::internal::Benchmark* b) {
   for (auto [n, k] : {std::pair{576, 576}, {192, 576}, {1536, 576}, {576, 1536}, {49152, 576}}) {
-    for (int m : {1, 4, 8, 16, 32, 64, 512}) {
+    for (int m : {1, 4, 5, 8, 9, 16, 32, 64, 512}) {  // 5, 9: checking passes of 4, 8 drafted tokens
       if (n == 49152 && m == 512) continue;  // the output matrix only runs for the last token
       b->Args({n, k, m});
     }

@@ -7,8 +7,8 @@
 For each prompt (written for this project: a summary, a rewrite and a code edit of a given text,
 which the answer quotes, and an open chat, which it does not), `ringlm run --temp 0`
 with and without `--lookup N`: decode tokens/s (median of --repeats), the acceptance rate, the
-speed-up, whether the two texts are the same (they must be), and the draft tokens accepted of
-those generated. With --llama-cpp DIR (llama.cpp's build/bin, from
+speed-up (the median of the back-to-back pairs' ratios), whether the two texts are the same
+(they must be), and the draft tokens accepted of those generated. With --llama-cpp DIR (llama.cpp's build/bin, from
 ../shared/tools/build-llama-cpp.sh llama-lookup llama-speculative), llama.cpp's own
 `llama-lookup` on the same prompts, with drafting off (its plain decoding) and on, and the ratio
 of the two speed-ups.
@@ -79,23 +79,32 @@ def llama_cpp_run(args, binary: str, model: str, prompt: str, extra: list[str]) 
     return (float(speed[-1]) if speed else float("nan")), (float(accept[-1]) / 100 if accept else None)
 
 
-def llama_cpp_median(args, binary, model, prompt, extra):
-    runs = [llama_cpp_run(args, binary, model, prompt, extra) for _ in range(args.repeats)]
-    return statistics.median(r[0] for r in runs), runs[-1][1]
+def llama_cpp_side(args, binary, model, prompt, extra):
+    """Median plain and speculative tokens/s, the median speed-up of the pairs, the acceptance."""
+    plain, spec, ratios, accept = [], [], [], None
+    for _ in range(args.repeats):  # each pair back to back: the machine's drift cancels in the ratio
+        p, _ = llama_cpp_run(args, "llama-lookup", model, prompt, ["--spec-draft-n-max", "0"])
+        s, accept = llama_cpp_run(args, binary, model, prompt, extra)
+        plain.append(p)
+        spec.append(s)
+        ratios.append(s / p)
+    return statistics.median(plain), statistics.median(spec), statistics.median(ratios), accept
 
 
 def ringlm_side(args, model, prompt, extra):
-    """Median plain and speculative tokens/s, acceptance, same text, accepted / generated."""
-    plain, spec, acceptance, same, stats = [], [], [], True, {}
-    for _ in range(args.repeats):
+    """Median plain and speculative tokens/s, the median speed-up of the pairs, acceptance, same
+    text, accepted / generated."""
+    plain, spec, ratios, acceptance, same, stats = [], [], [], [], True, {}
+    for _ in range(args.repeats):  # each pair back to back: the machine's drift cancels in the ratio
         text0, s0 = ringlm_run(args, model, prompt, [])
         text1, stats = ringlm_run(args, model, prompt, extra)
         plain.append(s0["gen_tps"])
         spec.append(stats["gen_tps"])
+        ratios.append(stats["gen_tps"] / s0["gen_tps"])
         acceptance.append(stats["speculative"]["acceptance"])
         same = same and text0 == text1
-    return (statistics.median(plain), statistics.median(spec), statistics.median(acceptance), same,
-            f"{stats['speculative']['accepted']} / {stats['gen_tokens']}")
+    return (statistics.median(plain), statistics.median(spec), statistics.median(ratios), statistics.median(acceptance),
+            same, f"{stats['speculative']['accepted']} / {stats['gen_tokens']}")
 
 
 def table(args, title, model, extra, llama_binary, llama_extra, llama_model):
@@ -109,13 +118,12 @@ def table(args, title, model, extra, llama_binary, llama_extra, llama_model):
     for name, prompt in PROMPTS.items():
         if args.only and name != args.only:
             continue
-        p, s, a, same, accepted = ringlm_side(args, model, prompt, extra)
-        row = f"| {name} | {p:.1f} | {s:.1f} | {a:.2f} | {s / p:.2f}x | {'yes' if same else 'NO'} | {accepted} |"
+        p, s, up, a, same, accepted = ringlm_side(args, model, prompt, extra)
+        row = f"| {name} | {p:.1f} | {s:.1f} | {a:.2f} | {up:.2f}x | {'yes' if same else 'NO'} | {accepted} |"
         if args.llama_cpp:
-            lp, _ = llama_cpp_median(args, "llama-lookup", llama_model, prompt, ["--spec-draft-n-max", "0"])
-            ls, la = llama_cpp_median(args, llama_binary, llama_model, prompt, llama_extra)
-            row += (f" {lp:.1f} | {ls:.1f} | {la if la is not None else float('nan'):.2f} | {ls / lp:.2f}x |"
-                    f" {(s / p) / (ls / lp):.2f} |")
+            lp, ls, lup, la = llama_cpp_side(args, llama_binary, llama_model, prompt, llama_extra)
+            row += (f" {lp:.1f} | {ls:.1f} | {la if la is not None else float('nan'):.2f} | {lup:.2f}x |"
+                    f" {up / lup:.2f} |")
         print(row, flush=True)
 
 

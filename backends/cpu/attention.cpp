@@ -84,21 +84,20 @@ HWY_INLINE void PrefetchRow(const uint16_t* row, int n) {
 // k_out[j][0 .. n) = k[j * stride + 0 .. n) as fp32 for j < rows, and the same for v: a block
 // of fp16 keys and values of one head, converted once for all the query rows that meet it.
 // Both streams are prefetched from the start, so the values are on their way while the keys
-// are converted.
+// are converted. A side whose output is nullptr is left alone (a checking pass's scores are
+// taken before its values are needed).
 void F16KvRowsToF32(const uint16_t* k, const uint16_t* v, int64_t stride, int rows, int n, float* k_out,
                     float* v_out) {
-  for (int j = 0; j < std::min(rows, kPrefetchKeys); ++j) {
-    PrefetchRow(k + j * stride, n);
-    PrefetchRow(v + j * stride, n);
-  }
+  const auto prefetch = [&](int j) {
+    if (k_out != nullptr) PrefetchRow(k + j * stride, n);
+    if (v_out != nullptr) PrefetchRow(v + j * stride, n);
+  };
+  for (int j = 0; j < std::min(rows, kPrefetchKeys); ++j) prefetch(j);
   for (int j = 0; j < rows; ++j) {
-    if (j + kPrefetchKeys < rows) {
-      PrefetchRow(k + (j + kPrefetchKeys) * stride, n);
-      PrefetchRow(v + (j + kPrefetchKeys) * stride, n);
-    }
-    F16RowToF32(k + j * stride, n, k_out + static_cast<int64_t>(j) * n);
+    if (j + kPrefetchKeys < rows) prefetch(j + kPrefetchKeys);
+    if (k_out != nullptr) F16RowToF32(k + j * stride, n, k_out + static_cast<int64_t>(j) * n);
   }
-  for (int j = 0; j < rows; ++j) F16RowToF32(v + j * stride, n, v_out + static_cast<int64_t>(j) * n);
+  for (int j = 0; v_out != nullptr && j < rows; ++j) F16RowToF32(v + j * stride, n, v_out + static_cast<int64_t>(j) * n);
 }
 
 // scores[r][j] = q[r] · k[j] for rows r < n_rows of q ([n_rows][hd]) and keys j < n_keys (fp32,
@@ -390,8 +389,8 @@ struct UnitBuffers {
 };
 
 // Slots [j0, j0 + nb) of one KV head's keys and values as fp32 rows written into kbuf and vbuf
-// (hd apart), whatever the cache's type (a block whose slots come from two runs is gathered
-// piece by piece).
+// (hd apart; nullptr: that side is not wanted), whatever the cache's type (a block whose slots
+// come from two runs is gathered piece by piece).
 void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* kbuf, float* vbuf) {
   const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
   if (kv.f16) {
@@ -401,8 +400,8 @@ void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float*
     return;
   }
   for (int j = 0; j < nb; ++j) {
-    std::copy_n(static_cast<const float*>(kv.keys) + offset + j * kv.row_stride, hd, kbuf + j * hd);
-    std::copy_n(static_cast<const float*>(kv.values) + offset + j * kv.row_stride, hd, vbuf + j * hd);
+    if (kbuf != nullptr) std::copy_n(static_cast<const float*>(kv.keys) + offset + j * kv.row_stride, hd, kbuf + j * hd);
+    if (vbuf != nullptr) std::copy_n(static_cast<const float*>(kv.values) + offset + j * kv.row_stride, hd, vbuf + j * hd);
   }
 }
 
@@ -410,15 +409,16 @@ void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float*
 // with room to add a position to it.
 int64_t window_of(const AttentionShape& sh) { return sh.window > 0 ? sh.window : int64_t{1} << 62; }
 
-// What a checking pass (attention_steps) computed once for all its rows, for one KV head: the
-// keys and values as fp32 rows ([n_keys][hd], in the unit numbering of the keys), and the
-// scores of a unit's query rows (row r's score of key j at scores[r * scores_ld + j]).
+// What a checking pass (attention_steps) computed once for all its rows: the scores of a unit's
+// query rows (row r's score of key j, in the unit numbering of the keys, at scores[r * scores_ld
+// + j]), so that its blocks need only their values.
 struct StepsInput {
-  const float* k = nullptr;
-  const float* v = nullptr;
   const float* scores = nullptr;
   int64_t scores_ld = 0;
 };
+
+// Which sides of a block view_block gives.
+enum class KvSides { kBoth, kKeys, kValues };
 
 // One block of a unit's keys as the products read them.
 struct BlockView {
@@ -439,7 +439,7 @@ struct BlockView {
 // Returns false when no row of the unit (positions first_pos .. last_pos) sees any key.
 bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t first_pos, int64_t last_pos,
                 int64_t window, const UnitBuffers& buf, int64_t* pos_buf, BlockView* view,
-                const StepsInput* pre = nullptr) {
+                KvSides sides = KvSides::kBoth) {
   const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
   // The block's pieces: at most one per run, each its run, first slot, length and column.
   struct Piece {
@@ -473,12 +473,6 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   view->nb = nb;
   view->pos = pos;
   view->all_visible = all_visible;
-  if (pre != nullptr) {  // converted already, for every row of a checking pass
-    view->k = pre->k + static_cast<int64_t>(j0) * hd;
-    view->v = pre->v + static_cast<int64_t>(j0) * hd;
-    view->ldk = view->ldv = hd;
-    return true;
-  }
   if (n_pieces == 1 && !pieces[0].run->f16) {
     const KvLayer& run = *pieces[0].run;
     const int64_t offset = pieces[0].slot * run.row_stride + static_cast<int64_t>(kv_head) * hd;
@@ -489,9 +483,12 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   }
   for (int i = 0; i < n_pieces; ++i) {
     const Piece& p = pieces[i];
-    gather_block(*p.run, kv_head, hd, p.slot, p.count, buf.kbuf + p.column * hd, buf.vbuf + p.column * hd);
+    gather_block(*p.run, kv_head, hd, p.slot, p.count, sides == KvSides::kValues ? nullptr : buf.kbuf + p.column * hd,
+                 sides == KvSides::kKeys ? nullptr : buf.vbuf + p.column * hd);
   }
-  view->k = buf.kbuf, view->v = buf.vbuf, view->ldk = view->ldv = hd;
+  view->k = sides == KvSides::kValues ? nullptr : buf.kbuf;
+  view->v = sides == KvSides::kKeys ? nullptr : buf.vbuf;
+  view->ldk = view->ldv = hd;
   return true;
 }
 
@@ -532,7 +529,10 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
   // Meets keys [j0, j0 + nb); false when the asynchronized softmax must give up (see above).
   const auto meet_block = [&](int j0, int nb) {
     BlockView b;
-    if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, window, buf, pos_buf, &b, pre)) return true;
+    if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, window, buf, pos_buf, &b,
+                    pre != nullptr ? KvSides::kValues : KvSides::kBoth)) {
+      return true;
+    }
     // scores[rows][nb] = qt · Kᵀ (a checking pass took them already: the same sums)
     if (pre != nullptr) {
       for (int r = 0; r < rows; ++r) std::copy_n(pre->scores + r * pre->scores_ld + j0, b.nb, scores + r * kKeyBlock);
@@ -834,8 +834,8 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
 
 namespace {
 
-// attention_steps' shared buffers may take this much; a longer checking pass runs its rows as
-// decode calls one after the other (the same results, the keys converted once per row).
+// attention_steps' shared buffers (every row's scores) may take this much; a longer checking
+// pass runs its rows as decode calls one after the other (the same results).
 constexpr size_t kMaxStepsBytes = size_t{64} << 20;
 
 // attention_steps the plain way: each row a decode call of its own.
@@ -868,22 +868,19 @@ void attention_steps(const AttentionShape& sh, const AttentionJob& job, Attentio
   const AttentionPlan plan = plan_job(sh, first_row, 1, n_threads);
   const int n_keys = plan.n_keys, splits = plan.splits;
   const int rows_all = n_rows * group;  // one KV head's query rows, every token's
-  const size_t kv_floats = static_cast<size_t>(n_keys) * hd;
   const size_t score_floats = static_cast<size_t>(rows_all) * n_keys;
   const size_t unit_state = static_cast<size_t>(group) * (2 + hd);
   const size_t n_units = static_cast<size_t>(n_kv) * n_rows * splits;
-  const size_t shared = static_cast<size_t>(n_kv) * (2 * kv_floats + score_floats) +
-                        static_cast<size_t>(n_rows) * sh.n_head + (splits > 1 ? n_units * (unit_state + group) : 0);
+  const size_t shared = n_kv * score_floats + static_cast<size_t>(n_rows) * sh.n_head +
+                        (splits > 1 ? n_units * (unit_state + group) : 0);
   // Exact-path decode units of more than kDirectRows rows take the tile path, whose scores
   // (and maxima) round otherwise than these: such shapes, and long passes, go row by row.
   if (n_rows == 1 || group > kDirectRows || shared * sizeof(float) > kMaxStepsBytes) {
     return attention_steps_one_by_one(sh, job, scratch, n_threads);
   }
   float* const base = scratch.steps(shared);
-  const auto keys_of = [&](int g) { return base + static_cast<size_t>(g) * kv_floats; };
-  const auto values_of = [&](int g) { return base + (n_kv + static_cast<size_t>(g)) * kv_floats; };
-  const auto scores_of = [&](int g) { return base + 2 * n_kv * kv_floats + static_cast<size_t>(g) * score_floats; };
-  float* const row_max = base + n_kv * (2 * kv_floats + score_floats);  // [n_rows][n_head]: each row's maxima
+  const auto scores_of = [&](int g) { return base + static_cast<size_t>(g) * score_floats; };
+  float* const row_max = base + n_kv * score_floats;  // [n_rows][n_head]: each row's maxima
   float* const partials = row_max + static_cast<size_t>(n_rows) * sh.n_head;
   float* const unit_max = partials + n_units * unit_state;
   std::vector<int64_t>& pos = scratch.step_positions;
@@ -894,7 +891,8 @@ void attention_steps(const AttentionShape& sh, const AttentionJob& job, Attentio
   const int64_t q_stride = static_cast<int64_t>(sh.n_head) * hd;
   const int64_t window = window_of(sh);
   const int n_blocks = (n_keys + kKeyBlock - 1) / kKeyBlock;
-  const size_t thread_floats = static_cast<size_t>(rows_all) * hd + static_cast<size_t>(group) * kKeyBlock + unit_state + group;
+  const size_t thread_floats = static_cast<size_t>(rows_all) * hd + 2 * static_cast<size_t>(kKeyBlock) * hd +
+                               static_cast<size_t>(group) * kKeyBlock + unit_state + group;
   for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats);
   const auto state_at = [&](float* at) { return TileState{at, at + group, at + 2 * group}; };
   const auto split_unit = [&](int g, int s) {
@@ -906,39 +904,27 @@ void attention_steps(const AttentionShape& sh, const AttentionJob& job, Attentio
     }
     return u;
   };
-  const auto pre_of = [&](int g, int row) {
-    return StepsInput{keys_of(g), values_of(g), scores_of(g) + static_cast<size_t>(row) * group * n_keys, n_keys};
-  };
 
 #pragma omp parallel num_threads(n_threads)
   {
     float* const buf = scratch.thread_buffer(omp_get_thread_num(), thread_floats);
     UnitBuffers ub{};
     ub.qt = buf;
-    ub.scores = buf + static_cast<size_t>(rows_all) * hd;
+    ub.kbuf = buf + static_cast<size_t>(rows_all) * hd;
+    ub.vbuf = ub.kbuf + static_cast<size_t>(kKeyBlock) * hd;
+    ub.scores = ub.vbuf + static_cast<size_t>(kKeyBlock) * hd;
     float* const own_state = ub.scores + static_cast<size_t>(group) * kKeyBlock;
     float* const own_max = own_state + unit_state;
     int64_t pos_buf[kKeyBlock];
 
-    // 1. Per KV head and block of keys: the keys and values as fp32, once, and every row's scores.
+    // 1. Per KV head and block of keys: every row's scores, the keys converted once for them all.
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_kv * n_blocks; ++i) {
       const int g = i / n_blocks, j0 = (i % n_blocks) * kKeyBlock;
-      float* const k_out = keys_of(g) + static_cast<size_t>(j0) * hd;
-      float* const v_out = values_of(g) + static_cast<size_t>(j0) * hd;
-      UnitBuffers into = ub;
-      into.kbuf = k_out;
-      into.vbuf = v_out;
       BlockView b;
       if (!view_block(job.kv, g, hd, j0, std::min(kKeyBlock, n_keys - j0), job.q_pos0, job.q_pos0 + n_rows - 1, window,
-                      into, pos_buf, &b)) {
+                      ub, pos_buf, &b, KvSides::kKeys)) {
         continue;
-      }
-      if (b.k != k_out) {  // fp32 rows read in place: copied, so that every row reads them alike
-        for (int j = 0; j < b.nb; ++j) {
-          std::copy_n(b.k + j * b.ldk, hd, k_out + static_cast<int64_t>(j) * hd);
-          std::copy_n(b.v + j * b.ldv, hd, v_out + static_cast<int64_t>(j) * hd);
-        }
       }
       const Unit all{g, 0, n_rows, 0, n_keys};
       const float scale = sh.score_scale();
@@ -946,7 +932,7 @@ void attention_steps(const AttentionShape& sh, const AttentionJob& job, Attentio
         const float* src = query_row(sh, job.q, all, r);
         for (int c = 0; c < hd; ++c) ub.qt[r * hd + c] = src[c] * scale;
       }
-      HWY_DYNAMIC_DISPATCH(ScoreRows)(ub.qt, rows_all, hd, k_out, hd, b.nb, scores_of(g) + j0, n_keys);
+      HWY_DYNAMIC_DISPATCH(ScoreRows)(ub.qt, rows_all, hd, b.k, b.ldk, b.nb, scores_of(g) + j0, n_keys);
     }
 
     // 2. Each row's maxima over the keys it sees: the phi of the next row's asynchronized softmax.
@@ -972,13 +958,14 @@ void attention_steps(const AttentionShape& sh, const AttentionJob& job, Attentio
       row_async[static_cast<size_t>(row)] = known ? 1 : 0;
     }
 
-    // 3. Every row's decode units at once (a row's split parts as attention_batch cuts them).
+    // 3. Every row's decode units at once (a row's split parts as attention_batch cuts them),
+    // each reading the values as its decode step does and its scores from step 1.
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < n_units; ++i) {
       const int s = static_cast<int>(i % splits), row = static_cast<int>(i / splits % n_rows);
       const int g = static_cast<int>(i / splits / n_rows);
       const Unit u = split_unit(g, s);
-      const StepsInput pre = pre_of(g, row);
+      const StepsInput pre{scores_of(g) + static_cast<size_t>(row) * group * n_keys, n_keys};
       const float* phi = row == 0 ? job.softmax_phi : row_max + static_cast<size_t>(row - 1) * sh.n_head;
       const TileState st = state_at(splits > 1 ? partials + i * unit_state : own_state);
       float* seen = splits > 1 ? unit_max + i * group : own_max;
