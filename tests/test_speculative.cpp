@@ -22,6 +22,7 @@
 #include "core/model/loader.h"
 #include "core/session/chat_session.h"
 #include "core/session/chat_template.h"
+#include "core/speculative/draft_length.h"
 #include "core/speculative/draft_model.h"
 #include "core/speculative/prompt_lookup.h"
 #include "core/session/generation.h"
@@ -49,6 +50,58 @@ TEST(PromptLookup, TheLongestNgramsLatestContinuation) {
   EXPECT_TRUE(PromptLookup(4, 3, 2).propose(Tokens{9, 5, 6, 7, 1, 9}, 10).empty());
   EXPECT_THROW(PromptLookup(0), std::invalid_argument);
   EXPECT_THROW(PromptLookup(4, 1, 2), std::invalid_argument);
+}
+
+// The draft length maximizes the expected tokens per unit of a pass's cost: for acceptance a and
+// row cost c, the geometric sum's closed form (1 - a^(k+1)) / (1 - a) over 1 + c k.
+int best_draft(double a, double row_cost) {
+  int best = 1;
+  double best_rate = 0.0;
+  for (int k = 1; k <= 64; ++k) {
+    const double tokens = a == 1.0 ? k + 1.0 : (1.0 - std::pow(a, k + 1)) / (1.0 - a);
+    if (tokens / (1.0 + row_cost * k) > best_rate * (1.0 + 1e-12)) best_rate = tokens / (1.0 + row_cost * k), best = k;
+  }
+  return best;
+}
+
+TEST(DraftLength, MaximizesTheExpectedTokensPerCost) {
+  for (double row_cost : {0.1, 0.25, 0.5}) {
+    DraftLength length(row_cost);
+    EXPECT_EQ(length.next_limit(), best_draft(length.acceptance(), row_cost)) << "row cost " << row_cost;
+    // Drafts taken whole: the acceptance rises towards 1 and the drafts grow.
+    int last = 0;
+    for (int i = 0; i < 30; ++i) {
+      const int k = length.next_limit();
+      ASSERT_EQ(k, best_draft(length.acceptance(), row_cost)) << "row cost " << row_cost << " after " << i << " drafts";
+      ASSERT_GE(k, last);
+      last = k;
+      length.record(k, k);
+    }
+    EXPECT_GT(length.acceptance(), 0.99);
+    EXPECT_GE(last, 16);
+    // Drafts rejected at their third token: the share of tried tokens accepted tends to 2/3.
+    for (int i = 0; i < 60; ++i) length.record(8, 2);
+    EXPECT_NEAR(length.acceptance(), 2.0 / 3.0, 1e-3);
+    EXPECT_EQ(length.next_limit(), best_draft(length.acceptance(), row_cost));
+  }
+  EXPECT_LT(DraftLength(0.5).next_limit(), DraftLength(0.1).next_limit()) << "dearer rows, shorter drafts";
+}
+
+TEST(DraftLength, RejectedSingleTokensPauseDrafting) {
+  DraftLength length;
+  while (length.next_limit() > 1) length.record(4, 0);  // nothing accepted: down to one token
+  length.record(1, 0);
+  for (int i = 0; i < 8; ++i) ASSERT_EQ(length.next_limit(), 0) << "paused, token " << i;
+  ASSERT_EQ(length.next_limit(), 1);
+  length.record(1, 0);  // again: twice as long
+  for (int i = 0; i < 16; ++i) ASSERT_EQ(length.next_limit(), 0) << "second pause, token " << i;
+  ASSERT_GE(length.next_limit(), 1);
+  length.record(1, 1);  // an accepted token: the next pause is short again
+  while (length.next_limit() > 1) length.record(4, 0);
+  length.record(1, 0);
+  int paused = 0;
+  while (length.next_limit() == 0) ++paused;
+  EXPECT_EQ(paused, 8);
 }
 
 class SpeculativeModel : public ::testing::Test {
