@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "apps/common_options.h"
+#include "backends/cpu/amx.h"
 #include "backends/cpu/tuning.h"
 #include "backends/plugin_loader.h"
 
@@ -78,6 +79,14 @@ Row cpu_row() {
                      " (Highway)"};
 }
 
+// Intel AMX: whether this process could use the tiles, and why not.
+Row amx_row() {
+  const cpu::AmxState state = cpu::amx_state();
+  std::string words = cpu::amx_state_words(state);
+  if (state == cpu::AmxState::kOffered) words += "; this build's products do not use it yet";
+  return {"amx", words};
+}
+
 // A plugin's rows: one per device, or one saying why it has none to offer.
 std::vector<Row> plugin_rows(const LoadedPlugin& plugin) {
   std::vector<ringlm_device_info> devices;
@@ -124,7 +133,7 @@ void print_search_dirs(const std::vector<std::filesystem::path>& dirs) {
 void list_devices(const DevicesOptions& o) {
   const std::vector<std::filesystem::path> dirs = plugin_search_dirs(o.plugin_dir);
   const PluginScan scan = scan_plugins(dirs);
-  std::vector<Row> rows = {cpu_row()};
+  std::vector<Row> rows = {cpu_row(), amx_row()};
   for (const auto& plugin : scan.loaded) {
     for (Row& row : plugin_rows(*plugin)) rows.push_back(std::move(row));
   }

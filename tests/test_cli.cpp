@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +32,7 @@ namespace ringlm {
 namespace {
 
 using ::testing::AllOf;
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using namespace std::chrono_literals;
@@ -249,6 +251,25 @@ TEST(Cli, SimdTargetOverride) {
   const RunResult r = run_ringlm({"devices"});
   EXPECT_EQ(r.exit_code, 0) << describe(r);
   EXPECT_THAT(r.out, HasSubstr("SIMD target SSE4")) << describe(r);
+}
+
+// `ringlm devices` says whether AMX could run here, as /proc/cpuinfo's flags tell it on their own;
+// RINGLM_AMX=off turns it off.
+TEST(Cli, DevicesSayWhetherAmxCanRun) {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  const std::string flags((std::istreambuf_iterator<char>(cpuinfo)), std::istreambuf_iterator<char>());
+  const bool in_cpu = flags.find(" amx_tile") != std::string::npos && flags.find(" amx_int8") != std::string::npos;
+  const RunResult r = run_ringlm({"devices"});
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  if (in_cpu) {
+    EXPECT_THAT(r.out, ContainsRegex("\namx +(offered|not offered by the kernel)")) << describe(r);
+  } else {
+    EXPECT_THAT(r.out, ContainsRegex("\namx +not in this CPU\n")) << describe(r);
+  }
+  setenv("RINGLM_AMX", "off", 1);
+  const RunResult off = run_ringlm({"devices"});
+  unsetenv("RINGLM_AMX");
+  EXPECT_THAT(off.out, ContainsRegex("\namx +off \\(RINGLM_AMX=off\\)\n")) << describe(off);
 }
 
 TEST(Cli, UnknownSimdTarget) {
