@@ -516,8 +516,10 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
   float* qt = buf.qt;
   float* scores = buf.scores;
   for (int r = 0; r < rows; ++r) {
-    const float* src = query_row(sh, q, u, r);
-    for (int c = 0; c < hd; ++c) qt[r * hd + c] = src[c] * scale;
+    if (pre == nullptr) {  // (a checking pass took the scores already)
+      const float* src = query_row(sh, q, u, r);
+      for (int c = 0; c < hd; ++c) qt[r * hd + c] = src[c] * scale;
+    }
     st.m[r] = phi != nullptr ? phi[r] : -INFINITY;
     st.l[r] = 0.0f;
     seen_max[r] = -INFINITY;
