@@ -783,13 +783,17 @@ void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const Packed
              int64_t ldy) {
   constexpr int64_t kTile = kTileFor<Fm>;
   const int64_t tiles = (n_tokens + kTile - 1) / kTile;
+  // Passes of 8-token tiles share the tokens evenly (9 as 5 + 4, not 8 + 1): a pass costs
+  // nearly the same for 1 token as for 8 (decoding the codes dominates), so a short last pass
+  // costs as much as a full one.
+  const int64_t per_tile = (n_tokens + tiles - 1) / tiles;
   const size_t subs = static_cast<size_t>(std::max<int64_t>(1, w.cols / kSubWeights));
   const uint8_t* ahead = w.group(n_begin / kPackRows);  // single passes' prefetch cursor
   for (int64_t n = n_begin; n < n_end; n += kPackRows) {
     const uint8_t* group = w.group(n / kPackRows);
     const int64_t stored = std::min(kPackRows, n_end - n);
     for (int64_t i = 0; i < tiles; ++i) {
-      const int64_t m0 = i * kTile;
+      const int64_t m0 = kTile == 8 ? i * per_tile : i * kTile;
       Prefetch pf;
       pf.ahead = &ahead;
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
@@ -809,18 +813,18 @@ void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const Packed
           case 2: return Tile<Fm, 2>(group, w.cols, x, m, out, ldy, stored, p);
           case 3: return Tile<Fm, 3>(group, w.cols, x, m, out, ldy, stored, p);
           case 4: return Tile<Fm, 4>(group, w.cols, x, m, out, ldy, stored, p);
-          default: if constexpr (kTile == 8) return Tile<Fm, 8>(group, w.cols, x, m, out, ldy, stored, p);
+          default:
+            if constexpr (kTile == 8) {
+              switch (count) {
+                case 5: return Tile<Fm, 5>(group, w.cols, x, m, out, ldy, stored, p);
+                case 6: return Tile<Fm, 6>(group, w.cols, x, m, out, ldy, stored, p);
+                case 7: return Tile<Fm, 7>(group, w.cols, x, m, out, ldy, stored, p);
+                default: return Tile<Fm, 8>(group, w.cols, x, m, out, ldy, stored, p);
+              }
+            }
         }
       };
-      const int64_t left = std::min(kTile, n_tokens - m0);
-      if (left <= 4 || left == 8) {
-        pass(m0, left, pf);
-      } else {  // 5..7 tokens: a pass of 4, then one of the rest (its prefetching done by the first)
-        pass(m0, 4, pf);
-        Prefetch rest = pf;
-        rest.lines_per_sub = 0;
-        pass(m0 + 4, left - 4, rest);
-      }
+      pass(m0, std::min(kTile == 8 ? per_tile : kTile, n_tokens - m0), pf);
     }
   }
 }
