@@ -240,6 +240,7 @@ class BatchRun {
       bo.make_drafter = [this, n_ctx = bo.n_ctx](const GenerationRequest& r) {
         return make_drafter(options_.speculative, draft_, n_ctx, KvCacheOptions{}, r.sampling);
       };
+      bo.pass_cost = checking_pass_cost(model_, resolve_threads(options_.model.n_threads));
     }
     BatchScheduler scheduler(*model_.model, *model_.tokenizer, bo);
 

@@ -181,6 +181,7 @@ class ChatApp {
     s.sampling = o.sampling;
     s.n_predict = o.n_predict;
     s.drafter = drafter;
+    if (drafter != nullptr) s.pass_cost = checking_pass_cost(m, resolve_threads(o.model.n_threads));
     return s;
   }
 

@@ -41,6 +41,7 @@ struct RunStats {
   size_t decode_evals = 0;  // generated tokens evaluated (one a pass, or a pass's accepted draft too)
   bool speculative = false;
   std::string guesser;  // "lookup" or "draft model"
+  bool pass_cost_measured = false;  // the draft lengths from ringlm tune's passes, not the estimate
   SpeculationStats speculation;
   std::vector<double> token_ms;  // the time of each of them (constant-speed checks)
   double decode_ms = 0;
@@ -106,7 +107,8 @@ void print_stats(const RunStats& s, const std::string& format) {
                           {"drafted", s.speculation.drafted},
                           {"accepted", s.speculation.accepted},
                           {"passes", s.speculation.passes},
-                          {"acceptance", s.speculation.acceptance()}};
+                          {"acceptance", s.speculation.acceptance()},
+                          {"pass_cost", s.pass_cost_measured ? "tuned" : "estimated"}};
     }
     std::fprintf(stderr, "%s\n", j.dump().c_str());
     return;
@@ -195,6 +197,8 @@ void run(const RunOptions& o) {
   GenerateOptions options;
   if (drafter) {
     options.drafter = drafter.get();
+    options.pass_cost = checking_pass_cost(m, n_threads);
+    stats.pass_cost_measured = options.pass_cost.is_measured();
     stats.guesser = o.speculative.lookup > 0 ? "lookup" : "draft model";
     options.speculation = &stats.speculation;
     stats.speculative = true;

@@ -201,6 +201,7 @@ void Server::load() {
       batch.make_drafter = [this, n_ctx = batch.n_ctx](const GenerationRequest& r) {
         return make_drafter(o_.speculative, draft_model_ ? &*draft_model_ : nullptr, n_ctx, KvCacheOptions{}, r.sampling);
       };
+      batch.pass_cost = checking_pass_cost(*model_, n_threads);
     }
     engine_ = std::make_unique<ServingEngine>(*model_->model, *model_->tokenizer, batch, o_.max_queue);
     ready_ = true;

@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "apps/common_options.h"
+#include "backends/cpu/tuning.h"
 
 namespace ringlm {
 
@@ -36,6 +37,14 @@ std::optional<LoadedModel> load_draft_model(const SpeculativeOptions& opts, cons
     throw std::invalid_argument("-md " + opts.draft_model + ": " + e.what());
   }
   return draft;
+}
+
+PassCost checking_pass_cost(const LoadedModel& target, int n_threads) {
+  if (target.backend->offloads()) return {};
+  // Quietly: the CPU backend has already warned about a table it could not read.
+  const KernelTable table = load_configured_kernel_table(/*warn=*/false);
+  const PassCostEntry* entry = table.pass_cost(target.gguf->path(), n_threads);
+  return entry != nullptr ? PassCost::measured(entry->cost) : PassCost();
 }
 
 std::unique_ptr<Drafter> make_drafter(const SpeculativeOptions& opts, LoadedModel* draft, int n_ctx,

@@ -12,6 +12,7 @@
 #include "core/kv/kv_cache.h"
 #include "core/model/loader.h"
 #include "core/sampling/sampler.h"
+#include "core/speculative/draft_length.h"
 #include "core/speculative/draft_model.h"
 #include "core/speculative/prompt_lookup.h"
 
@@ -30,6 +31,11 @@ void add_speculative_options(CLI::App& cmd, SpeculativeOptions& opts, const std:
 // The draft model -md names, loaded on the CPU with `n_threads` threads and checked against the
 // target's vocabulary (check_same_vocabulary); nothing without -md.
 std::optional<LoadedModel> load_draft_model(const SpeculativeOptions& opts, const LoadedModel& target, int n_threads);
+
+// What the target's checking passes cost on this machine: the tuning table's measurement for
+// this model file at `n_threads` threads (`ringlm tune`), else PassCost's estimate (also on a
+// device, whose passes tune does not measure).
+PassCost checking_pass_cost(const LoadedModel& target, int n_threads);
 
 // One sequence's guesser: prompt lookup, or the draft model following this sequence; null when
 // the options ask for none.

@@ -12,6 +12,12 @@
 // The crossover is the smallest M from which sgemm wins at every larger M as well. (Below 16
 // tokens the fp32 path multiplies row by row instead of through sgemm: what such a low
 // crossover would run, so that is what is timed.)
+//
+// Then, with the kernels it chose, the model's speculative checking passes: a pass of the
+// evaluated token and k = 1..8 drafted ones against a decode step, with kPassContext tokens in
+// the cache, the passes of every length in turn, round after round, each rolled back. The
+// medians' ratios are the passes' costs in decode steps, from which run, chat, batch and serve
+// choose their drafts' lengths (core/speculative/draft_length.h).
 #include "apps/tune_command.h"
 
 #include <sys/resource.h>
@@ -20,6 +26,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -30,6 +37,7 @@
 #include "backends/cpu/kernel_packed.h"
 #include "backends/cpu/tuning.h"
 #include "core/gguf/gguf.h"
+#include "core/model/loader.h"
 
 namespace ringlm {
 
@@ -48,6 +56,12 @@ constexpr int64_t kTokenCounts[] = {8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 38
 constexpr size_t kMinReps = 5;
 constexpr size_t kMaxReps = 200;
 constexpr double kMinMs = 100;
+// Checking passes: up to kMaxDraft drafted tokens, kPassContext tokens already in the cache (a
+// short chat's), at least kMinRounds rounds and kMinPassMs of passes in all, at most kMaxRounds.
+constexpr int kMaxDraft = 8;
+constexpr int kPassContext = 256;
+constexpr int kMinRounds = 7, kMaxRounds = 60;
+constexpr double kMinPassMs = 2000;
 // Below this share of CPU time per thread the timings measure the other processes.
 constexpr double kMinCpuShare = 0.6;
 
@@ -146,6 +160,59 @@ KernelEntry tune_shape(const Shape& s, Backend& int8, Backend& sgemm, const std:
   return e;
 }
 
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// What a checking pass of 1 + k rows takes against a decode step, k = 1..kMaxDraft, for the model
+// at `path` on a backend with `table`'s kernel choice.
+PassCostEntry tune_passes(const std::string& path, int threads, const KernelTable& table) {
+  LoadedModel m = load_model(path, make_cpu_backend(threads, ComputeType::kInt8, table));
+  LlamaModel& model = *m.model;
+  const int32_t n_vocab = model.hparams().n_vocab;
+  KvCache cache = model.make_cache(kPassContext + kMaxDraft + 1);
+  // Token ids spread over the vocabulary: the costs do not depend on which tokens they are.
+  std::vector<int32_t> context(kPassContext);
+  for (int i = 0; i < kPassContext; ++i) context[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919L + 13) % n_vocab);
+  std::vector<float> logits(static_cast<size_t>(kMaxDraft + 1) * static_cast<size_t>(n_vocab));
+  model.forward(context, cache, logits.data());
+  const auto pass = [&](int k, int round) {
+    std::vector<int32_t> tokens(static_cast<size_t>(k + 1));
+    for (int i = 0; i <= k; ++i) tokens[static_cast<size_t>(i)] = static_cast<int32_t>((round * 31L + i * 101L) % n_vocab);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (k == 0) {
+      model.forward(tokens, cache, logits.data());
+    } else {
+      model.forward_steps(tokens, cache, logits.data());
+    }
+    const double ms = ms_since(t0);
+    cache.rollback(k + 1);
+    return ms;
+  };
+  for (int k = 0; k <= kMaxDraft; ++k) pass(k, 0);  // warm-up: buffers at their size, weights in cache
+  std::vector<std::vector<double>> ms(kMaxDraft + 1);
+  double total = 0;
+  for (int round = 1; round <= kMaxRounds && (round <= kMinRounds || total < kMinPassMs); ++round) {
+    for (int k = 0; k <= kMaxDraft; ++k) {
+      ms[static_cast<size_t>(k)].push_back(pass(k, round));
+      total += ms[static_cast<size_t>(k)].back();
+    }
+  }
+  PassCostEntry entry;
+  entry.model = std::filesystem::path(path).filename().string();
+  entry.bytes = static_cast<int64_t>(std::filesystem::file_size(path));
+  entry.threads = threads;
+  const double step_ms = median(ms[0]);
+  std::printf("\nchecking passes of speculative decoding, %d tokens in the cache (%zu rounds):\n\n", kPassContext, ms[0].size());
+  std::printf("| drafted tokens | ms | decode steps |\n| ---: | ---: | ---: |\n| 0 | %.3f | 1.000 |\n", step_ms);
+  for (int k = 1; k <= kMaxDraft; ++k) {
+    const double k_ms = median(ms[static_cast<size_t>(k)]);
+    entry.cost.push_back(k_ms / step_ms);
+    std::printf("| %d | %.3f | %.3f |\n", k, k_ms, k_ms / step_ms);
+  }
+  return entry;
+}
+
 std::string output_path(const TuneOptions& o) {
   if (!o.output.empty()) return o.output;
   // Where the backend will look: $RINGLM_TUNING when it names a file.
@@ -190,6 +257,9 @@ void tune(const TuneOptions& o) {
   const double cpu0 = cpu_seconds();
   const auto timed0 = std::chrono::steady_clock::now();
   for (const Shape& s : shapes) table.set(tune_shape(s, *int8, *sgemm, ms, x, y));
+  int8.reset();
+  sgemm.reset();
+  table.passes.push_back(tune_passes(gguf->path(), threads, table));
   const double timed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed0).count();
   // The threads spin between calls, so an idle machine gives them all their wall time.
   const double cpu_share = (cpu_seconds() - cpu0) / (timed_s * threads);

@@ -4,6 +4,10 @@
     python3 bench/speculative_replay.py [-m MODEL] [--ringlm build/bin/ringlm] [-n 128] [--lookup 8]
         [--row-cost 0.25 ...]
 
+With a tuning table (RINGLM_TUNING, else ringlm's default path) that holds `ringlm tune`'s
+checking passes for this model at 2 threads, the draft lengths follow them, as ringlm's do, and a
+column charges each pass what the table says it costs.
+
 Greedy decoding gives the same text with and without a guesser, so a run's passes can be
 replayed offline: ringlm writes the plain greedy answer; its tokens (`ringlm tokenize`) are fed
 through the same rules as the C++ (core/speculative/prompt_lookup.cpp: the latest earlier
@@ -26,13 +30,33 @@ import subprocess
 from speculative import PROMPTS
 
 
+class PassCost:
+    """core/speculative/draft_length.h's PassCost: a checking pass of 1 + k rows in decode steps."""
+
+    ROW_COST = 0.25
+
+    def __init__(self, measured: list[float] | None = None) -> None:
+        self.measured = []
+        for c in measured or []:
+            self.measured.append(max(c, self.measured[-1] if self.measured else 1.0))
+        self.row_cost = (self.measured[-1] - 1.0) / len(self.measured) if self.measured else self.ROW_COST
+
+    def of(self, k: int) -> float:
+        if k <= 0:
+            return 1.0
+        if k <= len(self.measured):
+            return self.measured[k - 1]
+        return (self.measured[-1] if self.measured else 1.0) + self.row_cost * (k - len(self.measured))
+
+
 class DraftLength:
     """core/speculative/draft_length.h."""
 
     MAX_LIMIT, FIRST_PAUSE, LONGEST_PAUSE = 64, 8, 128
-    LEARNING_RATE, FIRST_ACCEPTANCE, ROW_COST = 0.2, 0.8, 0.25
+    LEARNING_RATE, FIRST_ACCEPTANCE = 0.2, 0.8
 
-    def __init__(self) -> None:
+    def __init__(self, cost: PassCost) -> None:
+        self.cost = cost
         self.acceptance, self.pause, self.next_pause = self.FIRST_ACCEPTANCE, 0, self.FIRST_PAUSE
 
     def next_limit(self) -> int:
@@ -43,7 +67,7 @@ class DraftLength:
         for k in range(1, self.MAX_LIMIT + 1):
             power *= self.acceptance
             tokens += power
-            rate = tokens / (1.0 + self.ROW_COST * k)
+            rate = tokens / self.cost.of(k)
             if rate > best_rate:
                 best_rate, best = rate, k
         return best
@@ -72,10 +96,11 @@ def lookup(history: list[int], limit: int, max_draft: int, max_ngram: int = 3, m
     return []
 
 
-def replay(prompt: list[int], text: list[int], max_draft: int, max_tokens: int) -> list[tuple[int, int]]:
+def replay(prompt: list[int], text: list[int], max_draft: int, max_tokens: int,
+           cost: PassCost) -> list[tuple[int, int]]:
     """(drafted, accepted) of every pass that checked a draft, and (0, 0) for each plain step."""
     passes = []
-    policy = DraftLength()
+    policy = DraftLength(cost)
     pos = len(prompt) + 1  # the first token comes from the prompt's pass
     while pos < len(text):
         tokens_left = max_tokens - (pos - len(prompt))  # no guess past the token limit
@@ -105,6 +130,21 @@ def tokens(args, text: str) -> list[int]:
     return json.loads(r.stdout)
 
 
+def tuned_pass_cost(model: str, threads: int = 2) -> list[float] | None:
+    """The tuning table's checking passes for this model file (ringlm's KernelTable::pass_cost)."""
+    path = os.environ.get("RINGLM_TUNING") or os.path.join(
+        os.environ.get("RINGLM_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                        "ringlm"), "tuning.json")
+    if path == "off" or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        table = json.load(f)
+    for e in table.get("checking_passes", []):
+        if e["model"] == os.path.basename(model) and e["bytes"] == os.path.getsize(model) and e["threads"] == threads:
+            return e["cost"]
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=os.path.expanduser("~/.cache/ringlm/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
@@ -114,9 +154,13 @@ def main() -> None:
     ap.add_argument("--row-cost", type=float, nargs="+", default=[0.0, 0.15, 0.25])
     args = ap.parse_args()
 
+    tuned = tuned_pass_cost(args.model)
+    cost = PassCost(tuned)
+    print(f"draft lengths from {'the tuned passes ' + str(tuned) if tuned else 'the estimated row cost'}\n")
     print("| prompt | checking passes | drafted | accepted | generated | "
-          + " | ".join(f"speed-up at row cost {c:g}" for c in args.row_cost) + " | this run's row cost: speed-up |")
-    print("|---|---:|---:|---:|---:|" + "---:|" * (len(args.row_cost) + 1))
+          + " | ".join(f"speed-up at row cost {c:g}" for c in args.row_cost)
+          + (" | tuned passes' cost: speed-up" if tuned else "") + " | this run's row cost: speed-up |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * (len(args.row_cost) + 1 + (1 if tuned else 0)))
     for name, prompt in PROMPTS.items():
         run = subprocess.run([args.ringlm, "run", "-m", args.model, "-t", "2", "--temp", "0", "-n", str(args.n), "--stats",
                               "json", "--lookup", str(args.lookup), "-p", prompt], capture_output=True, text=True, check=True)
@@ -128,7 +172,7 @@ def main() -> None:
             continue
         if stats["stop_reason"] == "eos":
             text.append(-1)  # the end token: drawn after the last text token was evaluated
-        passes = replay(prompt_tokens, text, args.lookup, args.n)
+        passes = replay(prompt_tokens, text, args.lookup, args.n, cost)
         checked = [(k, j) for k, j in passes if k > 0]
         drafted, accepted = sum(k for k, _ in checked), sum(j for _, j in checked)
         spec = stats["speculative"]
@@ -138,7 +182,9 @@ def main() -> None:
             continue
         plain_steps = len(text) - len(prompt_tokens) - 1
         costs = [*args.row_cost, measured_row_cost(passes, stats["token_ms"])]
-        speed_ups = [plain_steps / sum(1 + cost * k for k, _ in passes) for cost in costs]
+        speed_ups = [plain_steps / sum(1 + c * k for k, _ in passes) for c in costs]
+        if tuned:
+            speed_ups.insert(-1, plain_steps / sum(cost.of(k) for k, _ in passes))
         print(f"| {name} | {len(checked)} | {drafted} | {accepted} | {stats['gen_tokens']} | "
               + " | ".join(f"{s:.2f}x" for s in speed_ups[:-1]) + f" | {costs[-1]:.2f}: {speed_ups[-1]:.2f}x |", flush=True)
 

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -66,7 +68,7 @@ int best_draft(double a, double row_cost) {
 
 TEST(DraftLength, MaximizesTheExpectedTokensPerCost) {
   for (double row_cost : {0.1, 0.25, 0.5}) {
-    DraftLength length(row_cost);
+    DraftLength length(PassCost::linear(row_cost));
     EXPECT_EQ(length.next_limit(), best_draft(length.acceptance(), row_cost)) << "row cost " << row_cost;
     // Drafts taken whole: the acceptance rises towards 1 and the drafts grow.
     int last = 0;
@@ -84,7 +86,43 @@ TEST(DraftLength, MaximizesTheExpectedTokensPerCost) {
     EXPECT_NEAR(length.acceptance(), 2.0 / 3.0, 1e-3);
     EXPECT_EQ(length.next_limit(), best_draft(length.acceptance(), row_cost));
   }
-  EXPECT_LT(DraftLength(0.5).next_limit(), DraftLength(0.1).next_limit()) << "dearer rows, shorter drafts";
+  EXPECT_LT(DraftLength(PassCost::linear(0.5)).next_limit(), DraftLength(PassCost::linear(0.1)).next_limit())
+      << "dearer rows, shorter drafts";
+}
+
+// A measured cost curve (ringlm tune): passes that cost a step and a bit up to 4 rows, then
+// jump (the products leave the 4-token tile), as on 2 AVX2 cores.
+TEST(DraftLength, FollowsMeasuredPassCosts) {
+  const std::vector<double> measured = {1.05, 1.1, 1.15, 1.6, 1.65, 1.7, 1.75, 1.8};
+  const PassCost cost = PassCost::measured(measured);
+  ASSERT_TRUE(cost.is_measured());
+  EXPECT_FALSE(PassCost().is_measured());
+  EXPECT_EQ(cost.of(0), 1.0);
+  for (int k = 1; k <= 8; ++k) EXPECT_EQ(cost.of(k), measured[static_cast<size_t>(k - 1)]) << k;
+  // Past the measurement, each row costs the measured average: (1.8 - 1) / 8 = 0.1.
+  EXPECT_NEAR(cost.of(10), 2.0, 1e-12);
+  // A noisy measurement that says a longer pass is cheaper is raised to the shorter one's cost.
+  const PassCost noisy = PassCost::measured({1.2, 1.1, 1.3});
+  EXPECT_EQ(noisy.of(2), 1.2);
+  EXPECT_EQ(noisy.of(3), 1.3);
+
+  // The length is the best rate over the curve, found here by brute force over the acceptance.
+  const auto best = [&](double a) {
+    int best_k = 1;
+    double best_rate = 0, tokens = 1, power = 1;
+    for (int k = 1; k <= 64; ++k) {
+      power *= a;
+      tokens += power;
+      if (tokens / cost.of(k) > best_rate) best_rate = tokens / cost.of(k), best_k = k;
+    }
+    return best_k;
+  };
+  DraftLength length(cost);
+  EXPECT_EQ(length.next_limit(), best(length.acceptance()));
+  EXPECT_EQ(best(0.8), 3) << "at 0.8 the jump after 4 rows is not worth it";
+  for (int i = 0; i < 30; ++i) length.record(3, 3);
+  EXPECT_EQ(length.next_limit(), best(length.acceptance()));
+  EXPECT_GT(length.next_limit(), 4) << "drafts taken whole: past the jump";
 }
 
 TEST(DraftLength, RejectedSingleTokensPauseDrafting) {
@@ -496,6 +534,40 @@ TEST(SpeculativeCli, ADraftModelOfAnotherVocabularyIsRefused) {
   const test::CommandResult both = sh(std::string(RINGLM_BINARY) + " run --lookup 4 -md " + tiny("q8_0") + " -n 4 -p hi -m " + tiny("q8_0"));
   EXPECT_NE(both.exit_code, 0);
   EXPECT_NE(both.err.find("excludes"), std::string::npos) << both.err;
+}
+
+// With `ringlm tune`'s checking passes for the model in the tuning table, the drafts' lengths
+// follow them: passes that cost a step and a bit give long drafts, passes that cost about a step
+// per drafted token (and more from two on) drafts of one token; the text stays the same.
+TEST(SpeculativeCli, DraftLengthsFollowTheTunedPasses) {
+  const std::string model = RINGLM_TEST_MODEL;
+  const std::string dir = test::work_dir_for("speculative");
+  const auto table = [&](const std::string& name, const std::string& cost) {
+    const std::string path = dir + "/" + name + ".json";
+    std::ofstream(path) << R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": ")"
+                        << std::filesystem::path(model).filename().string() << R"(", "bytes": )"
+                        << std::filesystem::file_size(model) << R"(, "threads": 1, "cost": )" << cost << "}]}";
+    return path;
+  };
+  const std::string cheap = table("cheap_passes", "[1.01, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08]");
+  const std::string dear = table("dear_passes", "[1.9, 3, 4, 5, 6, 7, 8, 9]");
+  const auto run = [&](const std::string& tuning) {
+    return sh("env RINGLM_TUNING=" + tuning + " " + RINGLM_BINARY + " run --temp 0 --lookup 8 --stats json -t 1 -n " +
+              std::to_string(test::scaled(48, 16)) + " -m " + model + " -p " + kCopyPrompt);
+  };
+  const test::CommandResult long_drafts = run(cheap), short_drafts = run(dear), estimated = run("off");
+  ASSERT_EQ(long_drafts.exit_code, 0) << long_drafts.err;
+  ASSERT_EQ(short_drafts.exit_code, 0) << short_drafts.err;
+  ASSERT_EQ(estimated.exit_code, 0) << estimated.err;
+  EXPECT_EQ(long_drafts.out, short_drafts.out);
+  EXPECT_EQ(long_drafts.out, estimated.out);
+  const nlohmann::json l = stats_of(long_drafts.err).at("speculative"), s = stats_of(short_drafts.err).at("speculative");
+  EXPECT_EQ(l.at("pass_cost"), "tuned");
+  EXPECT_EQ(s.at("pass_cost"), "tuned");
+  EXPECT_EQ(stats_of(estimated.err).at("speculative").at("pass_cost"), "estimated");
+  EXPECT_EQ(s.at("drafted"), s.at("passes")) << "one token a draft: " << s;
+  EXPECT_GT(l.at("drafted").get<int>(), 2 * l.at("passes").get<int>()) << l;
+  EXPECT_GT(l.at("accepted").get<int>(), s.at("accepted").get<int>()) << l << s;
 }
 
 // `ringlm run --lookup` at a temperature: the speculative sampling rule, with drafts accepted.

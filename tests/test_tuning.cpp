@@ -131,6 +131,7 @@ KernelTable full_table() {
   measured.int8_ms = {0.5, 1.0, 2.0};
   measured.sgemm_ms = {1.0, 1.5, 1.75};
   t.set(measured);
+  t.passes.push_back({"model.gguf", 98362432, 2, {1.125, 1.25, 1.5}});
   return t;
 }
 
@@ -144,6 +145,11 @@ void expect_same(const KernelTable& a, const KernelTable& b) {
   for (size_t i = 0; i < a.entries().size(); ++i) {
     const KernelEntry &x = a.entries()[i], &y = b.entries()[i];
     EXPECT_EQ(std::make_tuple(x.type, x.n, x.k, x.crossover), std::make_tuple(y.type, y.n, y.k, y.crossover)) << i;
+  }
+  ASSERT_EQ(a.passes.size(), b.passes.size());
+  for (size_t i = 0; i < a.passes.size(); ++i) {
+    const PassCostEntry &x = a.passes[i], &y = b.passes[i];
+    EXPECT_EQ(std::make_tuple(x.model, x.bytes, x.threads, x.cost), std::make_tuple(y.model, y.bytes, y.threads, y.cost)) << i;
   }
 }
 
@@ -159,6 +165,25 @@ TEST(KernelTableFile, JsonRoundTrip) {
   EXPECT_TRUE(j["entries"][3]["crossover"].is_null());  // the Q8_0 "never"
   EXPECT_EQ(j["entries"][4]["m"], nlohmann::json({8, 16, 24}));
   EXPECT_EQ(j["entries"][0]["type"], "Q4_1");
+  EXPECT_EQ(j["checking_passes"][0]["cost"], nlohmann::json({1.125, 1.25, 1.5}));
+  EXPECT_FALSE(nlohmann::json::parse(smol_table().to_json()).contains("checking_passes")) << "optional";
+}
+
+// A model's checking passes are its file's (name and size) at one thread count.
+TEST(KernelTableFile, PassCostsBelongToAModelFileAndThreadCount) {
+  const std::string model = work_dir() + "/passes/model.gguf";
+  std::filesystem::create_directories(work_dir() + "/passes");
+  write_file(model, std::string(1000, 'x'));
+  KernelTable t;
+  t.passes.push_back({"model.gguf", 1000, 2, {1.1, 1.2}});
+  t.passes.push_back({"model.gguf", 1000, 4, {1.3}});
+  ASSERT_NE(t.pass_cost(model, 2), nullptr);
+  EXPECT_EQ(t.pass_cost(model, 2)->cost, std::vector<double>({1.1, 1.2}));
+  EXPECT_EQ(t.pass_cost(model, 4)->cost, std::vector<double>({1.3}));
+  EXPECT_EQ(t.pass_cost(model, 8), nullptr) << "another thread count";
+  EXPECT_EQ(t.pass_cost(work_dir() + "/passes/missing.gguf", 2), nullptr);
+  write_file(model, std::string(1001, 'x'));
+  EXPECT_EQ(t.pass_cost(model, 2), nullptr) << "the same name, another file";
 }
 
 TEST(KernelTableFile, SaveAndLoad) {
@@ -191,6 +216,13 @@ TEST(KernelTableFile, MalformedFilesWarnAndFallBackToDefaults) {
       {"unknown type", R"({"ringlm_tuning": 1, "entries": [{"type_id": 77, "n": 576, "k": 576, "crossover": 8}]})"},
       {"threads a string", R"({"ringlm_tuning": 1, "machine": {"threads": "two"}, "entries": []})"},
       {"machine an array", R"({"ringlm_tuning": 1, "machine": [], "entries": []})"},
+      {"passes not an array", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": {}})"},
+      {"pass without a model", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"bytes": 5, "threads": 2, "cost": [1.1]}]})"},
+      {"pass of no bytes", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": "m", "bytes": 0, "threads": 2, "cost": [1.1]}]})"},
+      {"pass cost empty", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": "m", "bytes": 5, "threads": 2, "cost": []}]})"},
+      {"pass cost a string", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": "m", "bytes": 5, "threads": 2, "cost": ["1.1"]}]})"},
+      {"pass cost too low", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": "m", "bytes": 5, "threads": 2, "cost": [0.1]}]})"},
+      {"pass cost too high", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": "m", "bytes": 5, "threads": 2, "cost": [1.1, 9]}]})"},
   };
   for (const auto& [name, text] : cases) {
     SCOPED_TRACE(name);
@@ -453,6 +485,16 @@ TEST(TuneCommand, WritesAnEntryPerWeightShape) {
                               std::to_string(e["k"].get<int64_t>());
     EXPECT_NE(r.out.find(label), std::string::npos) << label;
   }
+  // The checking passes of speculative decoding on the same model: 1 to 8 drafted tokens, each a
+  // cost in decode steps (from_json checks the range), and printed.
+  ASSERT_EQ(t.passes.size(), 1u);
+  EXPECT_EQ(t.passes[0].model, "tiny_q4_0.gguf");
+  EXPECT_EQ(t.passes[0].bytes, static_cast<int64_t>(std::filesystem::file_size(model)));
+  EXPECT_EQ(t.passes[0].threads, 1);
+  EXPECT_EQ(t.passes[0].cost.size(), 8u);
+  EXPECT_NE(t.pass_cost(model, 1), nullptr);
+  EXPECT_NE(r.out.find("checking passes"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("| 8 | "), std::string::npos) << r.out;
 }
 
 TEST(TuneCommand, DefaultOutputIsTheCacheDirectory) {

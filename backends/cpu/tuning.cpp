@@ -88,6 +88,28 @@ KernelEntry parse_entry(const json& e, const std::string& where) {
   return entry;
 }
 
+PassCostEntry parse_pass_cost(const json& e, const std::string& where) {
+  if (!e.is_object()) malformed(where, "expected an object");
+  PassCostEntry entry;
+  const json& model = member(e, where, "model");
+  if (!model.is_string() || model.get<std::string>().empty()) malformed(where + ".model", "expected a file name");
+  entry.model = model.get<std::string>();
+  entry.bytes = positive_int(member(e, where, "bytes"), where + ".bytes");
+  entry.threads = static_cast<int>(integer_in(member(e, where, "threads"), where + ".threads", 1, 1 << 20));
+  const json& cost = member(e, where, "cost");
+  if (!cost.is_array() || cost.empty() || cost.size() > 256) malformed(where + ".cost", "expected an array of 1 to 256 numbers");
+  for (size_t i = 0; i < cost.size(); ++i) {
+    // A pass of more rows than a decode step's one costs at least about a step; far more than
+    // its rows' count of steps would be a broken measurement.
+    if (!cost[i].is_number() || !(cost[i].get<double>() >= 0.5) || !(cost[i].get<double>() <= 2.0 + static_cast<double>(i))) {
+      malformed(where + ".cost[" + std::to_string(i) + "]",
+                "expected a pass's cost in decode steps, between 0.5 and " + std::to_string(2 + i) + ", got " + cost[i].dump());
+    }
+    entry.cost.push_back(cost[i].get<double>());
+  }
+  return entry;
+}
+
 std::string type_name(TensorType type) {
   const auto traits = type_traits(static_cast<uint32_t>(type));
   return traits ? std::string(traits->name) : "type " + std::to_string(static_cast<uint32_t>(type));
@@ -170,6 +192,17 @@ int64_t KernelTable::crossover(TensorType type, int64_t n, int64_t k) const {
   return best != nullptr ? best->crossover : kDefaultCrossover;
 }
 
+const PassCostEntry* KernelTable::pass_cost(const std::string& model_path, int threads) const {
+  std::error_code ec;
+  const auto bytes = static_cast<int64_t>(std::filesystem::file_size(model_path, ec));
+  if (ec) return nullptr;
+  const std::string name = std::filesystem::path(model_path).filename().string();
+  for (const PassCostEntry& e : passes) {
+    if (e.model == name && e.bytes == bytes && e.threads == threads) return &e;
+  }
+  return nullptr;
+}
+
 std::string KernelTable::to_json() const {
   const nlohmann::ordered_json header = {{"cpu", machine.cpu},
                                          {"target", machine.target},
@@ -180,7 +213,18 @@ std::string KernelTable::to_json() const {
   std::string out = "{\n  \"ringlm_tuning\": " + std::to_string(kFormatVersion) + ",\n  \"machine\": " +
                     header.dump() + ",\n  \"entries\": [";
   for (size_t i = 0; i < entries_.size(); ++i) out += (i == 0 ? "\n    " : ",\n    ") + entry_json(entries_[i]).dump();
-  return out + "\n  ]\n}\n";
+  out += "\n  ]";
+  if (!passes.empty()) {
+    out += ",\n  \"checking_passes\": [";
+    for (size_t i = 0; i < passes.size(); ++i) {
+      nlohmann::ordered_json o = {{"model", passes[i].model}, {"bytes", passes[i].bytes}, {"threads", passes[i].threads}};
+      o["cost"] = nlohmann::ordered_json::array();
+      for (const double c : passes[i].cost) o["cost"].push_back(std::round(c * 1000.0) / 1000.0);
+      out += (i == 0 ? "\n    " : ",\n    ") + o.dump();
+    }
+    out += "\n  ]";
+  }
+  return out + "\n}\n";
 }
 
 KernelTable KernelTable::from_json(const std::string& text) {
@@ -203,13 +247,19 @@ KernelTable KernelTable::from_json(const std::string& text) {
   for (size_t i = 0; i < entries.size(); ++i) {
     table.set(parse_entry(entries[i], "entries[" + std::to_string(i) + "]"));
   }
+  if (const auto it = j.find("checking_passes"); it != j.end()) {
+    if (!it->is_array()) malformed("checking_passes", "expected an array");
+    for (size_t i = 0; i < it->size(); ++i) {
+      table.passes.push_back(parse_pass_cost((*it)[i], "checking_passes[" + std::to_string(i) + "]"));
+    }
+  }
   return table;
 }
 
-KernelTable load_kernel_table(const std::string& path, bool missing_ok) {
+KernelTable load_kernel_table(const std::string& path, bool missing_ok, bool warn) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) {
-    if (!missing_ok) std::fprintf(stderr, "ringlm: warning: tuning table %s does not exist; using the default kernel choice\n", path.c_str());
+    if (!missing_ok && warn) std::fprintf(stderr, "ringlm: warning: tuning table %s does not exist; using the default kernel choice\n", path.c_str());
     return {};
   }
   try {
@@ -219,7 +269,7 @@ KernelTable load_kernel_table(const std::string& path, bool missing_ok) {
     const std::string text(std::istreambuf_iterator<char>(in), {});
     return KernelTable::from_json(text);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "ringlm: warning: tuning table %s: %s; using the default kernel choice\n", path.c_str(), e.what());
+    if (warn) std::fprintf(stderr, "ringlm: warning: tuning table %s: %s; using the default kernel choice\n", path.c_str(), e.what());
     return {};
   }
 }
@@ -245,11 +295,11 @@ void save_kernel_table(const KernelTable& table, const std::string& path) {
 
 std::string default_kernel_table_path() { return (cache_dir() / "tuning.json").string(); }
 
-KernelTable load_configured_kernel_table() {
+KernelTable load_configured_kernel_table(bool warn) {
   const char* env = std::getenv("RINGLM_TUNING");
   if (env != nullptr && std::string(env) == "off") return {};
-  if (env != nullptr && *env != '\0') return load_kernel_table(env);
-  return load_kernel_table(default_kernel_table_path(), /*missing_ok=*/true);
+  if (env != nullptr && *env != '\0') return load_kernel_table(env, /*missing_ok=*/false, warn);
+  return load_kernel_table(default_kernel_table_path(), /*missing_ok=*/true, warn);
 }
 
 TuningMachine this_machine(int threads) {

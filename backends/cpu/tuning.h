@@ -9,7 +9,9 @@
 // File format (version 1):
 //   {"ringlm_tuning": 1,
 //    "machine": {"cpu": "AMD EPYC", "target": "AVX2", "threads": 2, "date": "...", "ringlm": "0.1.0"},
-//    "entries": [{"type_id": 3, "type": "Q4_1", "n": 576, "k": 576, "crossover": 64}, ...]}
+//    "entries": [{"type_id": 3, "type": "Q4_1", "n": 576, "k": 576, "crossover": 64}, ...],
+//    "checking_passes": [{"model": "x.gguf", "bytes": 123, "threads": 2, "cost": [1.1, 1.2, ...]}]}
+// ("checking_passes" is optional: see PassCostEntry.)
 // `type_id` is the GGML / ringlm type id (`type` is its name, for people; not read back). A
 // `crossover` of null means the int8 kernels won at every measured M. Entries may carry the
 // measured times too ("m", "int8_ms", "sgemm_ms"); they are kept for reading, not loaded.
@@ -45,6 +47,16 @@ struct KernelEntry {
   std::vector<double> int8_ms, sgemm_ms;
 };
 
+// A speculative draft's checking passes on one model, as `ringlm tune` measured them: cost[k - 1]
+// is what a pass of the evaluated token and k drafted ones takes against a decode step
+// (core/speculative/draft_length.h's PassCost).
+struct PassCostEntry {
+  std::string model;  // the GGUF file's name, without its directory
+  int64_t bytes = 0;  // and its size: a file of the same name and another size is another model
+  int threads = 0;
+  std::vector<double> cost;
+};
+
 class KernelTable {
  public:
   // "int8 always wins": a crossover no call reaches.
@@ -67,6 +79,11 @@ class KernelTable {
   // every dot product and the size of every dequantized row), else kDefaultCrossover.
   int64_t crossover(TensorType type, int64_t n, int64_t k) const;
 
+  // Measured checking passes, per model (ringlm tune); the entry for a model file (its name
+  // and size) run with `threads` threads, or null.
+  std::vector<PassCostEntry> passes;
+  const PassCostEntry* pass_cost(const std::string& model_path, int threads) const;
+
   std::string to_json() const;
   // Parses a table; throws std::runtime_error saying what is wrong (with the JSON path).
   static KernelTable from_json(const std::string& text);
@@ -77,8 +94,8 @@ class KernelTable {
 
 // Reads a table. A missing file gives an empty table, silently when `missing_ok`; a file that
 // cannot be read or parsed gives an empty table (the defaults) and one warning line on stderr
-// naming the file and the problem. Never throws.
-KernelTable load_kernel_table(const std::string& path, bool missing_ok = false);
+// naming the file and the problem (none when not `warn`). Never throws.
+KernelTable load_kernel_table(const std::string& path, bool missing_ok = false, bool warn = true);
 // Writes the table (parent directories created, replaced atomically). Throws std::runtime_error.
 void save_kernel_table(const KernelTable& table, const std::string& path);
 
@@ -86,7 +103,7 @@ void save_kernel_table(const KernelTable& table, const std::string& path);
 std::string default_kernel_table_path();
 // The table the backend uses by default: $RINGLM_TUNING names a file ("off": none), else the
 // default path (absent is fine: the built-in crossover). Empty when off, absent or malformed.
-KernelTable load_configured_kernel_table();
+KernelTable load_configured_kernel_table(bool warn = true);
 
 // This machine, as a table header: CPU name, Highway target, `threads`, today, ringlm version.
 TuningMachine this_machine(int threads);

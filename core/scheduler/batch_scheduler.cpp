@@ -192,7 +192,7 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
       stop.end_tokens = q.request.end_tokens;
       s.generation.emplace(tokenizer_, *s.sampler, std::move(stop), q.request.prompt);
       s.drafter = options_.make_drafter && q.request.draft_max != 0 ? options_.make_drafter(q.request) : nullptr;
-      s.draft_length = DraftLength();
+      s.draft_length = DraftLength(options_.pass_cost);
       s.draft = {};
       s.prefilled = 0;
       s.next_token = -1;

@@ -94,6 +94,8 @@ struct BatchOptions {
   // none). A sequence's draft goes into the next pass with its token, and the rows it accepts are
   // decode steps saved (generate()'s rule, per sequence).
   std::function<std::unique_ptr<Drafter>(const GenerationRequest&)> make_drafter;
+  // What a checking pass of one sequence costs, which sets its drafts' lengths (DraftLength).
+  PassCost pass_cost;
 };
 
 class BatchScheduler {

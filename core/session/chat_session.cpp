@@ -188,6 +188,7 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
     sequence.rollback = [&](int n) { rollback(n); };
     sequence.draft_room = [&] { return draft_room(cache_); };
     options.drafter = options_.drafter;
+    options.pass_cost = options_.pass_cost;
     options.speculation = &stats.speculation;
   }
   stats.stop_reason = stop_reason(generate(generation, logits_, sequence, options));

@@ -25,6 +25,7 @@
 #include "core/sampling/sampler.h"
 #include "core/session/chat_template.h"
 #include "core/session/generation.h"
+#include "core/speculative/draft_length.h"
 #include "core/speculative/drafter.h"
 
 namespace ringlm {
@@ -51,6 +52,7 @@ struct ChatSessionOptions {
   SamplingParams sampling;
   int n_predict = -1;    // most tokens per reply (-1: until the end of the turn)
   Drafter* drafter = nullptr;  // speculative decoding with this guesser (the caller's; null: off)
+  PassCost pass_cost;          // what its checking passes cost (DraftLength)
 };
 
 // What one turn cost.

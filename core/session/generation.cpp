@@ -114,7 +114,7 @@ namespace {
 class GenerationLoop {
  public:
   GenerationLoop(Generation& g, TokenScores scores, const SequenceModel& model, const GenerateOptions& options)
-      : g_(g), scores_(scores), model_(model), options_(options) {}
+      : g_(g), scores_(scores), model_(model), options_(options), draft_length_(options.pass_cost) {}
 
   FinishReason run() {
     int32_t token = draw(scores_);

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "core/sampling/sampler.h"
+#include "core/speculative/draft_length.h"
 #include "core/tokenizer/tokenizer.h"
 
 namespace ringlm {
@@ -167,6 +168,8 @@ struct GenerateOptions {
   // drafts; its counts go to `speculation`.
   Drafter* drafter = nullptr;
   SpeculationStats* speculation = nullptr;
+  // What a checking pass costs, which sets the drafts' lengths (DraftLength).
+  PassCost pass_cost;
 };
 
 // Where generate() finds the scores of the sequence's next token, which every evaluate
