@@ -111,60 +111,85 @@ TEST(EmulatedTiles, RefusesWhatTheCpuRefuses) {
   EXPECT_THROW(tiles.load(0, buf.data(), 64), std::logic_error) << "released";
 }
 
-// Random Q8_0 rows: a finite fp16 scale and 32 codes per block.
-std::vector<uint8_t> random_q8_0(int64_t rows, int64_t cols, std::mt19937& rng) {
-  std::vector<uint8_t> bytes(static_cast<size_t>(rows * (cols / 32) * 34));
-  std::uniform_real_distribution<float> scale(0.001f, 0.05f);
-  for (size_t at = 0; at < bytes.size(); at += 34) {
-    const uint16_t d = fp32_to_fp16(scale(rng));
+// Random rows of a block format: per block of 32 a finite fp16 scale (and min), random codes.
+std::vector<uint8_t> random_blocks(TensorType type, int64_t rows, int64_t cols, std::mt19937& rng) {
+  const auto traits = type_traits(static_cast<uint32_t>(type));
+  const size_t block = traits->block_bytes;
+  std::vector<uint8_t> bytes(static_cast<size_t>(rows * (cols / 32)) * block);
+  for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+  std::uniform_real_distribution<float> scale(0.001f, 0.05f), min(-0.1f, 0.1f);
+  const bool has_min = type == TensorType::Q4_1 || type == TensorType::Q5_1;
+  for (size_t at = 0; at < bytes.size(); at += block) {
+    const uint16_t d = fp32_to_fp16(scale(rng)), m = fp32_to_fp16(min(rng));
     std::memcpy(bytes.data() + at, &d, 2);
-    for (int i = 0; i < 32; ++i) bytes[at + 2 + static_cast<size_t>(i)] = static_cast<uint8_t>(static_cast<int8_t>(rng() % 255 - 127));
+    if (has_min) std::memcpy(bytes.data() + at + 2, &m, 2);
   }
   return bytes;
 }
 
-TEST(TileGemm, Q8_0IsTheExactProductOfTheQuantizedOperands) {
+// Every block-32 format against its own dequantization (dequantize_row, itself tested against the
+// gguf package's): y[m][n] = sum_k w[n][k] * xd[m][k / 32] * xq[m][k], summed in double.
+TEST(TileGemm, BlockFormatsAreTheExactProductOfTheQuantizedOperands) {
   std::mt19937 rng(11);
   struct Shape {
     int64_t rows, cols, tokens;
   };
-  // Whole tiles, a last group of fewer than 16 outputs, tokens short of a tile, one token, 512.
-  for (const Shape s : {Shape{16, 32, 16}, Shape{40, 96, 17}, Shape{33, 64, 1}, Shape{48, 128, 100}, Shape{16, 64, 512},
-                        Shape{7, 32, 31}}) {
-    const std::vector<uint8_t> w = random_q8_0(s.rows, s.cols, rng);
-    const int64_t blocks = s.cols / 32;
-    std::vector<int8_t> xq(static_cast<size_t>(s.tokens * s.cols));
-    std::vector<float> xd(static_cast<size_t>(s.tokens * blocks));
-    for (auto& q : xq) q = static_cast<int8_t>(rng() % 255 - 127);
-    std::uniform_real_distribution<float> scale(0.001f, 0.1f);
-    for (auto& d : xd) d = scale(rng);
-    const TilePackedQ8 packed = pack_q8_0_for_tiles(w.data(), s.rows, s.cols);
-    const int64_t ldy = s.rows + 3;
-    std::vector<float> y(static_cast<size_t>(s.tokens * ldy), NAN);
-    EmulatedTiles tiles;
-    tile_gemm_q8(tiles, packed, xq.data(), xd.data(), s.tokens, y.data(), ldy);
-    EXPECT_FALSE(tiles.configured()) << "the tiles are released after the product";
-    for (int64_t m = 0; m < s.tokens; ++m) {
-      for (int64_t n = 0; n < s.rows; ++n) {
-        double want = 0, magnitude = 0;
+  for (const TensorType type : {TensorType::Q8_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q5_0,
+                                TensorType::Q5_1, TensorType::IQ4_NL}) {
+    // Whole tiles, a last group of fewer than 16 outputs, tokens short of a tile, one token, 512.
+    for (const Shape s : {Shape{16, 32, 16}, Shape{40, 96, 17}, Shape{33, 64, 1}, Shape{48, 128, 100},
+                          Shape{16, 64, 512}, Shape{7, 32, 31}}) {
+      SCOPED_TRACE(std::string(type_traits(static_cast<uint32_t>(type))->name) + " " + std::to_string(s.rows) + "x" +
+                   std::to_string(s.cols) + " with " + std::to_string(s.tokens) + " tokens");
+      const std::vector<uint8_t> w = random_blocks(type, s.rows, s.cols, rng);
+      const int64_t blocks = s.cols / 32;
+      std::vector<int8_t> xq(static_cast<size_t>(s.tokens * s.cols));
+      std::vector<float> xd(static_cast<size_t>(s.tokens * blocks)), xs(xd.size());
+      for (auto& q : xq) q = static_cast<int8_t>(rng() % 255 - 127);
+      std::uniform_real_distribution<float> scale(0.001f, 0.1f);
+      for (auto& d : xd) d = scale(rng);
+      for (int64_t m = 0; m < s.tokens; ++m) {  // QuantizedActs' sums: d * the block's code sum
         for (int64_t b = 0; b < blocks; ++b) {
-          const uint8_t* block = w.data() + (n * blocks + b) * 34;
-          uint16_t d = 0;
-          std::memcpy(&d, block, 2);
-          int64_t dot = 0;
-          for (int i = 0; i < 32; ++i) dot += static_cast<int8_t>(block[2 + i]) * xq[static_cast<size_t>(m * s.cols + b * 32 + i)];
-          const double term = static_cast<double>(fp16_to_fp32(d)) * xd[static_cast<size_t>(m * blocks + b)] * static_cast<double>(dot);
-          want += term;
-          magnitude += std::fabs(term);
+          int sum = 0;
+          for (int i = 0; i < 32; ++i) sum += xq[static_cast<size_t>(m * s.cols + b * 32 + i)];
+          xs[static_cast<size_t>(m * blocks + b)] = xd[static_cast<size_t>(m * blocks + b)] * static_cast<float>(sum);
         }
-        const float got = y[static_cast<size_t>(m * ldy + n)];
-        ASSERT_NEAR(got, want, 1e-6 * magnitude + 1e-30)
-            << s.rows << "x" << s.cols << " with " << s.tokens << " tokens: token " << m << " output " << n;
       }
-      for (int64_t n = s.rows; n < ldy; ++n) ASSERT_TRUE(std::isnan(y[static_cast<size_t>(m * ldy + n)])) << "past the rows";
+      const TilePackedBlocks packed = pack_blocks_for_tiles(type, w.data(), s.rows, s.cols);
+      const int64_t ldy = s.rows + 3;
+      std::vector<float> y(static_cast<size_t>(s.tokens * ldy), NAN);
+      EmulatedTiles tiles;
+      tile_gemm_blocks(tiles, packed, xq.data(), xd.data(), xs.data(), s.tokens, y.data(), ldy);
+      EXPECT_FALSE(tiles.configured()) << "the tiles are released after the product";
+      const size_t row_bytes = w.size() / static_cast<size_t>(s.rows);
+      std::vector<float> weights(static_cast<size_t>(s.cols));
+      for (int64_t n = 0; n < s.rows; ++n) {
+        dequantize_row(type, w.data() + static_cast<size_t>(n) * row_bytes, weights.data(), s.cols);
+        for (int64_t m = 0; m < s.tokens; ++m) {
+          double want = 0, magnitude = 0;
+          for (int64_t k = 0; k < s.cols; ++k) {
+            const double term = static_cast<double>(weights[static_cast<size_t>(k)]) * xd[static_cast<size_t>(m * blocks + k / 32)] *
+                                xq[static_cast<size_t>(m * s.cols + k)];
+            want += term;
+            magnitude += std::fabs(term);
+          }
+          ASSERT_NEAR(y[static_cast<size_t>(m * ldy + n)], want, 2e-6 * magnitude + 1e-30) << "token " << m << " output " << n;
+        }
+      }
+      for (int64_t m = 0; m < s.tokens; ++m) {
+        for (int64_t n = s.rows; n < ldy; ++n) ASSERT_TRUE(std::isnan(y[static_cast<size_t>(m * ldy + n)])) << "past the rows";
+      }
     }
   }
-  EXPECT_THROW(pack_q8_0_for_tiles(nullptr, 1, 48), std::invalid_argument);
+  EXPECT_THROW(pack_blocks_for_tiles(TensorType::Q8_0, nullptr, 1, 48), std::invalid_argument);
+  EXPECT_THROW(pack_blocks_for_tiles(TensorType::Q4_K, nullptr, 1, 256), std::invalid_argument);
+  const std::vector<uint8_t> q4_1 = random_blocks(TensorType::Q4_1, 16, 32, rng);
+  const TilePackedBlocks with_mins = pack_blocks_for_tiles(TensorType::Q4_1, q4_1.data(), 16, 32);
+  std::vector<int8_t> xq(32);
+  std::vector<float> xd(1, 1.0f), y(16);
+  EmulatedTiles tiles;
+  EXPECT_THROW(tile_gemm_blocks(tiles, with_mins, xq.data(), xd.data(), nullptr, 1, y.data(), 16), std::invalid_argument)
+      << "mins without the activations' sums";
 }
 
 }  // namespace

@@ -151,38 +151,95 @@ void EmulatedTiles::dpbusd(int c, int a, int b) { dot_product<false>(c, a, b); }
 // --- Int8 weights in the tile layout ------------------------------------------------------
 
 namespace {
-constexpr int64_t kBlock = 32;             // Q8_0's block
-constexpr size_t kQ8Bytes = 2 + kBlock;    // its fp16 scale and 32 codes
+constexpr int64_t kBlock = 32;             // the block of every format packed here
 constexpr int kBlockTileRows = kBlock / 4;  // a block's B tile: 8 rows of 4-byte groups
+
+float fp16_at(const uint8_t* p) {
+  uint16_t bits = 0;
+  std::memcpy(&bits, p, 2);
+  return fp16_to_fp32(bits);
+}
+
+// One block of a GGML format: its 32 codes as int8, its scale and its min.
+struct DecodedBlock {
+  int8_t codes[kBlock];
+  float scale = 0, min = 0;
+};
+
+// Bytes of a block, and its decoding (GGML's layouts: the low nibbles are weights 0..15, the
+// high ones 16..31; Q5's fifth bits in a 32-bit field, bit j for weight j).
+size_t block_bytes(TensorType type) {
+  switch (type) {
+    case TensorType::Q8_0: return 34;
+    case TensorType::Q4_0: return 18;
+    case TensorType::IQ4_NL: return 18;
+    case TensorType::Q4_1: return 20;
+    case TensorType::Q5_0: return 22;
+    case TensorType::Q5_1: return 24;
+    default: return 0;
+  }
+}
+
+DecodedBlock decode_block(TensorType type, const uint8_t* p) {
+  DecodedBlock b;
+  b.scale = fp16_at(p);
+  const bool has_min = type == TensorType::Q4_1 || type == TensorType::Q5_1;
+  if (has_min) b.min = fp16_at(p + 2);
+  const uint8_t* after_scales = p + (has_min ? 4 : 2);
+  if (type == TensorType::Q8_0) {
+    std::memcpy(b.codes, after_scales, kBlock);
+    return b;
+  }
+  const bool five_bits = type == TensorType::Q5_0 || type == TensorType::Q5_1;
+  uint32_t high_bits = 0;
+  if (five_bits) std::memcpy(&high_bits, after_scales, 4);
+  const uint8_t* nibbles = after_scales + (five_bits ? 4 : 0);
+  for (int j = 0; j < kBlock; ++j) {
+    int code = j < 16 ? nibbles[j] & 0x0F : nibbles[j - 16] >> 4;
+    if (five_bits) code |= static_cast<int>((high_bits >> j) & 1u) << 4;
+    switch (type) {
+      case TensorType::Q4_0: code -= 8; break;
+      case TensorType::Q5_0: code -= 16; break;
+      case TensorType::IQ4_NL: code = kIq4nlValues[code]; break;
+      default: break;  // Q4_1, Q5_1: unsigned codes with a min
+    }
+    b.codes[j] = static_cast<int8_t>(code);
+  }
+  return b;
+}
+
 }  // namespace
 
-TilePackedQ8 pack_q8_0_for_tiles(const uint8_t* q8_0, int64_t rows, int64_t cols) {
-  if (cols % kBlock != 0) throw std::invalid_argument("Q8_0 rows of " + std::to_string(cols) + " values (a multiple of 32)");
-  TilePackedQ8 w;
+TilePackedBlocks pack_blocks_for_tiles(TensorType type, const uint8_t* data, int64_t rows, int64_t cols) {
+  const size_t bytes = block_bytes(type);
+  if (bytes == 0) throw std::invalid_argument("no tile packing for tensor type " + std::to_string(static_cast<uint32_t>(type)));
+  if (cols % kBlock != 0) throw std::invalid_argument("rows of " + std::to_string(cols) + " values (a multiple of 32)");
+  TilePackedBlocks w;
   w.rows = rows;
   w.cols = cols;
+  w.has_min = type == TensorType::Q4_1 || type == TensorType::Q5_1;
   const int64_t groups = w.groups(), blocks = w.blocks();
   w.codes.assign(static_cast<size_t>(groups * blocks * kBlockTileRows * kTileBytes), 0);
   w.scales.assign(static_cast<size_t>(groups * blocks * kTileRows), 0.0f);
+  if (w.has_min) w.mins.assign(w.scales.size(), 0.0f);
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t g = row / kTileRows, n = row % kTileRows;
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = q8_0 + (static_cast<size_t>(row * blocks + b)) * kQ8Bytes;
-      uint16_t d = 0;
-      std::memcpy(&d, block, 2);
-      w.scales[static_cast<size_t>((g * blocks + b) * kTileRows + n)] = fp16_to_fp32(d);
+      const DecodedBlock block = decode_block(type, data + static_cast<size_t>(row * blocks + b) * bytes);
+      const size_t at = static_cast<size_t>((g * blocks + b) * kTileRows + n);
+      w.scales[at] = block.scale;
+      if (w.has_min) w.mins[at] = block.min;
       int8_t* tile = w.codes.data() + (g * blocks + b) * kBlockTileRows * kTileBytes;
-      for (int k = 0; k < kBlockTileRows; ++k) {
-        std::memcpy(tile + k * kTileBytes + 4 * n, block + 2 + 4 * k, 4);
-      }
+      for (int k = 0; k < kBlockTileRows; ++k) std::memcpy(tile + k * kTileBytes + 4 * n, block.codes + 4 * k, 4);
     }
   }
   return w;
 }
 
 template <class Tiles>
-void tile_gemm_q8(Tiles& tiles, const TilePackedQ8& w, const int8_t* xq, const float* xd, int64_t m_count, float* y,
-                  int64_t ldy) {
+void tile_gemm_blocks(Tiles& tiles, const TilePackedBlocks& w, const int8_t* xq, const float* xd, const float* xs,
+                      int64_t m_count, float* y, int64_t ldy) {
+  if (w.has_min && xs == nullptr) throw std::invalid_argument("tile_gemm_blocks: weights with mins need the activations' sums");
   enum : int { kC = 0, kA = 1, kB = 2 };
   TileConfig config{};
   config[kC] = {kTileRows, kTileBytes};       // 16 tokens x 16 outputs, int32
@@ -210,10 +267,14 @@ void tile_gemm_q8(Tiles& tiles, const TilePackedQ8& w, const int8_t* xq, const f
         tiles.load(kB, w.codes.data() + (g * blocks + b) * kBlockTileRows * kTileBytes, kTileBytes);
         tiles.dpbssd(kC, kA, kB);
         tiles.store(kC, dots, kTileBytes);
-        const float* wd = w.scales.data() + (g * blocks + b) * kTileRows;
+        const size_t at = static_cast<size_t>((g * blocks + b) * kTileRows);
+        const float* wd = w.scales.data() + at;
         for (int r = 0; r < tokens; ++r) {
           const float x_scale = xd[(m0 + r) * blocks + b];
           for (int n = 0; n < kTileRows; ++n) acc[r][n] += wd[n] * (x_scale * static_cast<float>(dots[r * kTileRows + n]));
+          if (!w.has_min) continue;
+          const float x_sum = xs[(m0 + r) * blocks + b];
+          for (int n = 0; n < kTileRows; ++n) acc[r][n] += w.mins[at + static_cast<size_t>(n)] * x_sum;
         }
       }
       const int outputs = static_cast<int>(std::min<int64_t>(kTileRows, w.rows - g * kTileRows));
@@ -223,7 +284,7 @@ void tile_gemm_q8(Tiles& tiles, const TilePackedQ8& w, const int8_t* xq, const f
   tiles.release();
 }
 
-template void tile_gemm_q8<EmulatedTiles>(EmulatedTiles&, const TilePackedQ8&, const int8_t*, const float*, int64_t,
-                                          float*, int64_t);
+template void tile_gemm_blocks<EmulatedTiles>(EmulatedTiles&, const TilePackedBlocks&, const int8_t*, const float*,
+                                              const float*, int64_t, float*, int64_t);
 
 }  // namespace ringlm::cpu

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "quant/formats.h"
+
 namespace ringlm::cpu {
 
 // --- Whether AMX can run here -------------------------------------------------------------
@@ -79,26 +81,34 @@ class EmulatedTiles {
 
 // --- Int8 weights in the tile layout ------------------------------------------------------
 
-// A Q8_0 matrix (rows x cols, cols a multiple of 32) repacked for the tile multiply: per group of
-// 16 output rows and per block of 32 inputs, the codes as one B tile of 8 rows of 64 bytes (row
-// k: for each of the 16 outputs n, its codes 4k .. 4k + 3 of the block) and the 16 scales. A
-// last group of fewer rows is padded with zero codes and scales.
-struct TilePackedQ8 {
+// A matrix of a format with blocks of 32 weights (rows x cols, cols a multiple of 32), each weight
+// d * c + m for an int8 code c and the block's scale d and min m (0 for the symmetric formats),
+// repacked for the tile multiply: per group of 16 output rows and per block of 32 inputs, the
+// codes as one B tile of 8 rows of 64 bytes (row k: for each of the 16 outputs n, its codes
+// 4k .. 4k + 3 of the block), the 16 scales and the 16 mins. A last group of fewer rows is padded
+// with zero codes, scales and mins. The codes: Q8_0's bytes, Q4_0's nibbles - 8, Q5_0's 5 bits -
+// 16, Q4_1's nibbles and Q5_1's 5 bits (with their mins), IQ4_NL's code book values.
+struct TilePackedBlocks {
   int64_t rows = 0, cols = 0;
+  bool has_min = false;       // Q4_1, Q5_1
   std::vector<int8_t> codes;  // [groups][blocks][8][64]
   std::vector<float> scales;  // [groups][blocks][16]
+  std::vector<float> mins;    // [groups][blocks][16], when has_min
   int64_t groups() const { return (rows + kTileRows - 1) / kTileRows; }
   int64_t blocks() const { return cols / 32; }
 };
-TilePackedQ8 pack_q8_0_for_tiles(const uint8_t* q8_0, int64_t rows, int64_t cols);
+// Throws std::invalid_argument for another type, or cols not a multiple of 32.
+TilePackedBlocks pack_blocks_for_tiles(TensorType type, const uint8_t* data, int64_t rows, int64_t cols);
 
 // y[m][n] = sum over blocks b of wd[n][b] * xd[m][b] * (the integer dot of block b of output n's
-// codes and token m's), for m_count tokens of int8 activations quantized per 32 (xq [m][cols],
-// xd [m][cols / 32]); y is [m_count][ldy]. Per 16 tokens and 16 outputs: each block's integer
-// dots in one TDPBSSD (A: 16 tokens x 32 codes, B: the packed block), then scaled into float
-// accumulators in block order. Tokens past m_count in a last tile of 16 are zero rows.
+// codes and token m's) + wm[n][b] * xs[m][b], for m_count tokens of int8 activations quantized
+// per 32 (xq [m][cols], xd and xs [m][cols / 32], xs the block's xd * sum of its codes, as
+// QuantizedActs holds them; xs may be null without mins); y is [m_count][ldy]. Per 16 tokens and
+// 16 outputs: each block's integer dots in one TDPBSSD (A: 16 tokens x 32 codes, B: the packed
+// block), then scaled into float accumulators in block order. Tokens past m_count in a last tile
+// of 16 are zero rows.
 template <class Tiles>
-void tile_gemm_q8(Tiles& tiles, const TilePackedQ8& w, const int8_t* xq, const float* xd, int64_t m_count, float* y,
-                  int64_t ldy);
+void tile_gemm_blocks(Tiles& tiles, const TilePackedBlocks& w, const int8_t* xq, const float* xd, const float* xs,
+                      int64_t m_count, float* y, int64_t ldy);
 
 }  // namespace ringlm::cpu
