@@ -213,6 +213,30 @@ PassCostEntry tune_passes(const std::string& path, int threads, const KernelTabl
   return entry;
 }
 
+// What an earlier tune on this machine (the same CPU, SIMD target and thread count) left in the
+// table and this run did not measure: other weight shapes' crossovers and other model files'
+// checking passes stay, so that tuning a second model does not forget the first. A table from
+// another machine is replaced whole. Returns how many were kept.
+size_t keep_earlier_measurements(KernelTable& table, const std::string& path) {
+  const KernelTable earlier = load_kernel_table(path, /*missing_ok=*/true);
+  const TuningMachine& m = earlier.machine;
+  if (m.cpu != table.machine.cpu || m.target != table.machine.target || m.threads != table.machine.threads) return 0;
+  size_t kept = 0;
+  for (const KernelEntry& e : earlier.entries()) {
+    const bool measured = std::any_of(table.entries().begin(), table.entries().end(), [&](const KernelEntry& t) {
+      return t.type == e.type && t.n == e.n && t.k == e.k;
+    });
+    if (!measured) table.set(e), ++kept;
+  }
+  for (const PassCostEntry& p : earlier.passes) {
+    const bool measured = std::any_of(table.passes.begin(), table.passes.end(), [&](const PassCostEntry& t) {
+      return t.model == p.model && t.bytes == p.bytes && t.threads == p.threads;
+    });
+    if (!measured) table.passes.push_back(p), ++kept;
+  }
+  return kept;
+}
+
 std::string output_path(const TuneOptions& o) {
   if (!o.output.empty()) return o.output;
   // Where the backend will look: $RINGLM_TUNING when it names a file.
@@ -270,6 +294,7 @@ void tune(const TuneOptions& o) {
     std::printf("| %-16s | %-17s |\n", shapes[i].label.c_str(), crossover_text(table.entries()[i].crossover).c_str());
   }
   const std::string path = output_path(o);
+  const size_t kept = keep_earlier_measurements(table, path);
   save_kernel_table(table, path);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::fflush(stdout);
@@ -277,7 +302,8 @@ void tune(const TuneOptions& o) {
     std::fprintf(stderr, "ringlm tune: warning: got %.0f%% of the CPU time of %d threads (a busy machine?): the "
                  "crossovers may be off; run again when it is idle\n", 100 * cpu_share, threads);
   }
-  std::fprintf(stderr, "ringlm tune: wrote %s (%zu entries) in %.1f s\n", path.c_str(), table.entries().size(), s);
+  std::fprintf(stderr, "ringlm tune: wrote %s (%zu entries, checking passes of %zu models; %zu kept from earlier runs) in %.1f s\n",
+               path.c_str(), table.entries().size(), table.passes.size(), kept, s);
 }
 
 }  // namespace

@@ -497,6 +497,34 @@ TEST(TuneCommand, WritesAnEntryPerWeightShape) {
   EXPECT_NE(r.out.find("| 8 | "), std::string::npos) << r.out;
 }
 
+// A second model tuned into the same table on the same machine keeps the first one's shapes and
+// checking passes, and tuning the first again replaces its own.
+TEST(TuneCommand, ASecondModelKeepsTheFirstModelsMeasurements) {
+  const std::string dir = std::string(RINGLM_TEST_WORK_DIR);
+  const std::string path = work_dir() + "/two_models.json";
+  std::filesystem::remove(path);
+  ASSERT_EQ(ringlm_tune("-m " + dir + "/tiny_q4_0.gguf -t 1 -o " + path + " --max-m 8").exit_code, 0);
+  const Result second = ringlm_tune("-m " + dir + "/tiny_q8_0.gguf -t 1 -o " + path + " --max-m 8");
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  const KernelTable t = KernelTable::from_json(slurp(path));
+  std::set<std::tuple<uint32_t, int64_t, int64_t>> got, want = int8_shapes(dir + "/tiny_q4_0.gguf");
+  for (const auto& s : int8_shapes(dir + "/tiny_q8_0.gguf")) want.insert(s);
+  for (const KernelEntry& e : t.entries()) got.insert({static_cast<uint32_t>(e.type), e.n, e.k});
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(t.entries().size(), want.size());
+  EXPECT_NE(t.pass_cost(dir + "/tiny_q4_0.gguf", 1), nullptr);
+  EXPECT_NE(t.pass_cost(dir + "/tiny_q8_0.gguf", 1), nullptr);
+  EXPECT_NE(second.err.find("kept from earlier runs"), std::string::npos) << second.err;
+  // Another machine's table (here: another CPU name) is replaced whole.
+  KernelTable other = t;
+  other.machine.cpu = "Another CPU";
+  save_kernel_table(other, path);
+  ASSERT_EQ(ringlm_tune("-m " + dir + "/tiny_q8_0.gguf -t 1 -o " + path + " --max-m 8").exit_code, 0);
+  const KernelTable replaced = KernelTable::from_json(slurp(path));
+  EXPECT_EQ(replaced.passes.size(), 1u);
+  EXPECT_EQ(replaced.pass_cost(dir + "/tiny_q4_0.gguf", 1), nullptr);
+}
+
 TEST(TuneCommand, DefaultOutputIsTheCacheDirectory) {
   const std::string cache = work_dir() + "/tune_cache";
   std::filesystem::remove_all(cache);
