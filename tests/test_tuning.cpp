@@ -222,7 +222,7 @@ TEST(KernelTableFile, MalformedFilesWarnAndFallBackToDefaults) {
       {"pass cost empty", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": "m", "bytes": 5, "threads": 2, "cost": []}]})"},
       {"pass cost a string", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": "m", "bytes": 5, "threads": 2, "cost": ["1.1"]}]})"},
       {"pass cost too low", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": "m", "bytes": 5, "threads": 2, "cost": [0.1]}]})"},
-      {"pass cost too high", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": "m", "bytes": 5, "threads": 2, "cost": [1.1, 9]}]})"},
+      {"pass cost too high", R"({"ringlm_tuning": 1, "entries": [], "checking_passes": [{"model": "m", "bytes": 5, "threads": 2, "cost": [1.1, 13]}]})"},
   };
   for (const auto& [name, text] : cases) {
     SCOPED_TRACE(name);
