@@ -18,6 +18,11 @@ step costs 1), for each --row-cost given, and the speed-up is the plain steps ov
 ones. Row cost 0 is the bound with free checking rows. The last column charges the row cost the
 run itself showed: its checking passes' times (--stats json's token_ms) against its median plain
 step, the median over its passes.
+
+The last columns bound every prompt-lookup guesser, not just ringlm's: an oracle that, at each
+position, drafts exactly the longest run of the coming tokens that occurs earlier right after the
+same last token (what a lookup of 1-grams could find at best), with free rows and, with a tuned
+table, at the tuned passes' cost (the cheapest split into passes, by dynamic programming).
 """
 from __future__ import annotations
 
@@ -115,6 +120,38 @@ def replay(prompt: list[int], text: list[int], max_draft: int, max_tokens: int,
     return passes
 
 
+def longest_copies(text: list[int], start: int, max_draft: int, context: int = 1) -> list[int]:
+    """For each position from start on, the longest run of the coming tokens (at most max_draft)
+    that an n-gram lookup could copy there: one that occurs in full in the tokens before that
+    position, right after the same `context` tokens as those just before it (a lookup finds its
+    source by the last tokens; 1 is the least any lookup uses, llama.cpp's included)."""
+    longest = []
+    for pos in range(start, len(text)):
+        best = 0
+        for source in range(context, pos):
+            if text[source - context:source] != text[pos - context:pos]:
+                continue
+            n = 0
+            while n < max_draft and source + n < pos and pos + n < len(text) and text[source + n] == text[pos + n]:
+                n += 1
+            best = max(best, n)
+        longest.append(best)
+    return longest
+
+
+def best_lookup_cost(text: list[int], start: int, max_draft: int, cost) -> float:
+    """The least cost, in decode steps, in which any prompt-lookup guesser of at most max_draft
+    tokens could produce text[start:]: an oracle that always finds the right source and drafts
+    exactly the copy it should take there (the longest, or a shorter one when that is cheaper:
+    dynamic programming over the positions). A pass of k drafted rows costs cost(k)."""
+    longest = longest_copies(text, start, max_draft)
+    n = len(text) - start
+    least = [0.0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        least[i] = min(cost(k) + least[min(n, i + k + 1)] for k in range(0, longest[i] + 1))
+    return least[0]
+
+
 def measured_row_cost(passes: list[tuple[int, int]], token_ms: list[float]) -> float:
     """The run's own cost of a checking row, in decode steps: its passes' times (--stats json's
     token_ms, one per pass or plain step, in order) against the median plain step."""
@@ -159,8 +196,9 @@ def main() -> None:
     print(f"draft lengths from {'the tuned passes ' + str(tuned) if tuned else 'the estimated row cost'}\n")
     print("| prompt | checking passes | drafted | accepted | generated | "
           + " | ".join(f"speed-up at row cost {c:g}" for c in args.row_cost)
-          + (" | tuned passes' cost: speed-up" if tuned else "") + " | this run's row cost: speed-up |")
-    print("|---|---:|---:|---:|---:|" + "---:|" * (len(args.row_cost) + 1 + (1 if tuned else 0)))
+          + (" | tuned passes' cost: speed-up" if tuned else "") + " | this run's row cost: speed-up"
+          + " | any lookup's bound, free rows" + (" | any lookup's bound, tuned passes' cost" if tuned else "") + " |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * (len(args.row_cost) + 2 + (2 if tuned else 0)))
     for name, prompt in PROMPTS.items():
         run = subprocess.run([args.ringlm, "run", "-m", args.model, "-t", "2", "--temp", "0", "-n", str(args.n), "--stats",
                               "json", "--lookup", str(args.lookup), "-p", prompt], capture_output=True, text=True, check=True)
@@ -185,8 +223,13 @@ def main() -> None:
         speed_ups = [plain_steps / sum(1 + c * k for k, _ in passes) for c in costs]
         if tuned:
             speed_ups.insert(-1, plain_steps / sum(cost.of(k) for k, _ in passes))
+        first = len(prompt_tokens) + 1
+        best = [plain_steps / best_lookup_cost(text, first, args.lookup, lambda k: 1.0)]
+        if tuned:
+            best.append(plain_steps / best_lookup_cost(text, first, args.lookup, cost.of))
         print(f"| {name} | {len(checked)} | {drafted} | {accepted} | {stats['gen_tokens']} | "
-              + " | ".join(f"{s:.2f}x" for s in speed_ups[:-1]) + f" | {costs[-1]:.2f}: {speed_ups[-1]:.2f}x |", flush=True)
+              + " | ".join(f"{s:.2f}x" for s in speed_ups[:-1]) + f" | {costs[-1]:.2f}: {speed_ups[-1]:.2f}x | " + " | ".join(f"{b:.2f}x" for b in best) + " |",
+              flush=True)
 
 
 if __name__ == "__main__":
