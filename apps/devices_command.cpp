@@ -83,7 +83,7 @@ Row cpu_row() {
 Row amx_row() {
   const cpu::AmxState state = cpu::amx_state();
   std::string words = cpu::amx_state_words(state);
-  if (state == cpu::AmxState::kOffered) words += "; this build's products do not use it yet";
+  if (state == cpu::AmxState::kOn) words += " (prompts and batches of 16 tokens or more)";
   return {"amx", words};
 }
 

@@ -1,18 +1,27 @@
 // AMX's tile operations as emulated (backends/cpu/amx.h), against their definitions written
 // independently: the tile dot product as the plain matrix product of A (M x K) and B unpacked
-// from its 4-byte groups (K x N); loads and stores as byte copies with strides; and the Q8_0
-// tile product against the exact sums of the quantized operands, in float64.
+// from its 4-byte groups (K x N); loads and stores as byte copies with strides; and the packed
+// products on the tiles, every int8 type, against the AVX-512 VNNI kernels' bits and the exact
+// product of the quantized operands in float64.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
 #include "backends/cpu/amx.h"
+#include "backends/cpu/kernel_packed.h"
+#include "hwy/targets.h"
 #include "quant/formats.h"
+#include "tests/only_target.h"
+#include "tests/packed_input.h"
+#include "tests/weight_formats.h"
 
 namespace ringlm::cpu {
 namespace {
@@ -111,85 +120,94 @@ TEST(EmulatedTiles, RefusesWhatTheCpuRefuses) {
   EXPECT_THROW(tiles.load(0, buf.data(), 64), std::logic_error) << "released";
 }
 
-// Random rows of a block format: per block of 32 a finite fp16 scale (and min), random codes.
-std::vector<uint8_t> random_blocks(TensorType type, int64_t rows, int64_t cols, std::mt19937& rng) {
-  const auto traits = type_traits(static_cast<uint32_t>(type));
-  const size_t block = traits->block_bytes;
-  std::vector<uint8_t> bytes(static_cast<size_t>(rows * (cols / 32)) * block);
-  for (auto& b : bytes) b = static_cast<uint8_t>(rng());
-  std::uniform_real_distribution<float> scale(0.001f, 0.05f), min(-0.1f, 0.1f);
-  const bool has_min = type == TensorType::Q4_1 || type == TensorType::Q5_1;
-  for (size_t at = 0; at < bytes.size(); at += block) {
-    const uint16_t d = fp32_to_fp16(scale(rng)), m = fp32_to_fp16(min(rng));
-    std::memcpy(bytes.data() + at, &d, 2);
-    if (has_min) std::memcpy(bytes.data() + at + 2, &m, 2);
-  }
-  return bytes;
-}
+// The packed products on the tiles, every int8 type: the same bits as the AVX-512 VNNI kernels
+// (where this CPU runs them: the tile products repeat their float operations on the same exact
+// integers), within rounding of the exact double product of the operands as the kernels see them
+// (the tolerance of test_cpu_packed), and, where this CPU has AMX, the real tiles' bits equal
+// the emulation's. Token counts of whole and part tiles, passes of 64 and more; rows not a
+// multiple of 16, split on 16-row boundaries.
+class TileProduct : public ::testing::TestWithParam<std::pair<TensorType, std::string>> {};
 
-// Every block-32 format against its own dequantization (dequantize_row, itself tested against the
-// gguf package's): y[m][n] = sum_k w[n][k] * xd[m][k / 32] * xq[m][k], summed in double.
-TEST(TileGemm, BlockFormatsAreTheExactProductOfTheQuantizedOperands) {
-  std::mt19937 rng(11);
+bool runs_vnni() { return test::packed_kernel_targets().front() == HWY_AVX3_DL; }
+
+TEST_P(TileProduct, SameBitsAsTheVnniKernelsAndWithinRoundingOfTheExactProduct) {
+  const TensorType type = GetParam().first;
+  const test::Acts acts = test::acts_of(type);
+  std::mt19937 rng(static_cast<unsigned>(type) + 17);
   struct Shape {
-    int64_t rows, cols, tokens;
+    int64_t m, n, k;
   };
-  for (const TensorType type : {TensorType::Q8_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q5_0,
-                                TensorType::Q5_1, TensorType::IQ4_NL}) {
-    // Whole tiles, a last group of fewer than 16 outputs, tokens short of a tile, one token, 512.
-    for (const Shape s : {Shape{16, 32, 16}, Shape{40, 96, 17}, Shape{33, 64, 1}, Shape{48, 128, 100},
-                          Shape{16, 64, 512}, Shape{7, 32, 31}}) {
-      SCOPED_TRACE(std::string(type_traits(static_cast<uint32_t>(type))->name) + " " + std::to_string(s.rows) + "x" +
-                   std::to_string(s.cols) + " with " + std::to_string(s.tokens) + " tokens");
-      const std::vector<uint8_t> w = random_blocks(type, s.rows, s.cols, rng);
-      const int64_t blocks = s.cols / 32;
-      std::vector<int8_t> xq(static_cast<size_t>(s.tokens * s.cols));
-      std::vector<float> xd(static_cast<size_t>(s.tokens * blocks)), xs(xd.size());
-      for (auto& q : xq) q = static_cast<int8_t>(rng() % 255 - 127);
-      std::uniform_real_distribution<float> scale(0.001f, 0.1f);
-      for (auto& d : xd) d = scale(rng);
-      for (int64_t m = 0; m < s.tokens; ++m) {  // QuantizedActs' sums: d * the block's code sum
-        for (int64_t b = 0; b < blocks; ++b) {
-          int sum = 0;
-          for (int i = 0; i < 32; ++i) sum += xq[static_cast<size_t>(m * s.cols + b * 32 + i)];
-          xs[static_cast<size_t>(m * blocks + b)] = xd[static_cast<size_t>(m * blocks + b)] * static_cast<float>(sum);
+  const int64_t unit = acts == test::Acts::kPer256 ? 256 : std::max<int64_t>(test::block_elems(type), 32);
+  std::vector<Shape> shapes = {{16, 17, unit}, {33, 40, 2 * unit}, {69, 16, unit}};
+  if (type == TensorType::Q4_0 || type == TensorType::Q4_K || type == TensorType::Q6_K) shapes.push_back({512, 20, unit});
+  for (const Shape s : shapes) {
+    SCOPED_TRACE("M" + std::to_string(s.m) + " N" + std::to_string(s.n) + " K" + std::to_string(s.k));
+    const std::vector<uint8_t> file = test::random_weights(type, s.n, s.k, rng);
+    const PackedWeight w = pack_weight(type, file.data(), row_bytes(type, s.k), s.n, s.k);
+    test::Input x(test::random_acts(s.m, s.k, rng), s.m, s.k);
+    const int64_t ldy = s.n + 3;
+    std::vector<float> tiled(static_cast<size_t>(s.m * ldy), NAN);
+    EmulatedTiles tiles;
+    tiles.load_config(tile_product_config());
+    tile_gemm_packed(tiles, w, 16, s.n, x.packed(), s.m, tiled.data(), ldy);  // rows split on 16
+    tile_gemm_packed(tiles, w, 0, std::min<int64_t>(16, s.n), x.packed(), s.m, tiled.data(), ldy);
+
+    const std::vector<float> wf = test::dequantize(type, file, s.n, s.k);
+    const std::vector<float> off = test::offset_magnitudes(type, file, s.n, s.k);
+    const double terms = 2.0 * (static_cast<double>(s.k / kActBlock) + 8);
+    for (int64_t m = 0; m < s.m; ++m) {
+      for (int64_t n = 0; n < ldy; ++n) {
+        const float got = tiled[static_cast<size_t>(m * ldy + n)];
+        if (n >= s.n) {
+          ASSERT_TRUE(std::isnan(got)) << "stored past the rows: token " << m << " row " << n;
+          continue;
         }
-      }
-      const TilePackedBlocks packed = pack_blocks_for_tiles(type, w.data(), s.rows, s.cols);
-      const int64_t ldy = s.rows + 3;
-      std::vector<float> y(static_cast<size_t>(s.tokens * ldy), NAN);
-      EmulatedTiles tiles;
-      tile_gemm_blocks(tiles, packed, xq.data(), xd.data(), xs.data(), s.tokens, y.data(), ldy);
-      EXPECT_FALSE(tiles.configured()) << "the tiles are released after the product";
-      const size_t row_bytes = w.size() / static_cast<size_t>(s.rows);
-      std::vector<float> weights(static_cast<size_t>(s.cols));
-      for (int64_t n = 0; n < s.rows; ++n) {
-        dequantize_row(type, w.data() + static_cast<size_t>(n) * row_bytes, weights.data(), s.cols);
-        for (int64_t m = 0; m < s.tokens; ++m) {
-          double want = 0, magnitude = 0;
-          for (int64_t k = 0; k < s.cols; ++k) {
-            const double term = static_cast<double>(weights[static_cast<size_t>(k)]) * xd[static_cast<size_t>(m * blocks + k / 32)] *
-                                xq[static_cast<size_t>(m * s.cols + k)];
-            want += term;
-            magnitude += std::fabs(term);
-          }
-          ASSERT_NEAR(y[static_cast<size_t>(m * ldy + n)], want, 2e-6 * magnitude + 1e-30) << "token " << m << " output " << n;
+        double exact = 0, magnitude = 0;
+        for (int64_t k = 0; k < s.k; ++k) {
+          const double a = x.seen(acts, m, k);
+          const auto at = static_cast<size_t>(n * s.k + k);
+          exact += wf[at] * a;
+          magnitude += (std::fabs(wf[at]) + off[at]) * std::fabs(a);
         }
-      }
-      for (int64_t m = 0; m < s.tokens; ++m) {
-        for (int64_t n = s.rows; n < ldy; ++n) ASSERT_TRUE(std::isnan(y[static_cast<size_t>(m * ldy + n)])) << "past the rows";
+        ASSERT_NEAR(got, exact, terms * std::ldexp(1.0, -24) * magnitude + 1e-30) << "token " << m << " row " << n;
       }
     }
+
+    if (runs_vnni()) {
+      const test::OnlyTarget only(HWY_AVX3_DL);
+      std::vector<float> vnni(tiled.size(), NAN);
+      gemm_packed(w, 0, s.n, x.packed(), s.m, vnni.data(), ldy);
+      ASSERT_EQ(0, std::memcmp(vnni.data(), tiled.data(), vnni.size() * sizeof(float))) << "bits differ from AVX-512 VNNI's";
+    }
+    if (amx_state() == AmxState::kOn) {
+      std::vector<float> real(tiled.size(), NAN);
+      amx_gemm_packed(w, 0, s.n, x.packed(), s.m, real.data(), ldy);
+      ASSERT_EQ(0, std::memcmp(real.data(), tiled.data(), real.size() * sizeof(float))) << "the real tiles differ";
+    }
   }
-  EXPECT_THROW(pack_blocks_for_tiles(TensorType::Q8_0, nullptr, 1, 48), std::invalid_argument);
-  EXPECT_THROW(pack_blocks_for_tiles(TensorType::Q4_K, nullptr, 1, 256), std::invalid_argument);
-  const std::vector<uint8_t> q4_1 = random_blocks(TensorType::Q4_1, 16, 32, rng);
-  const TilePackedBlocks with_mins = pack_blocks_for_tiles(TensorType::Q4_1, q4_1.data(), 16, 32);
-  std::vector<int8_t> xq(32);
-  std::vector<float> xd(1, 1.0f), y(16);
+}
+
+std::vector<std::pair<TensorType, std::string>> int8_types() {
+  std::vector<std::pair<TensorType, std::string>> out;
+  for (const auto& t : test::packed_types()) {
+    if (test::acts_of(t.first) != test::Acts::kFloat) out.push_back(t);
+  }
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(Int8Types, TileProduct, ::testing::ValuesIn(int8_types()),
+                         [](const auto& info) { return info.param.second; });
+
+TEST(TileProduct, OnlyInt8TypesRunOnTheTiles) {
+  for (const auto& [type, name] : test::packed_types()) {
+    EXPECT_EQ(tiles_multiply(type), test::acts_of(type) != test::Acts::kFloat) << name;
+  }
+  const std::vector<uint8_t> f32(16 * 32 * 4, 0);
+  const PackedWeight w = pack_weight(TensorType::F32, f32.data(), 32 * 4, 16, 32);
+  std::vector<float> y(16 * 16);
+  std::vector<float> acts(16 * 32, 0.0f);
   EmulatedTiles tiles;
-  EXPECT_THROW(tile_gemm_blocks(tiles, with_mins, xq.data(), xd.data(), nullptr, 1, y.data(), 16), std::invalid_argument)
-      << "mins without the activations' sums";
+  tiles.load_config(tile_product_config());
+  EXPECT_THROW(tile_gemm_packed(tiles, w, 0, 16, PackedInput{{}, {}, acts.data()}, 16, y.data(), 16), std::invalid_argument);
 }
 
 }  // namespace

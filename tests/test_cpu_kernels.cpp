@@ -17,12 +17,14 @@
 #include "backends/cpu/quantize_acts.h"
 #include "hwy/targets.h"
 #include "quant/int4.h"
+#include "tests/packed_input.h"
 #include "tests/weight_formats.h"
 
 namespace ringlm {
 namespace {
 
 using cpu::kActBlock;
+using test::random_acts;
 
 constexpr double kFloatEps = 1.0 / (1 << 24);  // unit roundoff of fp32
 constexpr int64_t kAlwaysInt8 = int64_t{1} << 40;  // keeps large M on the int8 kernels
@@ -30,17 +32,6 @@ constexpr int64_t kAlwaysInt8 = int64_t{1} << 40;  // keeps large M on the int8 
 // The int8 backend as the kernel tests want it: every M through the integer kernels.
 std::unique_ptr<Backend> int8_backend(int n_threads) {
   return make_cpu_backend(n_threads, ComputeType::kInt8, kAlwaysInt8);
-}
-
-// Activations with varied magnitudes per block, and an all-zero block when K allows.
-std::vector<float> random_acts(int64_t m, int64_t k, std::mt19937& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(m * k));
-  for (int64_t i = 0; i < m * k; ++i) {
-    const int64_t block = i / kActBlock;
-    x[static_cast<size_t>(i)] = normal(rng) * static_cast<float>(1 + block % 5) * (block % 7 == 3 ? 0.0f : 1.0f);
-  }
-  return x;
 }
 
 struct Quantized {

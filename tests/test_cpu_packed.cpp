@@ -1,6 +1,6 @@
 // The packed kernels (backends/cpu/kernel_packed.h) on every weight type they run, on every
-// Highway target this CPU runs (AVX-512 VNNI, AVX-512, AVX2 and the scalar fallback of the
-// others): against the exact double product of the weights (as quant/formats.cpp dequantizes
+// Highway target of theirs this CPU runs (AVX-512 VNNI, AVX-512, AVX2 and the scalar fallback of
+// the others: test::packed_kernel_targets): against the exact double product of the weights (as quant/formats.cpp dequantizes
 // them, itself checked against the `gguf` package) and the activations as the kernels quantize
 // them; bit-identical results for any split of the rows on 16-row boundaries and any number of
 // tokens; row counts that are not a multiple of 16; the packed copy read back in fp32.
@@ -19,6 +19,7 @@
 #include "backends/cpu/kernel_packed.h"
 #include "hwy/targets.h"
 #include "tests/only_target.h"
+#include "tests/packed_input.h"
 #include "tests/weight_formats.h"
 
 namespace ringlm {
@@ -28,6 +29,8 @@ using cpu::kActBlock;
 using cpu::kPackRows;
 using cpu::kSuperBlock;
 using test::Acts;
+using test::Input;
+using test::random_acts;
 
 constexpr double kFloatEps = 1.0 / (1 << 24);  // unit roundoff of fp32
 
@@ -48,65 +51,6 @@ std::vector<int64_t> test_cols(TensorType t) {
   if (test::acts_of(t) == Acts::kPer256) return {256, 1536};
   return {unit, 3 * unit, 1536};
 }
-
-// Activations with varied magnitudes per block, and all-zero blocks.
-std::vector<float> random_acts(int64_t m, int64_t k, std::mt19937& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(m * k));
-  for (int64_t i = 0; i < m * k; ++i) {
-    const int64_t block = i / kActBlock;
-    x[static_cast<size_t>(i)] = normal(rng) * static_cast<float>(1 + block % 5) * (block % 7 == 3 ? 0.0f : 1.0f);
-  }
-  return x;
-}
-
-// The input in every form the kernels read, and each activation as the kernels see it (the
-// quantized value dx * q, or the float itself).
-struct Input {
-  std::vector<float> x;
-  std::vector<int8_t> q32, q256;
-  std::vector<float> d32, s32, d256;
-  std::vector<int32_t> sum16, sum32;
-  int64_t m = 0, k = 0;
-
-  Input(std::vector<float> values, int64_t m_, int64_t k_) : x(std::move(values)), m(m_), k(k_) {
-    const auto n = static_cast<size_t>(m * k);
-    q32.resize(n);
-    d32.resize(n / kActBlock);
-    s32.resize(n / kActBlock);
-    cpu::quantize_acts(x.data(), 0, m, block());
-    if (k % kSuperBlock == 0) {
-      q256.resize(n);
-      d256.resize(n / kSuperBlock);
-      sum16.resize(n / 16);
-      sum32.resize(n / 32);
-      cpu::quantize_acts_super(x.data(), 0, m, super());
-    }
-  }
-  cpu::QuantizedActs block() { return {q32.data(), d32.data(), s32.data(), k}; }
-  cpu::SuperActs super() { return {q256.data(), d256.data(), sum16.data(), sum32.data(), k}; }
-  cpu::PackedInput packed() { return {block(), super(), x.data()}; }
-  // Token t's input row as a one-token input.
-  cpu::PackedInput row(int64_t t) {
-    cpu::PackedInput p = packed();
-    p.block = {q32.data() + t * k, d32.data() + t * (k / kActBlock), s32.data() + t * (k / kActBlock), k};
-    if (!q256.empty()) {
-      p.super = {q256.data() + t * k, d256.data() + t * (k / kSuperBlock), sum16.data() + t * (k / 16),
-                 sum32.data() + t * (k / 32), k};
-    }
-    p.f32 = x.data() + t * k;
-    return p;
-  }
-  double seen(Acts acts, int64_t t, int64_t i) const {
-    const size_t at = static_cast<size_t>(t * k + i);
-    switch (acts) {
-      case Acts::kPer32: return static_cast<double>(d32[static_cast<size_t>((t * k + i) / kActBlock)]) * q32[at];
-      case Acts::kPer256: return static_cast<double>(d256[static_cast<size_t>((t * k + i) / kSuperBlock)]) * q256[at];
-      case Acts::kFloat: return x[at];
-    }
-    return 0;
-  }
-};
 
 std::vector<float> run_packed(const cpu::PackedWeight& p, Input& x) {
   std::vector<float> y(static_cast<size_t>(x.m * p.rows), NAN);
@@ -141,7 +85,7 @@ TEST_P(Packed, MatchesExactProductOfTheOperandsItSees) {
   const TensorType t = GetParam().type;
   const Acts acts = test::acts_of(t);
   std::mt19937 rng(static_cast<unsigned>(t) + 5);
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+  for (int64_t target : test::packed_kernel_targets()) {
     SCOPED_TRACE(hwy::TargetName(target));
     const test::OnlyTarget only(target);
     for (int64_t k : test_cols(t)) {

@@ -1,12 +1,17 @@
 #include "backends/cpu/amx.h"
 
 #include <algorithm>
+#include <optional>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "quant/formats.h"
+
+#define RINGLM_TILE_NAMESPACE emulated
+#include "backends/cpu/tile_gemm-inl.h"  // IWYU pragma: keep
+#undef RINGLM_TILE_NAMESPACE
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -43,7 +48,8 @@ AmxState decide_amx_state() {
   const char* env = std::getenv("RINGLM_AMX");
   if (env != nullptr && std::string(env) == "off") return AmxState::kOffByUser;
   if (!cpu_has_amx_int8()) return AmxState::kNotInCpu;
-  return kernel_grants_tiles() ? AmxState::kOffered : AmxState::kNotOfferedByKernel;
+  if (!kernel_grants_tiles()) return AmxState::kNotOfferedByKernel;
+  return amx_agrees_with_emulation() ? AmxState::kOn : AmxState::kSelfCheckFailed;
 }
 
 }  // namespace
@@ -55,8 +61,10 @@ AmxState amx_state() {
 
 std::string amx_state_words(AmxState state) {
   switch (state) {
-    case AmxState::kOffered:
-      return "offered";
+    case AmxState::kOn:
+      return "on";
+    case AmxState::kSelfCheckFailed:
+      return "off (the tiles' results differed from the emulation's)";
     case AmxState::kOffByUser:
       return "off (RINGLM_AMX=off)";
     case AmxState::kNotInCpu:
@@ -148,143 +156,30 @@ void EmulatedTiles::dot_product(int c, int a, int b) {
 void EmulatedTiles::dpbssd(int c, int a, int b) { dot_product<true>(c, a, b); }
 void EmulatedTiles::dpbusd(int c, int a, int b) { dot_product<false>(c, a, b); }
 
-// --- Int8 weights in the tile layout ------------------------------------------------------
+// --- The packed products on the tiles -----------------------------------------------------
 
-namespace {
-constexpr int64_t kBlock = 32;             // the block of every format packed here
-constexpr int kBlockTileRows = kBlock / 4;  // a block's B tile: 8 rows of 4-byte groups
-
-float fp16_at(const uint8_t* p) {
-  uint16_t bits = 0;
-  std::memcpy(&bits, p, 2);
-  return fp16_to_fp32(bits);
+bool tiles_multiply(TensorType type) {
+  const std::optional<PackedFormat> f = packed_format(type);
+  return f.has_value() && !f->floats();
 }
 
-// One block of a GGML format: its 32 codes as int8, its scale and its min.
-struct DecodedBlock {
-  int8_t codes[kBlock];
-  float scale = 0, min = 0;
-};
-
-// Bytes of a block, and its decoding (GGML's layouts: the low nibbles are weights 0..15, the
-// high ones 16..31; Q5's fifth bits in a 32-bit field, bit j for weight j).
-size_t block_bytes(TensorType type) {
-  switch (type) {
-    case TensorType::Q8_0: return 34;
-    case TensorType::Q4_0: return 18;
-    case TensorType::IQ4_NL: return 18;
-    case TensorType::Q4_1: return 20;
-    case TensorType::Q5_0: return 22;
-    case TensorType::Q5_1: return 24;
-    default: return 0;
-  }
-}
-
-DecodedBlock decode_block(TensorType type, const uint8_t* p) {
-  DecodedBlock b;
-  b.scale = fp16_at(p);
-  const bool has_min = type == TensorType::Q4_1 || type == TensorType::Q5_1;
-  if (has_min) b.min = fp16_at(p + 2);
-  const uint8_t* after_scales = p + (has_min ? 4 : 2);
-  if (type == TensorType::Q8_0) {
-    std::memcpy(b.codes, after_scales, kBlock);
-    return b;
-  }
-  const bool five_bits = type == TensorType::Q5_0 || type == TensorType::Q5_1;
-  uint32_t high_bits = 0;
-  if (five_bits) std::memcpy(&high_bits, after_scales, 4);
-  const uint8_t* nibbles = after_scales + (five_bits ? 4 : 0);
-  for (int j = 0; j < kBlock; ++j) {
-    int code = j < 16 ? nibbles[j] & 0x0F : nibbles[j - 16] >> 4;
-    if (five_bits) code |= static_cast<int>((high_bits >> j) & 1u) << 4;
-    switch (type) {
-      case TensorType::Q4_0: code -= 8; break;
-      case TensorType::Q5_0: code -= 16; break;
-      case TensorType::IQ4_NL: code = kIq4nlValues[code]; break;
-      default: break;  // Q4_1, Q5_1: unsigned codes with a min
-    }
-    b.codes[j] = static_cast<int8_t>(code);
-  }
-  return b;
-}
-
-}  // namespace
-
-TilePackedBlocks pack_blocks_for_tiles(TensorType type, const uint8_t* data, int64_t rows, int64_t cols) {
-  const size_t bytes = block_bytes(type);
-  if (bytes == 0) throw std::invalid_argument("no tile packing for tensor type " + std::to_string(static_cast<uint32_t>(type)));
-  if (cols % kBlock != 0) throw std::invalid_argument("rows of " + std::to_string(cols) + " values (a multiple of 32)");
-  TilePackedBlocks w;
-  w.rows = rows;
-  w.cols = cols;
-  w.has_min = type == TensorType::Q4_1 || type == TensorType::Q5_1;
-  const int64_t groups = w.groups(), blocks = w.blocks();
-  w.codes.assign(static_cast<size_t>(groups * blocks * kBlockTileRows * kTileBytes), 0);
-  w.scales.assign(static_cast<size_t>(groups * blocks * kTileRows), 0.0f);
-  if (w.has_min) w.mins.assign(w.scales.size(), 0.0f);
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t g = row / kTileRows, n = row % kTileRows;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const DecodedBlock block = decode_block(type, data + static_cast<size_t>(row * blocks + b) * bytes);
-      const size_t at = static_cast<size_t>((g * blocks + b) * kTileRows + n);
-      w.scales[at] = block.scale;
-      if (w.has_min) w.mins[at] = block.min;
-      int8_t* tile = w.codes.data() + (g * blocks + b) * kBlockTileRows * kTileBytes;
-      for (int k = 0; k < kBlockTileRows; ++k) std::memcpy(tile + k * kTileBytes + 4 * n, block.codes + 4 * k, 4);
-    }
-  }
-  return w;
-}
-
-template <class Tiles>
-void tile_gemm_blocks(Tiles& tiles, const TilePackedBlocks& w, const int8_t* xq, const float* xd, const float* xs,
-                      int64_t m_count, float* y, int64_t ldy) {
-  if (w.has_min && xs == nullptr) throw std::invalid_argument("tile_gemm_blocks: weights with mins need the activations' sums");
-  enum : int { kC = 0, kA = 1, kB = 2 };
+TileConfig tile_product_config() {
   TileConfig config{};
-  config[kC] = {kTileRows, kTileBytes};       // 16 tokens x 16 outputs, int32
-  config[kA] = {kTileRows, kBlock};           // 16 tokens x one block of 32 codes
-  config[kB] = {kBlockTileRows, kTileBytes};  // the block's codes of 16 outputs
-  tiles.load_config(config);
-  const int64_t blocks = w.blocks();
-  alignas(64) int8_t padded[kTileRows * kBlock];  // a last tile's tokens, and zero rows after them
-  alignas(64) int32_t dots[kTileRows * kTileRows];
-  for (int64_t m0 = 0; m0 < m_count; m0 += kTileRows) {
-    const int tokens = static_cast<int>(std::min<int64_t>(kTileRows, m_count - m0));
-    for (int64_t g = 0; g < w.groups(); ++g) {
-      float acc[kTileRows][kTileRows] = {};
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int8_t* a = xq + m0 * w.cols + b * kBlock;
-        int64_t a_stride = w.cols;
-        if (tokens < kTileRows) {
-          std::fill(std::begin(padded), std::end(padded), int8_t{0});
-          for (int r = 0; r < tokens; ++r) std::memcpy(padded + r * kBlock, a + r * w.cols, kBlock);
-          a = padded;
-          a_stride = kBlock;
-        }
-        tiles.zero(kC);
-        tiles.load(kA, a, a_stride);
-        tiles.load(kB, w.codes.data() + (g * blocks + b) * kBlockTileRows * kTileBytes, kTileBytes);
-        tiles.dpbssd(kC, kA, kB);
-        tiles.store(kC, dots, kTileBytes);
-        const size_t at = static_cast<size_t>((g * blocks + b) * kTileRows);
-        const float* wd = w.scales.data() + at;
-        for (int r = 0; r < tokens; ++r) {
-          const float x_scale = xd[(m0 + r) * blocks + b];
-          for (int n = 0; n < kTileRows; ++n) acc[r][n] += wd[n] * (x_scale * static_cast<float>(dots[r * kTileRows + n]));
-          if (!w.has_min) continue;
-          const float x_sum = xs[(m0 + r) * blocks + b];
-          for (int n = 0; n < kTileRows; ++n) acc[r][n] += w.mins[at + static_cast<size_t>(n)] * x_sum;
-        }
-      }
-      const int outputs = static_cast<int>(std::min<int64_t>(kTileRows, w.rows - g * kTileRows));
-      for (int r = 0; r < tokens; ++r) std::copy_n(acc[r], outputs, y + (m0 + r) * ldy + g * kTileRows);
-    }
-  }
-  tiles.release();
+  for (int c = emulated::kC0; c < emulated::kC0 + emulated::kPassTiles; ++c) config[static_cast<size_t>(c)] = {kTileRows, kTileBytes};
+  config[emulated::kA32] = {kTileRows, 32};
+  config[emulated::kB32] = {8, kTileBytes};
+  config[emulated::kA16] = {kTileRows, 16};
+  config[emulated::kB16] = {4, kTileBytes};
+  return config;
 }
 
-template void tile_gemm_blocks<EmulatedTiles>(EmulatedTiles&, const TilePackedBlocks&, const int8_t*, const float*,
-                                              const float*, int64_t, float*, int64_t);
+void tile_gemm_packed(EmulatedTiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_end,
+                      const PackedInput& x, int64_t n_tokens, float* y, int64_t ldy) {
+  if (!tiles_multiply(w.type)) {
+    throw std::invalid_argument("tile_gemm_packed: tensor type " + std::to_string(static_cast<uint32_t>(w.type)) +
+                                " has no int8 path");
+  }
+  emulated::tile_gemm(tiles, w, n_begin, n_end, x, n_tokens, y, ldy);
+}
 
 }  // namespace ringlm::cpu

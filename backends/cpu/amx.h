@@ -1,14 +1,15 @@
 // Intel AMX (Advanced Matrix Extensions), the matrix engine of Xeons from Sapphire Rapids on
 // (issue 32): whether this process may use it, the tile operations' exact semantics as a scalar
-// emulation, and the tile layout of int8 weights with the product that runs on it.
+// emulation, and the packed products on the tiles (prompt chunks and batched steps of 16 tokens
+// or more; tile_gemm-inl.h).
 //
 // A core holds eight tiles of up to 16 rows of up to 64 bytes, shaped by a configuration that
 // each thread loads (LDTILECFG) before its first tile instruction. TDPBSSD multiplies int8 tiles:
 // C (16 x 16 int32) += A (16 x 64 int8) B, B laid out as 16 rows of 64 bytes whose row k holds,
 // for each of the 16 columns n, the 4 bytes of column n at depths 4k .. 4k + 3 ("VNNI" layout).
 // EmulatedTiles does exactly that in plain C++, so that the packing, blocking and scaling code
-// runs, and is tested against the exact integer products, on any CPU; a machine with AMX runs
-// the same code on the real instructions.
+// runs, and is tested against the AVX-512 kernels and the exact products, on any CPU; a machine
+// with AMX runs the same code on the real instructions (amx_native.cpp).
 #pragma once
 
 #include <array>
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/cpu/kernel_packed.h"
 #include "quant/formats.h"
 
 namespace ringlm::cpu {
@@ -23,7 +25,9 @@ namespace ringlm::cpu {
 // --- Whether AMX can run here -------------------------------------------------------------
 
 enum class AmxState {
-  kOffered,             // the CPU has AMX-TILE and AMX-INT8, and the kernel lets this process use them
+  kOn,                  // the CPU has AMX-TILE and AMX-INT8, the kernel lets this process use them,
+                        // and the tiles' products agreed with the emulation's at start
+  kSelfCheckFailed,     // ... but they did not: the AVX-512 path is used
   kOffByUser,           // RINGLM_AMX=off
   kNotInCpu,            // CPUID says no AMX-TILE / AMX-INT8
   kNotOfferedByKernel,  // the OS does not enable the tile state, or refuses this process's request
@@ -31,10 +35,11 @@ enum class AmxState {
 
 // Decided once per process: CPUID leaf 7 (EDX bits 24 and 25), then the kernel's permission
 // for the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), Linux 5.16 on), asked
-// for only when the CPU has AMX and RINGLM_AMX is not "off".
+// for only when the CPU has AMX and RINGLM_AMX is not "off", then one small product of each kind
+// (a block format, and K-quants of both depths) on the real tiles against the emulation.
 AmxState amx_state();
-// `ringlm devices`' words for a state: "offered", "off (RINGLM_AMX=off)", "not in this CPU",
-// "not offered by the kernel".
+// `ringlm devices`' words for a state: "on", "off (RINGLM_AMX=off)", "not in this CPU",
+// "not offered by the kernel", "off (the tiles' results differed from the emulation's)".
 std::string amx_state_words(AmxState state);
 
 // --- The tiles ----------------------------------------------------------------------------
@@ -79,36 +84,37 @@ class EmulatedTiles {
   std::array<std::array<uint8_t, kTileRows * kTileBytes>, kTiles> data_{};
 };
 
-// --- Int8 weights in the tile layout ------------------------------------------------------
+// --- The packed products on the tiles -----------------------------------------------------
 
-// A matrix of a format with blocks of 32 weights (rows x cols, cols a multiple of 32), each weight
-// d * c + m for an int8 code c and the block's scale d and min m (0 for the symmetric formats),
-// repacked for the tile multiply: per group of 16 output rows and per block of 32 inputs, the
-// codes as one B tile of 8 rows of 64 bytes (row k: for each of the 16 outputs n, its codes
-// 4k .. 4k + 3 of the block), the 16 scales and the 16 mins. A last group of fewer rows is padded
-// with zero codes, scales and mins. The codes: Q8_0's bytes, Q4_0's nibbles - 8, Q5_0's 5 bits -
-// 16, Q4_1's nibbles and Q5_1's 5 bits (with their mins), IQ4_NL's code book values.
-struct TilePackedBlocks {
-  int64_t rows = 0, cols = 0;
-  bool has_min = false;       // Q4_1, Q5_1
-  std::vector<int8_t> codes;  // [groups][blocks][8][64]
-  std::vector<float> scales;  // [groups][blocks][16]
-  std::vector<float> mins;    // [groups][blocks][16], when has_min
-  int64_t groups() const { return (rows + kTileRows - 1) / kTileRows; }
-  int64_t blocks() const { return cols / 32; }
-};
-// Throws std::invalid_argument for another type, or cols not a multiple of 32.
-TilePackedBlocks pack_blocks_for_tiles(TensorType type, const uint8_t* data, int64_t rows, int64_t cols);
+// Tokens from which a product runs on the tiles rather than the AVX-512 kernels: one tile of
+// them. Decode (one token) and small batches read the weights once on AVX-512 VNNI.
+inline constexpr int64_t kTileMinTokens = 16;
 
-// y[m][n] = sum over blocks b of wd[n][b] * xd[m][b] * (the integer dot of block b of output n's
-// codes and token m's) + wm[n][b] * xs[m][b], for m_count tokens of int8 activations quantized
-// per 32 (xq [m][cols], xd and xs [m][cols / 32], xs the block's xd * sum of its codes, as
-// QuantizedActs holds them; xs may be null without mins); y is [m_count][ldy]. Per 16 tokens and
-// 16 outputs: each block's integer dots in one TDPBSSD (A: 16 tokens x 32 codes, B: the packed
-// block), then scaled into float accumulators in block order. Tokens past m_count in a last tile
-// of 16 are zero rows.
-template <class Tiles>
-void tile_gemm_blocks(Tiles& tiles, const TilePackedBlocks& w, const int8_t* xq, const float* xd, const float* xs,
-                      int64_t m_count, float* y, int64_t ldy);
+// Whether the tiles multiply weights of this type: every int8 format of the packed layout (the
+// block formats, the K-quants, IQ4_XS, ringlm's INT4 types), not the float ones.
+bool tiles_multiply(TensorType type);
+
+// The one tile configuration every product uses, loaded once per thread: four 16 x 16 int32
+// results (64 tokens a pass), and an A tile (16 tokens) and a B tile (16 rows) of depth 32 and
+// of depth 16 (the K-quants whose sub-blocks scale 16 weights).
+TileConfig tile_product_config();
+
+// gemm_packed (kernel_packed.h) with each integer dot of 16 tokens x 16 rows x 32 (or 16)
+// weights taken by one tile multiply, on tiles configured with tile_product_config(): the
+// same bits as gemm_packed on AVX-512 VNNI (tile_gemm-inl.h says how). w's type must satisfy
+// tiles_multiply.
+void tile_gemm_packed(EmulatedTiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_end,
+                      const PackedInput& x, int64_t n_tokens, float* y, int64_t ldy);
+
+// The same on this CPU's tiles (amx_native.cpp), in the calling thread, which loads the
+// configuration before its first tile instruction and releases it when it exits. Only when
+// amx_state() is kOn.
+void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
+                     float* y, int64_t ldy);
+
+// amx_state's last step, once the kernel granted the tiles: products of a block format and of
+// K-quants of both depths (two token tiles, the second short; a part group) on this CPU's tiles
+// and on the emulation, which must agree bit for bit. False on a build without AMX code.
+bool amx_agrees_with_emulation();
 
 }  // namespace ringlm::cpu
