@@ -84,6 +84,7 @@ Row amx_row() {
   const cpu::AmxState state = cpu::amx_state();
   std::string words = cpu::amx_state_words(state);
   if (state == cpu::AmxState::kOn) words += " (prompts and batches of 16 tokens or more)";
+  if (state == cpu::AmxState::kEmulated) words += ": the tile products in plain C++, for tests (slow)";
   return {"amx", words};
 }
 

@@ -17,6 +17,7 @@
 
 #include "backends/cpu/amx.h"
 #include "backends/cpu/kernel_packed.h"
+#include "core/model/loader.h"
 #include "hwy/targets.h"
 #include "quant/formats.h"
 #include "tests/only_target.h"
@@ -208,6 +209,44 @@ TEST(TileProduct, OnlyInt8TypesRunOnTheTiles) {
   EmulatedTiles tiles;
   tiles.load_config(tile_product_config());
   EXPECT_THROW(tile_gemm_packed(tiles, w, 0, 16, PackedInput{{}, {}, acts.data()}, 16, y.data(), 16), std::invalid_argument);
+}
+
+// Models' prompts through the tiles, emulated so that this runs on any CPU: the backend sends
+// every int8 product of 16 tokens or more there (tile_products() counts them), and the logits
+// are those of the packed kernels, bit for bit where those run AVX-512 VNNI (elsewhere Q8_0 and
+// IQ4_NL sum through another float formula: within 1e-4 of the largest logit). Block formats,
+// K-quants of both depths, IQ4_XS, Gemma 3's window ring; prompts of 150-odd tokens.
+TEST(TileProduct, ModelsGiveThePackedKernelsLogitsThroughTheEmulatedTiles) {
+  std::string text;
+  for (int i = 0; i < 12; ++i) text += "The quick brown fox jumps over the lazy dog by the river bank. ";
+  for (const std::string name : {"tiny_q4_0", "tiny_q5_1", "tiny_q4_k", "tiny_q3_k", "tiny_iq4_nl", "tiny_iq4_xs",
+                                 "tiny_gemma3_q8_0"}) {
+    SCOPED_TRACE(name);
+    const auto last_logits = [&](AmxState state) {
+      set_amx_state_for_test(state);
+      LoadedModel m = load_model(std::string(RINGLM_TEST_WORK_DIR) + "/" + name + ".gguf", 2);
+      set_amx_state_for_test(std::nullopt);
+      const std::vector<int32_t> tokens = m.tokenizer->encode(text, m.tokenizer->add_bos_by_default(), true);
+      KvCache cache = m.model->make_cache(static_cast<int>(tokens.size()) + 1);
+      std::vector<float> logits(static_cast<size_t>(m.model->hparams().n_vocab));
+      m.model->forward(tokens, cache, logits.data());
+      return logits;
+    };
+    const int64_t before = tile_products();
+    const std::vector<float> tiled = last_logits(AmxState::kEmulated);
+    const int64_t after = tile_products();
+    EXPECT_GT(after, before) << "no product ran on the tiles";
+    const std::vector<float> packed = last_logits(AmxState::kOffByUser);
+    EXPECT_EQ(tile_products(), after) << "RINGLM_AMX=off still used the tiles";
+    ASSERT_EQ(tiled.size(), packed.size());
+    if (runs_vnni()) {
+      ASSERT_EQ(0, std::memcmp(tiled.data(), packed.data(), tiled.size() * sizeof(float)));
+    } else {
+      float largest = 0;
+      for (const float v : packed) largest = std::max(largest, std::fabs(v));
+      for (size_t i = 0; i < tiled.size(); ++i) ASSERT_NEAR(tiled[i], packed[i], 1e-4f * largest) << "logit " << i;
+    }
+  }
 }
 
 }  // namespace

@@ -254,7 +254,7 @@ TEST(Cli, SimdTargetOverride) {
 }
 
 // `ringlm devices` says whether AMX could run here, as /proc/cpuinfo's flags tell it on their own;
-// RINGLM_AMX=off turns it off.
+// RINGLM_AMX=off turns it off, RINGLM_AMX=emulate puts the emulation in its place.
 TEST(Cli, DevicesSayWhetherAmxCanRun) {
   std::ifstream cpuinfo("/proc/cpuinfo");
   const std::string flags((std::istreambuf_iterator<char>(cpuinfo)), std::istreambuf_iterator<char>());
@@ -271,6 +271,10 @@ TEST(Cli, DevicesSayWhetherAmxCanRun) {
   const RunResult off = run_ringlm({"devices"});
   unsetenv("RINGLM_AMX");
   EXPECT_THAT(off.out, ContainsRegex("\namx +off \\(RINGLM_AMX=off\\)\n")) << describe(off);
+  setenv("RINGLM_AMX", "emulate", 1);
+  const RunResult emulated = run_ringlm({"devices"});
+  unsetenv("RINGLM_AMX");
+  EXPECT_THAT(emulated.out, ContainsRegex("\namx +emulated \\(RINGLM_AMX=emulate\\)")) << describe(emulated);
 }
 
 TEST(Cli, UnknownSimdTarget) {

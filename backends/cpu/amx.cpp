@@ -1,6 +1,7 @@
 #include "backends/cpu/amx.h"
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <cstdlib>
 #include <cstring>
@@ -47,16 +48,36 @@ bool kernel_grants_tiles() { return false; }
 AmxState decide_amx_state() {
   const char* env = std::getenv("RINGLM_AMX");
   if (env != nullptr && std::string(env) == "off") return AmxState::kOffByUser;
+  if (env != nullptr && std::string(env) == "emulate") return AmxState::kEmulated;
   if (!cpu_has_amx_int8()) return AmxState::kNotInCpu;
   if (!kernel_grants_tiles()) return AmxState::kNotOfferedByKernel;
   return amx_agrees_with_emulation() ? AmxState::kOn : AmxState::kSelfCheckFailed;
 }
 
+constexpr int kNoOverride = -1;
+std::atomic<int> state_for_test{kNoOverride};
+std::atomic<int64_t> tile_product_calls{0};
+
 }  // namespace
 
 AmxState amx_state() {
+  const int forced = state_for_test.load(std::memory_order_relaxed);
+  if (forced != kNoOverride) return static_cast<AmxState>(forced);
   static const AmxState state = decide_amx_state();
   return state;
+}
+
+void set_amx_state_for_test(std::optional<AmxState> state) {
+  state_for_test.store(state ? static_cast<int>(*state) : kNoOverride, std::memory_order_relaxed);
+}
+
+TilePath tile_path_for(TensorType type) {
+  if (!tiles_multiply(type)) return TilePath::kNone;
+  switch (amx_state()) {
+    case AmxState::kOn: return TilePath::kCpu;
+    case AmxState::kEmulated: return TilePath::kEmulated;
+    default: return TilePath::kNone;
+  }
 }
 
 std::string amx_state_words(AmxState state) {
@@ -65,6 +86,8 @@ std::string amx_state_words(AmxState state) {
       return "on";
     case AmxState::kSelfCheckFailed:
       return "off (the tiles' results differed from the emulation's)";
+    case AmxState::kEmulated:
+      return "emulated (RINGLM_AMX=emulate)";
     case AmxState::kOffByUser:
       return "off (RINGLM_AMX=off)";
     case AmxState::kNotInCpu:
@@ -181,5 +204,17 @@ void tile_gemm_packed(EmulatedTiles& tiles, const PackedWeight& w, int64_t n_beg
   }
   emulated::tile_gemm(tiles, w, n_begin, n_end, x, n_tokens, y, ldy);
 }
+
+void gemm_on_tiles(TilePath path, const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x,
+                   int64_t n_tokens, float* y, int64_t ldy) {
+  tile_product_calls.fetch_add(1, std::memory_order_relaxed);
+  if (path == TilePath::kCpu) return amx_gemm_packed(w, n_begin, n_end, x, n_tokens, y, ldy);
+  if (path != TilePath::kEmulated) throw std::logic_error("gemm_on_tiles: a weight without a tile path");
+  thread_local EmulatedTiles tiles;
+  if (!tiles.configured()) tiles.load_config(tile_product_config());
+  tile_gemm_packed(tiles, w, n_begin, n_end, x, n_tokens, y, ldy);
+}
+
+int64_t tile_products() { return tile_product_calls.load(std::memory_order_relaxed); }
 
 }  // namespace ringlm::cpu

@@ -14,6 +14,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,8 @@ enum class AmxState {
   kOn,                  // the CPU has AMX-TILE and AMX-INT8, the kernel lets this process use them,
                         // and the tiles' products agreed with the emulation's at start
   kSelfCheckFailed,     // ... but they did not: the AVX-512 path is used
+  kEmulated,            // RINGLM_AMX=emulate: the tile products on the scalar emulation, on any CPU
+                        // (slow: to test the path end to end where no tiles are)
   kOffByUser,           // RINGLM_AMX=off
   kNotInCpu,            // CPUID says no AMX-TILE / AMX-INT8
   kNotOfferedByKernel,  // the OS does not enable the tile state, or refuses this process's request
@@ -39,8 +42,12 @@ enum class AmxState {
 // (a block format, and K-quants of both depths) on the real tiles against the emulation.
 AmxState amx_state();
 // `ringlm devices`' words for a state: "on", "off (RINGLM_AMX=off)", "not in this CPU",
-// "not offered by the kernel", "off (the tiles' results differed from the emulation's)".
+// "not offered by the kernel", "off (the tiles' results differed from the emulation's)",
+// "emulated (RINGLM_AMX=emulate)".
 std::string amx_state_words(AmxState state);
+// Tests: makes amx_state() return `state` from now on (nullopt: what this machine decided), for
+// the backends prepared after the call; as hwy::SetSupportedTargetsForTest does for SIMD targets.
+void set_amx_state_for_test(std::optional<AmxState> state);
 
 // --- The tiles ----------------------------------------------------------------------------
 
@@ -107,10 +114,21 @@ void tile_gemm_packed(EmulatedTiles& tiles, const PackedWeight& w, int64_t n_beg
                       const PackedInput& x, int64_t n_tokens, float* y, int64_t ldy);
 
 // The same on this CPU's tiles (amx_native.cpp), in the calling thread, which loads the
-// configuration before its first tile instruction and releases it when it exits. Only when
-// amx_state() is kOn.
+// configuration before its first tile instruction and releases it when it exits. Throws
+// std::logic_error unless amx_state() is kOn (a tile instruction would kill the process).
 void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
                      float* y, int64_t ldy);
+
+// Where a weight's products of kTileMinTokens tokens or more run, decided when the backend
+// prepares it (from amx_state() then, so that a weight keeps its path).
+enum class TilePath { kNone, kCpu, kEmulated };
+TilePath tile_path_for(TensorType type);
+// The product on the tiles of `path` (not kNone): this CPU's, or the emulation, each calling
+// thread with its own configured tiles. Counted in tile_products().
+void gemm_on_tiles(TilePath path, const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x,
+                   int64_t n_tokens, float* y, int64_t ldy);
+// Calls of gemm_on_tiles so far in this process (a test's evidence that the path ran).
+int64_t tile_products();
 
 // amx_state's last step, once the kernel granted the tiles: products of a block format and of
 // K-quants of both depths (two token tiles, the second short; a part group) on this CPU's tiles

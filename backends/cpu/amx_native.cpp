@@ -103,6 +103,13 @@ struct RealTiles {
 };
 static_assert(native::kA32 == 4 && native::kB32 == 5 && native::kA16 == 6 && native::kB16 == 7 && native::kC0 == 0);
 
+void run_on_this_cpu(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
+                     float* y, int64_t ldy) {
+  thread_local ThreadTiles configured;
+  RealTiles tiles;
+  native::tile_gemm(tiles, w, n_begin, n_end, x, n_tokens, y, ldy);
+}
+
 // Random file bytes of a type, each block's fp16 fields (at these offsets) set to small scales.
 std::vector<uint8_t> check_weights(TensorType type, int64_t rows, int64_t cols, std::initializer_list<size_t> fp16_at,
                                    uint32_t seed) {
@@ -140,7 +147,7 @@ bool agrees(TensorType type, std::initializer_list<size_t> fp16_at) {
     quantize_acts(x.data(), 0, kTokens, in.block);
   }
   std::vector<float> real(static_cast<size_t>(kTokens * kRows)), emulated(real.size());
-  amx_gemm_packed(w, 0, kRows, in, kTokens, real.data(), kRows);
+  run_on_this_cpu(w, 0, kRows, in, kTokens, real.data(), kRows);
   EmulatedTiles tiles;
   tiles.load_config(tile_product_config());
   tile_gemm_packed(tiles, w, 0, kRows, in, kTokens, emulated.data(), kRows);
@@ -151,9 +158,8 @@ bool agrees(TensorType type, std::initializer_list<size_t> fp16_at) {
 
 void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
                      float* y, int64_t ldy) {
-  thread_local ThreadTiles configured;
-  RealTiles tiles;
-  native::tile_gemm(tiles, w, n_begin, n_end, x, n_tokens, y, ldy);
+  if (amx_state() != AmxState::kOn) throw std::logic_error("amx_gemm_packed: AMX is " + amx_state_words(amx_state()));
+  run_on_this_cpu(w, n_begin, n_end, x, n_tokens, y, ldy);
 }
 
 bool amx_agrees_with_emulation() {

@@ -76,8 +76,8 @@ class CpuWeight final : public PreparedWeight {
   cpu::PackedWeight packed;
   cpu::ActKind acts = cpu::ActKind::kFloat;  // what the packed kernels read
   // Products of cpu::kTileMinTokens tokens or more run on the AMX tiles (amx.h): where amx_state()
-  // is on, for every int8 format. The same bits as the packed kernels.
-  bool on_tiles = false;
+  // is on (or emulated), for every int8 format. The same bits as the packed kernels on VNNI.
+  cpu::TilePath tiles = cpu::TilePath::kNone;
 };
 
 // Rows of work the packed products hand out at a time, at least: one 16-row group. OpenMP's
@@ -95,7 +95,9 @@ int64_t row_units(int64_t rows) { return (rows + kUnitRows - 1) / kUnitRows; }
 // The packed product of rows [n0, n1) of w (n0 a multiple of kUnitRows).
 void gemm_packed_rows(const CpuWeight& w, int64_t n0, int64_t n1, const cpu::PackedInput& x, int64_t n_tokens,
                       float* y) {
-  if (w.on_tiles && n_tokens >= cpu::kTileMinTokens) return cpu::amx_gemm_packed(w.packed, n0, n1, x, n_tokens, y, w.rows());
+  if (w.tiles != cpu::TilePath::kNone && n_tokens >= cpu::kTileMinTokens) {
+    return cpu::gemm_on_tiles(w.tiles, w.packed, n0, n1, x, n_tokens, y, w.rows());
+  }
   cpu::gemm_packed(w.packed, n0, n1, x, n_tokens, y, w.rows());
 }
 
@@ -166,7 +168,7 @@ class CpuBackend final : public Backend {
     prepared->packed = cpu::pack_weight(w.type, w.data, prepared->row_stride, w.rows, w.cols, &arena_, w.mapped);
     if (prepared->packed.data == nullptr) throw std::runtime_error("weight '" + w.name + "': could not be packed");
     prepared->acts = cpu::packed_format(w.type)->acts;
-    prepared->on_tiles = cpu::amx_state() == cpu::AmxState::kOn && cpu::tiles_multiply(w.type);
+    prepared->tiles = cpu::tile_path_for(w.type);
     return prepared;
   }
 
