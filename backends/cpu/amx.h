@@ -131,8 +131,9 @@ void gemm_on_tiles(TilePath path, const PackedWeight& w, int64_t n_begin, int64_
 int64_t tile_products();
 
 // amx_state's last step, once the kernel granted the tiles: products of a block format and of
-// K-quants of both depths (two token tiles, the second short; a part group) on this CPU's tiles
-// and on the emulation, which must agree bit for bit. False on a build without AMX code.
+// K-quants of both depths (70 tokens: every result tile, a second pass, a part tile; a part
+// group) on this CPU's tiles and on the emulation, which must agree bit for bit. False on a
+// build without AMX code, or when the check itself fails.
 bool amx_agrees_with_emulation();
 
 }  // namespace ringlm::cpu
