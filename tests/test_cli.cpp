@@ -275,6 +275,11 @@ TEST(Cli, DevicesSayWhetherAmxCanRun) {
   const RunResult emulated = run_ringlm({"devices"});
   unsetenv("RINGLM_AMX");
   EXPECT_THAT(emulated.out, ContainsRegex("\namx +emulated \\(RINGLM_AMX=emulate\\)")) << describe(emulated);
+  setenv("RINGLM_AMX", "maybe", 1);
+  const RunResult unknown = run_ringlm({"devices"});
+  unsetenv("RINGLM_AMX");
+  EXPECT_NE(unknown.exit_code, 0) << describe(unknown);
+  EXPECT_THAT(unknown.err, HasSubstr("RINGLM_AMX=maybe: expected on")) << describe(unknown);
 }
 
 TEST(Cli, UnknownSimdTarget) {

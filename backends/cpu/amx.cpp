@@ -47,8 +47,12 @@ bool kernel_grants_tiles() { return false; }
 
 AmxState decide_amx_state() {
   const char* env = std::getenv("RINGLM_AMX");
-  if (env != nullptr && std::string(env) == "off") return AmxState::kOffByUser;
-  if (env != nullptr && std::string(env) == "emulate") return AmxState::kEmulated;
+  const std::string wanted = env != nullptr ? env : "";
+  if (wanted == "off") return AmxState::kOffByUser;
+  if (wanted == "emulate") return AmxState::kEmulated;
+  if (!wanted.empty() && wanted != "on") {
+    throw std::runtime_error("RINGLM_AMX=" + wanted + ": expected on (the default: the tiles where the CPU has them), off or emulate");
+  }
   if (!cpu_has_amx_int8()) return AmxState::kNotInCpu;
   if (!kernel_grants_tiles()) return AmxState::kNotOfferedByKernel;
   return amx_agrees_with_emulation() ? AmxState::kOn : AmxState::kSelfCheckFailed;

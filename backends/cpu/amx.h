@@ -36,10 +36,11 @@ enum class AmxState {
   kNotOfferedByKernel,  // the OS does not enable the tile state, or refuses this process's request
 };
 
-// Decided once per process: CPUID leaf 7 (EDX bits 24 and 25), then the kernel's permission
-// for the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), Linux 5.16 on), asked
-// for only when the CPU has AMX and RINGLM_AMX is not "off", then one small product of each kind
-// (a block format, and K-quants of both depths) on the real tiles against the emulation.
+// Decided once per process: RINGLM_AMX ("on" or unset, "off", "emulate"; anything else throws
+// std::runtime_error naming the choices), CPUID leaf 7 (EDX bits 24 and 25), then the kernel's
+// permission for the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), Linux 5.16
+// on), asked for only when the CPU has AMX, then one small product of each kind (a block format,
+// and K-quants of both depths) on the real tiles against the emulation.
 AmxState amx_state();
 // `ringlm devices`' words for a state: "on", "off (RINGLM_AMX=off)", "not in this CPU",
 // "not offered by the kernel", "off (the tiles' results differed from the emulation's)",
