@@ -1,7 +1,17 @@
 // The packed products on this CPU's own tiles (amx.h): tile_gemm-inl.h instantiated on the AMX
-// instructions. This file alone is compiled with -mamx-tile -mamx-int8 and AVX-512 (see
-// backends/CMakeLists.txt), and runs only where amx_state() is kOn, which the CPU, the kernel and
-// a start-up comparison with the emulation have all agreed to.
+// instructions. They run only where amx_state() is kOn, which the CPU, the kernel and a start-up
+// comparison with the emulation have all agreed to.
+//
+// Why a target pragma around that code and not -mamx-tile -mavx512f for the whole file: the file
+// also instantiates templates every file shares (std::vector's members, std::string's), and the
+// linker keeps one copy of each for the whole program; built with AVX-512, that copy could be the
+// one a CPU without it runs. Everything this file includes is compiled for the baseline, before
+// the pragma; only the tile code after it (its own namespace, its own symbols) gets the
+// instruction sets of a CPU with AMX, every one of which has AVX-512.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -12,19 +22,25 @@
 
 #include "backends/cpu/amx.h"
 #include "backends/cpu/kernel_packed.h"
+#include "backends/cpu/packed_format.h"
+#include "backends/cpu/quantize_acts.h"
 #include "quant/formats.h"
 
 #if defined(RINGLM_AMX_BUILD)
-#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,f16c,fma"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")
+#endif
 
 #define RINGLM_TILE_NAMESPACE native
 #include "backends/cpu/tile_gemm-inl.h"  // IWYU pragma: keep
 #undef RINGLM_TILE_NAMESPACE
-#endif
 
 namespace ringlm::cpu {
-
-#if defined(RINGLM_AMX_BUILD)
 namespace {
 
 // LDTILECFG's 64-byte operand: palette 1, then per tile its bytes per row and its rows.
@@ -109,6 +125,22 @@ void run_on_this_cpu(const PackedWeight& w, int64_t n_begin, int64_t n_end, cons
   RealTiles tiles;
   native::tile_gemm(tiles, w, n_begin, n_end, x, n_tokens, y, ldy);
 }
+
+}  // namespace
+}  // namespace ringlm::cpu
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#endif  // RINGLM_AMX_BUILD
+
+namespace ringlm::cpu {
+
+#if defined(RINGLM_AMX_BUILD)
+namespace {
 
 // Random file bytes of a type, each block's fp16 fields (at these offsets) set to small scales.
 std::vector<uint8_t> check_weights(TensorType type, int64_t rows, int64_t cols, std::initializer_list<size_t> fp16_at,

@@ -33,9 +33,11 @@
 //     scale in the low nibble, min in the high one), then for Q4_K/Q5_K one byte of min.
 #pragma once
 
+#include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
-#include <algorithm>
+#include <cstring>
 #include <optional>
 
 #include "quant/formats.h"
@@ -190,6 +192,18 @@ constexpr std::optional<PackedFormat> packed_format(TensorType type) {
 // --- Reading the packed layout one value at a time ------------------------------------------
 // The kernels read whole chunks and headers; these say what they mean, for the scalar fallback
 // and dequantize_packed.
+
+// A float scale or min of a header, stored as the format stores them (fp16, bf16 or fp32).
+inline float scale_at(const uint8_t* p, ScaleType s) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, p, s == ScaleType::kF32 ? 4 : 2);
+  switch (s) {
+    case ScaleType::kF32: return std::bit_cast<float>(bits);
+    case ScaleType::kBF16: return bf16_to_fp32(static_cast<bf16_bits>(bits));
+    case ScaleType::kF16: return fp16_to_fp32(static_cast<f16_bits>(bits));
+  }
+  return 0.0f;
+}
 
 // A super format's integer scale and min of sub-block j (of a K-block's header) for row r.
 struct SubScale {

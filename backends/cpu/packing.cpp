@@ -311,15 +311,6 @@ PackedWeight pack_weight(TensorType type, const uint8_t* w, size_t row_stride, i
 
 namespace {
 
-float half_bits_to_float(uint32_t bits, ScaleType s) {
-  switch (s) {
-    case ScaleType::kF32: return std::bit_cast<float>(bits);
-    case ScaleType::kBF16: return bf16_to_fp32(static_cast<bf16_bits>(bits));
-    case ScaleType::kF16: return fp16_to_fp32(static_cast<f16_bits>(bits));
-  }
-  return 0.0f;
-}
-
 // Row r of a group in fp32, by the formulas of the formats (as quant/formats.cpp dequantizes
 // the file's own blocks, so a packed weight reads back as the file defines it).
 void unpack_row(const PackedFormat& f, const uint8_t* group, int r, int64_t cols, float* out) {
@@ -355,16 +346,13 @@ void unpack_row(const PackedFormat& f, const uint8_t* group, int r, int64_t cols
         value = fp16_to_fp32(d_bits) * static_cast<float>(sm.scale) * q - fp16_to_fp32(dmin_bits) * static_cast<float>(sm.min);
       } else {
         const size_t vb = f.value_bytes();
-        uint32_t bits = 0, min_bits = 0;
-        std::memcpy(&bits, header + (static_cast<size_t>(b) * kPackRows + static_cast<size_t>(r)) * vb, vb);
-        if (f.min) std::memcpy(&min_bits, header + (static_cast<size_t>(blocks + b) * kPackRows + static_cast<size_t>(r)) * vb, vb);
-        const float d = half_bits_to_float(bits, f.scale);
+        const float d = scale_at(header + (static_cast<size_t>(b) * kPackRows + static_cast<size_t>(r)) * vb, f.scale);
         if (f.codes == Codes::kBytes) {
           value = d * static_cast<float>(static_cast<int8_t>(code));
         } else if (f.codebook) {
           value = d * static_cast<float>(kIq4nlValues[code]);
         } else if (f.min) {
-          value = d * static_cast<float>(code) + half_bits_to_float(min_bits, f.scale);
+          value = d * static_cast<float>(code) + scale_at(header + (static_cast<size_t>(blocks + b) * kPackRows + static_cast<size_t>(r)) * vb, f.scale);
         } else {
           value = d * static_cast<float>(code - f.offset);
         }

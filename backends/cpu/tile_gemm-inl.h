@@ -23,7 +23,6 @@
 #endif
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -42,22 +41,6 @@ enum TileIndex : int { kC0 = 0, kA32 = 4, kB32 = 5, kA16 = 6, kB16 = 7 };
 constexpr int kPassTiles = 4;                       // token tiles per pass over a group
 constexpr int64_t kPassTokens = kPassTiles * kTileRows;
 constexpr size_t kSubTileBytes = 8 * kTileBytes;    // a sub-block's codes widened: 8 rows of 64
-
-inline float scale_value(const uint8_t* p, ScaleType s) {
-  uint32_t bits = 0;
-  switch (s) {
-    case ScaleType::kF32:
-      std::memcpy(&bits, p, 4);
-      return std::bit_cast<float>(bits);
-    case ScaleType::kBF16:
-      std::memcpy(&bits, p, 2);
-      return bf16_to_fp32(static_cast<bf16_bits>(bits));
-    case ScaleType::kF16:
-      std::memcpy(&bits, p, 2);
-      return fp16_to_fp32(static_cast<f16_bits>(bits));
-  }
-  return 0.0f;
-}
 
 // Whether a format's weights are signed values (Q8_0's bytes, IQ4's code book) rather than
 // unsigned codes; VNNI adds 128 to those and subtracts 128 times the activations' sum.
@@ -189,8 +172,8 @@ void block_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, int6
     for (int b = 0; b < blocks; ++b) {
       float dw[kTileRows], mv[kTileRows];
       for (int r = 0; r < kTileRows; ++r) {
-        dw[r] = scale_value(g.headers[kb] + (static_cast<size_t>(b) * kPackRows + static_cast<size_t>(r)) * f.value_bytes(), f.scale);
-        mv[r] = f.min ? scale_value(g.headers[kb] + (static_cast<size_t>(blocks + b) * kPackRows + static_cast<size_t>(r)) * f.value_bytes(), f.scale)
+        dw[r] = scale_at(g.headers[kb] + (static_cast<size_t>(b) * kPackRows + static_cast<size_t>(r)) * f.value_bytes(), f.scale);
+        mv[r] = f.min ? scale_at(g.headers[kb] + (static_cast<size_t>(blocks + b) * kPackRows + static_cast<size_t>(r)) * f.value_bytes(), f.scale)
                       : 0.0f;
       }
       for (int s = 0; s < f.group / static_cast<int>(kSubWeights); ++s, ++sub) {
@@ -273,8 +256,8 @@ void super_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, cons
     }
     float d[kTileRows], dmin[kTileRows];
     for (int r = 0; r < kTileRows; ++r) {
-      d[r] = scale_value(header + 2 * r, ScaleType::kF16);
-      dmin[r] = f.min ? scale_value(header + 32 + 2 * r, ScaleType::kF16) : 0.0f;
+      d[r] = scale_at(header + 2 * r, ScaleType::kF16);
+      dmin[r] = f.min ? scale_at(header + 32 + 2 * r, ScaleType::kF16) : 0.0f;
     }
     for (int t = 0; t < acts.tiles(); ++t) {
       for (int r = 0; r < acts.tokens_in(t); ++r) {
