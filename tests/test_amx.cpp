@@ -213,7 +213,7 @@ TEST(TileProduct, OnlyInt8TypesRunOnTheTiles) {
 }
 
 // Models' prompts through the tiles, emulated so that this runs on any CPU: the backend sends
-// every int8 product of 16 tokens or more there (tile_products() counts them), and the logits
+// every int8 product of 16 tokens or more there (emulated_tile_products() counts them), and the logits
 // are those of the packed kernels, bit for bit where those run AVX-512 VNNI (elsewhere Q8_0 and
 // IQ4_NL sum through another float formula: within 1e-4 of the largest logit). Block formats,
 // K-quants of both depths, IQ4_XS, Gemma 3's window ring; prompts of 150-odd tokens. The
@@ -237,12 +237,12 @@ TEST(TileProduct, ModelsGiveThePackedKernelsLogitsThroughTheEmulatedTiles) {
       m.model->forward(tokens, cache, logits.data());
       return logits;
     };
-    const int64_t before = tile_products();
+    const int64_t before = emulated_tile_products();
     const std::vector<float> tiled = last_logits(AmxState::kEmulated);
-    const int64_t after = tile_products();
+    const int64_t after = emulated_tile_products();
     EXPECT_GT(after, before) << "no product ran on the tiles";
     const std::vector<float> packed = last_logits(AmxState::kOffByUser);
-    EXPECT_EQ(tile_products(), after) << "RINGLM_AMX=off still used the tiles";
+    EXPECT_EQ(emulated_tile_products(), after) << "RINGLM_AMX=off still used the tiles";
     ASSERT_EQ(tiled.size(), packed.size());
     if (runs_vnni()) {
       ASSERT_EQ(0, std::memcmp(tiled.data(), packed.data(), tiled.size() * sizeof(float)));

@@ -125,11 +125,12 @@ void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, cons
 enum class TilePath { kNone, kCpu, kEmulated };
 TilePath tile_path_for(TensorType type);
 // The product on the tiles of `path` (not kNone): this CPU's, or the emulation, each calling
-// thread with its own configured tiles. Counted in tile_products().
+// thread with its own configured tiles.
 void gemm_on_tiles(TilePath path, const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x,
                    int64_t n_tokens, float* y, int64_t ldy);
-// Calls of gemm_on_tiles so far in this process (a test's evidence that the path ran).
-int64_t tile_products();
+// Calls of gemm_on_tiles on the emulation so far in this process (a test's evidence that the
+// path ran).
+int64_t emulated_tile_products();
 
 // amx_state's last step, once the kernel granted the tiles: products of a block format and of
 // K-quants of both depths (70 tokens: every result tile, a second pass, a part tile; a part
