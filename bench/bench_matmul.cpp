@@ -87,6 +87,17 @@ void Shapes(benchmark::internal::Benchmark* b) {
   b->UseRealTime();
 }
 
+// Llama-3.2-1B's matrices (q/o, k/v, gate/up, down) at prompt-chunk sizes: the products of its
+// prefill, and where the AMX tiles (from 16 tokens) take over from AVX-512 (bench/README.md).
+void Llama1BPrefillShapes(benchmark::internal::Benchmark* b) {
+  for (auto [n, k] : {std::pair{2048, 2048}, {512, 2048}, {8192, 2048}, {2048, 8192}}) {
+    for (int m : {8, 16, 32, 64, 512}) b->Args({n, k, m});
+  }
+  b->ArgNames({"N", "K", "M"});
+  b->Unit(benchmark::kMicrosecond);
+  b->UseRealTime();
+}
+
 constexpr int64_t kDefault = 0, kInt8Only = int64_t{1} << 40;
 BENCHMARK_CAPTURE(BM_Matmul, Q4_0/int8, TensorType::Q4_0, ComputeType::kInt8, kDefault)->Apply(Shapes);
 BENCHMARK_CAPTURE(BM_Matmul, Q4_1/int8, TensorType::Q4_1, ComputeType::kInt8, kDefault)->Apply(Shapes);
@@ -97,5 +108,10 @@ BENCHMARK_CAPTURE(BM_Matmul, Q8_0/int8only, TensorType::Q8_0, ComputeType::kInt8
 BENCHMARK_CAPTURE(BM_Matmul, Q4_0/fp32, TensorType::Q4_0, ComputeType::kFp32, kDefault)->Apply(Shapes);
 BENCHMARK_CAPTURE(BM_Matmul, Q4_1/fp32, TensorType::Q4_1, ComputeType::kFp32, kDefault)->Apply(Shapes);
 BENCHMARK_CAPTURE(BM_Matmul, Q8_0/fp32, TensorType::Q8_0, ComputeType::kFp32, kDefault)->Apply(Shapes);
+
+BENCHMARK_CAPTURE(BM_Matmul, 1B/Q4_0/int8, TensorType::Q4_0, ComputeType::kInt8, kDefault)->Apply(Llama1BPrefillShapes);
+BENCHMARK_CAPTURE(BM_Matmul, 1B/Q4_1/int8, TensorType::Q4_1, ComputeType::kInt8, kDefault)->Apply(Llama1BPrefillShapes);
+BENCHMARK_CAPTURE(BM_Matmul, 1B/Q4_K/int8, TensorType::Q4_K, ComputeType::kInt8, kDefault)->Apply(Llama1BPrefillShapes);
+BENCHMARK_CAPTURE(BM_Matmul, 1B/Q6_K/int8, TensorType::Q6_K, ComputeType::kInt8, kDefault)->Apply(Llama1BPrefillShapes);
 
 }  // namespace
