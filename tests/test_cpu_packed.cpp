@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backends/cpu/kernel_packed.h"
+#include "backends/cpu/packed_format.h"
 #include "hwy/targets.h"
 #include "tests/only_target.h"
 #include "tests/packed_input.h"
@@ -200,6 +201,29 @@ TEST_P(Packed, ReadsBackAsTheFileDefines) {
 INSTANTIATE_TEST_SUITE_P(Formats, Packed, ::testing::ValuesIn(all_formats()), [](const auto& info) { return info.param.name; });
 
 // i4s-g32-f16 and i4a-g32-f16 have Q4_0's and Q4_1's layouts: the same bytes give the same bits.
+// The scales' inline conversion against the library's, on every one of the 65,536 fp16 values
+// (signed zeros, subnormals, infinities and NaN payloads included), bit for bit.
+TEST(PackedScales, InlineFp16ConversionsAreTheLibrarys) {
+  for (uint32_t h = 0; h <= 0xFFFF; ++h) {
+    const float inline_value = cpu::fp16_bits_to_fp32(static_cast<uint16_t>(h));
+    const float library_value = fp16_to_fp32(static_cast<f16_bits>(h));
+    uint32_t a = 0, b = 0;
+    std::memcpy(&a, &inline_value, 4);
+    std::memcpy(&b, &library_value, 4);
+    ASSERT_EQ(a, b) << "fp16 bits 0x" << std::hex << h;
+  }
+  for (uint32_t first = 0; first <= 0xFFFF; first += 16) {  // 16 at a time, as the tile products read them
+    uint16_t halves[16];
+    for (uint32_t i = 0; i < 16; ++i) halves[i] = static_cast<uint16_t>(first + i);
+    float values[16];
+    cpu::fp16x16_to_fp32(reinterpret_cast<const uint8_t*>(halves), values);
+    for (uint32_t i = 0; i < 16; ++i) {
+      const float library_value = fp16_to_fp32(static_cast<f16_bits>(first + i));
+      ASSERT_EQ(std::memcmp(&values[i], &library_value, 4), 0) << "fp16 bits 0x" << std::hex << first + i << " (16 at a time)";
+    }
+  }
+}
+
 TEST(PackedInt4, G32Fp16MatchesQ4Formats) {
   std::mt19937 rng(7);
   const int64_t n = 33, k = 576, m = 5;

@@ -193,6 +193,37 @@ constexpr std::optional<PackedFormat> packed_format(TensorType type) {
 // The kernels read whole chunks and headers; these say what they mean, for the scalar fallback
 // and dequantize_packed.
 
+// fp16 bits to float, exactly as fp16_to_fp32 (quant/formats.h) but inline and without branches
+// a compiler cannot turn into selects: the tile products read 16 rows' scales at a time with it.
+inline float fp16_bits_to_fp32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  const uint32_t subnormal = std::bit_cast<uint32_t>(static_cast<float>(mantissa) * 0x1p-24f);  // exact; 0 for 0
+  const uint32_t special = 0x7F800000u | (mantissa << 13);                                     // inf, NaN
+  const uint32_t normal = ((exponent + 112) << 23) | (mantissa << 13);
+  return std::bit_cast<float>(sign | (exponent == 0 ? subnormal : exponent == 31 ? special : normal));
+}
+
+// The same for the 16 fp16 values at p (a header's scales of the 16 rows) into out, in the
+// compilers' vector extension (GCC, Clang): a few vector operations on whatever instruction set
+// the including file is compiled for. No function takes or returns a vector, so no calling
+// convention depends on that instruction set.
+inline void fp16x16_to_fp32(const uint8_t* p, float* out) {
+  using Halves = uint16_t __attribute__((vector_size(32)));
+  using Words = uint32_t __attribute__((vector_size(64)));
+  using Floats = float __attribute__((vector_size(64)));
+  Halves h;
+  std::memcpy(&h, p, sizeof h);
+  const Words v = __builtin_convertvector(h, Words);
+  const Words sign = (v & 0x8000u) << 16, exponent = (v >> 10) & 0x1Fu, mantissa = v & 0x3FFu;
+  const Floats scaled = __builtin_convertvector(mantissa, Floats) * 0x1p-24f;  // exact
+  const Words subnormal = __builtin_bit_cast(Words, scaled);
+  const Words special = 0x7F800000u | (mantissa << 13), normal = ((exponent + 112) << 23) | (mantissa << 13);
+  const Words zero_exponent = __builtin_bit_cast(Words, exponent == 0u), max_exponent = __builtin_bit_cast(Words, exponent == 31u);  // all ones where true
+  const Words bits = sign | (subnormal & zero_exponent) | (special & max_exponent) | (normal & ~(zero_exponent | max_exponent));
+  std::memcpy(out, &bits, sizeof bits);
+}
+
 // A float scale or min of a header, stored as the format stores them (fp16, bf16 or fp32).
 inline float scale_at(const uint8_t* p, ScaleType s) {
   uint32_t bits = 0;
@@ -200,7 +231,7 @@ inline float scale_at(const uint8_t* p, ScaleType s) {
   switch (s) {
     case ScaleType::kF32: return std::bit_cast<float>(bits);
     case ScaleType::kBF16: return bf16_to_fp32(static_cast<bf16_bits>(bits));
-    case ScaleType::kF16: return fp16_to_fp32(static_cast<f16_bits>(bits));
+    case ScaleType::kF16: return fp16_bits_to_fp32(static_cast<uint16_t>(bits));
   }
   return 0.0f;
 }

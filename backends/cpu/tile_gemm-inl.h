@@ -46,66 +46,98 @@ constexpr size_t kSubTileBytes = 8 * kTileBytes;    // a sub-block's codes widen
 // unsigned codes; VNNI adds 128 to those and subtracts 128 times the activations' sum.
 constexpr bool signed_values(const PackedFormat& f) { return f.codes == Codes::kBytes || f.codebook; }
 
+// 64 bytes as one value of the compilers' vector extension (GCC, Clang): element-wise integer
+// operations that each copy of this file compiles for its own instruction set (SSE2 for the
+// emulation, AVX-512 for the tiles), with the same results. Only ever a local variable: no
+// function takes or returns one, so no calling convention depends on the instruction set.
+using Bytes64 = uint64_t __attribute__((vector_size(64)));
+constexpr uint64_t kEveryByte = 0x0101010101010101ull;
+
+// A tile row from a chunk's bit field: out[i] = ((p[i] >> shift) & mask) << up, or with `add`
+// out[i] |= that, for the 64 bytes of the row.
+inline void put_field(const uint8_t* p, int shift, uint64_t mask, int up, bool add, uint8_t* out) {
+  Bytes64 v;
+  std::memcpy(&v, p, sizeof v);
+  v = ((v >> shift) & (mask * kEveryByte)) << up;  // shifts of 64-bit lanes; the mask drops what crossed a byte
+  if (add) {
+    Bytes64 o;
+    std::memcpy(&o, out, sizeof o);
+    v |= o;
+  }
+  std::memcpy(out, &v, sizeof v);
+}
+
 // Sub-block `sub` (16 rows x 32 weights of the packed layout) as a B tile: row k holds, for each
 // row r, its weights 4k .. 4k + 3 as bytes (unsigned codes, or the signed values).
 inline void widen_sub_block(const PackedFormat& f, const uint8_t* sub, int8_t* tile) {
   auto* out = reinterpret_cast<uint8_t*>(tile);
   const auto chunk = [sub](int c) { return sub + static_cast<size_t>(c) * kChunkBytes; };
+  if (f.codes == Codes::kBytes) {
+    std::memcpy(out, sub, kSubTileBytes);  // Q8_0's chunks are the tile's rows
+    return;
+  }
   for (int k = 0; k < 8; ++k) {
     uint8_t* row = out + k * kTileBytes;
     switch (f.codes) {
-      case Codes::kBytes:
-        std::memcpy(row, chunk(k), kChunkBytes);
-        break;
       case Codes::kNib4:
       case Codes::kNib4Hb1:
-      case Codes::kNib4Hb2: {
-        const uint8_t* nib = chunk(k / 2);  // low nibbles: quad 2c, high: quad 2c + 1
-        const int shift = 4 * (k % 2);
-        for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>((nib[i] >> shift) & 0x0F);
-        if (f.codes == Codes::kNib4Hb1) {  // bit k of the fifth-bit plane: quad k's bit 4
-          const uint8_t* hb = chunk(4);
-          for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>(row[i] | (((hb[i] >> k) & 1) << 4));
-        }
-        if (f.codes == Codes::kNib4Hb2) {  // bits 2(k % 4) .. +1 of plane 4 + k / 4: bits 4-5
-          const uint8_t* hb = chunk(4 + k / 4);
-          const int at = 2 * (k % 4);
-          for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>(row[i] | (((hb[i] >> at) & 3) << 4));
-        }
-        if (f.codebook) {
-          for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>(kIq4nlValues[row[i]]);
-        }
+      case Codes::kNib4Hb2:
+        put_field(chunk(k / 2), 4 * (k % 2), 0x0F, 0, false, row);  // low nibbles: quad 2c, high: quad 2c + 1
+        if (f.codes == Codes::kNib4Hb1) put_field(chunk(4), k, 0x01, 4, true, row);  // bit k of the fifth-bit plane
+        if (f.codes == Codes::kNib4Hb2) put_field(chunk(4 + k / 4), 2 * (k % 4), 0x03, 4, true, row);  // bits 4-5
         break;
-      }
       case Codes::kCrumb2:
-      case Codes::kCrumb2Hb1: {
-        const uint8_t* crumbs = chunk(k / 4);  // bits 2(k % 4) .. +1: quad k
-        const int at = 2 * (k % 4);
-        for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>((crumbs[i] >> at) & 3);
-        if (f.codes == Codes::kCrumb2Hb1) {
-          const uint8_t* hb = chunk(2);
-          for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>(row[i] | (((hb[i] >> k) & 1) << 2));
-        }
+      case Codes::kCrumb2Hb1:
+        put_field(chunk(k / 4), 2 * (k % 4), 0x03, 0, false, row);  // bits 2(k % 4) .. +1: quad k
+        if (f.codes == Codes::kCrumb2Hb1) put_field(chunk(2), k, 0x01, 2, true, row);  // quad k's bit 2
         break;
-      }
       default:
-        break;  // float formats never come here
+        return;  // float formats never come here
+    }
+    if (f.codebook) {
+      for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>(kIq4nlValues[row[i]]);
     }
   }
 }
 
-// One 16-row group: its codes widened to B tiles, and where each K-block's header lies.
+// The 16 rows' float scales (or mins) at p, as the format stores them.
+inline void read_row_scales(const uint8_t* p, ScaleType type, float* out) {
+  if (type == ScaleType::kF16) return fp16x16_to_fp32(p, out);  // the common case, in vectors
+  const size_t bytes = type == ScaleType::kF32 ? 4 : 2;
+  for (int r = 0; r < kTileRows; ++r) out[r] = scale_at(p + static_cast<size_t>(r) * bytes, type);
+}
+
+// One 16-row group, made ready for every pass of tokens over it: its codes widened to B tiles, and
+// its scales read out of the headers into plain arrays (read again by every pass, so read once).
 struct WidenedGroup {
-  std::vector<int8_t> tiles;              // [cols / 32][8][64]
-  std::vector<const uint8_t*> headers;    // per K-block
+  std::vector<int8_t> tiles;  // [cols / 32][8][64]
+  // Block formats: per weight block, the 16 rows' float scales and mins.
+  std::vector<float> dw, mv;  // [cols / group][16]
+  // Super formats: per sub-block, the 16 rows' integer scales and mins (mins: the scales, for
+  // formats with an offset instead); per super-block, the float scales d and dmin.
+  std::vector<int32_t> sc, mn;  // [cols / sub][16]
+  std::vector<float> d, dmin;   // [cols / 256][16]
+
   void widen(const PackedFormat& f, const uint8_t* group, int64_t cols) {
     tiles.resize(static_cast<size_t>(cols / kSubWeights) * kSubTileBytes);
-    headers.clear();
+    if (f.super()) {
+      sc.resize(static_cast<size_t>(cols / f.sub * kTileRows));
+      mn.resize(sc.size());
+      d.resize(static_cast<size_t>(cols / kSuperBlock * kTileRows));
+      dmin.resize(d.size());
+    } else {
+      dw.resize(static_cast<size_t>(cols / f.group * kTileRows));
+      mv.resize(dw.size());
+    }
     const uint8_t* p = group;
     int64_t sub = 0;
     for (int64_t k0 = 0; k0 < cols; k0 += f.kblock) {
       const int64_t n = std::min<int64_t>(f.kblock, cols - k0);
-      headers.push_back(p);
+      if (f.super()) {
+        read_super_scales(f, p, k0 / kSuperBlock);
+      } else {
+        read_block_scales(f, p, k0 / f.group, n / f.group);
+      }
       p += f.header_bytes_for(n);
       for (int64_t s = 0; s < n / kSubWeights; ++s, ++sub, p += f.sub_code_bytes()) {
         widen_sub_block(f, p, tiles.data() + static_cast<size_t>(sub) * kSubTileBytes);
@@ -113,6 +145,38 @@ struct WidenedGroup {
     }
   }
   const int8_t* sub_tile(int64_t sub) const { return tiles.data() + static_cast<size_t>(sub) * kSubTileBytes; }
+
+ private:
+  // A block format's header: `blocks` scales of the 16 rows, then as many mins.
+  void read_block_scales(const PackedFormat& f, const uint8_t* header, int64_t first, int64_t blocks) {
+    const size_t field = kPackRows * f.value_bytes();  // one block's 16 values
+    for (int64_t b = 0; b < blocks; ++b) {
+      read_row_scales(header + static_cast<size_t>(b) * field, f.scale, dw.data() + (first + b) * kTileRows);
+      if (f.min) {
+        read_row_scales(header + static_cast<size_t>(blocks + b) * field, f.scale, mv.data() + (first + b) * kTileRows);
+      } else {
+        std::fill_n(mv.data() + (first + b) * kTileRows, kTileRows, 0.0f);
+      }
+    }
+  }
+  // A super format's header: fp16 d (and dmin), then the sub-block scales (and mins).
+  void read_super_scales(const PackedFormat& f, const uint8_t* header, int64_t kb) {
+    read_row_scales(header, ScaleType::kF16, d.data() + kb * kTileRows);
+    if (f.min) {
+      read_row_scales(header + 32, ScaleType::kF16, dmin.data() + kb * kTileRows);
+    } else {
+      std::fill_n(dmin.data() + kb * kTileRows, kTileRows, 0.0f);
+    }
+    const int subs = static_cast<int>(kSuperBlock / f.sub);
+    for (int j = 0; j < subs; ++j) {
+      const size_t at = static_cast<size_t>((kb * subs + j) * kTileRows);
+      for (int r = 0; r < kTileRows; ++r) {
+        const SubScale v = sub_scale_at(f, header, j, r);
+        sc[at + static_cast<size_t>(r)] = v.scale;
+        mn[at + static_cast<size_t>(r)] = f.min ? v.min : v.scale;  // offset formats: the offset meets sum_j sc_j * sum_j
+      }
+    }
+  }
 };
 
 // The activations of a pass: kPassTiles tiles of 16 tokens from m0 on; a last tile short of 16
@@ -121,11 +185,11 @@ class PassActs {
  public:
   PassActs(const int8_t* q, int64_t k, int64_t m0, int64_t tokens) : q_(q), k_(k), m0_(m0), tokens_(tokens) {}
   int tiles() const { return static_cast<int>((tokens_ + kTileRows - 1) / kTileRows); }
-  int tokens_in(int t) const { return static_cast<int>(std::min<int64_t>(kTileRows, tokens_ - t * kTileRows)); }
+  int tokens() const { return static_cast<int>(tokens_); }
   // Tile t's `depth` activations from column k on, and the stride between its rows.
   const int8_t* at(int t, int64_t k, int depth, int64_t& stride) {
     const int64_t first = m0_ + t * kTileRows;
-    const int rows = tokens_in(t);
+    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, tokens_ - t * kTileRows));
     if (rows == kTileRows) {
       stride = k_;
       return q_ + first * k_ + k;
@@ -143,9 +207,9 @@ class PassActs {
 };
 
 // The integer dots of one B tile (already loaded in tile `b`) with every token tile of the pass:
-// dots[t][r][n] for token m0 + 16t + r and row n.
+// dots[m][n] for token m0 + m and row n.
 template <class Tiles>
-inline void tile_dots(Tiles& tiles, PassActs& acts, int a, int b, int64_t k, int depth, int32_t (*dots)[kTileRows][kTileRows]) {
+inline void tile_dots(Tiles& tiles, PassActs& acts, int a, int b, int64_t k, int depth, int32_t (*dots)[kTileRows]) {
   for (int t = 0; t < acts.tiles(); ++t) {
     const int c = kC0 + t;
     int64_t stride = 0;
@@ -153,130 +217,169 @@ inline void tile_dots(Tiles& tiles, PassActs& acts, int a, int b, int64_t k, int
     tiles.zero(c);
     tiles.load(a, rows, stride);
     tiles.dpbssd(c, a, b);
-    tiles.store(c, dots[t], kTileRows * 4);
+    tiles.store(c, dots[t * kTileRows], kTileRows * 4);
+  }
+}
+
+// --- Block formats ------------------------------------------------------------------------
+
+// The VNNI kernels' formula for a block format's sum (kernel_packed.cpp's BlockTile), chosen at
+// compile time so that each token's 16 rows take a few vector operations and no branch.
+enum class BlockFormula {
+  kMin,     // acc += dw * (dot * dx) + m * sx                 (Q4_1, Q5_1, asymmetric INT4)
+  kOffset,  // acc += dw * (dot * dx - offset * sx)            (Q4_0, Q5_0, symmetric INT4; signed values)
+  kPlain,   // acc += dw * (dot * dx)
+};
+
+// One activation block's dots of a pass into its float sums. dx, sx and (signed values) the
+// activation sums are the pass's first token's, the next token's `stride` further on.
+template <BlockFormula kFormula, bool kShift>
+inline void add_block_dots(const int32_t (*dots)[kTileRows], int tokens, const float* dw, const float* mv,
+                           const float* dx, const float* sx, const int32_t* sums, int64_t stride, float offset,
+                           float (*acc)[kTileRows]) {
+  for (int m = 0; m < tokens; ++m) {
+    const int32_t* dot_row = dots[m];
+    float* out = acc[m];
+    const float d = dx[m * stride];
+    const float s = kFormula == BlockFormula::kOffset ? -offset * sx[m * stride] : sx[m * stride];
+    const int32_t shift = kShift ? 128 * sums[m * stride] : 0;  // signed values made unsigned
+#pragma omp simd  // the 16 rows of a token: one vector, whatever the compiler would pick
+    for (int c = 0; c < kTileRows; ++c) {
+      const float dot = static_cast<float>(dot_row[c] + shift);
+      if constexpr (kFormula == BlockFormula::kMin) {
+        out[c] = std::fma(dw[c], dot * d, out[c]);
+        out[c] = std::fma(mv[c], s, out[c]);
+      } else if constexpr (kFormula == BlockFormula::kOffset) {
+        out[c] = std::fma(dw[c], std::fma(dot, d, s), out[c]);
+      } else {
+        out[c] = std::fma(dw[c], dot * d, out[c]);
+      }
+    }
+  }
+}
+
+// The integer sum of each activation block of the first n_tokens rows ([token][block]): what a
+// signed format's dots gain where VNNI makes its values unsigned. Once per product, not per group.
+inline void block_sums(const QuantizedActs& x, int64_t n_tokens, std::vector<int32_t>& sums) {
+  const int64_t nb = x.blocks();
+  sums.resize(static_cast<size_t>(n_tokens * nb));
+  for (int64_t i = 0; i < n_tokens * nb; ++i) {
+    const int8_t* q = x.q + i * kActBlock;
+    int32_t sum = 0;
+    for (int j = 0; j < kActBlock; ++j) sum += q[j];
+    sums[static_cast<size_t>(i)] = sum;
   }
 }
 
 // A block format's pass (Q4_0 .. Q8_0, IQ4_NL, the INT4 types): per activation block of 32, in
 // K order, acc += dw * (dx * dot + offset term), as kernel_packed.cpp's BlockTile on VNNI.
-template <class Tiles>
-void block_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, int64_t cols, const QuantizedActs& x,
-                PassActs& acts, int64_t m0, float (*acc)[kTileRows]) {
-  const int offset = signed_values(f) ? 128 : f.offset;
+template <BlockFormula kFormula, bool kShift, class Tiles>
+void block_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const QuantizedActs& x,
+                const std::vector<int32_t>& sums, PassActs& acts, int64_t m0, float (*acc)[kTileRows]) {
+  const float offset = static_cast<float>(signed_values(f) ? 128 : f.offset);
   const int64_t nb = x.blocks();
-  alignas(64) int32_t dots[kPassTiles][kTileRows][kTileRows];
-  int64_t sub = 0;
-  for (size_t kb = 0; kb < g.headers.size(); ++kb) {
-    const int64_t k0 = static_cast<int64_t>(kb) * f.kblock, n = std::min<int64_t>(f.kblock, cols - k0);
-    const int blocks = static_cast<int>(n / f.group);
-    for (int b = 0; b < blocks; ++b) {
-      float dw[kTileRows], mv[kTileRows];
-      for (int r = 0; r < kTileRows; ++r) {
-        dw[r] = scale_at(g.headers[kb] + (static_cast<size_t>(b) * kPackRows + static_cast<size_t>(r)) * f.value_bytes(), f.scale);
-        mv[r] = f.min ? scale_at(g.headers[kb] + (static_cast<size_t>(blocks + b) * kPackRows + static_cast<size_t>(r)) * f.value_bytes(), f.scale)
-                      : 0.0f;
+  const int subs_per_block = f.group / static_cast<int>(kSubWeights);
+  alignas(64) int32_t dots[kPassTokens][kTileRows];
+  for (int64_t ab = 0; ab < nb; ++ab) {  // activation block = sub-block
+    tiles.load(kB32, g.sub_tile(ab), kTileBytes);
+    tile_dots(tiles, acts, kA32, kB32, ab * kActBlock, 32, dots);
+    const int64_t first = m0 * nb + ab;                                      // the pass's first token
+    const size_t wb = static_cast<size_t>(ab / subs_per_block) * kTileRows;  // the weight block
+    add_block_dots<kFormula, kShift>(dots, acts.tokens(), g.dw.data() + wb, g.mv.data() + wb, x.d + first, x.s + first,
+                                     sums.data() + (kShift ? first : 0), nb, offset, acc);
+  }
+}
+
+// --- Super formats (K-quants, IQ4_XS) -----------------------------------------------------
+
+// One sub-block's dots into the integer sums of a super-block: isum += sc * dot.
+inline void add_sub_dots(const int32_t (*dots)[kTileRows], int tokens, const int32_t* sc, int32_t (*isum)[kTileRows]) {
+  for (int m = 0; m < tokens; ++m) {
+    #pragma omp simd  // the 16 rows of a token: one vector, whatever the compiler would pick
+    for (int c = 0; c < kTileRows; ++c) {
+      isum[m][c] = static_cast<int32_t>(static_cast<uint32_t>(isum[m][c]) + static_cast<uint32_t>(sc[c] * dots[m][c]));
+    }
+  }
+}
+
+// A super-block's integer sums into the float sums, per token: imin = sum_j mn_j * (the token's
+// activation sum of sub-block j) where the format has mins or an offset, then acc += d * dx *
+// isum - dmin * dx * imin (mins), or acc += d * dx * (isum - offset * imin).
+template <bool kMin, bool kSums>
+inline void add_super_sums(const int32_t (*isum)[kTileRows], int tokens, int subs, const int32_t* mn,
+                           const int32_t* x_sums, int64_t x_sums_stride, int offset, const float* d, const float* dmin,
+                           const float* dx, float (*acc)[kTileRows]) {
+  for (int m = 0; m < tokens; ++m) {
+    int32_t imin[kTileRows] = {};
+    if constexpr (kSums) {
+      const int32_t* x_sum = x_sums + m * x_sums_stride;
+      for (int j = 0; j < subs; ++j) {
+        #pragma omp simd  // the 16 rows of a token: one vector, whatever the compiler would pick
+        for (int c = 0; c < kTileRows; ++c) imin[c] += mn[j * kTileRows + c] * x_sum[j];
       }
-      for (int s = 0; s < f.group / static_cast<int>(kSubWeights); ++s, ++sub) {
-        const int64_t ab = (k0 + b * f.group) / kActBlock + s;  // activation block
-        tiles.load(kB32, g.sub_tile(sub), kTileBytes);
-        tile_dots(tiles, acts, kA32, kB32, ab * kActBlock, 32, dots);
-        for (int t = 0; t < acts.tiles(); ++t) {
-          for (int r = 0; r < acts.tokens_in(t); ++r) {
-            const int64_t m = m0 + t * kTileRows + r;
-            const float dx = x.d[m * nb + ab], sx = x.s[m * nb + ab];
-            int32_t shift = 0;  // signed values made unsigned: + 128 * the block's activation sum
-            if (signed_values(f)) {
-              for (int i = 0; i < 32; ++i) shift += x.q[m * x.k + ab * kActBlock + i];
-              shift *= 128;
-            }
-            float* out = acc[t * kTileRows + r];
-            const int32_t* d = dots[t][r];
-            for (int c = 0; c < kTileRows; ++c) {
-              const float dot = static_cast<float>(d[c] + shift);
-              if (f.min) {
-                out[c] = std::fma(dw[c], dot * dx, out[c]);
-                out[c] = std::fma(mv[c], sx, out[c]);
-              } else if (offset != 0) {
-                out[c] = std::fma(dw[c], std::fma(dot, dx, -static_cast<float>(offset) * sx), out[c]);
-              } else {
-                out[c] = std::fma(dw[c], dot * dx, out[c]);
-              }
-            }
-          }
-        }
+    }
+    float* out = acc[m];
+    #pragma omp simd  // the 16 rows of a token: one vector, whatever the compiler would pick
+    for (int c = 0; c < kTileRows; ++c) {
+      if constexpr (kMin) {
+        out[c] = std::fma(d[c] * dx[m], static_cast<float>(isum[m][c]), out[c]);
+        out[c] = std::fma(dmin[c] * -dx[m], static_cast<float>(imin[c]), out[c]);
+      } else {
+        out[c] = std::fma(d[c] * dx[m], static_cast<float>(isum[m][c] - imin[c] * offset), out[c]);
       }
     }
   }
 }
 
-// A super format's pass (K-quants, IQ4_XS): per 256 weights, isum = sum_j sc_j * dot_j and
-// imin = sum_j m_j * (activation sum of sub-block j) in integers, then acc += d * dx * isum -
-// dmin * dx * imin, as kernel_packed.cpp's SuperTile on VNNI (the same integers whatever the
-// order of their sums).
-template <class Tiles>
+// A super format's pass: per 256 weights, isum = sum_j sc_j * dot_j and imin = sum_j m_j *
+// (activation sum of sub-block j) in integers, then acc += d * dx * isum - dmin * dx * imin, as
+// kernel_packed.cpp's SuperTile on VNNI (the same integers whatever the order of their sums).
+template <bool kMin, bool kSums, class Tiles>
 void super_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const SuperActs& x, PassActs& acts,
                 int64_t m0, float (*acc)[kTileRows]) {
   const int halves = static_cast<int>(kSubWeights) / f.sub;  // sub-block scales per 32 weights
   const int offset = signed_values(f) ? 0 : f.offset;        // VNNI's +128 cancels in the integers
-  const bool sums = f.min || offset != 0;
   const int a = f.sub == 16 ? kA16 : kA32, b = f.sub == 16 ? kB16 : kB32;
-  const int64_t nb = x.blocks();
-  alignas(64) int32_t dots[kPassTiles][kTileRows][kTileRows];
-  int32_t isum[kPassTokens][kTileRows], imin[kPassTokens][kTileRows];
+  const int64_t nb = x.blocks(), subs = kSuperBlock / f.sub, sums_per_token = x.k / f.sub;
+  const int32_t* sums = f.sub == 16 ? x.sum16 : x.sum32;
+  alignas(64) int32_t dots[kPassTokens][kTileRows];
+  alignas(64) int32_t isum[kPassTokens][kTileRows];
+  float dx[kPassTokens];
   for (int64_t kb = 0; kb < nb; ++kb) {
-    const uint8_t* header = g.headers[static_cast<size_t>(kb)];
     std::fill(&isum[0][0], &isum[0][0] + kPassTokens * kTileRows, 0);
-    std::fill(&imin[0][0], &imin[0][0] + kPassTokens * kTileRows, 0);
     for (int s = 0; s < 8; ++s) {
       for (int h = 0; h < halves; ++h) {
-        const int j = s * halves + h;
+        const int64_t j = kb * subs + s * halves + h;  // sub-block within the row
         tiles.load(b, g.sub_tile(kb * 8 + s) + h * (kSubTileBytes / 2), kTileBytes);
         tile_dots(tiles, acts, a, b, kb * kSuperBlock + s * kSubWeights + h * f.sub, f.sub, dots);
-        int sc[kTileRows], mn[kTileRows];
-        for (int r = 0; r < kTileRows; ++r) {
-          const SubScale v = sub_scale_at(f, header, j, r);
-          sc[r] = v.scale;
-          mn[r] = f.min ? v.min : v.scale;  // offset formats: the offset meets sum_j sc_j * sum_j
-        }
-        for (int t = 0; t < acts.tiles(); ++t) {
-          for (int r = 0; r < acts.tokens_in(t); ++r) {
-            const int64_t m = m0 + t * kTileRows + r;
-            const int32_t x_sum = !sums            ? 0
-                                  : f.sub == 16 ? x.sum16[m * (x.k / 16) + kb * 16 + j]
-                                                : x.sum32[m * (x.k / 32) + kb * 8 + j];
-            int32_t* is = isum[t * kTileRows + r];
-            int32_t* im = imin[t * kTileRows + r];
-            for (int c = 0; c < kTileRows; ++c) {
-              is[c] = static_cast<int32_t>(static_cast<uint32_t>(is[c]) + static_cast<uint32_t>(sc[c] * dots[t][r][c]));
-              im[c] += mn[c] * x_sum;
-            }
-          }
-        }
+        add_sub_dots(dots, acts.tokens(), g.sc.data() + j * kTileRows, isum);
       }
     }
-    float d[kTileRows], dmin[kTileRows];
-    for (int r = 0; r < kTileRows; ++r) {
-      d[r] = scale_at(header + 2 * r, ScaleType::kF16);
-      dmin[r] = f.min ? scale_at(header + 32 + 2 * r, ScaleType::kF16) : 0.0f;
-    }
-    for (int t = 0; t < acts.tiles(); ++t) {
-      for (int r = 0; r < acts.tokens_in(t); ++r) {
-        const int64_t m = m0 + t * kTileRows + r;
-        const float dx = x.d[m * nb + kb];
-        float* out = acc[t * kTileRows + r];
-        for (int c = 0; c < kTileRows; ++c) {
-          const int32_t i = isum[t * kTileRows + r][c];
-          const int32_t i_min = imin[t * kTileRows + r][c];
-          if (f.min) {
-            out[c] = std::fma(d[c] * dx, static_cast<float>(i), out[c]);
-            out[c] = std::fma(dmin[c] * -dx, static_cast<float>(i_min), out[c]);
-          } else {
-            out[c] = std::fma(d[c] * dx, static_cast<float>(i - i_min * offset), out[c]);
-          }
-        }
-      }
-    }
+    for (int m = 0; m < acts.tokens(); ++m) dx[m] = x.d[(m0 + m) * nb + kb];
+    add_super_sums<kMin, kSums>(isum, acts.tokens(), static_cast<int>(subs), g.mn.data() + kb * subs * kTileRows,
+                                sums + m0 * sums_per_token + kb * subs, sums_per_token, offset,
+                                g.d.data() + kb * kTileRows, g.dmin.data() + kb * kTileRows, dx, acc);
   }
+}
+
+// --- The product --------------------------------------------------------------------------
+
+// One pass of up to 64 tokens over a widened group, by the format's formula.
+template <class Tiles>
+void pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const PackedInput& x,
+          const std::vector<int32_t>& sums, int64_t m0, int64_t tokens, float (*acc)[kTileRows]) {
+  if (f.super()) {
+    PassActs acts(x.super.q, x.super.k, m0, tokens);
+    const bool sums_needed = f.min || (!signed_values(f) && f.offset != 0);
+    if (f.min) return super_pass<true, true>(tiles, f, g, x.super, acts, m0, acc);
+    if (sums_needed) return super_pass<false, true>(tiles, f, g, x.super, acts, m0, acc);
+    return super_pass<false, false>(tiles, f, g, x.super, acts, m0, acc);
+  }
+  PassActs acts(x.block.q, x.block.k, m0, tokens);
+  if (f.min) return block_pass<BlockFormula::kMin, false>(tiles, f, g, x.block, sums, acts, m0, acc);
+  if (signed_values(f)) return block_pass<BlockFormula::kOffset, true>(tiles, f, g, x.block, sums, acts, m0, acc);
+  if (f.offset != 0) return block_pass<BlockFormula::kOffset, false>(tiles, f, g, x.block, sums, acts, m0, acc);
+  return block_pass<BlockFormula::kPlain, false>(tiles, f, g, x.block, sums, acts, m0, acc);
 }
 
 template <class Tiles>
@@ -284,6 +387,8 @@ void tile_gemm(Tiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_e
                int64_t n_tokens, float* y, int64_t ldy) {
   const PackedFormat f = *packed_format(w.type);
   thread_local WidenedGroup group;
+  thread_local std::vector<int32_t> sums;
+  if (!f.super() && signed_values(f)) block_sums(x.block, n_tokens, sums);
   alignas(64) float acc[kPassTokens][kTileRows];
   for (int64_t g = n_begin / kPackRows; g * kPackRows < n_end; ++g) {
     group.widen(f, w.group(g), w.cols);
@@ -291,13 +396,7 @@ void tile_gemm(Tiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_e
     for (int64_t m0 = 0; m0 < n_tokens; m0 += kPassTokens) {
       const int64_t tokens = std::min(kPassTokens, n_tokens - m0);
       std::fill(&acc[0][0], &acc[0][0] + kPassTokens * kTileRows, 0.0f);
-      if (f.super()) {
-        PassActs acts(x.super.q, x.super.k, m0, tokens);
-        super_pass(tiles, f, group, x.super, acts, m0, acc);
-      } else {
-        PassActs acts(x.block.q, x.block.k, m0, tokens);
-        block_pass(tiles, f, group, w.cols, x.block, acts, m0, acc);
-      }
+      pass(tiles, f, group, x, sums, m0, tokens, acc);
       for (int64_t m = 0; m < tokens; ++m) std::copy_n(acc[m], stored, y + (m0 + m) * ldy + g * kPackRows);
     }
   }
