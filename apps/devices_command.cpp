@@ -83,7 +83,10 @@ Row cpu_row() {
 Row amx_row() {
   const cpu::AmxState state = cpu::amx_state();
   std::string words = cpu::amx_state_words(state);
-  if (state == cpu::AmxState::kOn) words += " (prompts and batches of 16 tokens or more)";
+  if (state == cpu::AmxState::kOn) {
+    words += " (prompt chunks of " + std::to_string(KernelTable::kDefaultTilesFrom) +
+             " tokens or more, or from where `ringlm tune` measured the tiles faster)";
+  }
   if (state == cpu::AmxState::kEmulated) words += ": the tile products in plain C++, for tests (slow)";
   return {"amx", words};
 }

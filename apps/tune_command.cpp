@@ -1,12 +1,15 @@
 // `ringlm tune`: finds, on this machine, the number of tokens from which dequantize + sgemm beats
-// the int8 kernels, for each weight shape of a model, and writes it as the CPU backend's tuning
-// table (backends/cpu/tuning.h), which `run`, `bench` and `perplexity` then read at load.
+// the int8 kernels, and on a CPU with AMX the number from which the int8 products on the tiles
+// beat the AVX-512 kernels, for each weight shape of a model, and writes them as the CPU
+// backend's tuning table (backends/cpu/tuning.h), which `run`, `bench` and `perplexity` then
+// read at load.
 //
 // Method: every distinct (type, N, K) among the model's weights that the int8 kernels run is
-// prepared on two backends, one forced to the int8 kernels (a crossover no call reaches) and one
-// forced to the fp32 path (crossover 1), and both multiply the same random activations at
-// M = 8, 16, ... up to --max-m. Each time is the median of several calls after an untimed
-// warm-up; the two paths' calls alternate, so that load from other processes slows both alike.
+// prepared on two backends, one forced to the int8 kernels (a crossover no call reaches, no
+// tiles) and one forced to the fp32 path (crossover 1), and, where amx_state() is on (or
+// emulated), on a third that takes the tiles from one token on; all multiply the same random
+// activations at M = 8, 16, ... up to --max-m. Each time is the median of several calls after
+// an untimed warm-up; the paths' calls alternate, so that load from other processes slows them alike.
 // A busy machine still defeats this (with several threads, one preempted thread holds the others
 // at every barrier): the run warns when it got much less CPU time than its threads asked for.
 // The crossover is the smallest M from which sgemm wins at every larger M as well. (Below 16
@@ -33,6 +36,7 @@
 #include <vector>
 
 #include "apps/common_options.h"
+#include "backends/cpu/amx.h"
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/kernel_packed.h"
 #include "backends/cpu/tuning.h"
@@ -107,12 +111,14 @@ double cpu_seconds() {
   return seconds(u.ru_utime) + seconds(u.ru_stime);
 }
 
-// The two paths on one weight: each backend holds its own prepared copy.
+// The paths on one weight: each backend holds its own prepared copy. No tiles: a null backend.
 struct Contenders {
   Backend& int8;
   Backend& sgemm;
+  Backend* tiles;
   const PreparedWeight& int8_w;
   const PreparedWeight& sgemm_w;
+  const PreparedWeight* tiles_w;
 };
 
 double time_call(Backend& b, const PreparedWeight& w, const float* x, int64_t m, float* y) {
@@ -125,39 +131,70 @@ TuningPoint measure(const Contenders& c, const float* x, int64_t m, float* y) {
   // Warm-up: buffers grow to this M, the weight comes into cache, the threads wake.
   time_call(c.int8, c.int8_w, x, m, y);
   time_call(c.sgemm, c.sgemm_w, x, m, y);
-  std::vector<double> int8_ms, sgemm_ms;
+  if (c.tiles != nullptr) time_call(*c.tiles, *c.tiles_w, x, m, y);
+  std::vector<double> int8_ms, sgemm_ms, tiles_ms;
   double total = 0;
   while (int8_ms.size() < kMaxReps && (int8_ms.size() < kMinReps || total < 2 * kMinMs)) {
     int8_ms.push_back(time_call(c.int8, c.int8_w, x, m, y));
     sgemm_ms.push_back(time_call(c.sgemm, c.sgemm_w, x, m, y));
     total += int8_ms.back() + sgemm_ms.back();
+    if (c.tiles != nullptr) {
+      tiles_ms.push_back(time_call(*c.tiles, *c.tiles_w, x, m, y));
+      total += tiles_ms.back();
+    }
   }
-  return {m, median(int8_ms), median(sgemm_ms)};
+  return {m, median(int8_ms), median(sgemm_ms), tiles_ms.empty() ? -1.0 : median(tiles_ms)};
 }
 
 std::string crossover_text(int64_t crossover) {
   return crossover >= KernelTable::kNever ? "never (int8 wins)" : "M >= " + std::to_string(crossover);
 }
 
-KernelEntry tune_shape(const Shape& s, Backend& int8, Backend& sgemm, const std::vector<int64_t>& ms,
+std::string tiles_text(int64_t from) {
+  if (from == KernelEntry::kTilesNotMeasured) return "-";
+  return from >= KernelTable::kNever ? "never (AVX-512 wins)" : "M >= " + std::to_string(from);
+}
+
+// The fastest path of a point, for the printed table.
+const char* fastest(const TuningPoint& p) {
+  if (p.tiles_ms >= 0 && p.tiles_ms < p.int8_ms && p.tiles_ms < p.sgemm_ms) return "tiles";
+  return p.sgemm_ms < p.int8_ms ? "sgemm" : "int8";
+}
+
+KernelEntry tune_shape(const Shape& s, Backend& int8, Backend& sgemm, Backend* tiles, const std::vector<int64_t>& ms,
                        const std::vector<float>& x, std::vector<float>& y) {
   const auto int8_w = int8.prepare(s.weight);
   const auto sgemm_w = sgemm.prepare(s.weight);
-  const Contenders c{int8, sgemm, *int8_w, *sgemm_w};
-  KernelEntry e{s.weight.type, s.weight.rows, s.weight.cols, 0, {}, {}, {}};
+  const auto tiles_w = tiles != nullptr ? tiles->prepare(s.weight) : nullptr;
+  const Contenders c{int8, sgemm, tiles, *int8_w, *sgemm_w, tiles_w.get()};
+  KernelEntry e;
+  e.type = s.weight.type;
+  e.n = s.weight.rows;
+  e.k = s.weight.cols;
   std::vector<TuningPoint> points;
   for (const int64_t m : ms) {
     const TuningPoint p = measure(c, x.data(), m, y.data());
-    std::printf("| %-16s | %4lld | %10.3f | %10.3f | %-6s |\n", s.label.c_str(), static_cast<long long>(m), p.int8_ms,
-                p.sgemm_ms, p.sgemm_ms < p.int8_ms ? "sgemm" : "int8");
+    char tiles_ms[16] = "-";
+    if (p.tiles_ms >= 0) std::snprintf(tiles_ms, sizeof tiles_ms, "%.3f", p.tiles_ms);
+    std::printf("| %-16s | %4lld | %10.3f | %10.3f | %10s | %-6s |\n", s.label.c_str(), static_cast<long long>(m), p.int8_ms,
+                p.sgemm_ms, tiles_ms, fastest(p));
     std::fflush(stdout);
     points.push_back(p);
     e.m.push_back(m);
     e.int8_ms.push_back(p.int8_ms);
     e.sgemm_ms.push_back(p.sgemm_ms);
+    if (p.tiles_ms >= 0) e.tiles_ms.push_back(p.tiles_ms);
   }
   e.crossover = crossover_from_timings(points);
+  if (tiles != nullptr) e.tiles_from = tiles_from_timings(points);
   return e;
+}
+
+// Where the tiles are measured: on this CPU's tiles, or on their emulation (RINGLM_AMX=emulate,
+// which tests the measuring anywhere; it never wins).
+bool tiles_measured() {
+  const cpu::AmxState state = cpu::amx_state();
+  return state == cpu::AmxState::kOn || state == cpu::AmxState::kEmulated;
 }
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -258,8 +295,12 @@ void tune(const TuneOptions& o) {
     if (m <= o.max_m) ms.push_back(m);
   }
   const int threads = resolve_threads(o.n_threads);
-  auto int8 = make_cpu_backend(threads, ComputeType::kInt8, KernelTable::kNever);
+  KernelTable avx512_only, tiles_always;  // int8 for every M; on the tiles from M = 1 or never
+  avx512_only.default_tiles_from = KernelTable::kNever;
+  tiles_always.default_tiles_from = 1;
+  auto int8 = make_cpu_backend(threads, ComputeType::kInt8, avx512_only);
   auto sgemm = make_cpu_backend(threads, ComputeType::kInt8, 1);
+  auto tiles = tiles_measured() ? make_cpu_backend(threads, ComputeType::kInt8, tiles_always) : nullptr;
 
   int64_t max_n = 0, max_k = 0;
   for (const Shape& s : shapes) {
@@ -274,24 +315,28 @@ void tune(const TuneOptions& o) {
 
   KernelTable table;
   table.machine = this_machine(threads);
-  std::printf("ringlm tune: %zu shapes, %d threads, %s, target %s\n\n", shapes.size(), threads, table.machine.cpu.c_str(),
-              table.machine.target.c_str());
-  std::printf("| %-16s | %4s | %10s | %10s | %-6s |\n", "shape (N x K)", "M", "int8 ms", "sgemm ms", "faster");
-  std::printf("| %s | ---: | ---------: | ---------: | ------ |\n", std::string(16, '-').c_str());
+  std::printf("ringlm tune: %zu shapes, %d threads, %s, target %s, amx %s\n\n", shapes.size(), threads,
+              table.machine.cpu.c_str(), table.machine.target.c_str(), cpu::amx_state_words(cpu::amx_state()).c_str());
+  std::printf("| %-16s | %4s | %10s | %10s | %10s | %-6s |\n", "shape (N x K)", "M", "int8 ms", "sgemm ms", "tiles ms",
+              "faster");
+  std::printf("| %s | ---: | ---------: | ---------: | ---------: | ------ |\n", std::string(16, '-').c_str());
   const double cpu0 = cpu_seconds();
   const auto timed0 = std::chrono::steady_clock::now();
-  for (const Shape& s : shapes) table.set(tune_shape(s, *int8, *sgemm, ms, x, y));
+  for (const Shape& s : shapes) table.set(tune_shape(s, *int8, *sgemm, tiles.get(), ms, x, y));
   int8.reset();
   sgemm.reset();
+  tiles.reset();
   table.passes.push_back(tune_passes(gguf->path(), threads, table));
   const double timed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed0).count();
   // The threads spin between calls, so an idle machine gives them all their wall time.
   const double cpu_share = (cpu_seconds() - cpu0) / (timed_s * threads);
 
-  std::printf("\n| %-16s | %-17s |\n| %s | %s |\n", "shape (N x K)", "sgemm from", std::string(16, '-').c_str(),
-              std::string(17, '-').c_str());
+  std::printf("\n| %-16s | %-17s | %-20s |\n| %s | %s | %s |\n", "shape (N x K)", "sgemm from", "AMX tiles from",
+              std::string(16, '-').c_str(), std::string(17, '-').c_str(), std::string(20, '-').c_str());
   for (size_t i = 0; i < shapes.size(); ++i) {
-    std::printf("| %-16s | %-17s |\n", shapes[i].label.c_str(), crossover_text(table.entries()[i].crossover).c_str());
+    const KernelEntry& e = table.entries()[i];
+    std::printf("| %-16s | %-17s | %-20s |\n", shapes[i].label.c_str(), crossover_text(e.crossover).c_str(),
+                tiles_text(e.tiles_from).c_str());
   }
   const std::string path = output_path(o);
   const size_t kept = keep_earlier_measurements(table, path);
@@ -310,7 +355,7 @@ void tune(const TuneOptions& o) {
 
 void add_tune_command(CLI::App& app) {
   auto o = std::make_shared<TuneOptions>();
-  CLI::App* cmd = app.add_subcommand("tune", "measure where sgemm overtakes the int8 kernels on this machine");
+  CLI::App* cmd = app.add_subcommand("tune", "measure where sgemm, and the AMX tiles, overtake the int8 kernels on this machine");
   cmd->add_option("-m,--model", o->model_path, "GGUF model file (default: $RINGLM_MODEL, else the model setup installed)");
   cmd->add_option("-t,--threads", o->n_threads, "CPU threads (0: all cores)")->check(CLI::Range(0, 1024));
   cmd->add_option("-o,--output", o->output, "tuning table to write (default: $RINGLM_TUNING, else the cache directory)");

@@ -213,8 +213,9 @@ TEST(TileProduct, OnlyInt8TypesRunOnTheTiles) {
 }
 
 // Models' prompts through the tiles, emulated so that this runs on any CPU: the backend sends
-// every int8 product of 16 tokens or more there (emulated_tile_products() counts them), and the logits
-// are those of the packed kernels, bit for bit where those run AVX-512 VNNI (elsewhere Q8_0 and
+// every int8 product of 128 tokens or more there (KernelTable::kDefaultTilesFrom;
+// emulated_tile_products() counts them), and the logits are those of the packed kernels, bit for
+// bit where those run AVX-512 VNNI (elsewhere Q8_0 and
 // IQ4_NL sum through another float formula: within 1e-4 of the largest logit). Block formats,
 // K-quants of both depths, IQ4_XS, Gemma 3's window ring; prompts of 150-odd tokens. The
 // sanitizer build runs three of the seven models (tests/build_scale.h).

@@ -16,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "backends/cpu/amx.h"
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/kernel_packed.h"
 #include "backends/cpu/tuning.h"
@@ -36,7 +37,15 @@ void write_file(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
 }
 
-KernelEntry entry(TensorType type, int64_t n, int64_t k, int64_t crossover) { return {type, n, k, crossover, {}, {}, {}}; }
+KernelEntry entry(TensorType type, int64_t n, int64_t k, int64_t crossover, int64_t tiles_from = KernelEntry::kTilesNotMeasured) {
+  KernelEntry e;
+  e.type = type;
+  e.n = n;
+  e.k = k;
+  e.crossover = crossover;
+  e.tiles_from = tiles_from;
+  return e;
+}
 
 // Sets an environment variable for one scope and puts the old value back.
 class ScopedEnv {
@@ -121,6 +130,33 @@ TEST(KernelTableLookup, CrossoverFromTimings) {
   EXPECT_EQ(crossover_from_timings({}), kNever);
 }
 
+// The tiles' start: the nearest entry of the type that measured it (entries of a machine without
+// AMX did not), else the table's default.
+TEST(KernelTableLookup, TilesFromTheNearestMeasuredEntry) {
+  KernelTable t = smol_table();  // measured no tiles
+  EXPECT_EQ(t.tiles_from(TensorType::Q4_1, 576, 576), KernelTable::kDefaultTilesFrom);
+  t.set(entry(TensorType::Q4_1, 1536, 576, 32, 96));
+  t.set(entry(TensorType::Q4_1, 576, 2048, kNever, kNever));
+  EXPECT_EQ(t.tiles_from(TensorType::Q4_1, 1536, 576), 96);
+  EXPECT_EQ(t.tiles_from(TensorType::Q4_1, 576, 576), 96) << "the nearest measured one, not the unmeasured exact shape";
+  EXPECT_EQ(t.tiles_from(TensorType::Q4_1, 576, 1900), kNever);
+  EXPECT_EQ(t.tiles_from(TensorType::Q8_0, 49152, 576), KernelTable::kDefaultTilesFrom);
+  t.default_tiles_from = 1;
+  EXPECT_EQ(t.tiles_from(TensorType::Q8_0, 49152, 576), 1);
+}
+
+TEST(KernelTableLookup, TilesFromTimings) {
+  // {m, int8, sgemm, tiles}
+  const std::vector<TuningPoint> tiles_from_64 = {{16, 1, 9, 2}, {32, 2, 9, 2.5}, {64, 4, 9, 3}, {128, 8, 9, 5}};
+  EXPECT_EQ(tiles_from_timings(tiles_from_64), 64);
+  const std::vector<TuningPoint> blip = {{16, 1, 9, 0.5}, {32, 2, 9, 3}, {64, 4, 9, 3}};
+  EXPECT_EQ(tiles_from_timings(blip), 64) << "a win at 16 followed by a loss does not count";
+  const std::vector<TuningPoint> lost_at_end = {{16, 1, 9, 0.5}, {32, 2, 9, 3}};
+  EXPECT_EQ(tiles_from_timings(lost_at_end), kNever);
+  const std::vector<TuningPoint> not_measured = {{16, 2, 9}, {32, 4, 9}};
+  EXPECT_EQ(tiles_from_timings(not_measured), kNever);
+}
+
 // --- The file ---------------------------------------------------------------------------------
 
 KernelTable full_table() {
@@ -130,7 +166,10 @@ KernelTable full_table() {
   measured.m = {8, 16, 24};
   measured.int8_ms = {0.5, 1.0, 2.0};
   measured.sgemm_ms = {1.0, 1.5, 1.75};
+  measured.tiles_from = 16;
+  measured.tiles_ms = {0.75, 0.5, 0.875};
   t.set(measured);
+  t.set(entry(TensorType::Q6_K, 576, 1536, kNever, kNever));
   t.passes.push_back({"model.gguf", 98362432, 2, {1.125, 1.25, 1.5}});
   return t;
 }
@@ -144,7 +183,8 @@ void expect_same(const KernelTable& a, const KernelTable& b) {
   ASSERT_EQ(a.entries().size(), b.entries().size());
   for (size_t i = 0; i < a.entries().size(); ++i) {
     const KernelEntry &x = a.entries()[i], &y = b.entries()[i];
-    EXPECT_EQ(std::make_tuple(x.type, x.n, x.k, x.crossover), std::make_tuple(y.type, y.n, y.k, y.crossover)) << i;
+    EXPECT_EQ(std::make_tuple(x.type, x.n, x.k, x.crossover, x.tiles_from),
+              std::make_tuple(y.type, y.n, y.k, y.crossover, y.tiles_from)) << i;
   }
   ASSERT_EQ(a.passes.size(), b.passes.size());
   for (size_t i = 0; i < a.passes.size(); ++i) {
@@ -161,9 +201,13 @@ TEST(KernelTableFile, JsonRoundTrip) {
   const nlohmann::json j = nlohmann::json::parse(t.to_json());
   EXPECT_EQ(j["ringlm_tuning"], 1);
   EXPECT_EQ(j["machine"]["threads"], 3);
-  EXPECT_EQ(j["entries"].size(), 5u);
+  EXPECT_EQ(j["entries"].size(), 6u);
   EXPECT_TRUE(j["entries"][3]["crossover"].is_null());  // the Q8_0 "never"
+  EXPECT_FALSE(j["entries"][3].contains("tiles_from")) << "not measured: absent";
   EXPECT_EQ(j["entries"][4]["m"], nlohmann::json({8, 16, 24}));
+  EXPECT_EQ(j["entries"][4]["tiles_from"], 16);
+  EXPECT_EQ(j["entries"][4]["tiles_ms"], nlohmann::json({0.75, 0.5, 0.875}));
+  EXPECT_TRUE(j["entries"][5]["tiles_from"].is_null());  // the Q6_K tiles' "never"
   EXPECT_EQ(j["entries"][0]["type"], "Q4_1");
   EXPECT_EQ(j["checking_passes"][0]["cost"], nlohmann::json({1.125, 1.25, 1.5}));
   EXPECT_FALSE(nlohmann::json::parse(smol_table().to_json()).contains("checking_passes")) << "optional";
@@ -213,6 +257,8 @@ TEST(KernelTableFile, MalformedFilesWarnAndFallBackToDefaults) {
       {"crossover 0", R"({"ringlm_tuning": 1, "entries": [{"type_id": 3, "n": 576, "k": 576, "crossover": 0}]})"},
       {"crossover float", R"({"ringlm_tuning": 1, "entries": [{"type_id": 3, "n": 576, "k": 576, "crossover": 4.5}]})"},
       {"missing crossover", R"({"ringlm_tuning": 1, "entries": [{"type_id": 3, "n": 576, "k": 576}]})"},
+      {"tiles_from 0", R"({"ringlm_tuning": 1, "entries": [{"type_id": 3, "n": 576, "k": 576, "crossover": 8, "tiles_from": 0}]})"},
+      {"tiles_from a string", R"({"ringlm_tuning": 1, "entries": [{"type_id": 3, "n": 576, "k": 576, "crossover": 8, "tiles_from": "64"}]})"},
       {"unknown type", R"({"ringlm_tuning": 1, "entries": [{"type_id": 77, "n": 576, "k": 576, "crossover": 8}]})"},
       {"threads a string", R"({"ringlm_tuning": 1, "machine": {"threads": "two"}, "entries": []})"},
       {"machine an array", R"({"ringlm_tuning": 1, "machine": [], "entries": []})"},
@@ -373,6 +419,32 @@ TEST_F(BackendFollowsTable, NearestShapeAndOtherTypes) {
   EXPECT_EQ(run(*make_cpu_backend(1, ComputeType::kInt8, no_q4_0), 48), forced_int8(48));
 }
 
+// The tiles (emulated, so that this runs on any CPU) take a weight's products from the table's
+// tiles_from on, from its default where no entry measured them, and never under RINGLM_AMX=off.
+TEST_F(BackendFollowsTable, TilesStartWhereTheTableSays) {
+  const auto tile_products = [&](const KernelTable& t, cpu::AmxState state, int64_t m) {
+    cpu::set_amx_state_for_test(state);
+    const auto backend = make_cpu_backend(1, ComputeType::kInt8, t);
+    const int64_t before = cpu::emulated_tile_products();
+    run(*backend, m);
+    cpu::set_amx_state_for_test(std::nullopt);
+    return cpu::emulated_tile_products() - before;
+  };
+  KernelTable t;
+  t.set(entry(TensorType::Q4_0, kN, kK, kNever, 20));
+  EXPECT_EQ(tile_products(t, cpu::AmxState::kEmulated, 19), 0);
+  EXPECT_GT(tile_products(t, cpu::AmxState::kEmulated, 20), 0);
+  EXPECT_EQ(tile_products(t, cpu::AmxState::kOffByUser, 20), 0);
+  KernelTable never;
+  never.set(entry(TensorType::Q4_0, kN, kK, kNever, kNever));
+  EXPECT_EQ(tile_products(never, cpu::AmxState::kEmulated, 64), 0);
+  KernelTable unmeasured;  // the default: prompt chunks of KernelTable::kDefaultTilesFrom tokens
+  unmeasured.set(entry(TensorType::Q4_0, kN, kK, kNever));
+  EXPECT_EQ(tile_products(unmeasured, cpu::AmxState::kEmulated, 64), 0);
+  unmeasured.default_tiles_from = 64;
+  EXPECT_GT(tile_products(unmeasured, cpu::AmxState::kEmulated, 64), 0);
+}
+
 TEST_F(BackendFollowsTable, DefaultBackendReadsTheConfiguredTable) {
   KernelTable t;
   t.set(entry(TensorType::Q4_0, kN, kK, 1));
@@ -523,6 +595,36 @@ TEST(TuneCommand, ASecondModelKeepsTheFirstModelsMeasurements) {
   const KernelTable replaced = KernelTable::from_json(slurp(path));
   EXPECT_EQ(replaced.passes.size(), 1u);
   EXPECT_EQ(replaced.pass_cost(dir + "/tiny_q4_0.gguf", 1), nullptr);
+}
+
+// Where the tiles run (here their emulation: RINGLM_AMX=emulate), tune times them beside the
+// int8 kernels and sgemm at every M and writes where they start (or never).
+TEST(TuneCommand, MeasuresTheTilesWhereTheyRun) {
+  const std::string model = std::string(RINGLM_TEST_WORK_DIR) + "/tiny_q4_0.gguf";
+  const std::string path = work_dir() + "/tuned_tiles.json";
+  std::filesystem::remove(path);
+  const Result r = ringlm_tune("-m " + model + " -t 1 -o " + path + " --max-m 16", "env RINGLM_AMX=emulate");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("amx emulated"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("AMX tiles from"), std::string::npos) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(slurp(path));
+  ASSERT_FALSE(j["entries"].empty());
+  for (const auto& e : j["entries"]) {
+    ASSERT_EQ(e["tiles_ms"].size(), 2u) << e.dump();
+    for (const auto& ms : e["tiles_ms"]) EXPECT_GT(ms.get<double>(), 0.0);
+    ASSERT_TRUE(e.contains("tiles_from")) << e.dump();
+    if (!e["tiles_from"].is_null()) {
+      EXPECT_EQ(std::count(e["m"].begin(), e["m"].end(), e["tiles_from"]), 1);
+    }
+  }
+  // Without the tiles (RINGLM_AMX=off) nothing about them is measured or written.
+  const Result off = ringlm_tune("-m " + model + " -t 1 -o " + path + " --max-m 8", "env RINGLM_AMX=off");
+  ASSERT_EQ(off.exit_code, 0) << off.err;
+  const nlohmann::json without = nlohmann::json::parse(slurp(path));
+  for (const auto& e : without["entries"]) {
+    EXPECT_FALSE(e.contains("tiles_from")) << e.dump();
+    EXPECT_FALSE(e.contains("tiles_ms")) << e.dump();
+  }
 }
 
 TEST(TuneCommand, DefaultOutputIsTheCacheDirectory) {

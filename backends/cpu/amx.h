@@ -1,7 +1,7 @@
 // Intel AMX (Advanced Matrix Extensions), the matrix engine of Xeons from Sapphire Rapids on
 // (issue 32): whether this process may use it, the tile operations' exact semantics as a scalar
-// emulation, and the packed products on the tiles (prompt chunks and batched steps of 16 tokens
-// or more; tile_gemm-inl.h).
+// emulation, and the packed products on the tiles (prompt chunks: from KernelTable::tiles_from
+// tokens, 128 unless `ringlm tune` measured otherwise; tile_gemm-inl.h).
 //
 // A core holds eight tiles of up to 16 rows of up to 64 bytes, shaped by a configuration that
 // each thread loads (LDTILECFG) before its first tile instruction. TDPBSSD multiplies int8 tiles:
@@ -94,10 +94,6 @@ class EmulatedTiles {
 
 // --- The packed products on the tiles -----------------------------------------------------
 
-// Tokens from which a product runs on the tiles rather than the AVX-512 kernels: one tile of
-// them. Decode (one token) and small batches read the weights once on AVX-512 VNNI.
-inline constexpr int64_t kTileMinTokens = 16;
-
 // Whether the tiles multiply weights of this type: every int8 format of the packed layout (the
 // block formats, the K-quants, IQ4_XS, ringlm's INT4 types), not the float ones.
 bool tiles_multiply(TensorType type);
@@ -120,8 +116,9 @@ void tile_gemm_packed(EmulatedTiles& tiles, const PackedWeight& w, int64_t n_beg
 void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
                      float* y, int64_t ldy);
 
-// Where a weight's products of kTileMinTokens tokens or more run, decided when the backend
-// prepares it (from amx_state() then, so that a weight keeps its path).
+// Where a weight's products of many tokens run (from KernelTable::tiles_from on; decode and
+// small batches read the weights once on AVX-512), decided when the backend prepares it (from
+// amx_state() then, so that a weight keeps its path).
 enum class TilePath { kNone, kCpu, kEmulated };
 TilePath tile_path_for(TensorType type);
 // The product on the tiles of `path` (not kNone): this CPU's, or the emulation, each calling

@@ -75,9 +75,11 @@ class CpuWeight final : public PreparedWeight {
   // prefill path dequantizes from it too. Empty on fp32 compute.
   cpu::PackedWeight packed;
   cpu::ActKind acts = cpu::ActKind::kFloat;  // what the packed kernels read
-  // Products of cpu::kTileMinTokens tokens or more run on the AMX tiles (amx.h): where amx_state()
-  // is on (or emulated), for every int8 format. The same bits as the packed kernels on VNNI.
+  // Products of `tiles_from` tokens or more (the tuning table's, by shape) run on the AMX tiles
+  // (amx.h): where amx_state() is on (or emulated), for every int8 format. The same bits as the
+  // packed kernels on VNNI.
   cpu::TilePath tiles = cpu::TilePath::kNone;
+  int64_t tiles_from = KernelTable::kNever;
 };
 
 // Rows of work the packed products hand out at a time, at least: one 16-row group. OpenMP's
@@ -95,7 +97,7 @@ int64_t row_units(int64_t rows) { return (rows + kUnitRows - 1) / kUnitRows; }
 // The packed product of rows [n0, n1) of w (n0 a multiple of kUnitRows).
 void gemm_packed_rows(const CpuWeight& w, int64_t n0, int64_t n1, const cpu::PackedInput& x, int64_t n_tokens,
                       float* y) {
-  if (w.tiles != cpu::TilePath::kNone && n_tokens >= cpu::kTileMinTokens) {
+  if (w.tiles != cpu::TilePath::kNone && n_tokens >= w.tiles_from) {
     return cpu::gemm_on_tiles(w.tiles, w.packed, n0, n1, x, n_tokens, y, w.rows());
   }
   cpu::gemm_packed(w.packed, n0, n1, x, n_tokens, y, w.rows());
@@ -169,6 +171,7 @@ class CpuBackend final : public Backend {
     if (prepared->packed.data == nullptr) throw std::runtime_error("weight '" + w.name + "': could not be packed");
     prepared->acts = cpu::packed_format(w.type)->acts;
     prepared->tiles = cpu::tile_path_for(w.type);
+    prepared->tiles_from = table_.tiles_from(w.type, w.rows, w.cols);
     return prepared;
   }
 

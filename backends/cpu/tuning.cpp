@@ -85,6 +85,9 @@ KernelEntry parse_entry(const json& e, const std::string& where) {
   entry.k = positive_int(member(e, where, "k"), where + ".k");
   const json& c = member(e, where, "crossover");
   entry.crossover = c.is_null() ? KernelTable::kNever : positive_int(c, where + ".crossover");
+  if (const auto t = e.find("tiles_from"); t != e.end()) {
+    entry.tiles_from = t->is_null() ? KernelTable::kNever : positive_int(*t, where + ".tiles_from");
+  }
   return entry;
 }
 
@@ -126,12 +129,18 @@ nlohmann::ordered_json entry_json(const KernelEntry& e) {
   o["n"] = e.n;
   o["k"] = e.k;
   o["crossover"] = e.crossover >= KernelTable::kNever ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(e.crossover);
+  if (e.tiles_from != KernelEntry::kTilesNotMeasured) {
+    o["tiles_from"] = e.tiles_from >= KernelTable::kNever ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(e.tiles_from);
+  }
   if (!e.m.empty()) {
     o["m"] = e.m;
-    o["int8_ms"] = nlohmann::ordered_json::array();
-    o["sgemm_ms"] = nlohmann::ordered_json::array();
-    for (const double ms : e.int8_ms) o["int8_ms"].push_back(round_to_us(ms));
-    for (const double ms : e.sgemm_ms) o["sgemm_ms"].push_back(round_to_us(ms));
+    const auto times = [&](const char* key, const std::vector<double>& ms) {
+      o[key] = nlohmann::ordered_json::array();
+      for (const double v : ms) o[key].push_back(round_to_us(v));
+    };
+    times("int8_ms", e.int8_ms);
+    times("sgemm_ms", e.sgemm_ms);
+    if (!e.tiles_ms.empty()) times("tiles_ms", e.tiles_ms);
   }
   return o;
 }
@@ -192,6 +201,16 @@ int64_t KernelTable::crossover(TensorType type, int64_t n, int64_t k) const {
     if (best == nullptr || distance(e) < distance(*best)) best = &e;
   }
   return best != nullptr ? best->crossover : kDefaultCrossover;
+}
+
+int64_t KernelTable::tiles_from(TensorType type, int64_t n, int64_t k) const {
+  const KernelEntry* best = nullptr;
+  const auto distance = [&](const KernelEntry& e) { return std::make_tuple(std::abs(e.k - k), std::abs(e.n - n)); };
+  for (const KernelEntry& e : entries_) {
+    if (e.type != type || e.tiles_from == KernelEntry::kTilesNotMeasured) continue;
+    if (best == nullptr || distance(e) < distance(*best)) best = &e;
+  }
+  return best != nullptr ? best->tiles_from : default_tiles_from;
 }
 
 const PassCostEntry* KernelTable::pass_cost(const std::string& model_path, int threads) const {
@@ -328,6 +347,12 @@ int64_t crossover_from_timings(std::span<const TuningPoint> points) {
   int64_t crossover = KernelTable::kNever;
   for (auto it = points.rbegin(); it != points.rend() && it->sgemm_ms < it->int8_ms; ++it) crossover = it->m;
   return crossover;
+}
+
+int64_t tiles_from_timings(std::span<const TuningPoint> points) {
+  int64_t from = KernelTable::kNever;
+  for (auto it = points.rbegin(); it != points.rend() && it->tiles_ms >= 0 && it->tiles_ms < it->int8_ms; ++it) from = it->m;
+  return from;
 }
 
 }  // namespace ringlm

@@ -1,5 +1,6 @@
 // Per-machine kernel selection: for each quantized weight shape, the number of tokens M from
-// which the CPU backend's dequantize + sgemm path beats its int8 kernels.
+// which the CPU backend's dequantize + sgemm path beats its int8 kernels, and (on a CPU with
+// AMX) the number from which the int8 products on the tiles beat the AVX-512 kernels.
 //
 // Which path wins depends on the shape (a 576-wide matrix keeps its tiles in L2, a 49152-row
 // vocabulary projection does not), the format, the instruction set and the thread count, so one
@@ -9,12 +10,14 @@
 // File format (version 1):
 //   {"ringlm_tuning": 1,
 //    "machine": {"cpu": "AMD EPYC", "target": "AVX2", "threads": 2, "date": "...", "ringlm": "0.1.0"},
-//    "entries": [{"type_id": 3, "type": "Q4_1", "n": 576, "k": 576, "crossover": 64}, ...],
+//    "entries": [{"type_id": 3, "type": "Q4_1", "n": 576, "k": 576, "crossover": 64, "tiles_from": 96}, ...],
 //    "checking_passes": [{"model": "x.gguf", "bytes": 123, "threads": 2, "cost": [1.1, 1.2, ...]}]}
 // ("checking_passes" is optional: see PassCostEntry.)
 // `type_id` is the GGML / ringlm type id (`type` is its name, for people; not read back). A
 // `crossover` of null means the int8 kernels won at every measured M. Entries may carry the
-// measured times too ("m", "int8_ms", "sgemm_ms"); they are kept for reading, not loaded.
+// measured times too ("m", "int8_ms", "sgemm_ms", "tiles_ms"); they are kept for reading, not
+// loaded. `tiles_from` (optional): the smallest M taking the AMX tiles (null: never); absent where
+// tune did not measure the tiles (a CPU without AMX).
 #pragma once
 
 #include <cstdint>
@@ -42,9 +45,13 @@ struct KernelEntry {
   int64_t n = 0;
   int64_t k = 0;
   int64_t crossover = 0;  // smallest M taking sgemm; KernelTable::kNever if int8 always wins
+  // Smallest M taking the AMX tiles (KernelTable::kNever: the AVX-512 kernels always win), or
+  // kTilesNotMeasured.
+  int64_t tiles_from = 0;
+  static constexpr int64_t kTilesNotMeasured = 0;
   // What tune measured (optional; saved for people reading the file, never loaded).
   std::vector<int64_t> m;
-  std::vector<double> int8_ms, sgemm_ms;
+  std::vector<double> int8_ms, sgemm_ms, tiles_ms;
 };
 
 // A speculative draft's checking passes on one model, as `ringlm tune` measured them: cost[k - 1]
@@ -67,7 +74,17 @@ class KernelTable {
   // with a faster sgemm (AMX, AVX-512) gets its own crossovers from ringlm tune.
   static constexpr int64_t kDefaultCrossover = kNever;
 
+  // Where a weight's products start to run on the AMX tiles (amx.h) when no entry of its type
+  // measured it: prompt chunks from 128 tokens. Below that, the work the cores do around the
+  // tiles (widening the codes, scaling every 16 x 16 x 32 result into the float sums) alone takes
+  // longer than the AVX-512 VNNI kernels' whole product: bench_tile_overhead on a Xeon (AVX3_DL)
+  // ran it at 56-96 GMAC/s a core at 16 tokens against VNNI's 86-152 (bench/README.md, "Intel
+  // AMX: the work around the tiles").
+  static constexpr int64_t kDefaultTilesFrom = 128;
+
   TuningMachine machine;
+  // The tiles' start for shapes without a measured entry (tune's contenders set it to kNever or 1).
+  int64_t default_tiles_from = kDefaultTilesFrom;
 
   // Adds the entry, or replaces the one with the same (type, n, k).
   void set(KernelEntry entry);
@@ -78,6 +95,9 @@ class KernelTable {
   // nearest in K and then in N (crossovers move with K more than with N: K is the length of
   // every dot product and the size of every dequantized row), else kDefaultCrossover.
   int64_t crossover(TensorType type, int64_t n, int64_t k) const;
+  // The same for the tiles' start: the nearest entry of the type that measured it, else
+  // default_tiles_from.
+  int64_t tiles_from(TensorType type, int64_t n, int64_t k) const;
 
   // Measured checking passes, per model (ringlm tune); the entry for a model file (its name
   // and size) run with `threads` threads, or null.
@@ -114,14 +134,17 @@ TuningMachine this_machine(int threads);
 // the targets this CPU runs when NAME is not one of them.
 void apply_simd_target_override();
 
-// One measured M of one shape.
+// One measured M of one shape (tiles_ms: negative where the tiles were not measured).
 struct TuningPoint {
   int64_t m = 0;
-  double int8_ms = 0, sgemm_ms = 0;
+  double int8_ms = 0, sgemm_ms = 0, tiles_ms = -1;
 };
 // The crossover from measurements in increasing M: the smallest M from which sgemm is faster at
 // every larger measured M too, so that one noisy small-M sample cannot send decode-sized calls
 // to sgemm. kNever when int8 wins at the largest M (or there are no points).
 int64_t crossover_from_timings(std::span<const TuningPoint> points);
+// The same for the tiles against the int8 kernels: the smallest M from which the tiles are
+// faster at every larger measured M too; kNever when they lose at the largest.
+int64_t tiles_from_timings(std::span<const TuningPoint> points);
 
 }  // namespace ringlm
