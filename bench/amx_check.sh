@@ -2,12 +2,12 @@
 # Issue 32's measurements on a CPU with Intel AMX, in one run (a few minutes at 2 threads):
 # whether the tiles run here, the real-tile tests, the tile unit's peak, the 1B shape's products
 # per shape and its pp512 with and without the tiles, the same for SmolLM2's shape in Q4_1 and
-# `batch --parallel 16`, llama.cpp's llama-bench beside them, and whether the tiles change any
-# bit of the logits or of a perplexity.
+# `batch --parallel 16`, llama.cpp's llama-bench beside them, and whether the tiles change the
+# greedy text or any digit of a perplexity (the int8 path; ringlm_logits runs fp32).
 #
 #   bash bench/amx_check.sh [BIN_DIR] [LLAMA_CPP_BIN_DIR]     (defaults: build/bin, none)
 #
-# BIN_DIR holds ringlm, ringlm_logits, test_amx, bench_matmul and bench_amx_peak (a Release
+# BIN_DIR holds ringlm, test_amx, bench_matmul and bench_amx_peak (a Release
 # build). Models are made here (bench/make_synthetic_models.py, `ringlm quantize`) in $WORK
 # (default /tmp/amx-check); text for perplexity from ../shared/data (or $TEXT).
 set -u
@@ -43,11 +43,11 @@ if [ -n "$LLAMA" ]; then
 fi
 echo "== batch --parallel 16 (off, on)"
 for a in off on; do echo "AMX=$a"; RINGLM_AMX=$a python3 bench/batch_throughput.py --binary "$B/ringlm" -m "$W/smol-q41.gguf" --parallel 16 -n 64 --prompts 32 -t "$T" -r 1 2>&1 | tail -n 3; done
-echo "== the same bits: logits of a 300-token prompt, and perplexity, without and with the tiles"
+echo "== the same bits: greedy text after a 300-token prompt, and perplexity, without and with the tiles"
 PROMPT=$(python3 -c "print('The quick brown fox jumps over the lazy dog by the river bank. ' * 24)")
 for m in 1b 1b-q4km smol-q41; do
-  RINGLM_AMX=off "$B/ringlm_logits" -m "$W/$m.gguf" -p "$PROMPT" -n 4 -t "$T" > "$W/off.json"
-  RINGLM_AMX=on "$B/ringlm_logits" -m "$W/$m.gguf" -p "$PROMPT" -n 4 -t "$T" > "$W/on.json"
-  cmp -s "$W/off.json" "$W/on.json" && echo "$m: logits identical" || echo "$m: logits DIFFER"
+  RINGLM_AMX=off "$B/ringlm" run -m "$W/$m.gguf" -p "$PROMPT" -n 32 --temp 0 -t "$T" > "$W/off.txt" 2>/dev/null
+  RINGLM_AMX=on "$B/ringlm" run -m "$W/$m.gguf" -p "$PROMPT" -n 32 --temp 0 -t "$T" > "$W/on.txt" 2>/dev/null
+  cmp -s "$W/off.txt" "$W/on.txt" && echo "$m: greedy text identical" || echo "$m: greedy text DIFFERS"
   for a in off on; do echo "$m AMX=$a $(RINGLM_AMX=$a "$B/ringlm" perplexity -m "$W/$m.gguf" -f "$TEXT" -c 512 --chunks 3 -t "$T" 2>&1 | grep 'Final estimate')"; done
 done
