@@ -231,26 +231,61 @@ enum class BlockFormula {
   kPlain,   // acc += dw * (dot * dx)
 };
 
-// One activation block's dots of a pass into its float sums. dx, sx and (signed values) the
-// activation sums are the pass's first token's, the next token's `stride` further on.
+// Each token's numbers for each activation block, as the formula reads them, laid out block by
+// block so that a pass reads its tokens' in a row: made once per product, not per group of 16
+// rows. `s` is the block's sx for kMin and -offset * sx for kOffset; `shift` is 128 times the
+// block's activation sum, what a signed format's dots gain where VNNI makes its values unsigned.
+struct BlockTokenTerms {
+  std::vector<float> dx, s;     // [block][token]
+  std::vector<int32_t> shift;   // [block][token]; signed values only
+  int64_t tokens = 0;
+
+  void make(const PackedFormat& f, const QuantizedActs& x, int64_t n_tokens) {
+    const int64_t nb = x.blocks();
+    const bool shifted = signed_values(f);
+    const float offset = static_cast<float>(shifted ? 128 : f.offset);
+    const bool offset_term = !f.min && offset != 0;
+    tokens = n_tokens;
+    dx.resize(static_cast<size_t>(nb * n_tokens));
+    s.resize(dx.size());
+    shift.resize(shifted ? dx.size() : 0);
+    for (int64_t m = 0; m < n_tokens; ++m) {
+      for (int64_t ab = 0; ab < nb; ++ab) {
+        const int64_t from = m * nb + ab;
+        const auto to = static_cast<size_t>(ab * n_tokens + m);
+        dx[to] = x.d[from];
+        s[to] = offset_term ? -offset * x.s[from] : x.s[from];
+        if (shifted) {
+          int32_t sum = 0;
+          for (int j = 0; j < kActBlock; ++j) sum += x.q[from * kActBlock + j];
+          shift[to] = 128 * sum;
+        }
+      }
+    }
+  }
+  // Block ab's numbers from token m on.
+  const float* dx_at(int64_t ab, int64_t m) const { return dx.data() + ab * tokens + m; }
+  const float* s_at(int64_t ab, int64_t m) const { return s.data() + ab * tokens + m; }
+  const int32_t* shift_at(int64_t ab, int64_t m) const { return shift.empty() ? nullptr : shift.data() + ab * tokens + m; }
+};
+
+// One activation block's dots of a pass into its float sums; dx, s and shift: the pass's tokens'.
 template <BlockFormula kFormula, bool kShift>
 inline void add_block_dots(const int32_t (*dots)[kTileRows], int tokens, const float* dw, const float* mv,
-                           const float* dx, const float* sx, const int32_t* sums, int64_t stride, float offset,
-                           float (*acc)[kTileRows]) {
+                           const float* dx, const float* s, const int32_t* shift, float (*acc)[kTileRows]) {
   for (int m = 0; m < tokens; ++m) {
     const int32_t* dot_row = dots[m];
     float* out = acc[m];
-    const float d = dx[m * stride];
-    const float s = kFormula == BlockFormula::kOffset ? -offset * sx[m * stride] : sx[m * stride];
-    const int32_t shift = kShift ? 128 * sums[m * stride] : 0;  // signed values made unsigned
+    const float d = dx[m], sm = s[m];
+    const int32_t add = kShift ? shift[m] : 0;
 #pragma omp simd  // the 16 rows of a token: one vector, whatever the compiler would pick
     for (int c = 0; c < kTileRows; ++c) {
-      const float dot = static_cast<float>(dot_row[c] + shift);
+      const float dot = static_cast<float>(dot_row[c] + add);
       if constexpr (kFormula == BlockFormula::kMin) {
         out[c] = std::fma(dw[c], dot * d, out[c]);
-        out[c] = std::fma(mv[c], s, out[c]);
+        out[c] = std::fma(mv[c], sm, out[c]);
       } else if constexpr (kFormula == BlockFormula::kOffset) {
-        out[c] = std::fma(dw[c], std::fma(dot, d, s), out[c]);
+        out[c] = std::fma(dw[c], std::fma(dot, d, sm), out[c]);
       } else {
         out[c] = std::fma(dw[c], dot * d, out[c]);
       }
@@ -258,35 +293,19 @@ inline void add_block_dots(const int32_t (*dots)[kTileRows], int tokens, const f
   }
 }
 
-// The integer sum of each activation block of the first n_tokens rows ([token][block]): what a
-// signed format's dots gain where VNNI makes its values unsigned. Once per product, not per group.
-inline void block_sums(const QuantizedActs& x, int64_t n_tokens, std::vector<int32_t>& sums) {
-  const int64_t nb = x.blocks();
-  sums.resize(static_cast<size_t>(n_tokens * nb));
-  for (int64_t i = 0; i < n_tokens * nb; ++i) {
-    const int8_t* q = x.q + i * kActBlock;
-    int32_t sum = 0;
-    for (int j = 0; j < kActBlock; ++j) sum += q[j];
-    sums[static_cast<size_t>(i)] = sum;
-  }
-}
-
 // A block format's pass (Q4_0 .. Q8_0, IQ4_NL, the INT4 types): per activation block of 32, in
 // K order, acc += dw * (dx * dot + offset term), as kernel_packed.cpp's BlockTile on VNNI.
 template <BlockFormula kFormula, bool kShift, class Tiles>
-void block_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const QuantizedActs& x,
-                const std::vector<int32_t>& sums, PassActs& acts, int64_t m0, float (*acc)[kTileRows]) {
-  const float offset = static_cast<float>(signed_values(f) ? 128 : f.offset);
-  const int64_t nb = x.blocks();
+void block_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const BlockTokenTerms& x, int64_t nb,
+                PassActs& acts, int64_t m0, float (*acc)[kTileRows]) {
   const int subs_per_block = f.group / static_cast<int>(kSubWeights);
   alignas(64) int32_t dots[kPassTokens][kTileRows];
   for (int64_t ab = 0; ab < nb; ++ab) {  // activation block = sub-block
     tiles.load(kB32, g.sub_tile(ab), kTileBytes);
     tile_dots(tiles, acts, kA32, kB32, ab * kActBlock, 32, dots);
-    const int64_t first = m0 * nb + ab;                                      // the pass's first token
     const size_t wb = static_cast<size_t>(ab / subs_per_block) * kTileRows;  // the weight block
-    add_block_dots<kFormula, kShift>(dots, acts.tokens(), g.dw.data() + wb, g.mv.data() + wb, x.d + first, x.s + first,
-                                     sums.data() + (kShift ? first : 0), nb, offset, acc);
+    add_block_dots<kFormula, kShift>(dots, acts.tokens(), g.dw.data() + wb, g.mv.data() + wb, x.dx_at(ab, m0), x.s_at(ab, m0),
+                                     x.shift_at(ab, m0), acc);
   }
 }
 
@@ -366,8 +385,8 @@ void super_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, cons
 
 // One pass of up to 64 tokens over a widened group, by the format's formula.
 template <class Tiles>
-void pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const PackedInput& x,
-          const std::vector<int32_t>& sums, int64_t m0, int64_t tokens, float (*acc)[kTileRows]) {
+void pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const PackedInput& x, const BlockTokenTerms& terms,
+          int64_t m0, int64_t tokens, float (*acc)[kTileRows]) {
   if (f.super()) {
     PassActs acts(x.super.q, x.super.k, m0, tokens);
     const bool sums_needed = f.min || (!signed_values(f) && f.offset != 0);
@@ -376,10 +395,22 @@ void pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const Pack
     return super_pass<false, false>(tiles, f, g, x.super, acts, m0, acc);
   }
   PassActs acts(x.block.q, x.block.k, m0, tokens);
-  if (f.min) return block_pass<BlockFormula::kMin, false>(tiles, f, g, x.block, sums, acts, m0, acc);
-  if (signed_values(f)) return block_pass<BlockFormula::kOffset, true>(tiles, f, g, x.block, sums, acts, m0, acc);
-  if (f.offset != 0) return block_pass<BlockFormula::kOffset, false>(tiles, f, g, x.block, sums, acts, m0, acc);
-  return block_pass<BlockFormula::kPlain, false>(tiles, f, g, x.block, sums, acts, m0, acc);
+  const int64_t nb = x.block.blocks();
+  if (f.min) return block_pass<BlockFormula::kMin, false>(tiles, f, g, terms, nb, acts, m0, acc);
+  if (signed_values(f)) return block_pass<BlockFormula::kOffset, true>(tiles, f, g, terms, nb, acts, m0, acc);
+  if (f.offset != 0) return block_pass<BlockFormula::kOffset, false>(tiles, f, g, terms, nb, acts, m0, acc);
+  return block_pass<BlockFormula::kPlain, false>(tiles, f, g, terms, nb, acts, m0, acc);
+}
+
+// A pass's sums into y: each token's `stored` rows (16 but in a last, partial group).
+inline void store_rows(const float (*acc)[kTileRows], int64_t tokens, int64_t stored, float* y, int64_t ldy) {
+  for (int64_t m = 0; m < tokens; ++m) {
+    if (stored == kTileRows) {
+      std::memcpy(y + m * ldy, acc[m], sizeof acc[m]);  // one vector move, not a loop of runtime length
+    } else {
+      std::copy_n(acc[m], stored, y + m * ldy);
+    }
+  }
 }
 
 template <class Tiles>
@@ -387,8 +418,8 @@ void tile_gemm(Tiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_e
                int64_t n_tokens, float* y, int64_t ldy) {
   const PackedFormat f = *packed_format(w.type);
   thread_local WidenedGroup group;
-  thread_local std::vector<int32_t> sums;
-  if (!f.super() && signed_values(f)) block_sums(x.block, n_tokens, sums);
+  thread_local BlockTokenTerms terms;
+  if (!f.super()) terms.make(f, x.block, n_tokens);
   alignas(64) float acc[kPassTokens][kTileRows];
   for (int64_t g = n_begin / kPackRows; g * kPackRows < n_end; ++g) {
     group.widen(f, w.group(g), w.cols);
@@ -396,8 +427,8 @@ void tile_gemm(Tiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_e
     for (int64_t m0 = 0; m0 < n_tokens; m0 += kPassTokens) {
       const int64_t tokens = std::min(kPassTokens, n_tokens - m0);
       std::fill(&acc[0][0], &acc[0][0] + kPassTokens * kTileRows, 0.0f);
-      pass(tiles, f, group, x, sums, m0, tokens, acc);
-      for (int64_t m = 0; m < tokens; ++m) std::copy_n(acc[m], stored, y + (m0 + m) * ldy + g * kPackRows);
+      pass(tiles, f, group, x, terms, m0, tokens, acc);
+      store_rows(acc, tokens, stored, y + m0 * ldy + g * kPackRows, ldy);
     }
   }
 }
