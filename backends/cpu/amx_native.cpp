@@ -58,17 +58,28 @@ static_assert(sizeof(TileConfigBytes) == 64);
 class ThreadTiles {
  public:
   ThreadTiles() {
-    TileConfigBytes bytes;
     const TileConfig config = tile_product_config();
     for (size_t t = 0; t < config.size(); ++t) {
-      bytes.colsb[t] = static_cast<uint16_t>(config[t].colsb);
-      bytes.rows[t] = static_cast<uint8_t>(config[t].rows);
+      bytes_.colsb[t] = static_cast<uint16_t>(config[t].colsb);
+      bytes_.rows[t] = static_cast<uint8_t>(config[t].rows);
     }
-    _tile_loadconfig(&bytes);
+    _tile_loadconfig(&bytes_);
   }
   ~ThreadTiles() { _tile_release(); }
   ThreadTiles(const ThreadTiles&) = delete;
   ThreadTiles& operator=(const ThreadTiles&) = delete;
+
+  // Loads the configuration again if something else in this thread released or changed it since
+  // (another library's tile code, say): a tile instruction on unconfigured tiles kills the
+  // process. STTILECFG writes zeros where no configuration is loaded. Once per product.
+  void ensure_loaded() const {
+    TileConfigBytes current;
+    _tile_storeconfig(&current);
+    if (std::memcmp(&current, &bytes_, sizeof current) != 0) _tile_loadconfig(&bytes_);
+  }
+
+ private:
+  TileConfigBytes bytes_;
 };
 
 // The tile operations tile_gemm-inl.h uses, on the instructions, whose tile numbers are
@@ -122,6 +133,7 @@ static_assert(native::kA32 == 4 && native::kB32 == 5 && native::kA16 == 6 && nat
 void run_on_this_cpu(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
                      float* y, int64_t ldy) {
   thread_local ThreadTiles configured;
+  configured.ensure_loaded();
   RealTiles tiles;
   native::tile_gemm(tiles, w, n_begin, n_end, x, n_tokens, y, ldy);
 }
