@@ -1,7 +1,8 @@
 // The packed products (kernel_packed.h) with every integer dot product of 16 tokens x 16 rows x
 // 32 (or 16) weights taken by one AMX tile multiply (TDPBSSD), written once for any `Tiles`:
 // amx.cpp instantiates it on EmulatedTiles (any CPU: the tests), amx_native.cpp on the real
-// instructions. No include guard: each of those files includes it once, after defining
+// instructions, bench/tile_overhead.cpp on tiles that cost nothing (to time the rest). No include
+// guard: each of those files includes it once, after defining
 // RINGLM_TILE_NAMESPACE, so that the two copies, compiled with different instruction sets, never
 // share a symbol (the linker would otherwise keep one of them for both).
 //
@@ -18,6 +19,12 @@
 // them unsigned), so a prompt gives the logits it gives there, whatever the token count, and
 // everything that relies on that (speculative decoding's greedy identity, batch against single
 // runs) holds with AMX on.
+//
+// Why the loops look as they do: that float work, with the widening, is most of a product's time
+// (a tile multiply is 8-16 cycles; the cores' work around it was 60-100 at 512 tokens when it
+// was written: bench/README.md, "Intel AMX: the work around the tiles"). So each format's formula
+// is a template argument, a token's 16 rows are one vector (`omp simd`), and everything that does
+// not depend on the group (the tokens' scales and sums) is made once per product.
 #ifndef RINGLM_TILE_NAMESPACE
 #error "define RINGLM_TILE_NAMESPACE before including tile_gemm-inl.h"
 #endif
