@@ -193,24 +193,24 @@ void KernelTable::set(KernelEntry entry) {
   entries_.push_back(std::move(entry));
 }
 
-int64_t KernelTable::crossover(TensorType type, int64_t n, int64_t k) const {
+const KernelEntry* KernelTable::nearest(TensorType type, int64_t n, int64_t k, bool with_tiles) const {
   const KernelEntry* best = nullptr;
   const auto distance = [&](const KernelEntry& e) { return std::make_tuple(std::abs(e.k - k), std::abs(e.n - n)); };
   for (const KernelEntry& e : entries_) {
-    if (e.type != type) continue;
+    if (e.type != type || (with_tiles && e.tiles_from == KernelEntry::kTilesNotMeasured)) continue;
     if (best == nullptr || distance(e) < distance(*best)) best = &e;
   }
-  return best != nullptr ? best->crossover : kDefaultCrossover;
+  return best;
+}
+
+int64_t KernelTable::crossover(TensorType type, int64_t n, int64_t k) const {
+  const KernelEntry* e = nearest(type, n, k, /*with_tiles=*/false);
+  return e != nullptr ? e->crossover : kDefaultCrossover;
 }
 
 int64_t KernelTable::tiles_from(TensorType type, int64_t n, int64_t k) const {
-  const KernelEntry* best = nullptr;
-  const auto distance = [&](const KernelEntry& e) { return std::make_tuple(std::abs(e.k - k), std::abs(e.n - n)); };
-  for (const KernelEntry& e : entries_) {
-    if (e.type != type || e.tiles_from == KernelEntry::kTilesNotMeasured) continue;
-    if (best == nullptr || distance(e) < distance(*best)) best = &e;
-  }
-  return best != nullptr ? best->tiles_from : default_tiles_from;
+  const KernelEntry* e = nearest(type, n, k, /*with_tiles=*/true);
+  return e != nullptr ? e->tiles_from : default_tiles_from;
 }
 
 const PassCostEntry* KernelTable::pass_cost(const std::string& model_path, int threads) const {

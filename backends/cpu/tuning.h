@@ -109,6 +109,10 @@ class KernelTable {
   static KernelTable from_json(const std::string& text);
 
  private:
+  // The entry of the type nearest in K and then in N (with_tiles: among those that measured the
+  // tiles), or null.
+  const KernelEntry* nearest(TensorType type, int64_t n, int64_t k, bool with_tiles) const;
+
   std::vector<KernelEntry> entries_;
 };
 
