@@ -41,6 +41,9 @@ struct WeightView {
   // `data` lies in a read-only file mapping: a backend that keeps its own copy may give the
   // mapping's pages back (they are re-read from the file if touched again).
   bool mapped = false;
+  // The layer whose ops multiply by it (0..n_layer-1), n_layer for the output projection, -1
+  // for none: where a backend that splits a model between devices places it (--gpu-layers).
+  int layer = -1;
 };
 
 // A weight after the backend prepared it. Opaque to the model except for its shape.

@@ -8,13 +8,19 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "core/model/sequence_tokens.h"
+
 namespace ringlm {
 
+class Backend;
 class GgufFile;
+class LlamaModel;
 
 // Which part of the model this process runs: stage `index` of `count`, layers
 // [first_layer, end_layer). The default, one stage, is the whole model (end_layer < 0: every layer).
@@ -60,6 +66,62 @@ class PipelineLink {
   virtual void recv(int stage, void* data, size_t bytes) = 0;
   virtual void start_recv(int stage, void* data, size_t bytes) = 0;
   virtual void finish_recv() = 0;
+};
+
+// The pipeline protocol of one stage, as the forward pass sees it: what the first stage announces
+// before each pass, the hidden states between stages, and the results from the last stage back to
+// the first. The commands' wire format and the later stages' loop live behind it (pipeline.cpp).
+//
+// The first stage tells the next stage each pass before it runs it: a command and one record per
+// sequence (its cache by KvCache::id(), where that cache stands, its prefix, the tokens' count,
+// what the pass hands back), which each stage passes on to the next before it runs the pass.
+// Every later stage's serve() runs the very same pass over its own copies of those caches, with
+// the tokens' counts only: the same chunks, the same context shifts, the same slots, the same
+// shared prompt segments, so nothing else about a cache ever needs to cross. A cache the first
+// stage cleared starts over on the others, one it dropped is dropped there too, and one that is
+// out of step is an error, not a wrong answer.
+class PipelineHook {
+ public:
+  PipelineHook(LlamaModel& model, Backend& backend, PipelineLink& link, const PipelineStage& stage);
+  ~PipelineHook();
+  PipelineHook(const PipelineHook&) = delete;
+  PipelineHook& operator=(const PipelineHook&) = delete;
+
+  // The first stage, before a pass of one sequence (in chunks, shifting its cache as needed) or
+  // of a batch.
+  void announce_tokens(const SequenceTokens& sequence);
+  void announce_batch(std::span<const SequenceTokens> batch);
+  // A pass's hidden states, n floats in the backend's activation memory at x.
+  void receive_hidden(float* x, size_t n);     // from the stage before
+  void send_hidden(const float* x, size_t n);  // to the stage after
+  // A pass's results: the picks, then the logits (either may be empty). The last stage sends
+  // them; the first begins receiving them and finishes when it hands them out.
+  void send_results(std::span<const TopLogit> picks, std::span<const float> logits);
+  void start_receiving_results(std::span<TopLogit> picks, std::span<float> logits);
+  void finish_receiving_results();
+
+  // A later stage: runs the passes the first stage announces until it closes the pipeline.
+  void serve();
+  // The first stage: finishes the passes in flight and tells the others to stop.
+  void close();
+
+ private:
+  struct Command;
+  struct Sequence;
+  static Sequence describe(const SequenceTokens& sequence);
+  void announce(int32_t op, std::vector<Sequence>& sequences);
+  int32_t receive_command(std::vector<Sequence>& sequences);
+  KvCache& cache_copy(const Sequence& q);
+  uint64_t copied_id(uint64_t id) const;
+
+  LlamaModel& model_;
+  Backend& backend_;
+  PipelineLink& link_;
+  PipelineStage stage_;
+  std::vector<float> hidden_;  // hidden states on their way between stages
+  // Another stage's copies of the first stage's caches, by the first stage's KvCache::id(), kept
+  // in step by running the same passes. Shared: a copy may be another one's prefix.
+  std::map<uint64_t, std::shared_ptr<KvCache>> caches_;
 };
 
 }  // namespace ringlm
