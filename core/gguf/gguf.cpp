@@ -81,19 +81,6 @@ uint64_t min_encoded_size(GgufValueType t) {
 
 bool valid_value_type(uint32_t t) { return t <= static_cast<uint32_t>(GgufValueType::FLOAT64); }
 
-bool is_integer_type(GgufValueType t) {
-  switch (t) {
-    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::UINT16: case GgufValueType::INT16:
-    case GgufValueType::UINT32: case GgufValueType::INT32: case GgufValueType::UINT64: case GgufValueType::INT64:
-    case GgufValueType::BOOL:
-      return true;
-    default:
-      return false;
-  }
-}
-
-bool is_float_type(GgufValueType t) { return t == GgufValueType::FLOAT32 || t == GgufValueType::FLOAT64; }
-
 // Reads one integer/bool/float scalar of the given type into `out`.
 void read_scalar(GgufCursor& c, GgufValueType t, GgufValue& out, const char* field) {
   switch (t) {
@@ -120,6 +107,19 @@ std::string_view gguf_value_type_name(GgufValueType t) {
   const auto i = static_cast<uint32_t>(t);
   return i < std::size(kNames) ? kNames[i] : std::string_view("unknown");
 }
+
+bool is_integer_type(GgufValueType t) {
+  switch (t) {
+    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::UINT16: case GgufValueType::INT16:
+    case GgufValueType::UINT32: case GgufValueType::INT32: case GgufValueType::UINT64: case GgufValueType::INT64:
+    case GgufValueType::BOOL:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool is_float_type(GgufValueType t) { return t == GgufValueType::FLOAT32 || t == GgufValueType::FLOAT64; }
 
 bool GgufValue::is_integer() const { return is_integer_type(type); }
 bool GgufValue::is_float() const { return is_float_type(type); }

@@ -33,6 +33,9 @@ enum class GgufValueType : uint32_t {
 };
 
 std::string_view gguf_value_type_name(GgufValueType t);
+// The scalar kinds a value or an array's elements can be read as (bool counts as an integer).
+bool is_integer_type(GgufValueType t);
+bool is_float_type(GgufValueType t);
 
 // One metadata value. Scalars are widened (integers to int64/uint64, floats to double);
 // strings point into the mapping. Arrays of scalars and strings are fully parsed;

@@ -53,19 +53,6 @@ struct Encoder {
   }
 };
 
-bool is_integer_type(GgufValueType t) {
-  switch (t) {
-    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::UINT16: case GgufValueType::INT16:
-    case GgufValueType::UINT32: case GgufValueType::INT32: case GgufValueType::UINT64: case GgufValueType::INT64:
-    case GgufValueType::BOOL:
-      return true;
-    default:
-      return false;
-  }
-}
-
-bool is_float_type(GgufValueType t) { return t == GgufValueType::FLOAT32 || t == GgufValueType::FLOAT64; }
-
 uint64_t align_up(uint64_t n, size_t alignment) { return (n + alignment - 1) / alignment * alignment; }
 
 }  // namespace
