@@ -20,6 +20,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backends/plugin_api.h"
@@ -1529,12 +1530,23 @@ int32_t api_counters(const ringlm_context* ctx, ringlm_counters* out) {
   });
 }
 
+constexpr const char* kDescription =
+    "OpenCL 1.2 devices: flat GEMM on F32/F16/Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL/Q4_K/Q5_K/Q6_K/IQ4_XS weights, "
+    "causal and sliding-window attention (split over the keys on long caches), shift-RoPE, row ops, top-k";
+
+// The description named 5 of the 12 formats once the others had come: a format added to
+// kFormats and not to the description does not build.
+constexpr bool names_every_format(std::string_view description) {
+  return std::all_of(std::begin(kFormats), std::end(kFormats),
+                     [&](const FormatInfo& f) { return description.find(f.name) != std::string_view::npos; });
+}
+static_assert(names_every_format(kDescription));
+
 constexpr ringlm_plugin kPlugin = {
     .abi_version = RINGLM_PLUGIN_ABI_VERSION,
     .struct_size = sizeof(ringlm_plugin),
     .name = "opencl",
-    .description = "OpenCL 1.2 devices: flat GEMM on Q4_0/Q4_1/Q8_0/F16/F32 weights, causal and sliding-window "
-                   "attention (split over the keys on long caches), shift-RoPE, row ops, top-k",
+    .description = kDescription,
     .last_error = api_last_error,
     .device_count = api_device_count,
     .device_info = api_device_info,
