@@ -1446,18 +1446,21 @@ ringlm_buffer* api_alloc(ringlm_context* ctx, size_t bytes) {
 
 void api_free(ringlm_context* /*ctx*/, ringlm_buffer* buffer) { delete buffer; }
 
-int32_t api_upload(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
+// An entry point on a context: the context checked, then body(context), its errors caught.
+template <typename Body>
+int32_t on_context(ringlm_context* ctx, const char* name, Body body) {
   return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload: null context");
-    run_upload(*ctx, dst, offset, src, bytes);
+    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, std::string(name) + ": null context");
+    body(*ctx);
   });
 }
 
+int32_t api_upload(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
+  return on_context(ctx, "upload", [&](ringlm_context& c) { run_upload(c, dst, offset, src, bytes); });
+}
+
 int32_t api_download(ringlm_context* ctx, const ringlm_buffer* src, size_t offset, void* dst, size_t bytes) {
-  return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "download: null context");
-    run_download(*ctx, src, offset, dst, bytes);
-  });
+  return on_context(ctx, "download", [&](ringlm_context& c) { run_download(c, src, offset, dst, bytes); });
 }
 
 int32_t api_supports(const ringlm_context* ctx, const ringlm_op_desc* d) {
@@ -1495,10 +1498,9 @@ int32_t api_supports(const ringlm_context* ctx, const ringlm_op_desc* d) {
 // The ops: a context and arguments, checked, then the run_* above.
 template <typename Args, typename Run>
 int32_t op(ringlm_context* ctx, const Args* args, const char* name, Run run) {
-  return guarded([&] {
-    require(ctx != nullptr && args != nullptr, RINGLM_ERROR_INVALID_ARGUMENT,
-            std::string(name) + ": null " + (ctx == nullptr ? "context" : "arguments"));
-    run(*ctx, *args);
+  return on_context(ctx, name, [&](ringlm_context& c) {
+    require(args != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, std::string(name) + ": null arguments");
+    run(c, *args);
   });
 }
 
@@ -1514,33 +1516,19 @@ int32_t api_rope_shift(ringlm_context* ctx, const ringlm_rope_shift_args* args) 
 }
 
 int32_t api_upload_async(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
-  return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload_async: null context");
-    run_upload_async(*ctx, dst, offset, src, bytes);
-  });
+  return on_context(ctx, "upload_async", [&](ringlm_context& c) { run_upload_async(c, dst, offset, src, bytes); });
 }
-int32_t api_finish(ringlm_context* ctx) {
-  return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "finish: null context");
-    run_finish(*ctx);
-  });
-}
+int32_t api_finish(ringlm_context* ctx) { return on_context(ctx, "finish", run_finish); }
 int32_t api_copy(ringlm_context* ctx, ringlm_buffer* dst, size_t dst_offset, const ringlm_buffer* src,
                  size_t src_offset, size_t bytes) {
-  return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "copy: null context");
-    run_copy(*ctx, dst, dst_offset, src, src_offset, bytes);
-  });
+  return on_context(ctx, "copy", [&](ringlm_context& c) { run_copy(c, dst, dst_offset, src, src_offset, bytes); });
 }
 int32_t api_rms_norm(ringlm_context* ctx, const ringlm_rms_norm_args* args) {
   return op(ctx, args, "rms_norm", run_rms_norm);
 }
 int32_t api_add(ringlm_context* ctx, const ringlm_add_args* args) { return op(ctx, args, "add", run_add); }
 int32_t api_scale(ringlm_context* ctx, ringlm_buffer* x, size_t x_offset, int64_t n, float factor) {
-  return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "scale: null context");
-    run_scale(*ctx, x, x_offset, n, factor);
-  });
+  return on_context(ctx, "scale", [&](ringlm_context& c) { run_scale(c, x, x_offset, n, factor); });
 }
 int32_t api_glu(ringlm_context* ctx, const ringlm_glu_args* args) { return op(ctx, args, "glu", run_glu); }
 int32_t api_rope(ringlm_context* ctx, const ringlm_rope_args* args) { return op(ctx, args, "rope", run_rope); }
