@@ -394,31 +394,29 @@ std::optional<std::string_view> GgufFile::get_string(std::string_view key) const
   return v->str;
 }
 
-const std::vector<std::string_view>* GgufFile::get_string_array(std::string_view key) const {
+const GgufValue* GgufFile::find_array(std::string_view key, bool (*element_ok)(GgufValueType),
+                                     std::string_view wanted) const {
   const GgufValue* v = find(key);
-  if (v == nullptr) return nullptr;
-  if (v->type != GgufValueType::ARRAY || v->array_type != GgufValueType::STRING) {
-    fail(type_mismatch(key, *v, "an array of strings"));
+  if (v != nullptr && (v->type != GgufValueType::ARRAY || !element_ok(v->array_type))) {
+    fail(type_mismatch(key, *v, wanted));
   }
-  return &v->strings;
+  return v;
+}
+
+const std::vector<std::string_view>* GgufFile::get_string_array(std::string_view key) const {
+  const auto is_string = [](GgufValueType t) { return t == GgufValueType::STRING; };
+  const GgufValue* v = find_array(key, is_string, "an array of strings");
+  return v != nullptr ? &v->strings : nullptr;
 }
 
 const std::vector<int64_t>* GgufFile::get_int_array(std::string_view key) const {
-  const GgufValue* v = find(key);
-  if (v == nullptr) return nullptr;
-  if (v->type != GgufValueType::ARRAY || !is_integer_type(v->array_type)) {
-    fail(type_mismatch(key, *v, "an array of integers"));
-  }
-  return &v->ints;
+  const GgufValue* v = find_array(key, is_integer_type, "an array of integers");
+  return v != nullptr ? &v->ints : nullptr;
 }
 
 const std::vector<double>* GgufFile::get_float_array(std::string_view key) const {
-  const GgufValue* v = find(key);
-  if (v == nullptr) return nullptr;
-  if (v->type != GgufValueType::ARRAY || !is_float_type(v->array_type)) {
-    fail(type_mismatch(key, *v, "an array of floats"));
-  }
-  return &v->floats;
+  const GgufValue* v = find_array(key, is_float_type, "an array of floats");
+  return v != nullptr ? &v->floats : nullptr;
 }
 
 uint64_t GgufFile::require_uint(std::string_view key) const {

@@ -116,6 +116,9 @@ class GgufFile {
   void read_array_elements(GgufCursor& c, GgufValue& value, const std::string& field);
   void skip_value(GgufCursor& c, GgufValueType t, const std::string& field, int depth);
   void read_tensor_info(GgufCursor& c, uint64_t index);
+  // The array at `key` (null if absent) when element_ok accepts its elements' type; else fails
+  // saying it wanted `wanted`.
+  const GgufValue* find_array(std::string_view key, bool (*element_ok)(GgufValueType), std::string_view wanted) const;
 
   std::string path_;
   const uint8_t* base_ = nullptr;
