@@ -15,9 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
@@ -28,6 +26,7 @@
 
 #include "apps/common_options.h"
 #include "apps/pipeline_process.h"
+#include "backends/cpu/tuning.h"
 #include "core/model/loader.h"
 
 namespace ringlm {
@@ -147,26 +146,6 @@ ModelInfo describe(const LoadedModel& m, const std::string& path) {
     if (m.backend->offloads() && m.backend->layer_device(layer) != "cpu") ++info.n_gpu_layers;
   }
   return info;
-}
-
-std::string cpu_info() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) != 0) continue;
-    const size_t colon = line.find(':');
-    if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
-  }
-  return "unknown CPU";
-}
-
-std::string utc_now() {
-  char buf[32];
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  std::strftime(buf, sizeof(buf), "%FT%TZ", &tm);
-  return buf;
 }
 
 // Timed work. Random ids stand in for text: speed does not depend on which tokens they are.
@@ -296,7 +275,7 @@ nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_
   nlohmann::ordered_json j;
   j["build_commit"] = "ringlm";
   j["build_number"] = 0;
-  j["cpu_info"] = cpu_info();
+  j["cpu_info"] = cpu_model_name();
   j["gpu_info"] = info.device;
   j["backends"] = info.backend;
   j["model_filename"] = info.filename;

@@ -17,6 +17,7 @@
 #include "apps/speculative_options.h"
 #include "core/model/loader.h"
 #include "core/session/generation.h"
+#include "core/timing.h"
 
 namespace ringlm {
 
@@ -58,10 +59,6 @@ struct RunStats {
   std::vector<std::string> layer_device;
   std::string output_device;
 };
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // run's words for why generation stopped (--stats).
 const char* stop_reason(FinishReason finish) {

@@ -42,6 +42,7 @@
 #include "backends/cpu/tuning.h"
 #include "core/gguf/gguf.h"
 #include "core/model/loader.h"
+#include "core/timing.h"
 
 namespace ringlm {
 
@@ -124,7 +125,7 @@ struct Contenders {
 double time_call(Backend& b, const PreparedWeight& w, const float* x, int64_t m, float* y) {
   const auto t0 = std::chrono::steady_clock::now();
   b.matmul(w, x, m, y);
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return ms_since(t0);
 }
 
 TuningPoint measure(const Contenders& c, const float* x, int64_t m, float* y) {
@@ -195,10 +196,6 @@ KernelEntry tune_shape(const Shape& s, Backend& int8, Backend& sgemm, Backend* t
 bool tiles_measured() {
   const cpu::AmxState state = cpu::amx_state();
   return state == cpu::AmxState::kOn || state == cpu::AmxState::kEmulated;
-}
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // What a checking pass of 1 + k rows takes against a decode step, k = 1..kMaxDraft, for the model

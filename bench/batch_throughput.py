@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import tempfile
 
+from batch_runs import add_batch_args, batch_command
+
 OPENINGS = ["The capital of France is", "Once upon a time", "The best way to learn to cook is", "In 1969, astronauts",
             "A recipe for bread: first,", "The three primary colours are", "Write a haiku about the sea:",
             "def fibonacci(n):", "The history of the Roman Empire", "My favourite animal is", "To fix a flat tyre,",
@@ -25,13 +27,10 @@ OPENINGS = ["The capital of France is", "Once upon a time", "The best way to lea
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--binary", default="build/bin/ringlm")
-    ap.add_argument("-m", "--model", default=None)
+    add_batch_args(ap)
     ap.add_argument("--parallel", default="1,16")
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("-r", "--rounds", type=int, default=3)
     args = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="ringlm-batch-bench-")
@@ -46,12 +45,7 @@ def main():
     for _ in range(args.rounds):
         for p in values:
             out = os.path.join(work, f"out-{p}.jsonl")
-            if os.path.exists(out):
-                os.remove(out)
-            cmd = [args.binary, "batch", "-i", prompts, "-o", out, "--parallel", str(p), "-t", str(args.threads),
-                   "--temp", "0"]
-            if args.model:
-                cmd += ["-m", args.model]
+            cmd = batch_command(args, prompts, out, p, "--temp", "0")
             err = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
             rates[p].append(float(re.search(r"generated in [0-9.]+ s: ([0-9.]+) tokens/s", err).group(1)))
             with open(out) as f:

@@ -17,6 +17,8 @@ import statistics
 import subprocess
 import tempfile
 
+from batch_runs import add_batch_args, batch_command
+
 TEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text", "kjv-pentateuch.txt")
 
 
@@ -45,16 +47,13 @@ def run_batch(cmd):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--binary", default="build/bin/ringlm")
-    ap.add_argument("-m", "--model", default=None)
+    add_batch_args(ap)
     ap.add_argument("--text", default=TEXT)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--words", type=int, default=300)
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
     ap.add_argument("--parallel", type=int, default=4)
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("-r", "--rounds", type=int, default=3)
     args = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="ringlm-segment-bench-")
@@ -63,15 +62,8 @@ def main():
     modes = {"shared prompt": [], "--no-prompt-sharing": []}
     for _ in range(args.rounds):
         for mode, results in modes.items():
-            out = os.path.join(work, "out.jsonl")
-            if os.path.exists(out):
-                os.remove(out)
-            cmd = [args.binary, "batch", "-i", requests, "-o", out, "--parallel", str(args.parallel),
-                   "-t", str(args.threads)]
-            if mode != "shared prompt":
-                cmd.append(mode)
-            if args.model:
-                cmd += ["-m", args.model]
+            extra = [] if mode == "shared prompt" else [mode]
+            cmd = batch_command(args, requests, os.path.join(work, "out.jsonl"), args.parallel, *extra)
             results.append(run_batch(cmd))
     print(f"{args.requests} requests x n={args.samples}, {args.words}-word prompts, {args.max_tokens} tokens, "
           f"--parallel {args.parallel}, {args.threads} threads, medians of {args.rounds} rounds")

@@ -17,17 +17,35 @@ namespace {
 // --- GGML's reference quantizers --------------------------------------------------------------
 // The float operations below are GGML's, in GGML's order: the same inputs give the same bytes.
 
+// The weight of largest magnitude among n, its sign kept (the first of equal magnitudes).
+float signed_largest(const float* x, int n) {
+  float amax = 0, max = 0;
+  for (int j = 0; j < n; ++j) {
+    if (amax < std::fabs(x[j])) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  return max;
+}
+
+// The smallest and the largest of n weights.
+struct ValueRange {
+  float min = FLT_MAX, max = -FLT_MAX;
+};
+ValueRange value_range(const float* x, int n) {
+  ValueRange r;
+  for (int j = 0; j < n; ++j) {
+    r.min = x[j] < r.min ? x[j] : r.min;
+    r.max = x[j] > r.max ? x[j] : r.max;
+  }
+  return r;
+}
+
 void quantize_q4_0(const float* x, BlockQ4_0* y, int64_t n_blocks) {
   for (int64_t b = 0; b < n_blocks; ++b, x += kQK4_0) {
     // The weight of largest magnitude, sign kept, maps to q = 0, i.e. to -8 steps.
-    float amax = 0, max = 0;
-    for (int j = 0; j < kQK4_0; ++j) {
-      if (amax < std::fabs(x[j])) {
-        amax = std::fabs(x[j]);
-        max = x[j];
-      }
-    }
-    const float d = max / -8;
+    const float d = signed_largest(x, kQK4_0) / -8;
     const float id = d != 0 ? 1.0f / d : 0.0f;
     y[b].d = fp32_to_fp16(d);
     // x/d lies in [-8, 8]: truncating x/d + 8.5 rounds it to nearest; only 16 needs clamping.
@@ -41,11 +59,7 @@ void quantize_q4_0(const float* x, BlockQ4_0* y, int64_t n_blocks) {
 
 void quantize_q4_1(const float* x, BlockQ4_1* y, int64_t n_blocks) {
   for (int64_t b = 0; b < n_blocks; ++b, x += kQK4_1) {
-    float min = FLT_MAX, max = -FLT_MAX;
-    for (int j = 0; j < kQK4_1; ++j) {
-      min = x[j] < min ? x[j] : min;
-      max = x[j] > max ? x[j] : max;
-    }
+    const auto [min, max] = value_range(x, kQK4_1);
     const float d = (max - min) / 15;
     const float id = d != 0 ? 1.0f / d : 0.0f;
     y[b].d = fp32_to_fp16(d);
@@ -82,14 +96,7 @@ void pack_q5_codes(const uint8_t* q, uint8_t* qh, uint8_t* qs) {
 void quantize_q5_0(const float* x, BlockQ5_0* y, int64_t n_blocks) {
   for (int64_t b = 0; b < n_blocks; ++b, x += kQK5_0) {
     // As Q4_0 with twice the steps: the weight of largest magnitude maps to q = 0, i.e. to -16 steps.
-    float amax = 0, max = 0;
-    for (int j = 0; j < kQK5_0; ++j) {
-      if (amax < std::fabs(x[j])) {
-        amax = std::fabs(x[j]);
-        max = x[j];
-      }
-    }
-    const float d = max / -16;
+    const float d = signed_largest(x, kQK5_0) / -16;
     const float id = d != 0 ? 1.0f / d : 0.0f;
     y[b].d = fp32_to_fp16(d);
     // x/d lies in [-16, 16]: truncating x/d + 16.5 rounds it to nearest; only 32 needs clamping.
@@ -101,11 +108,7 @@ void quantize_q5_0(const float* x, BlockQ5_0* y, int64_t n_blocks) {
 
 void quantize_q5_1(const float* x, BlockQ5_1* y, int64_t n_blocks) {
   for (int64_t b = 0; b < n_blocks; ++b, x += kQK5_1) {
-    float min = FLT_MAX, max = -FLT_MAX;
-    for (int j = 0; j < kQK5_1; ++j) {
-      min = x[j] < min ? x[j] : min;
-      max = x[j] > max ? x[j] : max;
-    }
+    const auto [min, max] = value_range(x, kQK5_1);
     const float d = (max - min) / 31;
     const float id = d != 0 ? 1.0f / d : 0.0f;
     y[b].d = fp32_to_fp16(d);

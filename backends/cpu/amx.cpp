@@ -200,24 +200,93 @@ TileConfig tile_product_config() {
   return config;
 }
 
+namespace {
+
+// The offset whose terms a block format reads: the one its dots are taken against (128 for
+// signed values, which VNNI makes unsigned) where it has no min, else 0 (the block's sx as it is).
+int term_offset(const PackedFormat& f) {
+  const int offset = emulated::signed_values(f) ? 128 : f.offset;
+  return f.min ? 0 : offset;
+}
+
+}  // namespace
+
+void TileTokenTerms::reset(int64_t tokens, int64_t blocks) {
+  tokens_ = tokens;
+  blocks_ = blocks;
+  dx_.clear();
+  shift_.clear();
+  offsets_.clear();
+  s_.clear();
+}
+
+void TileTokenTerms::add_format(const PackedFormat& f) {
+  if (f.super()) return;
+  const auto size = static_cast<size_t>(tokens_ * blocks_);
+  dx_.resize(size);
+  if (emulated::signed_values(f)) shift_.resize(size);
+  const int offset = term_offset(f);
+  if (std::find(offsets_.begin(), offsets_.end(), offset) != offsets_.end()) return;
+  offsets_.push_back(offset);
+  s_.resize(offsets_.size() * size);
+}
+
+void TileTokenTerms::fill(const QuantizedActs& x, int64_t m) {
+  if (empty()) return;
+  const auto size = static_cast<size_t>(tokens_ * blocks_);
+  for (int64_t ab = 0; ab < blocks_; ++ab) {
+    const int64_t from = m * blocks_ + ab;
+    const auto to = static_cast<size_t>(ab * tokens_ + m);
+    dx_[to] = x.d[from];
+    for (size_t i = 0; i < offsets_.size(); ++i) {
+      const float offset = static_cast<float>(offsets_[i]);
+      s_[i * size + to] = offsets_[i] != 0 ? -offset * x.s[from] : x.s[from];
+    }
+    if (!shift_.empty()) {
+      int32_t sum = 0;
+      for (int j = 0; j < kActBlock; ++j) sum += x.q[from * kActBlock + j];
+      shift_[to] = 128 * sum;
+    }
+  }
+}
+
+void TileTokenTerms::make(const PackedFormat& f, const QuantizedActs& x, int64_t tokens) {
+  reset(tokens, x.blocks());
+  add_format(f);
+  for (int64_t m = 0; m < tokens; ++m) fill(x, m);
+}
+
+const float* TileTokenTerms::s_of(const PackedFormat& f) const {
+  const auto it = std::find(offsets_.begin(), offsets_.end(), term_offset(f));
+  if (it == offsets_.end()) throw std::logic_error("a tile product's token terms were made without its format");
+  return s_.data() + static_cast<size_t>(it - offsets_.begin()) * static_cast<size_t>(tokens_ * blocks_);
+}
+
 void tile_gemm_packed(EmulatedTiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_end,
-                      const PackedInput& x, int64_t n_tokens, float* y, int64_t ldy) {
+                      const PackedInput& x, const TileTokenTerms& terms, int64_t n_tokens, float* y, int64_t ldy) {
   if (!tiles_multiply(w.type)) {
     throw std::invalid_argument("tile_gemm_packed: tensor type " + std::to_string(static_cast<uint32_t>(w.type)) +
                                 " has no int8 path");
   }
-  emulated::tile_gemm(tiles, w, n_begin, n_end, x, n_tokens, y, ldy);
+  emulated::tile_gemm(tiles, w, n_begin, n_end, x, terms, n_tokens, y, ldy);
+}
+
+void tile_gemm_packed(EmulatedTiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_end,
+                      const PackedInput& x, int64_t n_tokens, float* y, int64_t ldy) {
+  TileTokenTerms terms;
+  if (tiles_multiply(w.type)) terms.make(*packed_format(w.type), x.block, n_tokens);
+  tile_gemm_packed(tiles, w, n_begin, n_end, x, terms, n_tokens, y, ldy);
 }
 
 void gemm_on_tiles(TilePath path, const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x,
-                   int64_t n_tokens, float* y, int64_t ldy) {
-  if (path == TilePath::kCpu) return amx_gemm_packed(w, n_begin, n_end, x, n_tokens, y, ldy);
+                   const TileTokenTerms& terms, int64_t n_tokens, float* y, int64_t ldy) {
+  if (path == TilePath::kCpu) return amx_gemm_packed(w, n_begin, n_end, x, terms, n_tokens, y, ldy);
   if (path != TilePath::kEmulated) throw std::logic_error("gemm_on_tiles: a weight without a tile path");
   // Counted here only: no shared counter for the threads of the real path to contend for.
   emulated_product_calls.fetch_add(1, std::memory_order_relaxed);
   thread_local EmulatedTiles tiles;
   if (!tiles.configured()) tiles.load_config(tile_product_config());
-  tile_gemm_packed(tiles, w, n_begin, n_end, x, n_tokens, y, ldy);
+  tile_gemm_packed(tiles, w, n_begin, n_end, x, terms, n_tokens, y, ldy);
 }
 
 int64_t emulated_tile_products() { return emulated_product_calls.load(std::memory_order_relaxed); }

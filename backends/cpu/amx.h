@@ -103,16 +103,55 @@ bool tiles_multiply(TensorType type);
 // of depth 16 (the K-quants whose sub-blocks scale 16 weights).
 TileConfig tile_product_config();
 
+// The numbers of a product's tokens that a block format's products on the tiles read for every
+// 16-row group, laid out block by block so that a pass reads its tokens' in a row. Per activation
+// block of 32 and token: the scale dx; the offset term s, which is the block's sx, or -offset * sx
+// for a format with an offset and no min (for signed values, the 128 VNNI adds); and, for a
+// format of signed values (Q8_0, IQ4_NL), `shift`, 128 times the block's activation sum, which
+// their dots gain where VNNI makes them unsigned. Made once per product, for the formats of all
+// the weights it multiplies (the CPU backend's threads fill a share of the tokens each as they
+// quantize them), then only read, by every thread and group. The super formats need none.
+class TileTokenTerms {
+ public:
+  // An empty table for a product of `tokens` rows of `blocks` activation blocks.
+  void reset(int64_t tokens, int64_t blocks);
+  // Keeps the numbers that a weight of format f reads too (none for a super format).
+  void add_format(const PackedFormat& f);
+  bool empty() const { return dx_.empty(); }
+  // Token m's numbers, from row m of x; threads may fill different tokens at once.
+  void fill(const QuantizedActs& x, int64_t m);
+  // reset, add_format and every token's fill: the table of a product of one weight.
+  void make(const PackedFormat& f, const QuantizedActs& x, int64_t tokens);
+
+  int64_t tokens() const { return tokens_; }
+  // Block ab's numbers from token m on.
+  const float* dx_at(int64_t ab, int64_t m) const { return dx_.data() + ab * tokens_ + m; }
+  const int32_t* shift_at(int64_t ab, int64_t m) const { return shift_.empty() ? nullptr : shift_.data() + ab * tokens_ + m; }
+  // Format f's offset terms, [block][token]; f must have been added (std::logic_error).
+  const float* s_of(const PackedFormat& f) const;
+
+ private:
+  int64_t tokens_ = 0, blocks_ = 0;
+  std::vector<float> dx_;        // [block][token]
+  std::vector<int32_t> shift_;   // [block][token]; empty unless a format of signed values was added
+  std::vector<int> offsets_;     // the offsets whose terms are kept (0: sx itself)
+  std::vector<float> s_;         // [offset][block][token]
+};
+
 // gemm_packed (kernel_packed.h) with each integer dot of 16 tokens x 16 rows x 32 (or 16)
 // weights taken by one tile multiply, on tiles configured with tile_product_config(): the
 // same bits as gemm_packed on AVX-512 VNNI (tile_gemm-inl.h says how). w's type must satisfy
-// tiles_multiply.
+// tiles_multiply. `terms`: the product's, with w's format added (without: made for this call).
+void tile_gemm_packed(EmulatedTiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_end,
+                      const PackedInput& x, const TileTokenTerms& terms, int64_t n_tokens, float* y, int64_t ldy);
 void tile_gemm_packed(EmulatedTiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_end,
                       const PackedInput& x, int64_t n_tokens, float* y, int64_t ldy);
 
 // The same on this CPU's tiles (amx_native.cpp), in the calling thread, which loads the
 // configuration before its first tile instruction and releases it when it exits. Throws
 // std::logic_error unless amx_state() is kOn (a tile instruction would kill the process).
+void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x,
+                     const TileTokenTerms& terms, int64_t n_tokens, float* y, int64_t ldy);
 void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
                      float* y, int64_t ldy);
 
@@ -122,9 +161,9 @@ void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, cons
 enum class TilePath { kNone, kCpu, kEmulated };
 TilePath tile_path_for(TensorType type);
 // The product on the tiles of `path` (not kNone): this CPU's, or the emulation, each calling
-// thread with its own configured tiles.
+// thread with its own configured tiles; `terms` as tile_gemm_packed's.
 void gemm_on_tiles(TilePath path, const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x,
-                   int64_t n_tokens, float* y, int64_t ldy);
+                   const TileTokenTerms& terms, int64_t n_tokens, float* y, int64_t ldy);
 // Calls of gemm_on_tiles on the emulation so far in this process (a test's evidence that the
 // path ran).
 int64_t emulated_tile_products();

@@ -71,7 +71,8 @@ class ThreadTiles {
 
   // Loads the configuration again if something else in this thread released or changed it since
   // (another library's tile code, say): a tile instruction on unconfigured tiles kills the
-  // process. STTILECFG writes zeros where no configuration is loaded. Once per product.
+  // process. STTILECFG writes zeros where no configuration is loaded. Once per call (a run of a
+  // product's rows).
   void ensure_loaded() const {
     TileConfigBytes current;
     _tile_storeconfig(&current);
@@ -130,12 +131,12 @@ struct RealTiles {
 };
 static_assert(native::kA32 == 4 && native::kB32 == 5 && native::kA16 == 6 && native::kB16 == 7 && native::kC0 == 0);
 
-void run_on_this_cpu(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
-                     float* y, int64_t ldy) {
+void run_on_this_cpu(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x,
+                     const TileTokenTerms& terms, int64_t n_tokens, float* y, int64_t ldy) {
   thread_local ThreadTiles configured;
   configured.ensure_loaded();
   RealTiles tiles;
-  native::tile_gemm(tiles, w, n_begin, n_end, x, n_tokens, y, ldy);
+  native::tile_gemm(tiles, w, n_begin, n_end, x, terms, n_tokens, y, ldy);
 }
 
 }  // namespace
@@ -192,7 +193,9 @@ bool agrees(TensorType type, std::initializer_list<size_t> fp16_at) {
     quantize_acts(x.data(), 0, kTokens, in.block);
   }
   std::vector<float> real(static_cast<size_t>(kTokens * kRows)), emulated(real.size());
-  run_on_this_cpu(w, 0, kRows, in, kTokens, real.data(), kRows);
+  TileTokenTerms terms;
+  terms.make(*packed_format(type), in.block, kTokens);
+  run_on_this_cpu(w, 0, kRows, in, terms, kTokens, real.data(), kRows);
   EmulatedTiles tiles;
   tiles.load_config(tile_product_config());
   tile_gemm_packed(tiles, w, 0, kRows, in, kTokens, emulated.data(), kRows);
@@ -201,10 +204,10 @@ bool agrees(TensorType type, std::initializer_list<size_t> fp16_at) {
 
 }  // namespace
 
-void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
-                     float* y, int64_t ldy) {
+void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x,
+                     const TileTokenTerms& terms, int64_t n_tokens, float* y, int64_t ldy) {
   if (amx_state() != AmxState::kOn) throw std::logic_error("amx_gemm_packed: AMX is " + amx_state_words(amx_state()));
-  run_on_this_cpu(w, n_begin, n_end, x, n_tokens, y, ldy);
+  run_on_this_cpu(w, n_begin, n_end, x, terms, n_tokens, y, ldy);
 }
 
 bool amx_agrees_with_emulation() {
@@ -218,12 +221,20 @@ bool amx_agrees_with_emulation() {
 
 #else
 
-void amx_gemm_packed(const PackedWeight&, int64_t, int64_t, const PackedInput&, int64_t, float*, int64_t) {
+void amx_gemm_packed(const PackedWeight&, int64_t, int64_t, const PackedInput&, const TileTokenTerms&, int64_t, float*,
+                     int64_t) {
   throw std::logic_error("this build of ringlm has no AMX code");
 }
 
 bool amx_agrees_with_emulation() { return false; }
 
 #endif
+
+void amx_gemm_packed(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens,
+                     float* y, int64_t ldy) {
+  TileTokenTerms terms;
+  if (tiles_multiply(w.type)) terms.make(*packed_format(w.type), x.block, n_tokens);
+  amx_gemm_packed(w, n_begin, n_end, x, terms, n_tokens, y, ldy);
+}
 
 }  // namespace ringlm::cpu

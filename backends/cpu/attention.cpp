@@ -859,45 +859,65 @@ void number_positions(const KvLayer& kv, std::vector<int64_t>& pos) {
   std::copy_n(kv.positions, kv.n_slots, pos.begin() + n_prefix);
 }
 
-}  // namespace
+// One checking pass of attention_steps: its sizes, where its shared numbers lie (every row's
+// scores per KV head, each row's maxima, the split units' partial states) and its steps, each
+// the body of an `omp for` (so that every thread runs its share).
+struct StepsPass {
+  const AttentionShape& sh;
+  const AttentionJob& job;
+  int group, hd, n_kv, n_rows, n_keys, splits;
+  int rows_all;  // one KV head's query rows, every token's
+  size_t score_floats, unit_state, n_units, shared;
+  int64_t q_stride, window;
+  int n_blocks;
+  float* base = nullptr;      // [n_kv][rows_all][n_keys]: every row's scores
+  float* row_max = nullptr;   // [n_rows][n_head]: each row's maxima
+  float* partials = nullptr;  // [n_units][unit_state]: the split units' states
+  float* unit_max = nullptr;  // [n_units][group]
+  const int64_t* pos = nullptr;   // the keys' positions, in the unit numbering
+  char* row_async = nullptr;      // [n_rows]: whether a row's phi is known
 
-void attention_steps(const AttentionShape& sh, const AttentionJob& job, AttentionScratch& scratch, int n_threads) {
-  const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim, n_kv = sh.n_head_kv;
-  const int n_rows = job.n_tokens;
   // A row as attention_batch plans its decode step: every row the same, over the same cache.
-  AttentionJob first_row = job;
-  first_row.n_tokens = 1;
-  const AttentionPlan plan = plan_job(sh, first_row, 1, n_threads);
-  const int n_keys = plan.n_keys, splits = plan.splits;
-  const int rows_all = n_rows * group;  // one KV head's query rows, every token's
-  const size_t score_floats = static_cast<size_t>(rows_all) * n_keys;
-  const size_t unit_state = static_cast<size_t>(group) * (2 + hd);
-  const size_t n_units = static_cast<size_t>(n_kv) * n_rows * splits;
-  const size_t shared = n_kv * score_floats + static_cast<size_t>(n_rows) * sh.n_head +
-                        (splits > 1 ? n_units * (unit_state + group) : 0);
+  StepsPass(const AttentionShape& shape, const AttentionJob& pass, const AttentionPlan& plan)
+      : sh(shape), job(pass), group(sh.n_head / sh.n_head_kv), hd(sh.head_dim), n_kv(sh.n_head_kv),
+        n_rows(job.n_tokens), n_keys(plan.n_keys), splits(plan.splits), rows_all(n_rows * group),
+        score_floats(static_cast<size_t>(rows_all) * n_keys), unit_state(static_cast<size_t>(group) * (2 + hd)),
+        n_units(static_cast<size_t>(n_kv) * n_rows * splits),
+        shared(n_kv * score_floats + static_cast<size_t>(n_rows) * sh.n_head +
+               (splits > 1 ? n_units * (unit_state + group) : 0)),
+        q_stride(static_cast<int64_t>(sh.n_head) * hd), window(window_of(sh)),
+        n_blocks((n_keys + kKeyBlock - 1) / kKeyBlock) {}
+
   // Exact-path decode units of more than kDirectRows rows take the tile path, whose scores
   // (and maxima) round otherwise than these: such shapes, and long passes, go row by row.
-  if (n_rows == 1 || group > kDirectRows || shared * sizeof(float) > kMaxStepsBytes) {
-    return attention_steps_one_by_one(sh, job, scratch, n_threads);
+  bool runs_rows_together() const {
+    return n_rows != 1 && group <= kDirectRows && shared * sizeof(float) <= kMaxStepsBytes;
   }
-  float* const base = scratch.steps(shared);
-  const auto scores_of = [&](int g) { return base + static_cast<size_t>(g) * score_floats; };
-  float* const row_max = base + n_kv * score_floats;  // [n_rows][n_head]: each row's maxima
-  float* const partials = row_max + static_cast<size_t>(n_rows) * sh.n_head;
-  float* const unit_max = partials + n_units * unit_state;
-  std::vector<int64_t>& pos = scratch.step_positions;
-  number_positions(job.kv, pos);
-  std::vector<char>& row_async = scratch.step_async;
-  row_async.assign(static_cast<size_t>(n_rows), 0);
+  size_t thread_floats() const {
+    return static_cast<size_t>(rows_all) * hd + 2 * static_cast<size_t>(kKeyBlock) * hd +
+           static_cast<size_t>(group) * kKeyBlock + unit_state + group;
+  }
 
-  const int64_t q_stride = static_cast<int64_t>(sh.n_head) * hd;
-  const int64_t window = window_of(sh);
-  const int n_blocks = (n_keys + kKeyBlock - 1) / kKeyBlock;
-  const size_t thread_floats = static_cast<size_t>(rows_all) * hd + 2 * static_cast<size_t>(kKeyBlock) * hd +
-                               static_cast<size_t>(group) * kKeyBlock + unit_state + group;
-  for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats);
-  const auto state_at = [&](float* at) { return TileState{at, at + group, at + 2 * group}; };
-  const auto split_unit = [&](int g, int s) {
+  // Lays the shared numbers out in the scratch, and sizes every thread's buffer.
+  void bind(AttentionScratch& scratch, int n_threads) {
+    base = scratch.steps(shared);
+    row_max = base + n_kv * score_floats;
+    partials = row_max + static_cast<size_t>(n_rows) * sh.n_head;
+    unit_max = partials + n_units * unit_state;
+    number_positions(job.kv, scratch.step_positions);
+    pos = scratch.step_positions.data();
+    scratch.step_async.assign(static_cast<size_t>(n_rows), 0);
+    row_async = scratch.step_async.data();
+    for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats());
+  }
+
+  float* scores_of(int g) const { return base + static_cast<size_t>(g) * score_floats; }
+  TileState state_at(float* at) const { return TileState{at, at + group, at + 2 * group}; }
+  // A row's phi: the caller's for the first row, the row before's maxima for the others.
+  const float* phi_of(int row) const {
+    return row == 0 ? job.softmax_phi : row_max + static_cast<size_t>(row - 1) * sh.n_head;
+  }
+  Unit split_unit(int g, int s) const {
     Unit u{g, 0, 1, 0, n_keys};
     if (splits > 1) {
       const int per = (n_keys + splits - 1) / splits;
@@ -905,97 +925,126 @@ void attention_steps(const AttentionShape& sh, const AttentionJob& job, Attentio
       u.key_end = std::min(n_keys, (s + 1) * per);
     }
     return u;
-  };
+  }
 
-#pragma omp parallel num_threads(n_threads)
-  {
-    float* const buf = scratch.thread_buffer(omp_get_thread_num(), thread_floats);
-    UnitBuffers ub{};
-    ub.qt = buf;
-    ub.kbuf = buf + static_cast<size_t>(rows_all) * hd;
-    ub.vbuf = ub.kbuf + static_cast<size_t>(kKeyBlock) * hd;
-    ub.scores = ub.vbuf + static_cast<size_t>(kKeyBlock) * hd;
-    float* const own_state = ub.scores + static_cast<size_t>(group) * kKeyBlock;
-    float* const own_max = own_state + unit_state;
-    int64_t pos_buf[kKeyBlock];
-
-    // 1. Per KV head and block of keys: every row's scores, the keys converted once for them all.
-#pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < n_kv * n_blocks; ++i) {
-      const int g = i / n_blocks, j0 = (i % n_blocks) * kKeyBlock;
-      BlockView b;
-      if (!view_block(job.kv, g, hd, j0, std::min(kKeyBlock, n_keys - j0), job.q_pos0, job.q_pos0 + n_rows - 1, window,
-                      ub, pos_buf, &b, KvSides::kKeys)) {
-        continue;
-      }
-      const Unit all{g, 0, n_rows, 0, n_keys};
-      const float scale = sh.score_scale();
-      for (int r = 0; r < rows_all; ++r) {
-        const float* src = query_row(sh, job.q, all, r);
-        for (int c = 0; c < hd; ++c) ub.qt[r * hd + c] = src[c] * scale;
-      }
-      HWY_DYNAMIC_DISPATCH(ScoreRows)(ub.qt, rows_all, hd, b.k, b.ldk, b.nb, scores_of(g) + j0, n_keys);
+  // 1. For KV head and block of keys i: every row's scores, the keys converted once for them all.
+  void score_block(int i, const UnitBuffers& ub, int64_t* pos_buf) const {
+    const int g = i / n_blocks, j0 = (i % n_blocks) * kKeyBlock;
+    BlockView b;
+    if (!view_block(job.kv, g, hd, j0, std::min(kKeyBlock, n_keys - j0), job.q_pos0, job.q_pos0 + n_rows - 1, window,
+                    ub, pos_buf, &b, KvSides::kKeys)) {
+      return;
     }
-
-    // 2. Each row's maxima over the keys it sees: the phi of the next row's asynchronized softmax.
-#pragma omp for schedule(static)
-    for (int i = 0; i < n_kv * n_rows; ++i) {
-      const int g = i / n_rows, row = i % n_rows;
-      const int64_t row_pos = job.q_pos0 + row;
-      const float* scores = scores_of(g) + static_cast<size_t>(row) * group * n_keys;
-      for (int r = 0; r < group; ++r) {
-        float mx = -INFINITY;
-        for (int j = 0; j < n_keys; ++j) {
-          const int64_t p = pos[static_cast<size_t>(j)];
-          if (p >= 0 && p <= row_pos && row_pos - p < window) mx = std::max(mx, scores[r * n_keys + j]);
-        }
-        row_max[static_cast<size_t>(row) * sh.n_head + g * group + r] = mx;
-      }
+    const Unit all{g, 0, n_rows, 0, n_keys};
+    const float scale = sh.score_scale();
+    for (int r = 0; r < rows_all; ++r) {
+      const float* src = query_row(sh, job.q, all, r);
+      for (int c = 0; c < hd; ++c) ub.qt[r * hd + c] = src[c] * scale;
     }
-#pragma omp single
-    for (int row = 0; row < n_rows; ++row) {  // each row's phi: the caller's for the first
-      const float* phi = row == 0 ? job.softmax_phi : row_max + static_cast<size_t>(row - 1) * sh.n_head;
+    HWY_DYNAMIC_DISPATCH(ScoreRows)(ub.qt, rows_all, hd, b.k, b.ldk, b.nb, scores_of(g) + j0, n_keys);
+  }
+
+  // 2. Row i's (of a KV head) maxima over the keys it sees: the phi of the next row's
+  // asynchronized softmax.
+  void row_maxima(int i) const {
+    const int g = i / n_rows, row = i % n_rows;
+    const int64_t row_pos = job.q_pos0 + row;
+    const float* scores = scores_of(g) + static_cast<size_t>(row) * group * n_keys;
+    for (int r = 0; r < group; ++r) {
+      float mx = -INFINITY;
+      for (int j = 0; j < n_keys; ++j) {
+        const int64_t p = pos[static_cast<size_t>(j)];
+        if (p >= 0 && p <= row_pos && row_pos - p < window) mx = std::max(mx, scores[r * n_keys + j]);
+      }
+      row_max[static_cast<size_t>(row) * sh.n_head + g * group + r] = mx;
+    }
+  }
+  // Which rows run the asynchronized softmax: those whose phi is known and finite throughout.
+  void mark_async_rows() const {
+    for (int row = 0; row < n_rows; ++row) {
+      const float* phi = phi_of(row);
       bool known = job.softmax_phi != nullptr;
       for (int h = 0; known && h < sh.n_head; ++h) known = std::isfinite(phi[h]);
       row_async[static_cast<size_t>(row)] = known ? 1 : 0;
     }
+  }
 
-    // 3. Every row's decode units at once (a row's split parts as attention_batch cuts them),
-    // each reading the values as its decode step does and its scores from step 1.
+  // 3. Decode unit i of every row's (a row's split parts as attention_batch cuts them), reading
+  // the values as its decode step does and its scores from step 1; `own`: this thread's state
+  // and maxima where the unit is not split.
+  void run_unit(size_t i, const UnitBuffers& ub, float* own_state, float* own_max) const {
+    const int s = static_cast<int>(i % splits), row = static_cast<int>(i / splits % n_rows);
+    const int g = static_cast<int>(i / splits / n_rows);
+    const Unit u = split_unit(g, s);
+    const StepsInput pre{scores_of(g) + static_cast<size_t>(row) * group * n_keys, n_keys};
+    const float* phi = phi_of(row);
+    const TileState st = state_at(splits > 1 ? partials + i * unit_state : own_state);
+    float* seen = splits > 1 ? unit_max + i * group : own_max;
+    const float* q_row = job.q + row * q_stride;
+    const int64_t row_pos = job.q_pos0 + row;
+    const bool async = row_async[static_cast<size_t>(row)] != 0;
+    if (!run_unit_rows(sh, q_row, job.kv, row_pos, u, ub, st, async ? phi + g * group : nullptr, seen, &pre)) {
+      run_unit_rows(sh, q_row, job.kv, row_pos, u, ub, st, nullptr, seen, &pre);
+    }
+    if (splits == 1) store_unit(sh, u, st, job.out + row * q_stride);
+  }
+  // 4. (Split units only) row i's (of a KV head) parts merged into its output.
+  void merge_row(int i) const {
+    const int g = i / n_rows, row = i % n_rows;
+    const size_t first = static_cast<size_t>(i) * splits;
+    TileState parts[kMaxSplits];
+    for (int s = 0; s < splits; ++s) parts[s] = state_at(partials + (first + s) * unit_state);
+    merge_splits(parts, splits, group, hd);
+    store_unit(sh, split_unit(g, 0), parts[0], job.out + row * q_stride);
+  }
+
+  // The maxima the rows leave: the last row's for the caller's next step, every row's for a
+  // rollback.
+  void hand_back_phi() const {
+    if (job.softmax_phi == nullptr) return;
+    std::copy_n(row_max + static_cast<size_t>(n_rows - 1) * sh.n_head, sh.n_head, job.softmax_phi);
+    for (int row = 0; job.step_phi != nullptr && row < n_rows; ++row) {
+      std::copy_n(row_max + static_cast<size_t>(row) * sh.n_head, sh.n_head, job.step_phi[row]);
+    }
+  }
+};
+
+}  // namespace
+
+void attention_steps(const AttentionShape& sh, const AttentionJob& job, AttentionScratch& scratch, int n_threads) {
+  AttentionJob first_row = job;
+  first_row.n_tokens = 1;
+  StepsPass pass(sh, job, plan_job(sh, first_row, 1, n_threads));
+  if (!pass.runs_rows_together()) return attention_steps_one_by_one(sh, job, scratch, n_threads);
+  pass.bind(scratch, n_threads);
+  const int n_heads_rows = pass.n_kv * pass.n_rows;
+
+#pragma omp parallel num_threads(n_threads)
+  {
+    float* const buf = scratch.thread_buffer(omp_get_thread_num(), pass.thread_floats());
+    UnitBuffers ub{};
+    ub.qt = buf;
+    ub.kbuf = buf + static_cast<size_t>(pass.rows_all) * pass.hd;
+    ub.vbuf = ub.kbuf + static_cast<size_t>(kKeyBlock) * pass.hd;
+    ub.scores = ub.vbuf + static_cast<size_t>(kKeyBlock) * pass.hd;
+    float* const own_state = ub.scores + static_cast<size_t>(pass.group) * kKeyBlock;
+    float* const own_max = own_state + pass.unit_state;
+    int64_t pos_buf[kKeyBlock];
+
 #pragma omp for schedule(dynamic, 1)
-    for (size_t i = 0; i < n_units; ++i) {
-      const int s = static_cast<int>(i % splits), row = static_cast<int>(i / splits % n_rows);
-      const int g = static_cast<int>(i / splits / n_rows);
-      const Unit u = split_unit(g, s);
-      const StepsInput pre{scores_of(g) + static_cast<size_t>(row) * group * n_keys, n_keys};
-      const float* phi = row == 0 ? job.softmax_phi : row_max + static_cast<size_t>(row - 1) * sh.n_head;
-      const TileState st = state_at(splits > 1 ? partials + i * unit_state : own_state);
-      float* seen = splits > 1 ? unit_max + i * group : own_max;
-      const float* q_row = job.q + row * q_stride;
-      const int64_t row_pos = job.q_pos0 + row;
-      const bool async = row_async[static_cast<size_t>(row)] != 0;
-      if (!run_unit_rows(sh, q_row, job.kv, row_pos, u, ub, st, async ? phi + g * group : nullptr, seen, &pre)) {
-        run_unit_rows(sh, q_row, job.kv, row_pos, u, ub, st, nullptr, seen, &pre);
-      }
-      if (splits == 1) store_unit(sh, u, st, job.out + row * q_stride);
-    }
-    if (splits > 1) {
+    for (int i = 0; i < pass.n_kv * pass.n_blocks; ++i) pass.score_block(i, ub, pos_buf);
 #pragma omp for schedule(static)
-      for (int i = 0; i < n_kv * n_rows; ++i) {
-        const int g = i / n_rows, row = i % n_rows;
-        const size_t first = static_cast<size_t>(i) * splits;
-        TileState parts[kMaxSplits];
-        for (int s = 0; s < splits; ++s) parts[s] = state_at(partials + (first + s) * unit_state);
-        merge_splits(parts, splits, group, hd);
-        store_unit(sh, split_unit(g, 0), parts[0], job.out + row * q_stride);
-      }
+    for (int i = 0; i < n_heads_rows; ++i) pass.row_maxima(i);
+#pragma omp single
+    pass.mark_async_rows();
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < pass.n_units; ++i) pass.run_unit(i, ub, own_state, own_max);
+    if (pass.splits > 1) {
+#pragma omp for schedule(static)
+      for (int i = 0; i < n_heads_rows; ++i) pass.merge_row(i);
     }
   }
-  if (job.softmax_phi == nullptr) return;
-  std::copy_n(row_max + static_cast<size_t>(n_rows - 1) * sh.n_head, sh.n_head, job.softmax_phi);
-  for (int row = 0; job.step_phi != nullptr && row < n_rows; ++row) {
-    std::copy_n(row_max + static_cast<size_t>(row) * sh.n_head, sh.n_head, job.step_phi[row]);
-  }
+  pass.hand_back_phi();
 }
 
 }  // namespace ringlm::cpu

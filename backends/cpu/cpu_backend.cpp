@@ -94,12 +94,14 @@ constexpr int64_t kPieceUnits = 1;
 constexpr int64_t kUnitRows = cpu::kPackRows;
 int64_t row_units(int64_t rows) { return (rows + kUnitRows - 1) / kUnitRows; }
 
-// The packed product of rows [n0, n1) of w (n0 a multiple of kUnitRows).
-void gemm_packed_rows(const CpuWeight& w, int64_t n0, int64_t n1, const cpu::PackedInput& x, int64_t n_tokens,
-                      float* y) {
-  if (w.tiles != cpu::TilePath::kNone && n_tokens >= w.tiles_from) {
-    return cpu::gemm_on_tiles(w.tiles, w.packed, n0, n1, x, n_tokens, y, w.rows());
-  }
+// Whether w's product of n_tokens rows runs on the AMX tiles.
+bool on_tiles(const CpuWeight& w, int64_t n_tokens) { return w.tiles != cpu::TilePath::kNone && n_tokens >= w.tiles_from; }
+
+// The packed product of rows [n0, n1) of w (n0 a multiple of kUnitRows); `terms`: the product's
+// tokens' terms, for the tiles.
+void gemm_packed_rows(const CpuWeight& w, int64_t n0, int64_t n1, const cpu::PackedInput& x,
+                      const cpu::TileTokenTerms& terms, int64_t n_tokens, float* y) {
+  if (on_tiles(w, n_tokens)) return cpu::gemm_on_tiles(w.tiles, w.packed, n0, n1, x, terms, n_tokens, y, w.rows());
   cpu::gemm_packed(w.packed, n0, n1, x, n_tokens, y, w.rows());
 }
 
@@ -232,12 +234,12 @@ class CpuBackend final : public Backend {
       // outputs it just wrote, while they are still in its cache.
       const int64_t pieces = (row_units(ff) + kPieceUnits - 1) / kPieceUnits;
       const CpuWeight* both[] = {&gate, &up};
-      with_prepared_input(in, gate.cols(), needed_inputs(both), [&](const cpu::PackedInput& x) {
+      with_prepared_input(in, gate.cols(), plan_inputs(both, n, gate.cols()), [&](const cpu::PackedInput& x) {
 #pragma omp for schedule(guided)
         for (int64_t c = 0; c < pieces; ++c) {
           const int64_t n0 = c * kPieceUnits * kUnitRows, n1 = std::min(ff, (c + 1) * kPieceUnits * kUnitRows);
-          gemm_packed_rows(gate, n0, n1, x, n, out);
-          gemm_packed_rows(up, n0, n1, x, n, up_y);
+          gemm_packed_rows(gate, n0, n1, x, tile_terms_, n, out);
+          gemm_packed_rows(up, n0, n1, x, tile_terms_, n, up_y);
           for (int64_t m = 0; m < n; ++m) cpu::glu(act, out + m * ff + n0, up_y + m * ff + n0, n1 - n0);
         }
       });
@@ -261,6 +263,7 @@ class CpuBackend final : public Backend {
   // The forms of the input some weight of a call reads (cpu::ActKind).
   struct Needs {
     bool block = false, super = false, f32 = false;
+    bool tile_terms = false;  // tile_terms_, for the weights on the tiles
   };
 
   template <class V>
@@ -283,6 +286,18 @@ class CpuBackend final : public Backend {
       n.super |= w->acts == cpu::ActKind::kSuper256;
       n.f32 |= w->acts == cpu::ActKind::kFloat;
     }
+    return n;
+  }
+
+  // What the packed products of `weights` on n_tokens rows of `cols` read: the input's forms and,
+  // for those on the tiles, the tokens' terms (tile_terms_, sized here, filled with the input).
+  Needs plan_inputs(std::span<const CpuWeight* const> weights, int64_t n_tokens, int64_t cols) {
+    Needs n = needed_inputs(weights);
+    tile_terms_.reset(n_tokens, cols / cpu::kActBlock);
+    for (const CpuWeight* w : weights) {
+      if (on_tiles(*w, n_tokens)) tile_terms_.add_format(*cpu::packed_format(w->type));
+    }
+    n.tile_terms = !tile_terms_.empty();
     return n;
   }
 
@@ -339,6 +354,7 @@ class CpuBackend final : public Backend {
     float* dst = needs.f32 && in.rms_weight != nullptr ? normed_.data() + m * cols : scratch;
     const float* row = normalized_input_row(in, m, cols, dst);
     if (needs.block) cpu::quantize_acts(row, 0, 1, block_acts(cols, m));
+    if (needs.tile_terms) tile_terms_.fill(block_acts(cols), m);
     if (needs.super) cpu::quantize_acts_super(row, 0, 1, super_acts(cols, m));
   }
 
@@ -352,7 +368,8 @@ class CpuBackend final : public Backend {
   void with_prepared_input(const MatmulInput& in, int64_t cols, const Needs& needs, Body&& body) {
     reserve(in.n_tokens, cols, 0);
     const bool super = needs.super && cols % cpu::kSuperBlock == 0;
-    const Needs n{needs.block, super, needs.f32};
+    Needs n = needs;
+    n.super = super;
     const auto prepare_rows = [&](int64_t m_begin, int64_t m_end, float* scratch) {
       for (int64_t m = m_begin; m < m_end; ++m) prepare_row(in, m, cols, n, scratch);
     };
@@ -384,7 +401,7 @@ class CpuBackend final : public Backend {
     int64_t total_units = 0;
     for (const CpuWeight* w : weights) total_units += row_units(w->rows());
     const int64_t pieces = (total_units + kPieceUnits - 1) / kPieceUnits;
-    with_prepared_input(in, cols, needed_inputs(weights), [&](const cpu::PackedInput& x) {
+    with_prepared_input(in, cols, plan_inputs(weights, n_tokens, cols), [&](const cpu::PackedInput& x) {
 #pragma omp for schedule(guided)
       for (int64_t c = 0; c < pieces; ++c) {
         const Range r{c * kPieceUnits, std::min(total_units, (c + 1) * kPieceUnits)};
@@ -394,7 +411,9 @@ class CpuBackend final : public Backend {
           const int64_t units = row_units(w.rows());
           const int64_t u0 = std::max(r.begin, first_unit) - first_unit;
           const int64_t u1 = std::min(r.end, first_unit + units) - first_unit;
-          if (u0 < u1) gemm_packed_rows(w, u0 * kUnitRows, std::min(w.rows(), u1 * kUnitRows), x, n_tokens, ys[i]);
+          if (u0 < u1) {
+            gemm_packed_rows(w, u0 * kUnitRows, std::min(w.rows(), u1 * kUnitRows), x, tile_terms_, n_tokens, ys[i]);
+          }
           first_unit += units;
         }
       }
@@ -464,6 +483,7 @@ class CpuBackend final : public Backend {
   std::vector<int8_t> super_q_;  // ... per 256 (super formats)
   std::vector<float> super_d_;
   std::vector<int32_t> super_sum16_, super_sum32_;
+  cpu::TileTokenTerms tile_terms_;  // the tokens' terms of the products on the AMX tiles
   std::vector<float> normed_;  // normalised fp32 input rows (float formats and fp32 paths with RMSNorm)
   std::vector<float> up_out_;  // the up projection's outputs inside matmul_glu
   std::vector<float> residual_;  // matmul_add's product before it is added

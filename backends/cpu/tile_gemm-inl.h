@@ -24,7 +24,8 @@
 // (a tile multiply is 8-16 cycles; the cores' work around it was 60-100 at 512 tokens when it
 // was written: bench/README.md, "Intel AMX: the work around the tiles"). So each format's formula
 // is a template argument, a token's 16 rows are one vector (`omp simd`), and everything that does
-// not depend on the group (the tokens' scales and sums) is made once per product.
+// not depend on the group (the tokens' scales and sums: TileTokenTerms, amx.h) is made once per
+// product, by the caller, and shared by all its groups and threads.
 #ifndef RINGLM_TILE_NAMESPACE
 #error "define RINGLM_TILE_NAMESPACE before including tile_gemm-inl.h"
 #endif
@@ -33,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "backends/cpu/amx.h"
@@ -238,44 +240,6 @@ enum class BlockFormula {
   kPlain,   // acc += dw * (dot * dx)
 };
 
-// Each token's numbers for each activation block, as the formula reads them, laid out block by
-// block so that a pass reads its tokens' in a row: made once per product, not per group of 16
-// rows. `s` is the block's sx for kMin and -offset * sx for kOffset; `shift` is 128 times the
-// block's activation sum, what a signed format's dots gain where VNNI makes its values unsigned.
-struct BlockTokenTerms {
-  std::vector<float> dx, s;     // [block][token]
-  std::vector<int32_t> shift;   // [block][token]; signed values only
-  int64_t tokens = 0;
-
-  void make(const PackedFormat& f, const QuantizedActs& x, int64_t n_tokens) {
-    const int64_t nb = x.blocks();
-    const bool shifted = signed_values(f);
-    const float offset = static_cast<float>(shifted ? 128 : f.offset);
-    const bool offset_term = !f.min && offset != 0;
-    tokens = n_tokens;
-    dx.resize(static_cast<size_t>(nb * n_tokens));
-    s.resize(dx.size());
-    shift.resize(shifted ? dx.size() : 0);
-    for (int64_t m = 0; m < n_tokens; ++m) {
-      for (int64_t ab = 0; ab < nb; ++ab) {
-        const int64_t from = m * nb + ab;
-        const auto to = static_cast<size_t>(ab * n_tokens + m);
-        dx[to] = x.d[from];
-        s[to] = offset_term ? -offset * x.s[from] : x.s[from];
-        if (shifted) {
-          int32_t sum = 0;
-          for (int j = 0; j < kActBlock; ++j) sum += x.q[from * kActBlock + j];
-          shift[to] = 128 * sum;
-        }
-      }
-    }
-  }
-  // Block ab's numbers from token m on.
-  const float* dx_at(int64_t ab, int64_t m) const { return dx.data() + ab * tokens + m; }
-  const float* s_at(int64_t ab, int64_t m) const { return s.data() + ab * tokens + m; }
-  const int32_t* shift_at(int64_t ab, int64_t m) const { return shift.empty() ? nullptr : shift.data() + ab * tokens + m; }
-};
-
 // One activation block's dots of a pass into its float sums; dx, s and shift: the pass's tokens'.
 template <BlockFormula kFormula, bool kShift>
 inline void add_block_dots(const int32_t (*dots)[kTileRows], int tokens, const float* dw, const float* mv,
@@ -303,16 +267,17 @@ inline void add_block_dots(const int32_t (*dots)[kTileRows], int tokens, const f
 // A block format's pass (Q4_0 .. Q8_0, IQ4_NL, the INT4 types): per activation block of 32, in
 // K order, acc += dw * (dx * dot + offset term), as kernel_packed.cpp's BlockTile on VNNI.
 template <BlockFormula kFormula, bool kShift, class Tiles>
-void block_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const BlockTokenTerms& x, int64_t nb,
+void block_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const TileTokenTerms& x, int64_t nb,
                 PassActs& acts, int64_t m0, float (*acc)[kTileRows]) {
   const int subs_per_block = f.group / static_cast<int>(kSubWeights);
+  const float* s = x.s_of(f);
   alignas(64) int32_t dots[kPassTokens][kTileRows];
   for (int64_t ab = 0; ab < nb; ++ab) {  // activation block = sub-block
     tiles.load(kB32, g.sub_tile(ab), kTileBytes);
     tile_dots(tiles, acts, kA32, kB32, ab * kActBlock, 32, dots);
     const size_t wb = static_cast<size_t>(ab / subs_per_block) * kTileRows;  // the weight block
-    add_block_dots<kFormula, kShift>(dots, acts.tokens(), g.dw.data() + wb, g.mv.data() + wb, x.dx_at(ab, m0), x.s_at(ab, m0),
-                                     x.shift_at(ab, m0), acc);
+    add_block_dots<kFormula, kShift>(dots, acts.tokens(), g.dw.data() + wb, g.mv.data() + wb, x.dx_at(ab, m0),
+                                     s + ab * x.tokens() + m0, x.shift_at(ab, m0), acc);
   }
 }
 
@@ -392,7 +357,7 @@ void super_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, cons
 
 // One pass of up to 64 tokens over a widened group, by the format's formula.
 template <class Tiles>
-void pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const PackedInput& x, const BlockTokenTerms& terms,
+void pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const PackedInput& x, const TileTokenTerms& terms,
           int64_t m0, int64_t tokens, float (*acc)[kTileRows]) {
   if (f.super()) {
     PassActs acts(x.super.q, x.super.k, m0, tokens);
@@ -420,13 +385,14 @@ inline void store_rows(const float (*acc)[kTileRows], int64_t tokens, int64_t st
   }
 }
 
+// Rows [n_begin, n_end) of the product, group by group; `terms` are the whole product's tokens'
+// (TileTokenTerms, made once for it), which every group and thread reads.
 template <class Tiles>
 void tile_gemm(Tiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x,
-               int64_t n_tokens, float* y, int64_t ldy) {
+               const TileTokenTerms& terms, int64_t n_tokens, float* y, int64_t ldy) {
   const PackedFormat f = *packed_format(w.type);
+  if (!f.super() && terms.tokens() != n_tokens) throw std::logic_error("tile product: token terms of another product");
   thread_local WidenedGroup group;
-  thread_local BlockTokenTerms terms;
-  if (!f.super()) terms.make(f, x.block, n_tokens);
   alignas(64) float acc[kPassTokens][kTileRows];
   for (int64_t g = n_begin / kPackRows; g * kPackRows < n_end; ++g) {
     group.widen(f, w.group(g), w.cols);

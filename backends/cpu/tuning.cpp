@@ -145,31 +145,10 @@ nlohmann::ordered_json entry_json(const KernelEntry& e) {
   return o;
 }
 
-std::string cpu_model_name() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) != 0) continue;
-    const size_t colon = line.find(':');
-    const size_t start = colon == std::string::npos ? std::string::npos : line.find_first_not_of(" \t", colon + 1);
-    if (start != std::string::npos) return line.substr(start);
-  }
-  return "unknown CPU";
-}
-
 // The target HWY_DYNAMIC_DISPATCH picks: the best (lowest-bit) one both compiled and supported.
 std::string highway_target() {
   const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
   return targets == 0 ? "none" : hwy::TargetName(targets & -targets);
-}
-
-std::string utc_today() {
-  char buf[32];
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  std::strftime(buf, sizeof(buf), "%FT%TZ", &tm);
-  return buf;
 }
 
 std::filesystem::path cache_dir() {
@@ -323,8 +302,29 @@ KernelTable load_configured_kernel_table(bool warn) {
   return load_kernel_table(default_kernel_table_path(), /*missing_ok=*/true, warn);
 }
 
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    const size_t start = colon == std::string::npos ? std::string::npos : line.find_first_not_of(" \t", colon + 1);
+    if (start != std::string::npos) return line.substr(start);
+  }
+  return "unknown CPU";
+}
+
+std::string utc_now() {
+  char buf[32];
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  std::strftime(buf, sizeof(buf), "%FT%TZ", &tm);
+  return buf;
+}
+
 TuningMachine this_machine(int threads) {
-  return {cpu_model_name(), highway_target(), threads, utc_today(), kRinglmVersion};
+  return {cpu_model_name(), highway_target(), threads, utc_now(), kRinglmVersion};
 }
 
 void apply_simd_target_override() {

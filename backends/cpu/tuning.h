@@ -129,7 +129,12 @@ std::string default_kernel_table_path();
 // default path (absent is fine: the built-in crossover). Empty when off, absent or malformed.
 KernelTable load_configured_kernel_table(bool warn = true);
 
-// This machine, as a table header: CPU name, Highway target, `threads`, today, ringlm version.
+// /proc/cpuinfo's first "model name" ("unknown CPU" where it has none): a table's machine, and
+// `ringlm bench`'s cpu_info.
+std::string cpu_model_name();
+// Now in UTC, ISO 8601 to the second ("2025-01-31T12:00:00Z").
+std::string utc_now();
+// This machine, as a table header: CPU name, Highway target, `threads`, now, ringlm version.
 TuningMachine this_machine(int threads);
 
 // RINGLM_SIMD_TARGET=NAME (a Highway target name: AVX3_DL, AVX3, AVX2, SSE4, SSSE3, ...) makes

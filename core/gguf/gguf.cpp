@@ -81,19 +81,6 @@ uint64_t min_encoded_size(GgufValueType t) {
 
 bool valid_value_type(uint32_t t) { return t <= static_cast<uint32_t>(GgufValueType::FLOAT64); }
 
-bool is_integer_type(GgufValueType t) {
-  switch (t) {
-    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::UINT16: case GgufValueType::INT16:
-    case GgufValueType::UINT32: case GgufValueType::INT32: case GgufValueType::UINT64: case GgufValueType::INT64:
-    case GgufValueType::BOOL:
-      return true;
-    default:
-      return false;
-  }
-}
-
-bool is_float_type(GgufValueType t) { return t == GgufValueType::FLOAT32 || t == GgufValueType::FLOAT64; }
-
 // Reads one integer/bool/float scalar of the given type into `out`.
 void read_scalar(GgufCursor& c, GgufValueType t, GgufValue& out, const char* field) {
   switch (t) {
@@ -120,6 +107,19 @@ std::string_view gguf_value_type_name(GgufValueType t) {
   const auto i = static_cast<uint32_t>(t);
   return i < std::size(kNames) ? kNames[i] : std::string_view("unknown");
 }
+
+bool is_integer_type(GgufValueType t) {
+  switch (t) {
+    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::UINT16: case GgufValueType::INT16:
+    case GgufValueType::UINT32: case GgufValueType::INT32: case GgufValueType::UINT64: case GgufValueType::INT64:
+    case GgufValueType::BOOL:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool is_float_type(GgufValueType t) { return t == GgufValueType::FLOAT32 || t == GgufValueType::FLOAT64; }
 
 bool GgufValue::is_integer() const { return is_integer_type(type); }
 bool GgufValue::is_float() const { return is_float_type(type); }
@@ -394,31 +394,29 @@ std::optional<std::string_view> GgufFile::get_string(std::string_view key) const
   return v->str;
 }
 
-const std::vector<std::string_view>* GgufFile::get_string_array(std::string_view key) const {
+const GgufValue* GgufFile::find_array(std::string_view key, bool (*element_ok)(GgufValueType),
+                                     std::string_view wanted) const {
   const GgufValue* v = find(key);
-  if (v == nullptr) return nullptr;
-  if (v->type != GgufValueType::ARRAY || v->array_type != GgufValueType::STRING) {
-    fail(type_mismatch(key, *v, "an array of strings"));
+  if (v != nullptr && (v->type != GgufValueType::ARRAY || !element_ok(v->array_type))) {
+    fail(type_mismatch(key, *v, wanted));
   }
-  return &v->strings;
+  return v;
+}
+
+const std::vector<std::string_view>* GgufFile::get_string_array(std::string_view key) const {
+  const auto is_string = [](GgufValueType t) { return t == GgufValueType::STRING; };
+  const GgufValue* v = find_array(key, is_string, "an array of strings");
+  return v != nullptr ? &v->strings : nullptr;
 }
 
 const std::vector<int64_t>* GgufFile::get_int_array(std::string_view key) const {
-  const GgufValue* v = find(key);
-  if (v == nullptr) return nullptr;
-  if (v->type != GgufValueType::ARRAY || !is_integer_type(v->array_type)) {
-    fail(type_mismatch(key, *v, "an array of integers"));
-  }
-  return &v->ints;
+  const GgufValue* v = find_array(key, is_integer_type, "an array of integers");
+  return v != nullptr ? &v->ints : nullptr;
 }
 
 const std::vector<double>* GgufFile::get_float_array(std::string_view key) const {
-  const GgufValue* v = find(key);
-  if (v == nullptr) return nullptr;
-  if (v->type != GgufValueType::ARRAY || !is_float_type(v->array_type)) {
-    fail(type_mismatch(key, *v, "an array of floats"));
-  }
-  return &v->floats;
+  const GgufValue* v = find_array(key, is_float_type, "an array of floats");
+  return v != nullptr ? &v->floats : nullptr;
 }
 
 uint64_t GgufFile::require_uint(std::string_view key) const {

@@ -33,6 +33,9 @@ enum class GgufValueType : uint32_t {
 };
 
 std::string_view gguf_value_type_name(GgufValueType t);
+// The scalar kinds a value or an array's elements can be read as (bool counts as an integer).
+bool is_integer_type(GgufValueType t);
+bool is_float_type(GgufValueType t);
 
 // One metadata value. Scalars are widened (integers to int64/uint64, floats to double);
 // strings point into the mapping. Arrays of scalars and strings are fully parsed;
@@ -113,6 +116,9 @@ class GgufFile {
   void read_array_elements(GgufCursor& c, GgufValue& value, const std::string& field);
   void skip_value(GgufCursor& c, GgufValueType t, const std::string& field, int depth);
   void read_tensor_info(GgufCursor& c, uint64_t index);
+  // The array at `key` (null if absent) when element_ok accepts its elements' type; else fails
+  // saying it wanted `wanted`.
+  const GgufValue* find_array(std::string_view key, bool (*element_ok)(GgufValueType), std::string_view wanted) const;
 
   std::string path_;
   const uint8_t* base_ = nullptr;

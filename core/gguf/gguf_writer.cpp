@@ -32,6 +32,12 @@ struct Encoder {
     raw(&v, sizeof(T));
   }
   void type(GgufValueType t) { put(static_cast<uint32_t>(t)); }
+  // What comes before an array's elements: the array type, the elements' type, their count.
+  void array_header(GgufValueType element, size_t count) {
+    type(GgufValueType::ARRAY);
+    type(element);
+    put(static_cast<uint64_t>(count));
+  }
   void string(std::string_view s) {
     put(static_cast<uint64_t>(s.size()));
     raw(s.data(), s.size());
@@ -52,19 +58,6 @@ struct Encoder {
     put(v);
   }
 };
-
-bool is_integer_type(GgufValueType t) {
-  switch (t) {
-    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::UINT16: case GgufValueType::INT16:
-    case GgufValueType::UINT32: case GgufValueType::INT32: case GgufValueType::UINT64: case GgufValueType::INT64:
-    case GgufValueType::BOOL:
-      return true;
-    default:
-      return false;
-  }
-}
-
-bool is_float_type(GgufValueType t) { return t == GgufValueType::FLOAT32 || t == GgufValueType::FLOAT64; }
 
 uint64_t align_up(uint64_t n, size_t alignment) { return (n + alignment - 1) / alignment * alignment; }
 
@@ -131,9 +124,7 @@ void GgufWriter::set_string(std::string_view key, std::string_view v) {
 void GgufWriter::set_integer_array(std::string_view key, GgufValueType element, std::span<const int64_t> values) {
   if (!is_integer_type(element)) fail("metadata '" + std::string(key) + "': array of " + std::string(gguf_value_type_name(element)) + " given integers");
   Encoder e;
-  e.type(GgufValueType::ARRAY);
-  e.type(element);
-  e.put(static_cast<uint64_t>(values.size()));
+  e.array_header(element, values.size());
   for (const int64_t v : values) e.integer(element, v);
   put(key, std::move(e.bytes));
 }
@@ -141,18 +132,14 @@ void GgufWriter::set_integer_array(std::string_view key, GgufValueType element, 
 void GgufWriter::set_float_array(std::string_view key, GgufValueType element, std::span<const double> values) {
   if (!is_float_type(element)) fail("metadata '" + std::string(key) + "': array of " + std::string(gguf_value_type_name(element)) + " given floats");
   Encoder e;
-  e.type(GgufValueType::ARRAY);
-  e.type(element);
-  e.put(static_cast<uint64_t>(values.size()));
+  e.array_header(element, values.size());
   for (const double v : values) e.floating(element, v);
   put(key, std::move(e.bytes));
 }
 
 void GgufWriter::set_string_array(std::string_view key, std::span<const std::string_view> values) {
   Encoder e;
-  e.type(GgufValueType::ARRAY);
-  e.type(GgufValueType::STRING);
-  e.put(static_cast<uint64_t>(values.size()));
+  e.array_header(GgufValueType::STRING, values.size());
   for (const std::string_view v : values) e.string(v);
   put(key, std::move(e.bytes));
 }

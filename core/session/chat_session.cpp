@@ -7,15 +7,12 @@
 #include "core/gguf/gguf.h"
 #include "core/model/llama.h"
 #include "core/session/generation.h"
+#include "core/timing.h"
 #include "core/tokenizer/tokenizer.h"
 
 namespace ringlm {
 
 namespace {
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // The chat's words for why a reply ended (ChatTurnStats::stop_reason).
 const char* stop_reason(FinishReason finish) {

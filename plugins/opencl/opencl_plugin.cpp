@@ -20,6 +20,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backends/plugin_api.h"
@@ -1142,10 +1143,9 @@ std::string gemm_unsupported(const ringlm_context& ctx, int64_t m) {
   return "";
 }
 
-// matmul with what surrounds it fused (the GEMV kernel: up to kMaxM rows of x per call, as
-// matmul): the norm of its input, the residual after it, up to three weights of one input (q, k,
-// v) or the gated activation of two (gate and up).
-void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
+// matmul2's arguments that need no buffer: a shape the GEMV (or, past kMaxM rows, the GEMM)
+// takes, and fusions that go together.
+void check_matmul2_args(const ringlm_context& ctx, const ringlm_matmul2_args& a2) {
   const ringlm_matmul_args& a = a2.base;
   // Up to kMaxM rows the GEMV, past that the GEMM (gemm_unsupported says when it cannot).
   std::string why = matmul_unsupported(a.weight_format, std::min(a.m, kMaxM), a.n, a.k);
@@ -1165,107 +1165,147 @@ void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
           "matmul2: activation " + std::to_string(a2.activation));
   require(a2.accumulate == 0 || a2.n_more == 0, RINGLM_ERROR_INVALID_ARGUMENT,
           "matmul2: accumulate takes a single weight");
-  const bool norm = a2.rms_weight != nullptr;
-  const size_t k = static_cast<size_t>(a.k);
-  const size_t row_bytes = row_bytes_of(a.weight_format, k);
-  const size_t x_bytes = float_bytes(a.m, a.k, "matmul: x size");
-  const cl_mem x = buffer_range(ctx, a.x, a.x_offset, x_bytes, sizeof(float), "matmul x");
+}
 
-  // Every part: its weight (n rows), its y ([m][n]), checked; unused parts repeat the first.
-  struct Part {
-    const ringlm_buffer* weight;
-    int64_t n;
-    ringlm_buffer* y;
-    size_t y_offset;
-    cl_mem w_mem = nullptr, y_mem = nullptr;
-  };
-  std::array<Part, 3> parts{Part{a.weight, a.n, a.y, a.y_offset}, Part{a.weight, 0, a.y, a.y_offset},
-                            Part{a.weight, 0, a.y, a.y_offset}};
+// One weight of a matmul2 (n rows) and its y ([m][n]).
+struct Matmul2Part {
+  const ringlm_buffer* weight;
+  int64_t n;
+  ringlm_buffer* y;
+  size_t y_offset;
+  cl_mem w_mem = nullptr, y_mem = nullptr;
+};
+
+// A matmul2's buffers, checked: x, the norm's weight (x itself without a norm: never read) and
+// the three parts the kernels take (unused parts repeat the first).
+struct Matmul2Operands {
+  std::array<Matmul2Part, 3> parts;
+  int64_t total_rows = 0;
+  cl_mem x = nullptr, norm_w = nullptr;
+  bool norm = false, glu = false;
+
+  cl_ulong y_offset(int i) const { return cl_ulong{parts[static_cast<size_t>(i)].y_offset / sizeof(float)}; }
+};
+
+Matmul2Operands matmul2_operands(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
+  const ringlm_matmul_args& a = a2.base;
+  Matmul2Operands ops;
+  ops.norm = a2.rms_weight != nullptr;
+  ops.glu = a2.glu != 0;
+  const size_t row_bytes = row_bytes_of(a.weight_format, static_cast<size_t>(a.k));
+  const size_t x_bytes = float_bytes(a.m, a.k, "matmul: x size");
+  ops.x = buffer_range(ctx, a.x, a.x_offset, x_bytes, sizeof(float), "matmul x");
+  auto& parts = ops.parts;
+  parts = {Matmul2Part{a.weight, a.n, a.y, a.y_offset}, Matmul2Part{a.weight, 0, a.y, a.y_offset},
+           Matmul2Part{a.weight, 0, a.y, a.y_offset}};
   for (int i = 0; i < a2.n_more; ++i) {
     const ringlm_matmul_part& more = a2.more[i];
     require(more.n >= 1 && more.n <= INT32_MAX, RINGLM_ERROR_INVALID_ARGUMENT,
             "matmul2: more[" + std::to_string(i) + "].n = " + std::to_string(more.n));
-    parts[static_cast<size_t>(i) + 1] = Part{more.weight, more.n, more.y, more.y_offset};
+    parts[static_cast<size_t>(i) + 1] = Matmul2Part{more.weight, more.n, more.y, more.y_offset};
   }
-  int64_t total_rows = 0;
   for (int i = 0; i <= a2.n_more; ++i) {
-    Part& p = parts[static_cast<size_t>(i)];
+    Matmul2Part& p = parts[static_cast<size_t>(i)];
     const std::string name = i == 0 ? "matmul" : "matmul2 more[" + std::to_string(i - 1) + "]";
     p.w_mem = buffer_range(ctx, p.weight, 0, mul(static_cast<size_t>(p.n), row_bytes, "matmul: weight size"), 1,
                            (name + " weight").c_str());
-    total_rows += p.n;
-    if (glu && i == 1) continue;  // up's products stay inside the kernel
+    ops.total_rows += p.n;
+    if (ops.glu && i == 1) continue;  // up's products stay inside the kernel
     const size_t y_bytes = float_bytes(a.m, p.n, "matmul: y size");
     p.y_mem = buffer_range(ctx, p.y, p.y_offset, y_bytes, sizeof(float), (name + " y").c_str());
     require(!overlap(p.y, p.y_offset, y_bytes, a.x, a.x_offset, x_bytes), RINGLM_ERROR_INVALID_ARGUMENT,
             name + ": y overlaps x");
   }
-  require(total_rows <= INT32_MAX, RINGLM_ERROR_INVALID_ARGUMENT, "matmul2: too many rows");
-  for (Part& p : parts) {  // the kernel's unused arguments: valid buffers it never touches
+  require(ops.total_rows <= INT32_MAX, RINGLM_ERROR_INVALID_ARGUMENT, "matmul2: too many rows");
+  for (Matmul2Part& p : parts) {  // the kernel's unused arguments: valid buffers it never touches
     if (p.w_mem == nullptr) p.w_mem = parts[0].w_mem;
     if (p.y_mem == nullptr) p.y_mem = parts[0].y_mem;
   }
-  // Without a norm the weight argument is x itself, never read.
-  const cl_mem norm_w = norm ? buffer_range(ctx, a2.rms_weight, a2.rms_weight_offset, float_bytes(a.k, "matmul2: norm size"),
-                                            sizeof(float), "matmul2 rms_weight")
-                             : x;
-  const auto y_offset = [&](const Part& p) { return cl_ulong{p.y_offset / sizeof(float)}; };
-  if (a.m > kMaxM) {
-    const size_t tile = kGemmTile;
-    const size_t global[2] = {ceil_div(static_cast<size_t>(glu ? a.n : total_rows), tile) * 16,
-                              ceil_div(static_cast<size_t>(a.m), tile) * 16};
-    const size_t local[2] = {16, 16};
-    const FormatInfo& f = *format_info(a.weight_format);
-    if (ctx.int8_products && f.weights > 0 && a.weight_format != RINGLM_FORMAT_F32 &&
-        a.weight_format != RINGLM_FORMAT_F16) {
-      // x to int8 in the scratch memory ([m][k] codes, then [m][k / 32] pairs (d, s)), then the
-      // integer GEMM on it.
-      const size_t m = static_cast<size_t>(a.m);
-      const size_t code_bytes = mul(m, k, "matmul2: int8 x size");
-      const size_t ds_offset = ceil_div(code_bytes, 64) * 64;
-      const size_t ds_bytes = mul(m * (k / kBlock), 2 * sizeof(float), "matmul2: int8 x scales");
-      std::lock_guard lock(ctx.scratch_mutex);
-      const cl_mem scratch = scratch_buffer(ctx, ds_offset + ds_bytes);
-      const cl_ulong ds_pairs{ds_offset / (2 * sizeof(float))};
-      const size_t group = std::min<size_t>(64, group_cap(ctx, ctx.kernels[kQuantizeRowsQ8], 0));
-      const size_t q_global = mul(m, group, "matmul2: quantize grid");
-      launch(ctx, kQuantizeRowsQ8, 1, &q_global, &group, x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.k), norm_w,
-             cl_ulong{norm ? a2.rms_weight_offset / sizeof(float) : 0}, cl_float{a2.rms_eps}, cl_int{norm ? 1 : 0},
-             scratch, scratch, ds_pairs, LocalFloats{group});
-      launch(ctx, kGemmQ8, 2, global, local, parts[0].w_mem, parts[1].w_mem, parts[2].w_mem, as_int(parts[0].n),
-             as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), scratch, scratch, ds_pairs, as_int(a.m),
-             parts[0].y_mem, y_offset(parts[0]), parts[1].y_mem, glu ? cl_ulong{0} : y_offset(parts[1]),
-             parts[2].y_mem, y_offset(parts[2]), cl_int{a2.accumulate != 0 ? 1 : 0}, cl_int{glu ? 1 : 0},
-             cl_int{static_cast<cl_int>(a2.activation)}, cl_int{static_cast<cl_int>(f.format)},
-             cl_int{static_cast<cl_int>(f.bytes)}, LocalInts{tile * kGemmCodeStride},
-             LocalInts{tile * kGemmCodeStride}, LocalInts{tile * kGemmCodeStride}, LocalFloats{2 * tile},
-             LocalFloats{3 * tile}, LocalFloats{3 * tile});
-      return;
-    }
-    launch(ctx, kGemm, 2, global, local, parts[0].w_mem, parts[1].w_mem, parts[2].w_mem, as_int(parts[0].n),
-           as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
-           parts[0].y_mem, y_offset(parts[0]), parts[1].y_mem, glu ? cl_ulong{0} : y_offset(parts[1]), parts[2].y_mem,
-           y_offset(parts[2]), norm_w, cl_ulong{norm ? a2.rms_weight_offset / sizeof(float) : 0}, cl_float{a2.rms_eps},
-           cl_int{norm ? 1 : 0}, cl_int{a2.accumulate != 0 ? 1 : 0}, cl_int{glu ? 1 : 0},
-           cl_int{static_cast<cl_int>(a2.activation)}, cl_int{static_cast<cl_int>(f.format)},
-           cl_int{static_cast<cl_int>(f.bytes)}, LocalFloats{tile * kGemmTileStride},
-           LocalFloats{tile * kGemmTileStride}, LocalFloats{tile * kGemmTileStride}, LocalFloats{tile});
-    return;
+  ops.norm_w = ops.norm ? buffer_range(ctx, a2.rms_weight, a2.rms_weight_offset, float_bytes(a.k, "matmul2: norm size"),
+                                       sizeof(float), "matmul2 rms_weight")
+                        : ops.x;
+  return ops;
+}
+
+// The integer GEMM: x to int8 in the scratch memory ([m][k] codes, then [m][k / 32] pairs
+// (d, s)), then the GEMM on it.
+void launch_gemm_q8(ringlm_context& ctx, const ringlm_matmul2_args& a2, const Matmul2Operands& ops,
+                    const size_t* global, const size_t* local) {
+  const ringlm_matmul_args& a = a2.base;
+  const FormatInfo& f = *format_info(a.weight_format);
+  const auto& parts = ops.parts;
+  const size_t tile = kGemmTile, m = static_cast<size_t>(a.m), k = static_cast<size_t>(a.k);
+  const size_t code_bytes = mul(m, k, "matmul2: int8 x size");
+  const size_t ds_offset = ceil_div(code_bytes, 64) * 64;
+  const size_t ds_bytes = mul(m * (k / kBlock), 2 * sizeof(float), "matmul2: int8 x scales");
+  std::lock_guard lock(ctx.scratch_mutex);
+  const cl_mem scratch = scratch_buffer(ctx, ds_offset + ds_bytes);
+  const cl_ulong ds_pairs{ds_offset / (2 * sizeof(float))};
+  const size_t group = std::min<size_t>(64, group_cap(ctx, ctx.kernels[kQuantizeRowsQ8], 0));
+  const size_t q_global = mul(m, group, "matmul2: quantize grid");
+  launch(ctx, kQuantizeRowsQ8, 1, &q_global, &group, ops.x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.k), ops.norm_w,
+         cl_ulong{ops.norm ? a2.rms_weight_offset / sizeof(float) : 0}, cl_float{a2.rms_eps}, cl_int{ops.norm ? 1 : 0},
+         scratch, scratch, ds_pairs, LocalFloats{group});
+  launch(ctx, kGemmQ8, 2, global, local, parts[0].w_mem, parts[1].w_mem, parts[2].w_mem, as_int(parts[0].n),
+         as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), scratch, scratch, ds_pairs, as_int(a.m),
+         parts[0].y_mem, ops.y_offset(0), parts[1].y_mem, ops.glu ? cl_ulong{0} : ops.y_offset(1),
+         parts[2].y_mem, ops.y_offset(2), cl_int{a2.accumulate != 0 ? 1 : 0}, cl_int{ops.glu ? 1 : 0},
+         cl_int{static_cast<cl_int>(a2.activation)}, cl_int{static_cast<cl_int>(f.format)},
+         cl_int{static_cast<cl_int>(f.bytes)}, LocalInts{tile * kGemmCodeStride},
+         LocalInts{tile * kGemmCodeStride}, LocalInts{tile * kGemmCodeStride}, LocalFloats{2 * tile},
+         LocalFloats{3 * tile}, LocalFloats{3 * tile});
+}
+
+// Past kMaxM rows: the tiled GEMM, on int8 where the context multiplies int8 (launch_gemm_q8).
+void launch_gemm(ringlm_context& ctx, const ringlm_matmul2_args& a2, const Matmul2Operands& ops) {
+  const ringlm_matmul_args& a = a2.base;
+  const auto& parts = ops.parts;
+  const size_t tile = kGemmTile;
+  const size_t global[2] = {ceil_div(static_cast<size_t>(ops.glu ? a.n : ops.total_rows), tile) * 16,
+                            ceil_div(static_cast<size_t>(a.m), tile) * 16};
+  const size_t local[2] = {16, 16};
+  const FormatInfo& f = *format_info(a.weight_format);
+  if (ctx.int8_products && f.weights > 0 && a.weight_format != RINGLM_FORMAT_F32 &&
+      a.weight_format != RINGLM_FORMAT_F16) {
+    return launch_gemm_q8(ctx, a2, ops, global, local);
   }
+  launch(ctx, kGemm, 2, global, local, parts[0].w_mem, parts[1].w_mem, parts[2].w_mem, as_int(parts[0].n),
+         as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), ops.x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
+         parts[0].y_mem, ops.y_offset(0), parts[1].y_mem, ops.glu ? cl_ulong{0} : ops.y_offset(1), parts[2].y_mem,
+         ops.y_offset(2), ops.norm_w, cl_ulong{ops.norm ? a2.rms_weight_offset / sizeof(float) : 0},
+         cl_float{a2.rms_eps}, cl_int{ops.norm ? 1 : 0}, cl_int{a2.accumulate != 0 ? 1 : 0}, cl_int{ops.glu ? 1 : 0},
+         cl_int{static_cast<cl_int>(a2.activation)}, cl_int{static_cast<cl_int>(f.format)},
+         cl_int{static_cast<cl_int>(f.bytes)}, LocalFloats{tile * kGemmTileStride},
+         LocalFloats{tile * kGemmTileStride}, LocalFloats{tile * kGemmTileStride}, LocalFloats{tile});
+}
+
+// Up to kMaxM rows: the GEMV.
+void launch_gemv(ringlm_context& ctx, const ringlm_matmul2_args& a2, const Matmul2Operands& ops) {
+  const ringlm_matmul_args& a = a2.base;
+  const auto& parts = ops.parts;
   const KernelId id = gemv_kernel(a.weight_format);
-  const GemvGeometry g = gemv_geometry(ctx, ctx.kernels[id], glu ? a.n : total_rows);
+  const GemvGeometry g = gemv_geometry(ctx, ctx.kernels[id], ops.glu ? a.n : ops.total_rows);
   const size_t lsum_floats = std::max(2 * g.lanes * g.rows, kNormParts) * kMaxM;
   require((lsum_floats + kMaxM) * sizeof(float) <= local_budget(ctx, ctx.kernels[id]), RINGLM_ERROR_UNSUPPORTED,
           "matmul2: not enough local memory on this device");
   const size_t global[2] = {g.lanes, g.groups * g.rows};
   const size_t local[2] = {g.lanes, g.rows};
   launch(ctx, id, 2, global, local, parts[0].w_mem, parts[1].w_mem, parts[2].w_mem, as_int(parts[0].n),
-         as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
-         parts[0].y_mem, y_offset(parts[0]), parts[1].y_mem, glu ? cl_ulong{0} : y_offset(parts[1]), parts[2].y_mem,
-         y_offset(parts[2]), norm_w, cl_ulong{norm ? a2.rms_weight_offset / sizeof(float) : 0}, cl_float{a2.rms_eps},
-         cl_int{norm ? 1 : 0}, cl_int{a2.accumulate != 0 ? 1 : 0}, cl_int{glu ? 1 : 0},
-         cl_int{static_cast<cl_int>(a2.activation)}, LocalFloats{lsum_floats},
-         LocalFloats{static_cast<size_t>(kMaxM)});
+         as_int(parts[1].n), as_int(parts[2].n), as_int(a.k), ops.x, cl_ulong{a.x_offset / sizeof(float)}, as_int(a.m),
+         parts[0].y_mem, ops.y_offset(0), parts[1].y_mem, ops.glu ? cl_ulong{0} : ops.y_offset(1), parts[2].y_mem,
+         ops.y_offset(2), ops.norm_w, cl_ulong{ops.norm ? a2.rms_weight_offset / sizeof(float) : 0},
+         cl_float{a2.rms_eps}, cl_int{ops.norm ? 1 : 0}, cl_int{a2.accumulate != 0 ? 1 : 0}, cl_int{ops.glu ? 1 : 0},
+         cl_int{static_cast<cl_int>(a2.activation)}, LocalFloats{lsum_floats}, LocalFloats{static_cast<size_t>(kMaxM)});
+}
+
+// matmul with what surrounds it fused (the GEMV kernel: up to kMaxM rows of x per call, as
+// matmul): the norm of its input, the residual after it, up to three weights of one input (q, k,
+// v) or the gated activation of two (gate and up).
+void run_matmul2(ringlm_context& ctx, const ringlm_matmul2_args& a2) {
+  check_matmul2_args(ctx, a2);
+  const Matmul2Operands ops = matmul2_operands(ctx, a2);
+  if (a2.base.m > kMaxM) return launch_gemm(ctx, a2, ops);
+  launch_gemv(ctx, a2, ops);
 }
 
 // --- Top-k -----------------------------------------------------------------------------------
@@ -1406,18 +1446,21 @@ ringlm_buffer* api_alloc(ringlm_context* ctx, size_t bytes) {
 
 void api_free(ringlm_context* /*ctx*/, ringlm_buffer* buffer) { delete buffer; }
 
-int32_t api_upload(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
+// An entry point on a context: the context checked, then body(context), its errors caught.
+template <typename Body>
+int32_t on_context(ringlm_context* ctx, const char* name, Body body) {
   return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload: null context");
-    run_upload(*ctx, dst, offset, src, bytes);
+    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, std::string(name) + ": null context");
+    body(*ctx);
   });
 }
 
+int32_t api_upload(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
+  return on_context(ctx, "upload", [&](ringlm_context& c) { run_upload(c, dst, offset, src, bytes); });
+}
+
 int32_t api_download(ringlm_context* ctx, const ringlm_buffer* src, size_t offset, void* dst, size_t bytes) {
-  return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "download: null context");
-    run_download(*ctx, src, offset, dst, bytes);
-  });
+  return on_context(ctx, "download", [&](ringlm_context& c) { run_download(c, src, offset, dst, bytes); });
 }
 
 int32_t api_supports(const ringlm_context* ctx, const ringlm_op_desc* d) {
@@ -1455,10 +1498,9 @@ int32_t api_supports(const ringlm_context* ctx, const ringlm_op_desc* d) {
 // The ops: a context and arguments, checked, then the run_* above.
 template <typename Args, typename Run>
 int32_t op(ringlm_context* ctx, const Args* args, const char* name, Run run) {
-  return guarded([&] {
-    require(ctx != nullptr && args != nullptr, RINGLM_ERROR_INVALID_ARGUMENT,
-            std::string(name) + ": null " + (ctx == nullptr ? "context" : "arguments"));
-    run(*ctx, *args);
+  return on_context(ctx, name, [&](ringlm_context& c) {
+    require(args != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, std::string(name) + ": null arguments");
+    run(c, *args);
   });
 }
 
@@ -1474,33 +1516,19 @@ int32_t api_rope_shift(ringlm_context* ctx, const ringlm_rope_shift_args* args) 
 }
 
 int32_t api_upload_async(ringlm_context* ctx, ringlm_buffer* dst, size_t offset, const void* src, size_t bytes) {
-  return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "upload_async: null context");
-    run_upload_async(*ctx, dst, offset, src, bytes);
-  });
+  return on_context(ctx, "upload_async", [&](ringlm_context& c) { run_upload_async(c, dst, offset, src, bytes); });
 }
-int32_t api_finish(ringlm_context* ctx) {
-  return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "finish: null context");
-    run_finish(*ctx);
-  });
-}
+int32_t api_finish(ringlm_context* ctx) { return on_context(ctx, "finish", run_finish); }
 int32_t api_copy(ringlm_context* ctx, ringlm_buffer* dst, size_t dst_offset, const ringlm_buffer* src,
                  size_t src_offset, size_t bytes) {
-  return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "copy: null context");
-    run_copy(*ctx, dst, dst_offset, src, src_offset, bytes);
-  });
+  return on_context(ctx, "copy", [&](ringlm_context& c) { run_copy(c, dst, dst_offset, src, src_offset, bytes); });
 }
 int32_t api_rms_norm(ringlm_context* ctx, const ringlm_rms_norm_args* args) {
   return op(ctx, args, "rms_norm", run_rms_norm);
 }
 int32_t api_add(ringlm_context* ctx, const ringlm_add_args* args) { return op(ctx, args, "add", run_add); }
 int32_t api_scale(ringlm_context* ctx, ringlm_buffer* x, size_t x_offset, int64_t n, float factor) {
-  return guarded([&] {
-    require(ctx != nullptr, RINGLM_ERROR_INVALID_ARGUMENT, "scale: null context");
-    run_scale(*ctx, x, x_offset, n, factor);
-  });
+  return on_context(ctx, "scale", [&](ringlm_context& c) { run_scale(c, x, x_offset, n, factor); });
 }
 int32_t api_glu(ringlm_context* ctx, const ringlm_glu_args* args) { return op(ctx, args, "glu", run_glu); }
 int32_t api_rope(ringlm_context* ctx, const ringlm_rope_args* args) { return op(ctx, args, "rope", run_rope); }
@@ -1529,12 +1557,23 @@ int32_t api_counters(const ringlm_context* ctx, ringlm_counters* out) {
   });
 }
 
+constexpr const char* kDescription =
+    "OpenCL 1.2 devices: flat GEMM on F32/F16/Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL/Q4_K/Q5_K/Q6_K/IQ4_XS weights, "
+    "causal and sliding-window attention (split over the keys on long caches), shift-RoPE, row ops, top-k";
+
+// The description named 5 of the 12 formats once the others had come: a format added to
+// kFormats and not to the description does not build.
+constexpr bool names_every_format(std::string_view description) {
+  return std::all_of(std::begin(kFormats), std::end(kFormats),
+                     [&](const FormatInfo& f) { return description.find(f.name) != std::string_view::npos; });
+}
+static_assert(names_every_format(kDescription));
+
 constexpr ringlm_plugin kPlugin = {
     .abi_version = RINGLM_PLUGIN_ABI_VERSION,
     .struct_size = sizeof(ringlm_plugin),
     .name = "opencl",
-    .description = "OpenCL 1.2 devices: flat GEMM on Q4_0/Q4_1/Q8_0/F16/F32 weights, causal and sliding-window "
-                   "attention (split over the keys on long caches), shift-RoPE, row ops, top-k",
+    .description = kDescription,
     .last_error = api_last_error,
     .device_count = api_device_count,
     .device_info = api_device_info,
