@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "apps/common_options.h"
@@ -17,6 +18,7 @@
 #include "apps/speculative_options.h"
 #include "core/model/loader.h"
 #include "core/session/generation.h"
+#include "core/session/sequence_model.h"
 #include "core/timing.h"
 
 namespace ringlm {
@@ -115,85 +117,33 @@ void print_stats(const RunStats& s, const std::string& format) {
                per_second(s.decode_evals, s.decode_ms), s.load_ms, s.stop_reason.c_str());
 }
 
-void run(const RunOptions& o) {
-  const int n_threads = resolve_threads(o.model.n_threads);
-  omp_set_num_threads(n_threads);
-  PipelineProcess& process = this_process();
-  LoadedModel m = load_model(o.model, n_threads, stage_picker(process, o.model.layer_split));
-  if (serve_as_later_rank(process, m)) return;
-  const LlamaHparams& hp = m.model->hparams();
-  const int n_ctx = o.model.n_ctx > 0 ? o.model.n_ctx : hp.n_ctx_train;
-
-  const std::vector<int32_t> prompt =
-      m.tokenizer->encode(read_prompt(o), m.tokenizer->add_bos_by_default(), /*parse_special=*/true);
+// The prompt's tokens; refuses an empty prompt and one that leaves no room in the context.
+std::vector<int32_t> prompt_tokens(const RunOptions& o, const Tokenizer& tokenizer, int n_ctx) {
+  std::vector<int32_t> prompt = tokenizer.encode(read_prompt(o), tokenizer.add_bos_by_default(), /*parse_special=*/true);
   if (prompt.empty()) throw std::runtime_error("the prompt is empty");
   if (prompt.size() >= static_cast<size_t>(n_ctx)) {
     throw std::runtime_error("the prompt is " + std::to_string(prompt.size()) + " tokens, which does not fit the context of " +
                              std::to_string(n_ctx) + " tokens (raise -c)");
   }
+  return prompt;
+}
 
+// What the stats say of the model before it runs: its load and where its layers are.
+RunStats start_stats(const LoadedModel& m, int n_threads) {
   RunStats stats;
-  if (o.n_predict > 0) stats.token_ms.reserve(static_cast<size_t>(o.n_predict));
   stats.load_ms = m.load_ms;
   stats.n_threads = n_threads;
   stats.device = m.backend->offloads();
-  for (int layer = 0; layer < hp.n_layer; ++layer) stats.layer_device.push_back(m.backend->layer_device(layer));
-  stats.output_device = m.backend->layer_device(hp.n_layer);
-  stats.prompt_tokens = prompt.size();
-  KvCache cache = m.model->make_cache(n_ctx, o.cache);
-  Sampler sampler(o.sampling, hp.n_vocab);
-  std::vector<float> logits(static_cast<size_t>(hp.n_vocab));
-  // The most likely tokens only, when they are all the sampler needs (greedy, or top-k without
-  // penalties): a device then sends back those instead of the vocabulary.
-  std::vector<TopLogit> top(static_cast<size_t>(sampler.candidates_needed()));
-  const auto evaluate = [&](std::span<const int32_t> tokens) {
-    if (top.empty()) return m.model->forward(tokens, cache, logits.data());
-    m.model->forward_top(tokens, cache, top);
-  };
+  const int n_layer = m.model->hparams().n_layer;
+  for (int layer = 0; layer < n_layer; ++layer) stats.layer_device.push_back(m.backend->layer_device(layer));
+  stats.output_device = m.backend->layer_device(n_layer);
+  return stats;
+}
 
-  std::optional<LoadedModel> draft_model = load_draft_model(o.speculative, m, n_threads);
-  const std::unique_ptr<Drafter> drafter =
-      make_drafter(o.speculative, draft_model ? &*draft_model : nullptr, n_ctx, o.cache, o.sampling);
-
-  auto t0 = std::chrono::steady_clock::now();
-  evaluate(prompt);
-  if (drafter) drafter->start(prompt);
-  stats.prompt_ms = ms_since(t0);
-
-  t0 = std::chrono::steady_clock::now();
-  StopConditions stop;
-  stop.max_tokens = o.n_predict;
-  stop.ignore_eos = o.ignore_eos;
-  Generation generation(*m.tokenizer, sampler, std::move(stop), prompt);
-  SequenceModel sequence;
-  sequence.evaluate = [&](int32_t token) {
-    const auto step = std::chrono::steady_clock::now();
-    const DeviceCounters before = m.backend->counters();
-    evaluate(std::span<const int32_t>(&token, 1));
-    stats.token_ms.push_back(ms_since(step));
-    if (stats.device) {
-      const DeviceCounters after = m.backend->counters();
-      stats.token_device.push_back({after.launches - before.launches, after.upload_bytes - before.upload_bytes,
-                                    after.download_bytes - before.download_bytes, after.waits - before.waits});
-    }
-    ++stats.decode_evals;
-  };
-  sequence.has_room = [&] { return has_room(cache); };
-  std::vector<float> draft_logits;
-  if (drafter) {
-    sequence.evaluate_draft = [&](std::span<const int32_t> tokens) {
-      const auto step = std::chrono::steady_clock::now();
-      draft_logits.resize(tokens.size() * static_cast<size_t>(hp.n_vocab));
-      m.model->forward_steps(tokens, cache, draft_logits.data());
-      stats.token_ms.push_back(ms_since(step));
-      return std::span<float>(draft_logits);
-    };
-    sequence.rollback = [&](int n) { cache.rollback(n); };
-    sequence.draft_room = [&] { return draft_room(cache); };
-  }
+// generate()'s options for run: stream to stdout; with a guesser, its costs and counts.
+GenerateOptions generate_options(const RunOptions& o, const LoadedModel& m, int n_threads, bool speculative, RunStats& stats) {
   GenerateOptions options;
-  if (drafter) {
-    options.drafter = drafter.get();
+  if (speculative) {
     options.pass_cost = checking_pass_cost(m, n_threads);
     stats.pass_cost_measured = options.pass_cost.is_measured();
     stats.guesser = o.speculative.lookup > 0 ? "lookup" : "draft model";
@@ -204,17 +154,64 @@ void run(const RunOptions& o) {
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
   };
-  const FinishReason finish = generate(generation, TokenScores{logits, top}, sequence, options);
-  stats.decode_ms = ms_since(t0);
+  return options;
+}
+
+// The decode passes' times (and, on a device, a single token's step's counters) into the stats.
+void add_decode_passes(RunStats& stats, const SequenceModel& sequence) {
+  for (const DecodePass& pass : sequence.passes()) {
+    stats.token_ms.push_back(pass.ms);
+    if (pass.tokens > 1) continue;  // a checking pass: counted below
+    ++stats.decode_evals;
+    if (stats.device) stats.token_device.push_back(pass.device);
+  }
   // A checking pass evaluated its first token and the draft tokens it accepted.
   stats.decode_evals += static_cast<size_t>(stats.speculation.passes + stats.speculation.accepted);
+}
+
+void run(const RunOptions& o) {
+  const int n_threads = resolve_threads(o.model.n_threads);
+  omp_set_num_threads(n_threads);
+  PipelineProcess& process = this_process();
+  LoadedModel m = load_model(o.model, n_threads, stage_picker(process, o.model.layer_split));
+  if (serve_as_later_rank(process, m)) return;
+  const LlamaHparams& hp = m.model->hparams();
+  const int n_ctx = o.model.n_ctx > 0 ? o.model.n_ctx : hp.n_ctx_train;
+  const std::vector<int32_t> prompt = prompt_tokens(o, *m.tokenizer, n_ctx);
+
+  RunStats stats = start_stats(m, n_threads);
+  stats.prompt_tokens = prompt.size();
+  KvCache cache = m.model->make_cache(n_ctx, o.cache);
+  Sampler sampler(o.sampling, hp.n_vocab);
+  std::optional<LoadedModel> draft_model = load_draft_model(o.speculative, m, n_threads);
+  const std::unique_ptr<Drafter> drafter =
+      make_drafter(o.speculative, draft_model ? &*draft_model : nullptr, n_ctx, o.cache, o.sampling);
+  // The most likely tokens only, when they are all the sampler needs (greedy, or top-k without
+  // penalties): a device then sends back those instead of the vocabulary.
+  SequenceModel sequence(*m.model, std::move(cache), sampler.candidates_needed(), drafter.get());
+
+  auto t0 = std::chrono::steady_clock::now();
+  sequence.prefill(prompt);
+  if (drafter) drafter->start(prompt);
+  stats.prompt_ms = ms_since(t0);
+
+  t0 = std::chrono::steady_clock::now();
+  StopConditions stop;
+  stop.max_tokens = o.n_predict;
+  stop.ignore_eos = o.ignore_eos;
+  Generation generation(*m.tokenizer, sampler, std::move(stop), prompt);
+  sequence.record_passes(stats.device ? m.backend.get() : nullptr);
+  const GenerateOptions options = generate_options(o, m, n_threads, drafter != nullptr, stats);
+  const FinishReason finish = generate(generation, sequence, options);
+  stats.decode_ms = ms_since(t0);
+  add_decode_passes(stats, sequence);
   stats.gen_tokens = static_cast<size_t>(generation.n_tokens());
   stats.stop_reason = stop_reason(finish);
   if (finish == FinishReason::kContextFull) {
     std::fprintf(stderr, "\nringlm: context of %d tokens is full; stopping (raise -c, or drop --no-context-shift)\n", n_ctx);
   }
-  stats.n_shifts = cache.shifts();
-  stats.n_discarded = cache.discarded();
+  stats.n_shifts = sequence.cache().shifts();
+  stats.n_discarded = sequence.cache().discarded();
   m.model->close_pipeline();
   print_stats(stats, o.stats_format);
 }

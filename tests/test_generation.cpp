@@ -24,6 +24,7 @@
 #include "core/model/loader.h"
 #include "core/scheduler/batch_scheduler.h"
 #include "core/session/generation.h"
+#include "core/session/sequence_model.h"
 #include "core/tokenizer/tokenizer.h"
 
 namespace ringlm {
@@ -267,22 +268,27 @@ TEST_F(GenerationTest, DrawingChangesNothingUntilTheTokenIsTaken) {
 // ---------------------------------------------------------------------------------------------
 // generate() on a scripted model: the logits always point at the next token of a script.
 
-class ScriptedModel {
+class ScriptedModel final : public GenerationModel {
  public:
   ScriptedModel(const Tokenizer& tok, std::vector<int32_t> script, int room)
       : script_(std::move(script)), room_(room), logits_(static_cast<size_t>(tok.n_vocab()), 0.0f) {
     point_at(0);
   }
-  SequenceModel sequence() {
-    SequenceModel m;
-    m.evaluate = [this](int32_t token) {
-      evaluated_.push_back(token);
-      point_at(evaluated_.size());
-    };
-    m.has_room = [this] { return static_cast<int>(evaluated_.size()) < room_; };
-    return m;
+  TokenScores scores() override { return {logits_, {}}; }
+  DroppedTokens evaluate(int32_t token) override {
+    evaluated_.push_back(token);
+    point_at(evaluated_.size());
+    return {};
   }
-  std::span<float> logits() { return logits_; }
+  bool has_room() const override { return static_cast<int>(evaluated_.size()) < room_; }
+  // No speculative decoding here: generate() never asks for the rest.
+  Drafter* drafter() const override { return nullptr; }
+  std::span<float> evaluate_draft(std::span<const int32_t>) override {
+    ADD_FAILURE() << "no drafter, no draft";
+    return {};
+  }
+  void rollback(int) override { ADD_FAILURE() << "no drafter, no rollback"; }
+  int draft_room() const override { return 0; }
   const std::vector<int32_t>& evaluated() const { return evaluated_; }
 
  private:
@@ -318,7 +324,7 @@ Generated run_script(const Tokenizer& tok, const std::vector<int32_t>& script, S
   };
   o.interrupt = flag;
   o.evaluate_every_token = evaluate_every_token;
-  const FinishReason finish = generate(g, model.logits(), model.sequence(), o);
+  const FinishReason finish = generate(g, model, o);
   EXPECT_EQ(shown, g.text());
   return {finish, shown, g.n_tokens(), model.evaluated()};
 }
@@ -398,18 +404,14 @@ class GenerationOnModel : public ::testing::Test {
   // Greedy generation of one prompt through generate(), as `ringlm run` does it.
   static Streamed stream(const std::vector<int32_t>& prompt, StopConditions stop) {
     LlamaModel& model = *loaded_->model;
-    KvCache cache = model.make_cache(256);
-    std::vector<float> logits(static_cast<size_t>(model.hparams().n_vocab));
-    model.forward(prompt, cache, logits.data());
+    SequenceModel sequence(model, model.make_cache(256));
+    sequence.prefill(prompt);
     Sampler sampler(greedy(), model.hparams().n_vocab);
     Generation g(*loaded_->tokenizer, sampler, std::move(stop), prompt);
-    SequenceModel sequence;
-    sequence.evaluate = [&](int32_t t) { model.forward(std::span<const int32_t>(&t, 1), cache, logits.data()); };
-    sequence.has_room = [&] { return has_room(cache); };
     Streamed out;
     GenerateOptions o;
     o.on_text = [&](std::string_view p) { out.pieces.emplace_back(p); };
-    out.finish = generate(g, logits, sequence, o);
+    out.finish = generate(g, sequence, o);
     out.text = std::string(g.text());
     out.tokens.assign(g.history().begin() + static_cast<std::ptrdiff_t>(prompt.size()), g.history().end());
     return out;

@@ -28,6 +28,7 @@
 #include "core/speculative/draft_model.h"
 #include "core/speculative/prompt_lookup.h"
 #include "core/session/generation.h"
+#include "core/session/sequence_model.h"
 #include "tests/build_scale.h"
 #include "tests/command_runner.h"
 
@@ -380,33 +381,21 @@ TEST(SpeculativeSampling, FollowsTheModelsDistribution) {
       drafter = std::make_unique<TopThreeOracle>(tree, prompt.size(), guesser == "certain guesses", outsider);
     }
     Sampler sampler(params, static_cast<int>(vocab));
-    KvCache cache = model.make_cache(64);
-    std::vector<float> logits(vocab), rows;
-    SequenceModel sequence;
-    sequence.evaluate = [&](int32_t token) { model.forward(std::span<const int32_t>(&token, 1), cache, logits.data()); };
-    sequence.has_room = [&] { return has_room(cache); };
-    sequence.evaluate_draft = [&](std::span<const int32_t> pass) {
-      rows.resize(pass.size() * vocab);
-      model.forward_steps(pass, cache, rows.data());
-      return std::span<float>(rows);
-    };
-    sequence.rollback = [&](int k) { cache.rollback(k); };
-    sequence.draft_room = [&] { return draft_room(cache); };
+    SequenceModel sequence(model, model.make_cache(64), /*top_k=*/0, drafter.get());
     SpeculationStats stats;
     GenerateOptions options;
-    options.drafter = drafter.get();
     options.speculation = &stats;
     std::map<Tokens, int> counts;
-    std::vector<float> prompt_logits(vocab);
-    model.forward(prompt, cache, prompt_logits.data());
+    sequence.prefill(prompt);
+    const std::vector<float> prompt_logits(sequence.logits().begin(), sequence.logits().end());
     for (int t = 0; t < n; ++t) {
-      cache.rollback(cache.size() - static_cast<int>(prompt.size()));  // back to the prompt alone
-      logits = prompt_logits;
+      sequence.rollback(sequence.cache().size() - static_cast<int>(prompt.size()));  // back to the prompt alone
+      std::ranges::copy(prompt_logits, sequence.scores().logits.begin());
       StopConditions stop;
       stop.max_tokens = 3;
       stop.ignore_eos = true;
       Generation g(*m.tokenizer, sampler, stop, prompt);
-      generate(g, logits, sequence, options);
+      generate(g, sequence, options);
       ASSERT_EQ(g.n_tokens(), 3);
       ++counts[Tokens(g.history().end() - 3, g.history().end())];
     }

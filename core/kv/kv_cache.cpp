@@ -145,6 +145,8 @@ int KvCache::contiguous_free() const {
   return std::min(ring_capacity() - ring_count_, ring_capacity() - tail);
 }
 
+int KvCache::draft_room() const { return std::max(0, std::min(contiguous_free() - 1, max_rollback())); }
+
 int KvCache::append(int n) {
   if (n < 0 || n > contiguous_free()) {
     throw std::length_error("KV cache full: " + std::to_string(size()) + " cached + " + std::to_string(n) +

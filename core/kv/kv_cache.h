@@ -149,6 +149,12 @@ class KvCache {
   bool can_shift() const { return options_.context_shift && prefix_ == nullptr; }
   // Tokens the sequence's attention sees: the prefix's and this cache's.
   int context_size() const { return prefix_tokens() + size(); }
+  // Whether the cache can take one more token: it has a free slot, or it shifts when full.
+  bool has_room() const { return can_shift() || context_size() < capacity(); }
+  // How many draft tokens may follow the next token in one pass: what fits before a context
+  // shift would be needed (decoding shifts at the token that needs it, not earlier), and what a
+  // rollback can forget.
+  int draft_room() const;
 
   // The sequence's decode attention state, kept between steps: FlashDecoding++'s unified max of
   // each (layer, query head)'s scores. The model sizes it on first use; empty or NaN: not known

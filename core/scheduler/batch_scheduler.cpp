@@ -357,7 +357,7 @@ Draft BatchScheduler::propose_draft(Slot& s, size_t budget) {
   // Log-probabilities come with each drawn token: those sequences go a token at a time.
   if (s.drafter == nullptr || g.finished() || s.request.top_logprobs >= 0) return {};
   int limit = s.draft_length.next_limit();
-  limit = std::min({limit, draft_room(s.cache), static_cast<int>(std::min<size_t>(budget, 1 << 20))});  // budget <= max_batch
+  limit = std::min({limit, s.cache.draft_room(), static_cast<int>(std::min<size_t>(budget, 1 << 20))});  // budget <= max_batch
   if (s.request.draft_max > 0) limit = std::min(limit, s.request.draft_max);
   if (g.tokens_left() >= 0) limit = std::min(limit, g.tokens_left());
   if (limit <= 0) return {};
@@ -506,7 +506,7 @@ bool BatchScheduler::take_token(Slot& s, const std::function<void(GenerationResu
     const int taken_before = g.n_tokens();
     emit(s, s.drawn, g.take(s.drawn));
     generated_tokens_ += g.n_tokens() - taken_before;
-    if (!g.finished() && !has_room(s.cache)) emit(s, -1, g.finish(FinishReason::kContextFull));
+    if (!g.finished() && !s.cache.has_room()) emit(s, -1, g.finish(FinishReason::kContextFull));
   }
   if (g.finished()) {
     finish(s, on_done);

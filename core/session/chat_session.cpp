@@ -63,8 +63,8 @@ ChatSession::ChatSession(LlamaModel& model, const Tokenizer& tokenizer, ChatTemp
       template_(std::move(chat_template)),
       options_(options),
       sampler_(options.sampling, model.hparams().n_vocab),
-      cache_(model.make_cache(options.n_ctx, cache_options_for(static_cast<int>(conversation_start_tokens("").size())))),
-      logits_(static_cast<size_t>(model.hparams().n_vocab)) {
+      sequence_(model, model.make_cache(options.n_ctx, cache_options_for(static_cast<int>(conversation_start_tokens("").size()))),
+                /*top_k=*/0, options.drafter) {
   system_tokens_ = static_cast<int>(conversation_start_tokens(system_).size());
   // A reply ends at the vocabulary's end-of-generation tokens and at the format's own marker,
   // which some vocabularies do not flag as one (a GGUF converted without it).
@@ -91,47 +91,13 @@ KvCacheOptions ChatSession::cache_options_for(int start_tokens) const {
 void ChatSession::clear_cache() {
   system_tokens_ = static_cast<int>(conversation_start_tokens(system_).size());
   const KvCacheOptions opts = cache_options_for(system_tokens_);
-  if (opts.n_keep != cache_.n_keep()) {
-    cache_ = model_.make_cache(options_.n_ctx, opts);
+  if (opts.n_keep != cache().n_keep()) {
+    sequence_.replace_cache(model_.make_cache(options_.n_ctx, opts));
   } else {
-    cache_.clear();
+    sequence_.clear();
   }
-  context_.clear();
   started_ = false;
   pending_text_.clear();
-}
-
-int ChatSession::evaluate(const std::vector<int32_t>& tokens) {
-  if (tokens.empty()) return 0;
-  // forward() shifts the cache on its own when it fills. Each shift drops the oldest tokens
-  // after the sinks, so all of them together are the oldest `dropped` after the sinks of the
-  // context with the new tokens appended.
-  const int64_t discarded_before = cache_.discarded();
-  model_.forward(tokens, cache_, logits_.data());
-  append(context_, tokens);
-  const auto dropped = static_cast<ptrdiff_t>(cache_.discarded() - discarded_before);
-  const auto sinks = context_.begin() + cache_.n_keep();
-  context_.erase(sinks, sinks + dropped);
-  evaluated_total_ += static_cast<int64_t>(tokens.size());
-  return static_cast<int>(dropped);
-}
-
-std::span<float> ChatSession::evaluate_draft(std::span<const int32_t> tokens) {
-  draft_rows_.resize(tokens.size() * logits_.size());
-  model_.forward_steps(tokens, cache_, draft_rows_.data());
-  context_.insert(context_.end(), tokens.begin(), tokens.end());
-  evaluated_total_ += static_cast<int64_t>(tokens.size());
-  draft_pass_ = tokens.size();
-  return draft_rows_;
-}
-
-void ChatSession::rollback(int n) {
-  cache_.rollback(n);
-  context_.resize(context_.size() - static_cast<size_t>(n));
-  evaluated_total_ -= n;
-  // logits() is the last kept token's row, as if it had been evaluated alone.
-  const size_t row = draft_pass_ - 1 - static_cast<size_t>(n);
-  std::copy_n(draft_rows_.begin() + static_cast<std::ptrdiff_t>(row * logits_.size()), logits_.size(), logits_.begin());
 }
 
 ChatTurnStats ChatSession::reply(std::string_view user_message, const std::function<void(std::string_view)>& on_text,
@@ -141,22 +107,22 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
   std::vector<int32_t> tokens = started_ ? std::vector<int32_t>{} : conversation_start_tokens(system_);
   append(tokens, tokenizer_.encode(pending_text_ + template_.user_turn(user_message, turns_.empty(), system_),
                                    /*add_bos=*/false, /*parse_special=*/true));
-  const int room = cache_.capacity() - cache_.n_keep();  // what a shift can make free
+  const int room = cache().capacity() - cache().n_keep();  // what a shift can make free
   const int message_tokens = static_cast<int>(tokens.size()) - (started_ ? 0 : system_tokens_);
   if (message_tokens >= room) {
     throw std::invalid_argument("the message is " + std::to_string(message_tokens) + " tokens; with the " +
-                                std::to_string(cache_.n_keep()) + " kept tokens of the system prompt, the context of " +
-                                std::to_string(cache_.capacity()) + " holds at most " + std::to_string(room - 1) +
+                                std::to_string(cache().n_keep()) + " kept tokens of the system prompt, the context of " +
+                                std::to_string(cache().capacity()) + " holds at most " + std::to_string(room - 1) +
                                 " (raise -c)");
   }
-  if (!cache_.options().context_shift && cache_.size() + static_cast<int>(tokens.size()) >= cache_.capacity()) {
-    throw std::invalid_argument("the context of " + std::to_string(cache_.capacity()) +
+  if (!cache().options().context_shift && cache().size() + static_cast<int>(tokens.size()) >= cache().capacity()) {
+    throw std::invalid_argument("the context of " + std::to_string(cache().capacity()) +
                                 " tokens is full (context shift is off): /reset, or raise -c");
   }
 
   ChatTurnStats stats;
   auto t0 = std::chrono::steady_clock::now();
-  evaluate(tokens);
+  sequence_.prefill(tokens);
   started_ = true;
   pending_text_.clear();
   turns_.push_back({std::string(user_message), {}});
@@ -169,26 +135,17 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
   StopConditions until;
   until.max_tokens = options_.n_predict;
   until.end_tokens = end_of_turn_tokens_;
-  Generation generation(tokenizer_, sampler_, std::move(until), context_);
-  SequenceModel sequence;
-  sequence.evaluate = [&](int32_t token) {
-    const int dropped = evaluate({token});
-    if (dropped > 0) generation.drop_history(static_cast<size_t>(cache_.n_keep()), static_cast<size_t>(dropped));
-  };
-  sequence.has_room = [&] { return has_room(cache_); };
+  Generation generation(tokenizer_, sampler_, std::move(until), context());
   GenerateOptions options;
   options.on_text = on_text;
   options.interrupt = stop;
   options.evaluate_every_token = true;
-  if (options_.drafter != nullptr) {  // a draft never crosses a context shift (draft_room): nothing to drop
-    sequence.evaluate_draft = [&](std::span<const int32_t> pass) { return evaluate_draft(pass); };
-    sequence.rollback = [&](int n) { rollback(n); };
-    sequence.draft_room = [&] { return draft_room(cache_); };
-    options.drafter = options_.drafter;
+  options.forget_dropped_history = true;
+  if (options_.drafter != nullptr) {
     options.pass_cost = options_.pass_cost;
     options.speculation = &stats.speculation;
   }
-  stats.stop_reason = stop_reason(generate(generation, logits_, sequence, options));
+  stats.stop_reason = stop_reason(generate(generation, sequence_, options));
   stats.reply_tokens = generation.n_tokens();
   turns_.back().assistant = std::string(generation.text());
   stats.reply_ms = ms_since(t0);
@@ -236,14 +193,14 @@ int ChatSession::replace_conversation(std::string system, std::vector<Turn> turn
   // Everything that can refuse the new conversation runs before the old one is touched.
   const std::vector<int32_t> tokens = conversation_tokens(system, turns);
   cache_options_for(static_cast<int>(conversation_start_tokens(system).size()));
-  if (!cache_.options().context_shift && static_cast<int>(tokens.size()) >= cache_.capacity()) {
+  if (!cache().options().context_shift && static_cast<int>(tokens.size()) >= cache().capacity()) {
     throw std::invalid_argument("the conversation is " + std::to_string(tokens.size()) + " tokens, more than the context of " +
-                                std::to_string(cache_.capacity()) + " holds with context shift off (raise -c)");
+                                std::to_string(cache().capacity()) + " holds with context shift off (raise -c)");
   }
   system_ = std::move(system);
   turns_ = std::move(turns);
   clear_cache();
-  evaluate(tokens);
+  sequence_.prefill(tokens);
   started_ = true;
   pending_text_ = turns_.empty() ? std::string() : template_.reply_end();
   return static_cast<int>(tokens.size());

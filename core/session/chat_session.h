@@ -25,6 +25,7 @@
 #include "core/sampling/sampler.h"
 #include "core/session/chat_template.h"
 #include "core/session/generation.h"
+#include "core/session/sequence_model.h"
 #include "core/speculative/draft_length.h"
 #include "core/speculative/drafter.h"
 
@@ -92,14 +93,14 @@ class ChatSession {
   const ChatTemplate& chat_template() const { return template_; }
 
   // Token ids in the KV cache, oldest first (sinks included); context().size() == cache().size().
-  const std::vector<int32_t>& context() const { return context_; }
-  const KvCache& cache() const { return cache_; }
+  const std::vector<int32_t>& context() const { return sequence_.tokens(); }
+  const KvCache& cache() const { return sequence_.cache(); }
   // The logits after the last evaluated token: what the next token is sampled from.
-  std::span<const float> logits() const { return logits_; }
+  std::span<const float> logits() const { return sequence_.logits(); }
   // Tokens of BOS + system prompt: the sinks cover at least these.
   int system_tokens() const { return system_tokens_; }
   // Tokens evaluated since the session began (prefill and replies): what re-evaluating would cost.
-  int64_t evaluated_total() const { return evaluated_total_; }
+  int64_t evaluated_total() const { return sequence_.evaluated(); }
 
  private:
   struct Turn {
@@ -115,10 +116,6 @@ class ChatSession {
   // Empties the cache for a conversation under system_; makes a new one when the sinks must
   // cover a different number of tokens.
   void clear_cache();
-  // Evaluates `tokens` at the end of the context, keeping context_ in step with the cache's
-  // shifts; the logits of the last token land in logits_. Returns how many tokens the shifts
-  // dropped (the oldest after the sinks).
-  int evaluate(const std::vector<int32_t>& tokens);
   // The tokens of a whole conversation, in the pieces reply() would have evaluated.
   std::vector<int32_t> conversation_tokens(std::string_view system, const std::vector<Turn>& turns) const;
   // Makes (system, turns) the conversation and prefills it; refuses (unchanged) if it cannot fit.
@@ -129,22 +126,15 @@ class ChatSession {
   ChatTemplate template_;
   ChatSessionOptions options_;
   Sampler sampler_;
-  std::string system_;  // declared before cache_: the sinks are sized from it
-  KvCache cache_;
-  std::vector<int32_t> context_;
-  std::vector<float> logits_;
-  std::vector<float> draft_rows_;  // the last checking pass's logits, a row per token
-  size_t draft_pass_ = 0;          // ... and its tokens
-  // Runs a token and its draft in one checking pass; rollback() then forgets the rejected ones.
-  std::span<float> evaluate_draft(std::span<const int32_t> tokens);
-  void rollback(int n);
+  std::string system_;  // declared before sequence_: the sinks are sized from it
+  // The conversation in the cache (the model's full logits: a chat's sampler may need them all).
+  SequenceModel sequence_;
   std::vector<int32_t> end_of_turn_tokens_;  // single tokens that end a reply besides the vocab's EOG
 
   int system_tokens_ = 0;
   std::vector<Turn> turns_;
   bool started_ = false;       // the conversation start (BOS, system prompt) is in the cache
   std::string pending_text_;  // the end of the last reply, evaluated with the next user message
-  int64_t evaluated_total_ = 0;
 };
 
 }  // namespace ringlm

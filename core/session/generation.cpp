@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "core/kv/kv_cache.h"
 #include "core/speculative/draft_length.h"
 #include "core/speculative/drafter.h"
 
@@ -104,28 +103,24 @@ void Generation::drop_history(size_t first, size_t count) {
   history_.erase(begin, begin + static_cast<std::ptrdiff_t>(count));
 }
 
-bool has_room(const KvCache& cache) { return cache.can_shift() || cache.context_size() < cache.capacity(); }
-
-int draft_room(const KvCache& cache) { return std::max(0, std::min(cache.contiguous_free() - 1, cache.max_rollback())); }
-
 namespace {
 
 // One sequence's loop, plain or speculative.
 class GenerationLoop {
  public:
-  GenerationLoop(Generation& g, TokenScores scores, const SequenceModel& model, const GenerateOptions& options)
-      : g_(g), scores_(scores), model_(model), options_(options), draft_length_(options.pass_cost) {}
+  GenerationLoop(Generation& g, GenerationModel& model, const GenerateOptions& options)
+      : g_(g), model_(model), options_(options), draft_length_(options.pass_cost) {}
 
   FinishReason run() {
-    int32_t token = draw(scores_);
+    int32_t token = draw(model_.scores());
     while (!g_.finished()) {
       // Takes the token; false when the sequence ended without anything left to evaluate.
       if (!take(token)) break;
       const Draft draft = guess();
       if (draft.tokens.empty()) {
-        model_.evaluate(token);
+        evaluate(token);
         if (g_.finished() || interrupted()) break;
-        token = draw(scores_);
+        token = draw(model_.scores());
       } else {
         token = check_draft(token, draft);
         if (token < 0 || interrupted()) break;
@@ -136,6 +131,11 @@ class GenerationLoop {
 
  private:
   int32_t draw(TokenScores scores) { return scores.top.empty() ? g_.draw(scores.logits) : g_.draw_top(scores.top); }
+
+  void evaluate(int32_t token) {
+    const DroppedTokens dropped = model_.evaluate(token);
+    if (options_.forget_dropped_history) g_.drop_history(dropped.first, dropped.count);
+  }
 
   void show(const GenerationStep& step) {
     if (!step.text.empty() && options_.on_text) options_.on_text(step.text);
@@ -169,11 +169,12 @@ class GenerationLoop {
   // The draft to check with the token just taken: none without a guesser, when the sequence has
   // ended (the last token is evaluated alone), or when the cache has no room for one.
   Draft guess() {
-    if (options_.drafter == nullptr || !model_.evaluate_draft || g_.finished()) return {};
+    Drafter* drafter = model_.drafter();
+    if (drafter == nullptr || g_.finished()) return {};
     int limit = std::min(draft_length_.next_limit(), model_.draft_room());
     if (g_.tokens_left() >= 0) limit = std::min(limit, g_.tokens_left());  // no guess past the token limit
     if (limit <= 0) return {};
-    return options_.drafter->guess(g_.history(), limit);
+    return drafter->guess(g_.history(), limit);
   }
 
   // Evaluates `token` and `draft` in one pass and takes the draft's tokens while the row before
@@ -219,16 +220,15 @@ class GenerationLoop {
   }
 
   Generation& g_;
-  TokenScores scores_;
-  const SequenceModel& model_;
+  GenerationModel& model_;
   const GenerateOptions& options_;
   DraftLength draft_length_;
 };
 
 }  // namespace
 
-FinishReason generate(Generation& g, TokenScores scores, const SequenceModel& model, const GenerateOptions& options) {
-  return GenerationLoop(g, scores, model, options).run();
+FinishReason generate(Generation& g, GenerationModel& model, const GenerateOptions& options) {
+  return GenerationLoop(g, model, options).run();
 }
 
 }  // namespace ringlm

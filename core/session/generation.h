@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstddef>
 #include <functional>
 #include <span>
 #include <string>
@@ -29,8 +30,6 @@
 #include "core/tokenizer/tokenizer.h"
 
 namespace ringlm {
-
-class KvCache;
 
 // Why a sequence ended. Each command names these in its own words (finish_reason_name() gives
 // the OpenAI API's, which batch and serve use).
@@ -119,33 +118,48 @@ class Generation {
   FinishReason finish_ = FinishReason::kNone;
 };
 
-// Whether `cache` can take one more token: it has a free slot, or it shifts when full.
-bool has_room(const KvCache& cache);
-// How many draft tokens may follow the next token in one pass over `cache`: what fits before a
-// context shift would be needed, and what a rollback can forget.
-int draft_room(const KvCache& cache);
+// Where generate() finds the scores of the sequence's next token, which every evaluate
+// replaces: the whole vocabulary's logits or, when `top` is not empty, only the most likely
+// tokens (the sampler's candidates_needed() of them, as LlamaModel::forward_top leaves them).
+struct TokenScores {
+  std::span<float> logits;
+  std::span<const TopLogit> top;
+};
 
-// The model side of one sequence, as generate() drives it.
-struct SequenceModel {
-  // Runs the forward pass of `token` at the end of the sequence; its logits replace the ones
-  // generate() draws from.
-  std::function<void(int32_t)> evaluate;
-  // Whether the context can take one more token (has_room of the sequence's cache).
-  std::function<bool()> has_room;
-
-  // Speculative decoding (all three, or none):
-  // - evaluate_draft runs `token` and the draft after it in one pass whose rows are exactly the
-  //   decode steps of those tokens (LlamaModel::forward_steps), and returns every row's logits;
-  // - rollback forgets the cache's n newest tokens (a rejected draft's);
-  // - draft_room says how many draft tokens may follow the next token in one pass: those that
-  //   fit the cache before a context shift (plain decoding shifts at the token that needs it,
-  //   not earlier) and that a rollback can forget.
-  std::function<std::span<float>(std::span<const int32_t>)> evaluate_draft;
-  std::function<void(int)> rollback;
-  std::function<int()> draft_room;
+// Tokens a context shift dropped from what the model sees: the sequence's [first, first + count).
+struct DroppedTokens {
+  size_t first = 0;
+  size_t count = 0;
 };
 
 class Drafter;
+
+// The model side of one sequence, as generate() drives it. SequenceModel (sequence_model.h) is
+// the one implementation; the tests script others.
+class GenerationModel {
+ public:
+  virtual ~GenerationModel() = default;
+
+  // The scores of the sequence's next token: its last evaluated token's.
+  virtual TokenScores scores() = 0;
+  // Runs the forward pass of `token` at the end of the sequence (scores() are then its); returns
+  // what a context shift dropped to make room for it.
+  virtual DroppedTokens evaluate(int32_t token) = 0;
+  // Whether the context can take one more token.
+  virtual bool has_room() const = 0;
+
+  // Speculative decoding: the guesser (null: none, and the three below are never called);
+  // - evaluate_draft runs `tokens` (a token and the draft after it) in one pass whose rows are
+  //   exactly the decode steps of those tokens (LlamaModel::forward_steps), and returns every
+  //   row's logits;
+  // - rollback forgets the n newest tokens (a rejected draft's);
+  // - draft_room says how many draft tokens may follow the next token in one pass
+  //   (KvCache::draft_room).
+  virtual Drafter* drafter() const = 0;
+  virtual std::span<float> evaluate_draft(std::span<const int32_t> tokens) = 0;
+  virtual void rollback(int n) = 0;
+  virtual int draft_room() const = 0;
+};
 
 // What speculative decoding did: draft tokens proposed and accepted, and the passes that checked them.
 struct SpeculationStats {
@@ -164,24 +178,17 @@ struct GenerateOptions {
   // Otherwise the last token is not evaluated (nothing reads its logits), and a token that
   // does not fit is still shown before the sequence ends.
   bool evaluate_every_token = false;
-  // Speculative decoding with this guesser (see generate()), when the sequence model can check
-  // drafts; its counts go to `speculation`.
-  Drafter* drafter = nullptr;
+  // The tokens a context shift drops leave the history too, so that the repetition penalty sees
+  // what the model sees (a chat); otherwise it sees every token of the sequence.
+  bool forget_dropped_history = false;
+  // Where speculative decoding (with the model's drafter()) counts its drafts. May be null.
   SpeculationStats* speculation = nullptr;
   // What a checking pass costs, which sets the drafts' lengths (DraftLength).
   PassCost pass_cost;
 };
 
-// Where generate() finds the scores of the sequence's next token, which every evaluate
-// replaces: the whole vocabulary's logits or, when `top` is not empty, only the most likely
-// tokens (the sampler's candidates_needed() of them, as LlamaModel::forward_top leaves them).
-struct TokenScores {
-  std::span<float> logits;
-  std::span<const TopLogit> top;
-};
-
-// Generates until the sequence ends, from `scores`: at first those of the sequence's last
-// evaluated token (a prefilled prompt). Returns why it ended.
+// Generates until the sequence ends, from the model's scores: at first those of the sequence's
+// last evaluated token (a prefilled prompt). Returns why it ended.
 //
 // With a guesser, each evaluated token goes with a draft of the tokens guessed to follow it,
 // all checked in one pass: the draft's tokens are taken for as long as the row before each
@@ -190,11 +197,6 @@ struct TokenScores {
 // token the check drew, and the rest are rolled back out of the cache. Each row is what the
 // decode step of its token computes, bit for bit, so greedy text is exactly plain decoding's,
 // and sampled text follows the model's own distribution, only in fewer passes.
-FinishReason generate(Generation& generation, TokenScores scores, const SequenceModel& model,
-                      const GenerateOptions& options);
-inline FinishReason generate(Generation& generation, std::span<float> logits, const SequenceModel& model,
-                             const GenerateOptions& options) {
-  return generate(generation, TokenScores{logits, {}}, model, options);
-}
+FinishReason generate(Generation& generation, GenerationModel& model, const GenerateOptions& options);
 
 }  // namespace ringlm

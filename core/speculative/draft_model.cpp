@@ -5,7 +5,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "core/session/generation.h"
 
 namespace ringlm {
 
@@ -111,7 +110,7 @@ Draft DraftModel::guess(std::span<const int32_t> history, int limit) {
   if (history.empty()) return {};
   follow(history);
   // The draft's tokens must be rolled back when the target rejects them: no shift between.
-  limit = std::min({limit, options_.max_draft, draft_room(cache_) + 1});
+  limit = std::min({limit, options_.max_draft, cache_.draft_room() + 1});
   Draft draft;
   if (!greedy_) context_.assign(history.begin(), history.end());
   while (static_cast<int>(draft.tokens.size()) < limit) {
