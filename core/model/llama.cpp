@@ -172,13 +172,15 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineSta
       n_params_ += t->n_elements();
     }
   };
+  int weight_layer = -1;  // the layer of the weights prepared now (WeightView::layer)
   auto prepare = [&](std::unique_ptr<PreparedWeight>& slot, const std::string& name, int64_t cols, int64_t rows) {
     const GgufTensorInfo& t = matrix(name, cols, rows);
-    pending.push_back({&slot, WeightView{name, t.type, rows, cols, t.data, true}});
+    pending.push_back({&slot, WeightView{name, t.type, rows, cols, t.data, true, weight_layer}});
   };
   auto prepare_rows = [&](std::unique_ptr<PreparedWeight>& slot, const GgufTensorInfo& t, int64_t row0, int64_t n,
                           const std::string& part) {
     pending.push_back({&slot, row_range(gguf, t, row0, n, t.name + " (" + part + ")")});
+    pending.back().view.layer = weight_layer;
   };
 
   token_embd_ = &tensors.get("token_embd.weight", {d, hp_.n_vocab});
@@ -189,6 +191,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineSta
   for (int il = 0; il < hp_.n_layer; ++il) {
     Layer& L = layers_[static_cast<size_t>(il)];
     const std::string b = "blk." + std::to_string(il) + ".";
+    weight_layer = il;
     if (hp_.swa_period > 0 && (il + 1) % hp_.swa_period != 0) {
       L.window = hp_.sliding_window;
       L.rope_set = 1;
@@ -244,6 +247,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineSta
     }
     prepare(L.down, b + "ffn_down.weight", hp_.n_ff, d);
   }
+  weight_layer = hp_.n_layer;
   if (!stage_.last()) {  // the output norm and projection are the last stage's
     tensors.leave_to_another_stage("output_norm.weight");
     count_elsewhere(tensors.leave_to_another_stage("output.weight"));
@@ -254,7 +258,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineSta
     } else {  // tied embeddings: the output projection reuses token_embd
       tied_output_ = true;
       pending.push_back(
-          {&output_, WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data, true}});
+          {&output_, WeightView{"token_embd.weight", token_embd_->type, hp_.n_vocab, d, token_embd_->data, true, weight_layer}});
     }
   }
 
