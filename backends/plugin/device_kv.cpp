@@ -6,6 +6,48 @@
 
 namespace ringlm {
 
+// The shape of a KV cache on the device: the host cache's, slot for slot.
+struct DeviceKvShape {
+  int n_layer = 0;
+  int first_layer = 0;  // the layers before it run on the CPU (--gpu-layers): no rows here
+  int capacity = 0;     // slots
+  int row_width = 0;    // n_kv_head * head_dim elements per slot and layer
+  bool f16 = false;
+};
+
+// A KV cache's rows on the device, slot for slot as on the host, for the layers the device runs:
+// layer l's keys start at layer_at(l) of `keys`, its values likewise in `values`. A cache that
+// reads a shared prompt segment (KvView::prefix) holds the segment's rows first, copied on the
+// device from the segment's own device copy: the device's attention reads one run of slots, the
+// segment's and then the cache's (slot_at(l, s) is the cache's slot s).
+class PluginKvCache final : public BackendKvState {
+ public:
+  PluginKvCache(const DeviceLink& link, const DeviceKvShape& s);
+  size_t layer_at(int layer) const { return static_cast<size_t>(layer - shape.first_layer) * layer_bytes; }
+  size_t slot_at(int layer, int slot) const {
+    return layer_at(layer) + static_cast<size_t>(prefix_slots + slot) * row_bytes;
+  }
+  uint32_t kv_format() const { return shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32; }
+  // The device now holds rows newer than the host's in slots first_slot .. first_slot + n - 1.
+  void mark_stored(int first_slot, int n);
+
+  DeviceKvShape shape;
+  size_t row_bytes, layer_bytes;
+  int prefix_slots = 0;    // the segment's slots before the cache's own
+  uint64_t prefix_id = 0;  // which segment they are (its KvCache::id()), 0: none
+  DeviceBuffer keys, values, positions;
+  int n_slots = 0;  // slots whose positions were set
+  // What the device's `positions` holds, slot for slot (each slot ever uploaded): a forward
+  // pass uploads only the slots that changed since.
+  std::vector<int32_t> host_positions;
+  // The device's rows are newer than the host's (a store on the device, ABI v2): the host's are
+  // brought up to date (DeviceKv::sync_host_rows) before anything reads them there.
+  bool host_stale = false;
+  // The device does not run this cache's attention (its geometry): its rows live on the host.
+  bool host_only = false;
+  int stored_extent = 0;  // slots 0 .. stored_extent - 1 hold rows the device stored
+};
+
 PluginKvCache::PluginKvCache(const DeviceLink& link, const DeviceKvShape& s)
     : shape(s),
       row_bytes(static_cast<size_t>(s.row_width) * (s.f16 ? 2 : 4)),
@@ -112,6 +154,23 @@ bool DeviceKv::store(const KvView& kv, int layer, int first_slot, int n, const f
   const size_t count = static_cast<size_t>(n) * static_cast<size_t>(kv.row_width);
   device_store(copy, copy.keys, layer, first_slot, n, residency_.device_read(k, count));
   device_store(copy, copy.values, layer, first_slot, n, residency_.device_read(v, count));
+  copy.mark_stored(first_slot, n);
+  return true;
+}
+
+bool DeviceKv::rope_store(const KvView& kv, int layer, int first_slot, int n,
+                          const std::function<void(ringlm_rope_store_args&)>& fill) {
+  PluginKvCache& copy = ensure_copy(kv, first_slot, first_slot + n);
+  if (copy.host_only) return false;
+  ringlm_rope_store_args args{};
+  fill(args);
+  const size_t at = copy.slot_at(layer, first_slot);
+  args.keys = copy.keys.get();
+  args.keys_offset = at;
+  args.values = copy.values.get();
+  args.values_offset = at;
+  args.kv_format = copy.kv_format();
+  link_.check(link_.api().rope_store(link_.context(), &args), "rope_store");
   copy.mark_stored(first_slot, n);
   return true;
 }

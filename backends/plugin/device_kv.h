@@ -11,6 +11,7 @@
 
 #include <compare>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <span>
 #include <vector>
@@ -21,47 +22,7 @@
 
 namespace ringlm {
 
-// The shape of a KV cache on the device: the host cache's, slot for slot.
-struct DeviceKvShape {
-  int n_layer = 0;
-  int first_layer = 0;  // the layers before it run on the CPU (--gpu-layers): no rows here
-  int capacity = 0;     // slots
-  int row_width = 0;    // n_kv_head * head_dim elements per slot and layer
-  bool f16 = false;
-};
-
-// A KV cache's rows on the device, slot for slot as on the host, for the layers the device runs:
-// layer l's keys start at layer_at(l) of `keys`, its values likewise in `values`. A cache that
-// reads a shared prompt segment (KvView::prefix) holds the segment's rows first, copied on the
-// device from the segment's own device copy: the device's attention reads one run of slots, the
-// segment's and then the cache's (slot_at(l, s) is the cache's slot s).
-class PluginKvCache final : public BackendKvState {
- public:
-  PluginKvCache(const DeviceLink& link, const DeviceKvShape& s);
-  size_t layer_at(int layer) const { return static_cast<size_t>(layer - shape.first_layer) * layer_bytes; }
-  size_t slot_at(int layer, int slot) const {
-    return layer_at(layer) + static_cast<size_t>(prefix_slots + slot) * row_bytes;
-  }
-  uint32_t kv_format() const { return shape.f16 ? RINGLM_FORMAT_F16 : RINGLM_FORMAT_F32; }
-  // The device now holds rows newer than the host's in slots first_slot .. first_slot + n - 1.
-  void mark_stored(int first_slot, int n);
-
-  DeviceKvShape shape;
-  size_t row_bytes, layer_bytes;
-  int prefix_slots = 0;    // the segment's slots before the cache's own
-  uint64_t prefix_id = 0;  // which segment they are (its KvCache::id()), 0: none
-  DeviceBuffer keys, values, positions;
-  int n_slots = 0;  // slots whose positions were set
-  // What the device's `positions` holds, slot for slot (each slot ever uploaded): a forward
-  // pass uploads only the slots that changed since.
-  std::vector<int32_t> host_positions;
-  // The device's rows are newer than the host's (a store on the device, ABI v2): the host's are
-  // brought up to date (DeviceKv::sync_host_rows) before anything reads them there.
-  bool host_stale = false;
-  // The device does not run this cache's attention (its geometry): its rows live on the host.
-  bool host_only = false;
-  int stored_extent = 0;  // slots 0 .. stored_extent - 1 hold rows the device stored
-};
+class PluginKvCache;  // a cache's rows in device memory (device_kv.cpp)
 
 class DeviceKv {
  public:
@@ -69,22 +30,17 @@ class DeviceKv {
   // Layers before it run on the CPU (--gpu-layers): device copies made from now on skip them.
   void set_first_device_layer(int layer) { first_device_layer_ = layer; }
 
-  // The device copy the backend keeps for `kv`, or nullptr.
-  static PluginKvCache* copy_of(const KvView& kv);
   // Whether `kv`'s rows may live on the device: a cache of its own (not a read-only view), whose
   // shared prefix, if any, the device can copy (ABI v2).
   bool may_hold(const KvView& kv) const { return kv.state != nullptr && (kv.prefix == nullptr || link_.v2()); }
-  // The cache's device copy, made on first use with the rows the cache already holds (and its
-  // prefix's), but for slots [fresh_begin, fresh_end): the ones a store is about to write in
-  // every layer, whose host rows are not written yet. A copy made for another prefix (the cache
-  // was cleared and given a new one) goes.
-  PluginKvCache& ensure_copy(const KvView& kv, int fresh_begin = 0, int fresh_end = 0);
-  // The host rows of a cache whose device copy is newer, downloaded (a wait).
-  void sync_host_rows(const KvView& kv, PluginKvCache& copy);
-
   // Stores n rows of keys and values (fp32, on the device) into the cache's device copy; false
   // (nothing done) when its rows live on the host.
   bool store(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v);
+  // The same store fused with the RoPE of q and k before it, in one launch (rope_store): `fill`
+  // sets the call's rope, k and v (only once the copy is known to take the rows); false, nothing
+  // done, when the cache's rows live on the host.
+  bool rope_store(const KvView& kv, int layer, int first_slot, int n,
+                  const std::function<void(ringlm_rope_store_args&)>& fill);
   // Before the CPU stores into the host rows, and after: the device copy, if any, kept in step.
   void before_host_store(const KvView& kv);
   void after_host_store(const KvView& kv, int layer, int first_slot, int n);
@@ -109,6 +65,15 @@ class DeviceKv {
     auto operator<=>(const GeometryKey&) const = default;
   };
 
+  // The device copy the backend keeps for `kv`, or nullptr.
+  static PluginKvCache* copy_of(const KvView& kv);
+  // The cache's device copy, made on first use with the rows the cache already holds (and its
+  // prefix's), but for slots [fresh_begin, fresh_end): the ones a store is about to write in
+  // every layer, whose host rows are not written yet. A copy made for another prefix (the cache
+  // was cleared and given a new one) goes.
+  PluginKvCache& ensure_copy(const KvView& kv, int fresh_begin = 0, int fresh_end = 0);
+  // The host rows of a cache whose device copy is newer, downloaded (a wait).
+  void sync_host_rows(const KvView& kv, PluginKvCache& copy);
   void device_store(const PluginKvCache& copy, DeviceBuffer& rows, int layer, int first_slot, int n, DeviceSpan from);
   void upload_host_slots(const KvView& kv, PluginKvCache& copy, int begin, int end);
   void copy_prefix_rows(const KvView& prefix, PluginKvCache& reader);
