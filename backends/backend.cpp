@@ -1,5 +1,6 @@
 #include "backends/backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -53,6 +54,13 @@ void Backend::matmul_add(const PreparedWeight& weight, const float* x, int64_t n
   std::unique_ptr<ActivationBuffer> product = alloc_activations(n);
   matmul(weight, x, n_tokens, product->data());
   add(y, product->data(), static_cast<int64_t>(n));
+}
+
+bool Backend::supports(BackendOp /*op*/, std::span<const TensorType> types) const {
+  return std::all_of(types.begin(), types.end(), [](TensorType type) {
+    const std::optional<TypeTraits> traits = type_traits(static_cast<uint32_t>(type));
+    return traits && traits->readable;
+  });
 }
 
 void Backend::write(float* dst, const float* src, size_t n) {

@@ -41,8 +41,9 @@ struct WeightView {
   // `data` lies in a read-only file mapping: a backend that keeps its own copy may give the
   // mapping's pages back (they are re-read from the file if touched again).
   bool mapped = false;
-  // The layer whose ops multiply by it (0..n_layer-1), n_layer for the output projection, -1
-  // for none: where a backend that splits a model between devices places it (--gpu-layers).
+  // The layer whose ops use the weight, as the model numbers them for plan_layers / begin_layer:
+  // 0 .. n_layer - 1 a layer, n_layer the output; -1 (the default) none: a backend that places
+  // layers on different devices puts it with the output.
   int layer = -1;
 };
 
@@ -186,6 +187,14 @@ struct DeviceCounters {
   uint64_t waits = 0;
 };
 
+// The ops of the seam, as Backend::supports names them.
+enum class BackendOp {
+  kMatmul, kMatmulAdd, kMatmulMany, kMatmulGlu, kRows,  // products and embedding rows: the weights' types
+  kRope, kAdd, kAddRow, kScale, kRmsNorm, kCopy,        // row-wise ops on fp32 activations: no types
+  kStoreKv, kAttention, kShiftKeys,                     // the KV cache's element type (F16 or F32)
+  kTopK,                                                // no types
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -270,6 +279,12 @@ class Backend {
   // normalized_input_row): the per-head norm of q and k (QK-norm).
   virtual void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) = 0;
 
+  // Whether this backend runs `op` itself on operands of these types (see BackendOp), as ggml's
+  // backends answer supports_op. Every op runs whatever the answer: a device backend runs what its
+  // device does not take on the CPU it wraps, slower. This default (a backend on the host) says
+  // yes for every type ringlm reads.
+  virtual bool supports(BackendOp op, std::span<const TensorType> types) const;
+
   // Whether some ops run on a device of their own (a plugin's GPU), for reports.
   virtual bool offloads() const { return false; }
   // For a backend with a device: which weights stay on the CPU and why, one line (empty when
@@ -281,8 +296,9 @@ class Backend {
   // --- Layers on a device and on the CPU (partial offload: llama.cpp's -ngl) -----------------
   // The model says how many layers it has before it prepares a weight, and which layer the ops
   // it issues next belong to (-1: the embedding, n_layer: the final norm and the output). A
-  // backend that keeps only some layers on its device places each layer's weights by name
-  // ("blk.N.") and runs each layer's ops where its weights are. The defaults run everything here.
+  // backend that keeps only some layers on its device places each weight by its layer
+  // (WeightView::layer) and runs each layer's ops where its weights are. The defaults run
+  // everything here.
   virtual void plan_layers(int /*n_layer*/) {}
   virtual void begin_layer(int /*layer*/) {}
   // Where layer `layer` (n_layer: the output) runs, for --stats: "cpu", "opencl:0".
@@ -296,10 +312,5 @@ class Backend {
 //    of their block); F32/F16/BF16 weights multiply the fp32 activations.
 //  - kFp32: weights dequantized to fp32 and multiplied with the fp32 activations (reference).
 enum class ComputeType { kInt8, kFp32 };
-
-// The CPU backend; `n_threads` OpenMP threads for every kernel (0: OpenMP's default). Under
-// kInt8, a product takes the fp32 sgemm path from the number of tokens at which the tuning table
-// (ringlm tune; backends/cpu/tuning.h) measured it faster, read once here.
-std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute = ComputeType::kInt8);
 
 }  // namespace ringlm

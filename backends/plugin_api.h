@@ -1,9 +1,12 @@
 /* The C ABI between ringlm and a backend plugin (a shared library loaded at run time).
  *
  * A plugin exports one function, RINGLM_PLUGIN_ENTRY ("ringlm_plugin_entry"), that returns a
- * pointer to a static, immutable table (ringlm_plugin). ringlm refuses a table whose
- * abi_version differs from the one it was built with, or whose struct_size is smaller than
- * its own: any change to a struct or a function signature here bumps RINGLM_PLUGIN_ABI_VERSION.
+ * pointer to a static, immutable table (ringlm_plugin). ringlm loads a table whose abi_version
+ * is any of RINGLM_PLUGIN_ABI_MIN_VERSION .. RINGLM_PLUGIN_ABI_VERSION (1 to 3) and uses only
+ * that version's entries: each version adds entries at the end, so an older table is a prefix
+ * of a newer one. It refuses any other version, and a table whose struct_size is smaller than
+ * its version needs. New entries bump RINGLM_PLUGIN_ABI_VERSION; changing an existing struct
+ * or signature would break the older versions still loaded.
  *
  * Plain C, fixed-size types, no exceptions across the boundary: every call that can fail
  * returns RINGLM_OK (0) or an error code, and the plugin keeps a human-readable reason for the

@@ -10,6 +10,11 @@
 // attention geometry, a shared prompt segment; every row-wise op of an ABI v1 plugin) runs on
 // the CPU backend it wraps, its inputs brought to the host first and its outputs sent back
 // before the device next reads them.
+//
+// The parts, in backends/plugin/: device_link (the device and its buffers), residency (which copy
+// of an activation is newest), device_products (weights and products), device_kv (the KV caches'
+// device copies), plugin_backend.cpp (the Backend: each op's device kernel and CPU fallback, and
+// the one place a held-back RoPE runs), backend_choice.cpp (make_backend).
 #pragma once
 
 #include <filesystem>

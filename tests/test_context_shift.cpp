@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backends/backend.h"
+#include "backends/cpu/cpu_backend.h"
 #include "core/kv/kv_cache.h"
 #include "core/model/llama.h"
 #include "tests/tiny_llama.h"

@@ -26,6 +26,7 @@
 #include "backends/plugin_backend.h"
 #include "core/model/loader.h"
 #include "quant/formats.h"
+#include "quant/int4.h"
 #include "tests/command_runner.h"
 #include "tests/build_scale.h"
 
@@ -44,8 +45,9 @@ using ::testing::Not;
 std::string plugin_dir() { return std::filesystem::path(RINGLM_BINARY).parent_path().string(); }
 std::string work_dir() { return test::work_dir_for("test_device_model"); }
 
-std::unique_ptr<Backend> opencl_backend() {
+std::unique_ptr<Backend> opencl_backend(int gpu_layers = -1) {
   BackendChoice choice;
+  choice.gpu_layers = gpu_layers;
   choice.device = "opencl";
   choice.plugin_dir = plugin_dir();
   choice.cache_dir = work_dir() + "/kernels";
@@ -339,6 +341,54 @@ TEST(DeviceFallback, AFormatThePluginDoesNotTakeRunsOnTheCpuAndIsListed) {
   device->read(yd->data(), got.data(), got.size());
   cpu->matmul(*on_cpu, x.data(), m, want.data());
   EXPECT_EQ(got, want);
+}
+
+// The backends say which ops they run themselves, as ggml's supports_op: the device takes the
+// formats the plugin names (Q4_0, the K-quants) and not BF16 or ringlm's own INT4 types, which
+// run on the CPU it wraps; the CPU runs every type ringlm reads.
+TEST(DeviceFallback, BackendsSayWhichOpsAndTypesTheyRun) {
+  std::unique_ptr<Backend> device = opencl_backend();
+  std::unique_ptr<Backend> cpu = make_cpu_backend(1);
+  const auto i4s = static_cast<TensorType>(int4_type_id(Int4Format{128, false, ScaleType::kF16}));
+  const auto one = [](TensorType t) { return std::vector<TensorType>{t}; };
+  EXPECT_TRUE(device->supports(BackendOp::kMatmul, one(TensorType::Q4_0)));
+  EXPECT_TRUE(device->supports(BackendOp::kMatmulGlu, one(TensorType::Q4_K)));
+  EXPECT_FALSE(device->supports(BackendOp::kMatmul, one(TensorType::BF16)));
+  EXPECT_FALSE(device->supports(BackendOp::kMatmul, one(i4s)));
+  EXPECT_FALSE(device->supports(BackendOp::kMatmulMany, std::vector{TensorType::Q4_0, TensorType::BF16}));
+  EXPECT_TRUE(device->supports(BackendOp::kAttention, one(TensorType::F16)));
+  EXPECT_TRUE(device->supports(BackendOp::kRmsNorm, {}));
+  for (const TensorType t : {TensorType::Q4_0, TensorType::Q4_K, TensorType::BF16, i4s}) {
+    EXPECT_TRUE(cpu->supports(BackendOp::kMatmul, one(t))) << static_cast<int>(t);
+  }
+  EXPECT_FALSE(cpu->supports(BackendOp::kMatmul, one(static_cast<TensorType>(16))));  // IQ2_XXS: not read
+}
+
+// With --gpu-layers a weight goes where the layer the model gives it (WeightView::layer) runs,
+// whatever its name says: here layer 1 on the device, layer 0 on the CPU.
+TEST(DeviceFallback, WeightsArePlacedByTheirLayerNotTheirName) {
+  std::unique_ptr<Backend> device = opencl_backend(/*gpu_layers=*/1);
+  device->plan_layers(2);
+  const int64_t rows = 32, cols = 64;
+  const std::vector<uint8_t> bytes(static_cast<size_t>(rows * cols / 32 * sizeof(BlockQ4_0)));
+  WeightView view{"blk.0.ffn_up.weight", TensorType::Q4_0, rows, cols, bytes.data()};
+  view.layer = 1;
+  auto device_weight = device->prepare(view);
+  view.name = "blk.1.ffn_up.weight";
+  view.layer = 0;
+  auto cpu_weight = device->prepare(view);
+  const std::vector<float> x(static_cast<size_t>(cols), 1.0f);
+  std::vector<float> y(static_cast<size_t>(rows));
+  const auto launches = [&](const PreparedWeight& w) {
+    const uint64_t before = device->counters().launches;
+    device->begin_layer(&w == device_weight.get() ? 1 : 0);
+    device->matmul(w, x.data(), 1, y.data());
+    return device->counters().launches - before;
+  };
+  EXPECT_GT(launches(*device_weight), 0u);
+  EXPECT_EQ(launches(*cpu_weight), 0u);
+  EXPECT_EQ(device->layer_device(0), "cpu");
+  EXPECT_EQ(device->layer_device(1), "opencl:0");
 }
 
 // --- The command line --------------------------------------------------------------------------

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "backends/backend.h"
+#include "backends/cpu/cpu_backend.h"
 #include "core/gguf/gguf.h"
 #include "core/model/llama.h"
 #include "quant/int4.h"

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "backends/cpu/cpu_backend.h"
 #include "core/model/hparams.h"
 #include "core/model/loader.h"
 #include "core/model/pipeline.h"

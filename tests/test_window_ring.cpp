@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backends/backend.h"
+#include "backends/cpu/cpu_backend.h"
 #include "core/gguf/gguf.h"
 #include "core/kv/kv_cache.h"
 #include "core/model/llama.h"

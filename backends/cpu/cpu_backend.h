@@ -1,4 +1,5 @@
-// The CPU backend with the crossover of its int8 kernels and sgemm set by hand (tests, tune).
+// The CPU backend, and the same with the crossover of its int8 kernels and sgemm set by hand
+// (tests, tune).
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,11 @@
 #include "backends/cpu/tuning.h"
 
 namespace ringlm {
+
+// The CPU backend; `n_threads` OpenMP threads for every kernel (0: OpenMP's default). Under
+// kInt8, a product takes the fp32 sgemm path from the number of tokens at which the tuning table
+// (ringlm tune; backends/cpu/tuning.h) measured it faster, read once here.
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, ComputeType compute = ComputeType::kInt8);
 
 // `n_threads` OpenMP threads per matmul (0: OpenMP's default). Under kInt8, a call on a weight
 // takes the fp32 sgemm path, the faster prefill GEMM, from a number of tokens on: with

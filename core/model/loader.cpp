@@ -3,6 +3,8 @@
 #include <chrono>
 #include <utility>
 
+#include "backends/cpu/cpu_backend.h"
+
 namespace ringlm {
 
 LoadedModel load_model(const std::string& path, int n_threads, ComputeType compute) {
