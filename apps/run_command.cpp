@@ -19,7 +19,7 @@
 #include "core/model/loader.h"
 #include "core/session/generation.h"
 #include "core/session/sequence_model.h"
-#include "core/timing.h"
+#include "core/session/timing.h"
 
 namespace ringlm {
 

@@ -42,7 +42,7 @@
 #include "backends/cpu/tuning.h"
 #include "core/gguf/gguf.h"
 #include "core/model/loader.h"
-#include "core/timing.h"
+#include "core/session/timing.h"
 
 namespace ringlm {
 

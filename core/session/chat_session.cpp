@@ -7,7 +7,7 @@
 #include "core/gguf/gguf.h"
 #include "core/model/llama.h"
 #include "core/session/generation.h"
-#include "core/timing.h"
+#include "core/session/timing.h"
 #include "core/tokenizer/tokenizer.h"
 
 namespace ringlm {

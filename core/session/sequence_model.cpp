@@ -4,13 +4,13 @@
 #include <chrono>
 #include <utility>
 
+#include "core/session/timing.h"
+
 namespace ringlm {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
 DeviceCounters counters_since(const DeviceCounters& before, const DeviceCounters& after) {
   return {after.launches - before.launches, after.upload_bytes - before.upload_bytes,
