@@ -495,5 +495,53 @@ TEST_F(GenerationOnModel, StreamedPiecesAreTheBatchText) {
   EXPECT_EQ(results[1].n_tokens, static_cast<int>(cut.tokens.size()));
 }
 
+// The calls the batch scheduler makes: a prompt prefilled in one sequence's pass, shared, read by
+// another sequence as its prefix; both then decode in one batched pass and check a draft. Each
+// must see what a sequence that did all of it alone sees.
+TEST_F(GenerationOnModel, SequencesPlannedTogetherAndSharingAPromptMatchOneAlone) {
+  LlamaModel& model = *loaded_->model;
+  const Tokenizer& tok = *loaded_->tokenizer;
+  const std::vector<int32_t> prompt = tok.encode("The river ran past the old mill", tok.add_bos_by_default(), true);
+  const int32_t next = prompt[1], draft[] = {prompt[2], prompt[3]};
+
+  SequenceModel alone(model, model.make_cache(256));
+  alone.prefill(prompt);
+  const std::vector<float> after_prompt(alone.logits().begin(), alone.logits().end());
+  alone.evaluate(next);
+  const std::vector<float> after_next(alone.logits().begin(), alone.logits().end());
+
+  SequenceModel owner(model, model.make_cache(256)), reader(model, model.make_cache(256));
+  model.forward(owner.plan(prompt, SequenceModel::Scores::kLogits));
+  owner.passed();
+  ASSERT_EQ(std::vector<float>(owner.logits().begin(), owner.logits().end()), after_prompt);
+  const std::shared_ptr<const KvCache> shared = owner.share_cache(model.make_cache(256));
+  EXPECT_EQ(owner.cache().size(), 0);
+  EXPECT_EQ(owner.tokens(), prompt);
+  reader.read_prefix(shared, owner.tokens(), owner.logits());
+  EXPECT_EQ(reader.tokens(), prompt);
+  EXPECT_EQ(reader.cache().context_size(), static_cast<int>(prompt.size()));
+  EXPECT_EQ(std::vector<float>(reader.scores().logits.begin(), reader.scores().logits.end()), after_prompt);
+
+  // One batched pass: the owner decodes `next`, the reader checks `next` and a draft of two.
+  const SequenceTokens pass[] = {owner.plan(std::span<const int32_t>(&next, 1), SequenceModel::Scores::kSampled),
+                                 reader.plan_check(next, draft)};
+  model.forward_batch(pass);
+  owner.passed();
+  reader.passed();
+  EXPECT_EQ(std::vector<float>(owner.logits().begin(), owner.logits().end()), after_next);
+  const std::span<const float> first_row = reader.checked_rows().first(after_next.size());
+  EXPECT_EQ(std::vector<float>(first_row.begin(), first_row.end()), after_next);
+  EXPECT_EQ(reader.tokens().size(), prompt.size() + 3);
+  EXPECT_EQ(reader.evaluated(), 3);
+
+  // The draft rejected: its two tokens leave the cache and the history, and the scores are the
+  // row after `next` again.
+  reader.rollback(2);
+  EXPECT_EQ(reader.tokens().size(), prompt.size() + 1);
+  EXPECT_EQ(reader.tokens().back(), next);
+  EXPECT_EQ(reader.cache().context_size(), static_cast<int>(prompt.size()) + 1);
+  EXPECT_EQ(std::vector<float>(reader.logits().begin(), reader.logits().end()), after_next);
+}
+
 }  // namespace
 }  // namespace ringlm

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "core/model/llama.h"
+#include "core/session/sequence_model.h"
 
 namespace ringlm {
 
@@ -15,15 +16,22 @@ double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_c
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
+
+KvCache make_slot_cache(const LlamaModel& model, const BatchOptions& o) {
+  return model.make_cache(o.n_ctx, KvCacheOptions{o.cache_type, 0, 0, false});
+}
+
 }  // namespace
 
-// One sequence being generated: its own KV cache, sampler and generation state.
+// One sequence being generated: its model state (cache, scores, draft rows), sampler and
+// generation state.
 struct BatchScheduler::Slot {
   enum class State { kFree, kWaitingForPrompt, kPrefill, kDecode };
 
-  Slot(const LlamaModel& model, const BatchOptions& o)
-      : cache(model.make_cache(o.n_ctx, KvCacheOptions{o.cache_type, 0, 0, false})),
-        logits(static_cast<size_t>(model.hparams().n_vocab)) {}
+  Slot(LlamaModel& model, const BatchOptions& o) : sequence(model, make_slot_cache(model, o)) {}
+
+  // Prompt tokens in the cache (while it prefills or reads a prompt).
+  size_t prefilled() const { return sequence.tokens().size(); }
 
   State state = State::kFree;
   int group = 0;            // the passes it runs in (pipeline: groups take turns)
@@ -32,16 +40,12 @@ struct BatchScheduler::Slot {
   GenerationRequest request;
   int sample = 0;
   Slot* prompt_owner = nullptr;  // a sample waiting for the prompt that this slot prefills
-  KvCache cache;
-  std::vector<float> logits;
-  // The decode steps' scores when the sampler needs only the most likely tokens and no
-  // log-probabilities are asked for (a device then sends back those instead of the vocabulary);
-  // empty otherwise. A prompt's last pass always gives the logits (kept and shared with samples).
-  std::vector<TopLogit> top;
-  bool drew_from_top = false;  // the latest scores are in `top`
+  // Its decode steps keep only the most likely tokens' scores when the sampler needs only those
+  // and no log-probabilities are asked for (a device then sends back those instead of the
+  // vocabulary). A prompt's last pass always gives the logits (kept and shared with samples).
+  SequenceModel sequence;
   std::unique_ptr<Sampler> sampler;
   std::optional<Generation> generation;  // over prompt + generated tokens
-  size_t prefilled = 0;                  // prompt tokens in the cache
   int32_t drawn = -1;                    // sampled from the latest logits, not yet taken
   std::vector<float> raw_logits;         // the logits before the draw, when log-probabilities are wanted
   TokenLogprobs logprobs;                // of the drawn token
@@ -49,8 +53,6 @@ struct BatchScheduler::Slot {
   std::unique_ptr<Drafter> drafter;      // speculative decoding's guesser, when there is one
   DraftLength draft_length;
   Draft draft;                           // sent with next_token in the pass in flight (empty: none)
-  std::vector<int32_t> pass_tokens;      // next_token, then the draft
-  std::vector<float> rows;               // the checking pass's logits, a row per token
   GenerationResult result;               // what is known before the end: index, sample, prompt size
   Clock::time_point submitted, started, first_token;
 };
@@ -174,27 +176,26 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
     if (static_cast<int>(free.size()) < next.n_samples) return;
     Queued q = std::move(queue_.front());
     queue_.pop_front();
-    const std::optional<Reuse> reuse = segments_.empty() ? std::nullopt : find_reuse(q.request, free[0]->cache);
+    const std::optional<Reuse> reuse =
+        segments_.empty() ? std::nullopt : find_reuse(q.request, free[0]->sequence.cache());
     for (int i = 0; i < q.request.n_samples; ++i) {
       Slot& s = *free[static_cast<size_t>(i)];
       s.state = i == 0 ? Slot::State::kPrefill : Slot::State::kWaitingForPrompt;
       s.request = q.request;
       s.sample = q.request.first_sample + i;
       s.prompt_owner = i == 0 ? nullptr : free[0];
-      s.cache.clear();
       SamplingParams params = q.request.sampling;
       params.seed += static_cast<uint64_t>(i);
       s.sampler = std::make_unique<Sampler>(params, model_.hparams().n_vocab);
-      s.top.assign(q.request.top_logprobs >= 0 ? 0 : static_cast<size_t>(s.sampler->candidates_needed()), TopLogit{});
       StopConditions stop;
       stop.max_tokens = q.request.max_tokens;
       stop.stop_strings = q.request.stop;
       stop.end_tokens = q.request.end_tokens;
       s.generation.emplace(tokenizer_, *s.sampler, std::move(stop), q.request.prompt);
       s.drafter = options_.make_drafter && q.request.draft_max != 0 ? options_.make_drafter(q.request) : nullptr;
+      s.sequence.reset(q.request.top_logprobs >= 0 ? 0 : s.sampler->candidates_needed(), s.drafter.get());
       s.draft_length = DraftLength(options_.pass_cost);
       s.draft = {};
-      s.prefilled = 0;
       s.next_token = -1;
       s.result = GenerationResult{};
       s.result.index = q.request.index;
@@ -207,8 +208,8 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
 }
 
 void BatchScheduler::read_kept_prompt(Slot& s, const Reuse& reuse, const std::function<void(GenerationResult)>& on_done) {
-  s.cache.attach_prefix(reuse.segment->cache, reuse.n);
-  s.prefilled = static_cast<size_t>(reuse.n);
+  const std::span<const int32_t> read = std::span<const int32_t>(s.request.prompt).first(static_cast<size_t>(reuse.n));
+  s.sequence.read_prefix(reuse.segment->cache, read, reuse.whole ? reuse.segment->logits : std::span<const float>());
   s.prompt_owner = nullptr;
   reuse.segment->last_used = steps_;
   reused_prompt_tokens_ += reuse.n;
@@ -217,8 +218,6 @@ void BatchScheduler::read_kept_prompt(Slot& s, const Reuse& reuse, const std::fu
     return;
   }
   // The whole prompt was kept with the logits after it: the first token is drawn now.
-  s.logits = reuse.segment->logits;
-  s.drew_from_top = false;
   s.started = Clock::now();
   s.state = Slot::State::kDecode;
   advance(s, on_done);
@@ -263,20 +262,14 @@ BatchScheduler::Pass BatchScheduler::gather_pass(int group) {
   int n_decoding = 0;
   for (const auto& s : slots_) n_decoding += s->group == group && s->state == Slot::State::kDecode;
   size_t draft_budget = static_cast<size_t>(std::max(0, model_.max_batch() - options_.prefill_chunk - n_decoding));
-  const size_t vocab = static_cast<size_t>(model_.hparams().n_vocab);
   for (auto& s : slots_) {
     if (s->group != group || s->state != Slot::State::kDecode) continue;
     s->draft = propose_draft(*s, draft_budget);
     if (s->draft.tokens.empty()) {
-      pass.batch.push_back({std::span<const int32_t>(&s->next_token, 1), &s->cache, s->logits.data(), s->top});
-      s->drew_from_top = !s->top.empty();
+      pass.batch.push_back(s->sequence.plan(std::span<const int32_t>(&s->next_token, 1), SequenceModel::Scores::kSampled));
     } else {
       draft_budget -= s->draft.tokens.size();
-      s->pass_tokens.assign(1, s->next_token);
-      s->pass_tokens.insert(s->pass_tokens.end(), s->draft.tokens.begin(), s->draft.tokens.end());
-      s->rows.resize(s->pass_tokens.size() * vocab);
-      pass.batch.push_back({s->pass_tokens, &s->cache, s->rows.data(), {}, /*steps=*/true});
-      s->drew_from_top = false;
+      pass.batch.push_back(s->sequence.plan_check(s->next_token, s->draft.tokens));
     }
     pass.slots.push_back(s.get());
   }
@@ -286,14 +279,14 @@ BatchScheduler::Pass BatchScheduler::gather_pass(int group) {
   for (auto& slot : slots_) {
     Slot& s = *slot;
     if (s.group != group || s.state != Slot::State::kPrefill) continue;
-    const size_t n = std::min(static_cast<size_t>(options_.prefill_chunk), s.request.prompt.size() - s.prefilled);
+    const size_t prefilled = s.prefilled();
+    const size_t n = std::min(static_cast<size_t>(options_.prefill_chunk), s.request.prompt.size() - prefilled);
     if (n > prompt_budget) continue;
     prompt_budget -= n;
-    if (s.prefilled == 0) s.started = now;
-    const bool last = s.prefilled + n == s.request.prompt.size();
-    pass.batch.push_back({std::span<const int32_t>(s.request.prompt).subspan(s.prefilled, n), &s.cache,
-                          last ? s.logits.data() : nullptr, {}});
-    s.drew_from_top = false;
+    if (prefilled == 0) s.started = now;
+    const bool last = prefilled + n == s.request.prompt.size();
+    pass.batch.push_back(s.sequence.plan(std::span<const int32_t>(s.request.prompt).subspan(prefilled, n),
+                                         last ? SequenceModel::Scores::kLogits : SequenceModel::Scores::kNone));
     pass.slots.push_back(&s);
   }
   return pass;
@@ -307,7 +300,7 @@ size_t BatchScheduler::even_prompt_budget(int group) const {
   size_t pending = 0, first_chunk = 0;
   for (const auto& s : slots_) {
     if (s->group != group || s->state != Slot::State::kPrefill) continue;
-    const size_t left = s->request.prompt.size() - s->prefilled;
+    const size_t left = s->request.prompt.size() - s->prefilled();
     if (pending == 0) first_chunk = std::min(chunk, left);
     pending += left;
   }
@@ -326,17 +319,17 @@ void BatchScheduler::finish_pass(const std::function<void(GenerationResult)>& on
   for (size_t i = 0; i < pass.slots.size(); ++i) {
     Slot& s = *pass.slots[i];
     s.in_flight = false;
+    s.sequence.passed();
     if (s.cancelled) {
       release(s);
       continue;
     }
     if (s.state == Slot::State::kPrefill) {
-      s.prefilled += pass.batch[i].tokens.size();
-      if (s.prefilled < s.request.prompt.size()) continue;
+      if (s.prefilled() < s.request.prompt.size()) continue;
       s.state = Slot::State::kDecode;
       if (s.request.n_samples > 1) {
         share_prompt(s, on_done);
-      } else if (options_.prompt_cache_bytes > 0 && s.cache.prefix() == nullptr) {
+      } else if (options_.prompt_cache_bytes > 0 && s.sequence.cache().prefix() == nullptr) {
         keep_prompt(detach_prompt(s), s);
       }
     }
@@ -357,7 +350,7 @@ Draft BatchScheduler::propose_draft(Slot& s, size_t budget) {
   // Log-probabilities come with each drawn token: those sequences go a token at a time.
   if (s.drafter == nullptr || g.finished() || s.request.top_logprobs >= 0) return {};
   int limit = s.draft_length.next_limit();
-  limit = std::min({limit, s.cache.draft_room(), static_cast<int>(std::min<size_t>(budget, 1 << 20))});  // budget <= max_batch
+  limit = std::min({limit, s.sequence.draft_room(), static_cast<int>(std::min<size_t>(budget, 1 << 20))});  // budget <= max_batch
   if (s.request.draft_max > 0) limit = std::min(limit, s.request.draft_max);
   if (g.tokens_left() >= 0) limit = std::min(limit, g.tokens_left());
   if (limit <= 0) return {};
@@ -369,10 +362,11 @@ bool BatchScheduler::take_checked(Slot& s, const std::function<void(GenerationRe
   s.draft = {};
   const auto k = static_cast<int>(draft.tokens.size());
   const size_t vocab = static_cast<size_t>(model_.hparams().n_vocab);
+  const std::span<float> rows = s.sequence.checked_rows();
   ++speculation_.passes;
   speculation_.drafted += k;
   for (int j = 0;; ++j) {  // row j: the scores after pass_tokens[j]
-    const std::span<float> row = std::span<float>(s.rows).subspan(static_cast<size_t>(j) * vocab, vocab);
+    const std::span<float> row = rows.subspan(static_cast<size_t>(j) * vocab, vocab);
     if (j == k) {
       s.draft_length.record(k, k);
       s.drawn = s.generation->draw(row);
@@ -382,7 +376,7 @@ bool BatchScheduler::take_checked(Slot& s, const std::function<void(GenerationRe
     const auto [next, accepted] = s.generation->check(row, draft.tokens[static_cast<size_t>(j)], q);
     s.drawn = next;
     if (!accepted) {
-      s.cache.rollback(k - j);  // draft[j..] never happened
+      s.sequence.rollback(k - j);  // draft[j..] never happened
       s.draft_length.record(k, j);
       return take_token(s, on_done);
     }
@@ -395,14 +389,12 @@ bool BatchScheduler::take_checked(Slot& s, const std::function<void(GenerationRe
 std::shared_ptr<const KvCache> BatchScheduler::detach_prompt(Slot& owner) {
   // The prompt's cache moves out of the owner's slot, which gets an empty one (reserved address
   // space only), and becomes read-only and shared.
-  auto prompt = std::make_shared<KvCache>(std::move(owner.cache));
-  owner.cache = model_.make_cache(options_.n_ctx, KvCacheOptions{options_.cache_type, 0, 0, false});
-  owner.cache.attach_prefix(prompt);
-  return prompt;
+  return owner.sequence.share_cache(make_slot_cache(model_, options_));
 }
 
 void BatchScheduler::keep_prompt(std::shared_ptr<const KvCache> prompt, const Slot& owner) {
-  segments_.push_back({owner.request.prompt, std::move(prompt), owner.logits, steps_});
+  const std::span<const float> logits = owner.sequence.logits();
+  segments_.push_back({owner.request.prompt, std::move(prompt), {logits.begin(), logits.end()}, steps_});
   // The least recently read go first, until the rest fits.
   size_t total = prompt_cache_bytes_in_use();
   while (total > options_.prompt_cache_bytes && !segments_.empty()) {
@@ -420,19 +412,15 @@ size_t BatchScheduler::prompt_cache_bytes_in_use() const {
 }
 
 void BatchScheduler::share_prompt(Slot& owner, const std::function<void(GenerationResult)>& on_done) {
-  const bool keep = options_.prompt_cache_bytes > 0 && owner.cache.prefix() == nullptr;
+  const bool keep = options_.prompt_cache_bytes > 0 && owner.sequence.cache().prefix() == nullptr;
   std::shared_ptr<const KvCache> prompt = detach_prompt(owner);
   if (keep) keep_prompt(prompt, owner);
   for (auto& other : slots_) {
     if (other->state != Slot::State::kWaitingForPrompt || other->prompt_owner != &owner) continue;
-    other->cache.clear();
-    other->cache.attach_prefix(prompt);
-    other->logits = owner.logits;
-    other->drew_from_top = false;
-    other->prefilled = owner.prefilled;
+    other->sequence.read_prefix(prompt, owner.sequence.tokens(), owner.sequence.logits());
     other->started = owner.started;
     other->state = Slot::State::kDecode;
-    shared_prefill_tokens_ += static_cast<int64_t>(owner.prefilled);
+    shared_prefill_tokens_ += static_cast<int64_t>(owner.prefilled());
     advance(*other, on_done);
   }
 }
@@ -442,8 +430,8 @@ size_t BatchScheduler::kv_bytes_in_use() const {
   std::vector<const KvCache*> prefixes;
   for (const auto& s : slots_) {
     if (s->state == Slot::State::kFree) continue;
-    held += s->cache.bytes_in_use();
-    const KvCache* prefix = s->cache.prefix();
+    held += s->sequence.cache().bytes_in_use();
+    const KvCache* prefix = s->sequence.cache().prefix();
     if (prefix != nullptr && std::find(prefixes.begin(), prefixes.end(), prefix) == prefixes.end()) {
       prefixes.push_back(prefix);
       held += prefix->bytes_in_use();
@@ -457,7 +445,7 @@ void BatchScheduler::account_memory() {
   std::vector<const KvCache*> prefixes;
   for (const auto& s : slots_) {
     if (s->state == Slot::State::kFree) continue;
-    const KvCache& c = s->cache;
+    const KvCache& c = s->sequence.cache();
     held += c.bytes_in_use();
     unshared += c.bytes_for_tokens(c.context_size());
     if (c.prefix() != nullptr && std::find(prefixes.begin(), prefixes.end(), c.prefix()) == prefixes.end()) {
@@ -488,13 +476,15 @@ void BatchScheduler::draw_tokens(std::span<Slot* const> slots) {
       continue;
     }
     if (!s.draft.tokens.empty()) continue;  // checked row by row (take_checked)
-    if (s.drew_from_top) {
-      s.drawn = s.generation->draw_top(s.top);
+    const TokenScores scores = s.sequence.scores();
+    if (!scores.top.empty()) {
+      s.drawn = s.generation->draw_top(scores.top);
       continue;
     }
     const bool wants_logprobs = s.request.top_logprobs >= 0;
-    if (wants_logprobs) s.raw_logits = s.logits;  // the draw's penalties change the logits in place
-    s.drawn = s.generation->draw(s.logits);
+    // The draw's penalties change the logits in place.
+    if (wants_logprobs) s.raw_logits.assign(scores.logits.begin(), scores.logits.end());
+    s.drawn = s.generation->draw(scores.logits);
     if (wants_logprobs) s.logprobs = token_logprobs(s.raw_logits, s.drawn, s.request.top_logprobs);
   }
 }
@@ -506,7 +496,7 @@ bool BatchScheduler::take_token(Slot& s, const std::function<void(GenerationResu
     const int taken_before = g.n_tokens();
     emit(s, s.drawn, g.take(s.drawn));
     generated_tokens_ += g.n_tokens() - taken_before;
-    if (!g.finished() && !s.cache.has_room()) emit(s, -1, g.finish(FinishReason::kContextFull));
+    if (!g.finished() && !s.sequence.has_room()) emit(s, -1, g.finish(FinishReason::kContextFull));
   }
   if (g.finished()) {
     finish(s, on_done);
@@ -549,7 +539,7 @@ void BatchScheduler::release(Slot& s) {
   s.sampler.reset();
   s.drafter.reset();
   s.draft = {};
-  s.cache.clear();  // its memory goes back now, and its share of a prompt segment with it
+  s.sequence.clear();  // its memory goes back now, and its share of a prompt segment with it
 }
 
 }  // namespace ringlm

@@ -26,28 +26,51 @@ SequenceModel::SequenceModel(LlamaModel& model, KvCache cache, int top_k, Drafte
       logits_(static_cast<size_t>(model.hparams().n_vocab)),
       top_(static_cast<size_t>(std::max(0, top_k))) {}
 
+void SequenceModel::reset(int top_k, Drafter* drafter) {
+  clear();
+  top_.assign(static_cast<size_t>(std::max(0, top_k)), TopLogit{});
+  drafter_ = drafter;
+  evaluated_ = 0;
+}
+
 DroppedTokens SequenceModel::prefill(std::span<const int32_t> tokens) {
   if (tokens.empty()) return {};
   return forward(tokens);
 }
 
 DroppedTokens SequenceModel::forward(std::span<const int32_t> tokens) {
+  model_.forward(plan(tokens, Scores::kSampled));
+  return passed();
+}
+
+SequenceTokens SequenceModel::plan(std::span<const int32_t> tokens, Scores scores) {
+  const bool top = scores == Scores::kSampled && !top_.empty();
+  planned_ = {tokens, /*check=*/false, top, cache_.discarded()};
+  if (top) return SequenceTokens(tokens, &cache_, nullptr, top_);
+  return SequenceTokens(tokens, &cache_, scores == Scores::kNone ? nullptr : logits_.data());
+}
+
+SequenceTokens SequenceModel::plan_check(int32_t token, std::span<const int32_t> draft) {
+  pass_tokens_.assign(1, token);
+  pass_tokens_.insert(pass_tokens_.end(), draft.begin(), draft.end());
+  draft_rows_.resize(pass_tokens_.size() * logits_.size());
+  planned_ = {pass_tokens_, /*check=*/true, /*top=*/false, cache_.discarded()};
+  return SequenceTokens(pass_tokens_, &cache_, draft_rows_.data(), {}, /*steps=*/true);
+}
+
+DroppedTokens SequenceModel::passed() {
+  const PlannedPass pass = std::exchange(planned_, PlannedPass{});
   // The model shifts the cache on its own when it fills. Each shift drops the oldest tokens
   // after the sinks, so all of them together are the oldest `count` after the sinks of the
-  // context with the new tokens appended.
-  const int64_t discarded_before = cache_.discarded();
-  if (top_.empty()) {
-    model_.forward(tokens, cache_, logits_.data());
-  } else {
-    model_.forward_top(tokens, cache_, top_);
-  }
-  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+  // context with the new tokens appended. (A draft never crosses a shift: draft_room().)
+  tokens_.insert(tokens_.end(), pass.tokens.begin(), pass.tokens.end());
   const DroppedTokens dropped{static_cast<size_t>(cache_.n_keep()),
-                              static_cast<size_t>(cache_.discarded() - discarded_before)};
+                              static_cast<size_t>(cache_.discarded() - pass.discarded_before)};
   const auto sinks = tokens_.begin() + cache_.n_keep();
   tokens_.erase(sinks, sinks + static_cast<std::ptrdiff_t>(dropped.count));
-  evaluated_ += static_cast<int64_t>(tokens.size());
-  draft_pass_ = 0;
+  evaluated_ += static_cast<int64_t>(pass.tokens.size());
+  draft_pass_ = pass.check ? pass.tokens.size() : 0;
+  scores_in_top_ = pass.top;
   return dropped;
 }
 
@@ -62,13 +85,9 @@ DroppedTokens SequenceModel::evaluate(int32_t token) {
 std::span<float> SequenceModel::evaluate_draft(std::span<const int32_t> tokens) {
   const DecodePass pass = begin_pass(static_cast<int>(tokens.size()));
   const Clock::time_point start = Clock::now();
-  draft_rows_.resize(tokens.size() * logits_.size());
-  model_.forward_steps(tokens, cache_, draft_rows_.data());
+  model_.forward(plan_check(tokens.front(), tokens.subspan(1)));
   end_pass(pass, ms_since(start));
-  // A draft never crosses a context shift (draft_room()): nothing is dropped.
-  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
-  evaluated_ += static_cast<int64_t>(tokens.size());
-  draft_pass_ = tokens.size();
+  passed();
   return draft_rows_;
 }
 
@@ -106,12 +125,29 @@ void SequenceModel::clear() {
   cache_.clear();
   tokens_.clear();
   draft_pass_ = 0;
+  scores_in_top_ = false;
 }
 
 void SequenceModel::replace_cache(KvCache cache) {
   cache_ = std::move(cache);
   tokens_.clear();
   draft_pass_ = 0;
+  scores_in_top_ = false;
+}
+
+std::shared_ptr<const KvCache> SequenceModel::share_cache(KvCache fresh) {
+  auto shared = std::make_shared<KvCache>(std::move(cache_));
+  cache_ = std::move(fresh);
+  cache_.attach_prefix(shared);
+  return shared;
+}
+
+void SequenceModel::read_prefix(std::shared_ptr<const KvCache> prefix, std::span<const int32_t> tokens,
+                                std::span<const float> logits_after) {
+  clear();
+  cache_.attach_prefix(std::move(prefix), static_cast<int>(tokens.size()));
+  tokens_.assign(tokens.begin(), tokens.end());
+  if (!logits_after.empty()) std::copy(logits_after.begin(), logits_after.end(), logits_.begin());
 }
 
 }  // namespace ringlm
