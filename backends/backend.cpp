@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace ringlm {
 
@@ -54,6 +55,45 @@ void Backend::matmul_add(const PreparedWeight& weight, const float* x, int64_t n
   std::unique_ptr<ActivationBuffer> product = alloc_activations(n);
   matmul(weight, x, n_tokens, product->data());
   add(y, product->data(), static_cast<int64_t>(n));
+}
+
+void Backend::moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, const MatmulInput& input,
+                      Activation act, float* out) {
+  const auto n_expert = static_cast<int>(experts.gate.size());
+  const ExpertGroups groups = group_by_expert(routes, n_expert);
+  int64_t most = 0;
+  for (int e = 0; e < n_expert; ++e) most = std::max(most, groups.count(e));
+  if (most == 0) return;
+  const int64_t d = experts.down[0]->rows(), n_ff = experts.gate[0]->rows();
+  const auto d_size = static_cast<size_t>(d);
+  const std::unique_ptr<ActivationBuffer> gathered = alloc_activations(static_cast<size_t>(most) * d_size);
+  const std::unique_ptr<ActivationBuffer> hidden = alloc_activations(static_cast<size_t>(most * n_ff));
+  const std::unique_ptr<ActivationBuffer> product = alloc_activations(static_cast<size_t>(most) * d_size);
+  std::vector<bool> written(static_cast<size_t>(input.n_tokens), false);
+  for (int e = 0; e < n_expert; ++e) {
+    const int64_t m = groups.count(e), first = groups.start[static_cast<size_t>(e)];
+    if (m == 0) continue;
+    for (int64_t i = 0; i < m; ++i) {
+      const auto row = static_cast<size_t>(groups.row[static_cast<size_t>(first + i)]);
+      copy(gathered->data() + static_cast<size_t>(i) * d_size, input.x + row * d_size, d_size);
+    }
+    const size_t ex = static_cast<size_t>(e);
+    matmul_glu(*experts.gate[ex], *experts.up[ex], MatmulInput{gathered->data(), m, input.rms_weight, input.rms_eps}, act,
+               hidden->data());
+    matmul(*experts.down[ex], hidden->data(), m, product->data());
+    // Each row's share goes to its place in `out`: the first expert of a row writes it.
+    for (int64_t i = 0; i < m; ++i) {
+      const size_t entry = static_cast<size_t>(first + i), row = static_cast<size_t>(groups.row[entry]);
+      float* const share = product->data() + static_cast<size_t>(i) * d_size;
+      scale(share, d, groups.weight[entry]);
+      if (written[row]) {
+        add(out + row * d_size, share, d);
+      } else {
+        copy(out + row * d_size, share, d_size);
+        written[row] = true;
+      }
+    }
+  }
 }
 
 bool Backend::supports(BackendOp /*op*/, std::span<const TensorType> types) const {

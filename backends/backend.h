@@ -25,8 +25,9 @@
 #include <string>
 #include <string_view>
 
-#include "quant/formats.h"
+#include "backends/expert_routing.h"
 #include "backends/top_k.h"
+#include "quant/formats.h"
 
 namespace ringlm {
 
@@ -190,6 +191,7 @@ struct DeviceCounters {
 // The ops of the seam, as Backend::supports names them.
 enum class BackendOp {
   kMatmul, kMatmulAdd, kMatmulMany, kMatmulGlu, kRows,  // products and embedding rows: the weights' types
+  kMoeFfn,                                              // a mixture of experts: the experts' types
   kRope, kAdd, kAddRow, kScale, kRmsNorm, kCopy,        // row-wise ops on fp32 activations: no types
   kStoreKv, kAttention, kShiftKeys,                     // the KV cache's element type (F16 or F32)
   kTopK,                                                // no types
@@ -245,6 +247,14 @@ class Backend {
   // with the activation applied as each output tile is produced. out is [n_tokens][gate.rows()].
   virtual void matmul_glu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input,
                           Activation act, float* out) = 0;
+
+  // A mixture of experts' feed-forward block: out[r] = sum over j of routes.weights[r][j] *
+  // down_e(act(gate_e · x_r) * (up_e · x_r)), e = routes.experts[r][j], for every row r of the
+  // input (normalised on the way in, as matmul_glu's). out is [n_tokens][n_embd], overwritten.
+  // This default runs each chosen expert once, over the rows routed to it gathered together
+  // (matmul_glu, then matmul), and sums each row's experts in ascending order of expert.
+  virtual void moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, const MatmulInput& input,
+                       Activation act, float* out);
 
   // --- The attention block: RoPE, the KV cache, attention, the StreamingLLM shift -----------
 

@@ -111,6 +111,7 @@ class PluginBackend final : public Backend {
       case BackendOp::kMatmulAdd:
       case BackendOp::kMatmulGlu:
       case BackendOp::kRows:
+      case BackendOp::kMoeFfn:  // Backend's: the fused product, copies and row-wise ops, each on the device
         return link_.v2() && device_multiplies();
       case BackendOp::kAttention:
       case BackendOp::kShiftKeys:

@@ -9,9 +9,10 @@ namespace ringlm {
 namespace {
 
 constexpr ArchInfo kSupportedArchs[] = {
-    {.name = "llama", .rope_style = RopeStyle::kAdjacentPairs, .rope_freqs = true},
+    {.name = "llama", .rope_style = RopeStyle::kAdjacentPairs, .rope_freqs = true, .experts = true},
     {.name = "qwen2", .rope_style = RopeStyle::kHalfSplit, .qkv_bias = true},
     {.name = "qwen3", .rope_style = RopeStyle::kHalfSplit, .qk_norm = true},
+    {.name = "qwen3moe", .rope_style = RopeStyle::kHalfSplit, .qk_norm = true, .experts = true, .moe_only = true},
     {.name = "gemma3",
      .rope_style = RopeStyle::kHalfSplit,
      .qk_norm = true,
@@ -78,6 +79,38 @@ void read_rope_scaling(const GgufFile& gguf, const std::string& p, const ArchInf
   }
 }
 
+// <arch>.expert_count and the keys that go with it. Shared experts (Qwen2-MoE's, DeepSeek's) and
+// other gating functions are refused by name.
+void read_experts(const GgufFile& gguf, const std::string& p, const ArchInfo& arch, LlamaHparams& hp) {
+  const uint64_t n_expert = gguf.get_uint(p + "expert_count").value_or(0);
+  if (n_expert == 0) {
+    if (arch.moe_only) gguf.fail("missing metadata '" + p + "expert_count'");
+    return;
+  }
+  if (!arch.experts) gguf.fail("metadata '" + p + "expert_count': mixtures of experts are not supported for '" + hp.arch + "'");
+  hp.n_expert = checked_dim(gguf, p + "expert_count", n_expert, 4096);
+  hp.n_expert_used = checked_dim(gguf, p + "expert_used_count", gguf.require_uint(p + "expert_used_count"),
+                                 static_cast<uint64_t>(hp.n_expert));
+  // Mixtral's experts are feed_forward_length wide; Qwen3-MoE's expert_feed_forward_length, or
+  // (as llama.cpp falls back) feed_forward_length / expert_used_count.
+  hp.n_ff_exp = hp.n_ff;
+  if (arch.moe_only) {
+    const auto v = gguf.get_uint(p + "expert_feed_forward_length");
+    hp.n_ff_exp = v ? checked_dim(gguf, p + "expert_feed_forward_length", *v, 1 << 20) : std::max(1, hp.n_ff / hp.n_expert_used);
+  }
+  if (auto v = gguf.get_bool(p + "expert_weights_norm")) hp.expert_weights_norm = *v;
+  // llama.cpp's gating functions: 1 is the softmax, the only one these families use.
+  if (auto v = gguf.get_uint(p + "expert_gating_func"); v && *v != 1) {
+    gguf.fail("metadata '" + p + "expert_gating_func': " + std::to_string(*v) + " is not supported (only 1, the softmax)");
+  }
+  if (auto v = gguf.get_float(p + "expert_weights_scale"); v && *v != 1.0) {
+    gguf.fail("metadata '" + p + "expert_weights_scale': only 1 is supported");
+  }
+  for (const char* key : {"expert_shared_count", "expert_shared_feed_forward_length", "leading_dense_block_count"}) {
+    if (gguf.find(p + key) != nullptr) gguf.fail("metadata '" + p + key + "' is not supported (shared or dense expert layers)");
+  }
+}
+
 }  // namespace
 
 const ArchInfo* find_arch(std::string_view name) {
@@ -113,6 +146,7 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
   hp.n_embd = dim(p + "embedding_length", 1 << 16);
   hp.n_layer = dim(p + "block_count", 1024);
   hp.n_ff = dim(p + "feed_forward_length", 1 << 20);
+  read_experts(gguf, p, *arch, hp);
   hp.n_head = dim(p + "attention.head_count", 1024);
   hp.n_head_kv = hp.n_head;
   if (auto v = gguf.get_uint(p + "attention.head_count_kv")) hp.n_head_kv = checked_dim(gguf, p + "attention.head_count_kv", *v, 1024);

@@ -68,6 +68,15 @@ struct LlamaHparams {
   int sliding_window = 0;
   int swa_period = 0;
   float swa_rope_base = 0.0f;
+  // Mixture of experts (<arch>.expert_count > 0): every layer's feed-forward block is n_expert
+  // experts of n_ff_exp hidden units each, of which a router picks n_expert_used per token.
+  // Their outputs are summed with the router's softmax weights: over the chosen experts' logits
+  // (renormalised, expert_weights_norm), or over all the experts' (not renormalised).
+  int n_expert = 0;
+  int n_expert_used = 0;
+  int n_ff_exp = 0;
+  bool expert_weights_norm = true;
+  bool moe() const { return n_expert > 0; }
 
   // Reads and checks every field; GgufError naming the key on a missing or absurd value.
   static LlamaHparams from_gguf(const GgufFile& gguf);
@@ -105,6 +114,10 @@ struct ArchInfo {
   // A model of this many layers scales its attention scores by 1/sqrt(n_embd / n_head) instead of
   // 1/sqrt(head_dim): Gemma 3 27B's query_pre_attn_scalar, which llama.cpp applies by layer count.
   int wide_query_scale_n_layer = 0;
+  // Mixture-of-experts files of this family (<arch>.expert_count) are read: Mixtral's `llama`,
+  // and `qwen3moe`, which always is one (moe_only).
+  bool experts = false;
+  bool moe_only = false;
 };
 
 // The family `name`, or nullptr when it is not one this decoder runs.

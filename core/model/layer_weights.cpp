@@ -16,7 +16,7 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 // --- The layer schema ------------------------------------------------------------------------
 
 // The lengths a layer tensor's shape is given in.
-enum class Dim { kNone, kEmbd, kQ, kKv, kQkv, kFf, kGateUp, kHeadDim };
+enum class Dim { kNone, kEmbd, kQ, kKv, kQkv, kFf, kGateUp, kHeadDim, kExpert, kFfExp };
 
 int64_t length(Dim dim, const LlamaHparams& hp) {
   const int64_t q = static_cast<int64_t>(hp.n_head) * hp.head_dim;
@@ -30,6 +30,8 @@ int64_t length(Dim dim, const LlamaHparams& hp) {
     case Dim::kFf: return hp.n_ff;
     case Dim::kGateUp: return 2 * static_cast<int64_t>(hp.n_ff);
     case Dim::kHeadDim: return hp.head_dim;
+    case Dim::kExpert: return hp.n_expert;
+    case Dim::kFfExp: return hp.n_ff_exp;
   }
   return 0;
 }
@@ -40,11 +42,14 @@ enum class When {
   kInFile,        // wherever the file has it (a file's layout, not a family's: fused q|k|v)
   kFamily,        // where the family's flag says so
   kFamilyOrFile,  // where the family's flag says so, and read wherever a file has it (biases, as llama.cpp)
+  kDense,         // the feed-forward block of a model without experts
+  kExperts,       // ... of a mixture of experts
 };
 
 using MatrixSlot = std::unique_ptr<PreparedWeight> LayerWeights::*;
 using VectorSlot = const float* LayerWeights::*;
-using Slot = std::variant<MatrixSlot, VectorSlot>;
+using ExpertsSlot = std::vector<std::unique_ptr<PreparedWeight>> LayerWeights::*;
+using Slot = std::variant<MatrixSlot, VectorSlot, ExpertsSlot>;
 
 // Where a tensor's rows go: all of them into one slot, or a fused tensor's consecutive row
 // ranges into one slot each (llama.cpp's views of a fused matrix).
@@ -61,6 +66,7 @@ struct LayerTensor {
   When when;
   bool LlamaHparams::* family_flag = nullptr;  // kFamily, kFamilyOrFile
   std::vector<Part> parts;
+  bool per_expert = false;  // one matrix per expert, [n_expert][rows][cols], into an ExpertsSlot
 };
 
 // A layer's tensors, in the order they are read. A tensor is read only while no tensor read before
@@ -94,9 +100,14 @@ const std::vector<LayerTensor>& layer_schema() {
       // gate and up: one matrix of the gate's rows, then up's (Phi-3), or two.
       {"ffn_up.weight", Dim::kEmbd, Dim::kGateUp, When::kFamily, &H::fused_gate_up,
        {{&L::gate, Dim::kFf, "gate"}, {&L::up, Dim::kFf, "up"}}},
-      {"ffn_gate.weight", Dim::kEmbd, Dim::kFf, When::kAlways, nullptr, {{&L::gate, Dim::kFf}}},
-      {"ffn_up.weight", Dim::kEmbd, Dim::kFf, When::kAlways, nullptr, {{&L::up, Dim::kFf}}},
-      {"ffn_down.weight", Dim::kFf, Dim::kEmbd, When::kAlways, nullptr, {{&L::down, Dim::kEmbd}}},
+      {"ffn_gate.weight", Dim::kEmbd, Dim::kFf, When::kDense, nullptr, {{&L::gate, Dim::kFf}}},
+      {"ffn_up.weight", Dim::kEmbd, Dim::kFf, When::kDense, nullptr, {{&L::up, Dim::kFf}}},
+      {"ffn_down.weight", Dim::kFf, Dim::kEmbd, When::kDense, nullptr, {{&L::down, Dim::kEmbd}}},
+      // A mixture of experts: the router, then each of the three matrices of every expert.
+      {"ffn_gate_inp.weight", Dim::kEmbd, Dim::kExpert, When::kExperts, nullptr, {{&L::router, Dim::kExpert}}},
+      {"ffn_gate_exps.weight", Dim::kEmbd, Dim::kFfExp, When::kExperts, nullptr, {{&L::gate_exps, Dim::kFfExp}}, true},
+      {"ffn_up_exps.weight", Dim::kEmbd, Dim::kFfExp, When::kExperts, nullptr, {{&L::up_exps, Dim::kFfExp}}, true},
+      {"ffn_down_exps.weight", Dim::kFfExp, Dim::kEmbd, When::kExperts, nullptr, {{&L::down_exps, Dim::kEmbd}}, true},
   };
   return schema;
 }
@@ -107,6 +118,8 @@ bool wanted(const LayerTensor& t, const LlamaHparams& hp, const ModelTensors& te
     case When::kInFile: return tensors.has(name);
     case When::kFamily: return hp.*t.family_flag;
     case When::kFamilyOrFile: return hp.*t.family_flag || tensors.has(name);
+    case When::kDense: return !hp.moe();
+    case When::kExperts: return hp.moe();
   }
   return false;
 }
@@ -120,6 +133,25 @@ void read_matrix(const LayerTensor& t, const std::string& name, ModelTensors& te
     const int64_t n = length(part.rows, hp);
     plan.prepare_rows(layer.*std::get<MatrixSlot>(part.slot), tensors.file(), info, row0, n, part.label, il);
     row0 += n;
+  }
+}
+
+// Expert e's matrix is rows [e * rows, (e + 1) * rows) of the file's tensor: a view, as a fused
+// matrix's part is.
+void read_experts(const LayerTensor& t, const std::string& name, ModelTensors& tensors, WeightPlan& plan,
+                  const LlamaHparams& hp, int il, LayerWeights& layer) {
+  const std::string per_expert_name = "blk." + std::to_string(il) + ".ffn_gate.0.weight";
+  if (!tensors.has(name) && tensors.has(per_expert_name)) {
+    tensors.file().fail("tensor '" + per_expert_name + "': experts stored one tensor each (an older conversion); "
+                        "convert the model again with a current llama.cpp, which stacks them in '" + name + "'");
+  }
+  const int64_t rows = length(t.rows, hp);
+  const GgufTensorInfo& info = plan.experts(tensors, name, length(t.cols, hp), rows, hp.n_expert);
+  std::vector<std::unique_ptr<PreparedWeight>>& experts = layer.*std::get<ExpertsSlot>(t.parts[0].slot);
+  experts.resize(static_cast<size_t>(hp.n_expert));
+  for (int e = 0; e < hp.n_expert; ++e) {
+    plan.prepare_rows(experts[static_cast<size_t>(e)], tensors.file(), info, e * rows, rows,
+                      "expert " + std::to_string(e), il);
   }
 }
 
@@ -187,6 +219,14 @@ const GgufTensorInfo& WeightPlan::matrix(ModelTensors& tensors, const std::strin
   return t;
 }
 
+const GgufTensorInfo& WeightPlan::experts(ModelTensors& tensors, const std::string& name, int64_t cols, int64_t rows,
+                                          int64_t n_expert) {
+  const GgufTensorInfo& t = tensors.get(name, {cols, rows, n_expert});
+  weight_bytes_ += t.n_bytes;
+  n_params_ += t.n_elements();
+  return t;
+}
+
 void WeightPlan::prepare(std::unique_ptr<PreparedWeight>& slot, const GgufTensorInfo& t, int layer) {
   pending_.push_back({&slot, WeightView{t.name, t.type, t.rows(), t.cols(), t.data, true, layer}});
 }
@@ -239,6 +279,8 @@ void read_layer_weights(ModelTensors& tensors, WeightPlan& plan, const LlamaHpar
     for (const Part& p : t.parts) taken.push_back(p.slot);
     if (t.rows == Dim::kNone) {
       read_vector(t, name, tensors, plan, hp, layer);
+    } else if (t.per_expert) {
+      read_experts(t, name, tensors, plan, hp, il, layer);
     } else {
       read_matrix(t, name, tensors, plan, hp, il, layer);
     }

@@ -32,6 +32,10 @@ struct LayerWeights {
   int window = 0;    // sliding window of its attention (0: none)
   int rope_set = 0;  // its RoPE frequencies (RopeTables' set)
   std::unique_ptr<PreparedWeight> wq, wk, wv, wo, gate, up, down;
+  // A mixture of experts, in place of gate, up and down: the router ([n_expert][n_embd]) and
+  // every expert's three matrices (expert e's are element e).
+  std::unique_ptr<PreparedWeight> router;
+  std::vector<std::unique_ptr<PreparedWeight>> gate_exps, up_exps, down_exps;
 };
 
 // The file's tensors as the decoder reads them. Each one read is marked, so that what is left at
@@ -62,6 +66,9 @@ class WeightPlan {
  public:
   // A matrix of the file [rows][cols], counted in the model's size.
   const GgufTensorInfo& matrix(ModelTensors& tensors, const std::string& name, int64_t cols, int64_t rows);
+  // ... or n_expert of them, one after the other ([n_expert][rows][cols]: GGML's 3-D expert tensors).
+  const GgufTensorInfo& experts(ModelTensors& tensors, const std::string& name, int64_t cols, int64_t rows,
+                                int64_t n_expert);
   // ... prepared as one weight into `slot`, for `layer` (-1: the embedding; n_layer: the output).
   void prepare(std::unique_ptr<PreparedWeight>& slot, const GgufTensorInfo& t, int layer);
   // Rows [row0, row0 + n) of matrix t as a weight of its own (a fused matrix's part).

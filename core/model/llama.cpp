@@ -26,7 +26,14 @@ void LlamaModel::allocate_scratch() {
   s.k = backend_.alloc_activations(M * kv_dim);
   s.v = backend_.alloc_activations(M * kv_dim);
   s.attn = backend_.alloc_activations(M * q_dim);
-  s.gate = backend_.alloc_activations(M * static_cast<size_t>(hp_.n_ff));
+  s.gate = backend_.alloc_activations(M * static_cast<size_t>(hp_.moe() ? 1 : hp_.n_ff));
+  if (hp_.moe()) {
+    const size_t routes = M * static_cast<size_t>(hp_.n_expert_used);
+    s.router_logits = backend_.alloc_activations(M * static_cast<size_t>(hp_.n_expert));
+    s.host_router_logits.resize(M * static_cast<size_t>(hp_.n_expert));
+    s.route_experts.resize(routes);
+    s.route_weights.resize(routes);
+  }
   const size_t half = static_cast<size_t>(rope_->half());
   for (size_t set = 0; set < rope_->n_sets(); ++set) {
     s.rope_cos.push_back(backend_.alloc_activations(M * half));
@@ -213,7 +220,6 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   float* const k = s.k->data();
   float* const v = s.v->data();
   float* const attn = s.attn->data();
-  float* const gate = s.gate->data();
   const size_t hidden = static_cast<size_t>(n) * static_cast<size_t>(d);
   backend_.begin_layer(-1);
   for (const Rows& r : rows) {
@@ -248,11 +254,39 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     attention(il, rows);
     residual(*L.wo, attn, n, L.post_attn_norm);
 
-    // Feed-forward block: down(act(gate(x)) * up(x)), gate and up in one fused pass.
-    backend_.matmul_glu(*L.gate, *L.up, MatmulInput{x, n, L.ffn_norm, hp_.rms_eps}, hp_.activation, gate);
-    residual(*L.down, gate, n, L.post_ffn_norm);
+    feed_forward(L, n);
   }
   if (!stage_.last()) pipeline_->send_hidden(x, hidden);
+}
+
+void LlamaModel::feed_forward(const LayerWeights& L, int n) {
+  if (hp_.moe()) return mixture_of_experts(L, n);
+  // down(act(gate(x)) * up(x)), gate and up in one fused pass.
+  float* const gate = scratch_->gate->data();
+  backend_.matmul_glu(*L.gate, *L.up, MatmulInput{scratch_->x->data(), n, L.ffn_norm, hp_.rms_eps}, hp_.activation, gate);
+  residual(*L.down, gate, n, L.post_ffn_norm);
+}
+
+// The router's logits come to the host, which picks each row's experts; the backend then runs
+// every chosen expert over its rows.
+void LlamaModel::mixture_of_experts(const LayerWeights& L, int n) {
+  Scratch& s = *scratch_;
+  const MatmulInput input{s.x->data(), n, L.ffn_norm, hp_.rms_eps};
+  const PreparedWeight* const router[] = {L.router.get()};
+  float* const router_out[] = {s.router_logits->data()};
+  backend_.matmul_many(router, input, router_out);
+  const size_t n_logits = static_cast<size_t>(n) * static_cast<size_t>(hp_.n_expert);
+  const size_t n_routes = static_cast<size_t>(n) * static_cast<size_t>(hp_.n_expert_used);
+  backend_.read(s.router_logits->data(), s.host_router_logits.data(), n_logits);
+  const std::span<int32_t> experts(s.route_experts.data(), n_routes);
+  const std::span<float> weights(s.route_weights.data(), n_routes);
+  route_experts(std::span<const float>(s.host_router_logits.data(), n_logits), hp_.n_expert, hp_.n_expert_used,
+                hp_.expert_weights_norm, experts, weights);
+  const ExpertBlock block{L.gate_exps, L.up_exps, L.down_exps};
+  float* const sum = s.xn->data();
+  backend_.moe_ffn(block, ExpertRoutes{hp_.n_expert_used, experts, weights}, input, hp_.activation, sum);
+  if (L.post_ffn_norm != nullptr) backend_.rms_norm(sum, n, hp_.n_embd, L.post_ffn_norm, hp_.rms_eps);
+  backend_.add(s.x->data(), sum, static_cast<int64_t>(n) * hp_.n_embd);
 }
 
 void LlamaModel::embed(std::span<const int32_t> tokens, float* out) {

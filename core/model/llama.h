@@ -103,6 +103,12 @@ class LlamaModel {
   // (one allocation each: a device backend keeps each one's copies in step separately).
   struct Scratch {
     std::unique_ptr<ActivationBuffer> x, xn, q, k, v, attn, gate;
+    // A mixture of experts: the router's logits ([tokens][n_expert]), read to the host to pick
+    // each row's experts (routes). (The experts' weighted sum goes to xn.)
+    std::unique_ptr<ActivationBuffer> router_logits;
+    std::vector<float> host_router_logits;
+    std::vector<int32_t> route_experts;
+    std::vector<float> route_weights;
     // [rope set][tokens][n_rot / 2]: each row's RoPE angles, per set of frequencies; computed on
     // the host (host_cos, host_sin) and written to the backend's (rope_cos, rope_sin) once per pass.
     std::vector<std::unique_ptr<ActivationBuffer>> rope_cos, rope_sin;
@@ -161,6 +167,10 @@ class LlamaModel {
   void embed(std::span<const int32_t> tokens, float* out);
   // x += input · weightᵀ (normalised by post_norm first, when the family has post-norms).
   void residual(const PreparedWeight& weight, const float* input, int n, const float* post_norm);
+  // The feed-forward block of a layer: down(act(gate(x)) * up(x)), or a mixture of experts.
+  void feed_forward(const LayerWeights& layer, int n);
+  // x += the experts the router picks for each of the n rows, weighted (Backend::moe_ffn).
+  void mixture_of_experts(const LayerWeights& layer, int n);
   // Index of a sequence's ring in the scratch's kv_views.
   static size_t kv_view_index(size_t sequence, KvRing ring) { return 2 * sequence + (ring == KvRing::kWindow ? 1 : 0); }
   // Fills the scratch's KV views and attention calls of the pass's sequences.

@@ -1,0 +1,62 @@
+#include "backends/expert_routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "backends/top_k.h"
+
+namespace ringlm {
+
+void route_experts(std::span<const float> logits, int n_expert, int k, bool normalize, std::span<int32_t> experts,
+                   std::span<float> weights) {
+  if (n_expert < 1 || k < 1 || k > n_expert || logits.size() % static_cast<size_t>(n_expert) != 0) {
+    throw std::invalid_argument("route_experts: " + std::to_string(k) + " of " + std::to_string(n_expert) +
+                                " experts over " + std::to_string(logits.size()) + " logits");
+  }
+  const size_t n_rows = logits.size() / static_cast<size_t>(n_expert), K = static_cast<size_t>(k);
+  if (experts.size() != n_rows * K || weights.size() != n_rows * K) throw std::invalid_argument("route_experts: output size");
+  std::vector<TopLogit> top(K);
+  for (size_t r = 0; r < n_rows; ++r) {
+    const std::span<const float> row = logits.subspan(r * static_cast<size_t>(n_expert), static_cast<size_t>(n_expert));
+    select_top_k(row, top);
+    // The softmax's denominator over the chosen logits or over all of them; the largest logit
+    // (the first chosen) is subtracted first, so no exp overflows. A row of NaNs leaves no
+    // expert chosen: expert 0 with weight 0 stands in for each (the row's block adds nothing).
+    const float max = top[0].id >= 0 ? top[0].logit : 0.0f;
+    double sum = 0.0;
+    if (normalize) {
+      for (const TopLogit& t : top) sum += t.id >= 0 ? std::exp(static_cast<double>(t.logit - max)) : 0.0;
+    } else {
+      for (const float l : row) sum += std::isnan(l) ? 0.0 : std::exp(static_cast<double>(l - max));
+    }
+    for (size_t j = 0; j < K; ++j) {
+      const bool chosen = top[j].id >= 0;
+      experts[r * K + j] = chosen ? top[j].id : 0;
+      weights[r * K + j] = chosen ? static_cast<float>(std::exp(static_cast<double>(top[j].logit - max)) / sum) : 0.0f;
+    }
+  }
+}
+
+ExpertGroups group_by_expert(const ExpertRoutes& routes, int n_expert) {
+  ExpertGroups g;
+  g.start.assign(static_cast<size_t>(n_expert) + 1, 0);
+  for (const int32_t e : routes.experts) {
+    if (e < 0 || e >= n_expert) throw std::out_of_range("expert " + std::to_string(e) + " of " + std::to_string(n_expert));
+    ++g.start[static_cast<size_t>(e) + 1];
+  }
+  for (size_t e = 0; e < static_cast<size_t>(n_expert); ++e) g.start[e + 1] += g.start[e];
+  g.row.resize(routes.experts.size());
+  g.weight.resize(routes.experts.size());
+  std::vector<int64_t> next(g.start.begin(), g.start.end() - 1);
+  const auto K = static_cast<size_t>(routes.k);
+  for (size_t i = 0; i < routes.experts.size(); ++i) {  // rows ascending, so each group is too
+    const auto slot = static_cast<size_t>(next[static_cast<size_t>(routes.experts[i])]++);
+    g.row[slot] = static_cast<int64_t>(i / K);
+    g.weight[slot] = routes.weights[i];
+  }
+  return g;
+}
+
+}  // namespace ringlm

@@ -1,0 +1,45 @@
+// A mixture of experts' routing: which experts each row of a feed-forward block goes to, and how
+// much each one's output weighs in the row's sum (Backend::moe_ffn runs the experts).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+namespace ringlm {
+
+class PreparedWeight;
+
+// A mixture-of-experts feed-forward block's experts: expert e's gate[e] and up[e]
+// ([n_ff_exp][n_embd]) and down[e] ([n_embd][n_ff_exp]), prepared as any weight.
+struct ExpertBlock {
+  std::span<const std::unique_ptr<PreparedWeight>> gate, up, down;
+};
+
+// Each row's k experts and their weights, [rows][k] each, on the host.
+struct ExpertRoutes {
+  int k = 0;
+  std::span<const int32_t> experts;
+  std::span<const float> weights;
+  int64_t rows() const { return k > 0 ? static_cast<int64_t>(experts.size()) / k : 0; }
+};
+
+// The routes of the rows of `logits` ([rows][n_expert], the router's product): each row's k
+// largest logits (the lower expert first among equals; a NaN never chosen while there are other
+// experts), weighted by the softmax over the chosen k (`normalize`: Mixtral, Qwen3-MoE), or by
+// the softmax over all n_expert (not renormalised: their weights then sum to less than 1).
+// `experts` and `weights` are [rows][k].
+void route_experts(std::span<const float> logits, int n_expert, int k, bool normalize, std::span<int32_t> experts,
+                   std::span<float> weights);
+
+// The rows each expert serves: what a product grouped by expert runs, with each row's weight.
+struct ExpertGroups {
+  std::vector<int64_t> start;   // [n_expert + 1]: expert e's entries are [start[e], start[e + 1])
+  std::vector<int64_t> row;     // the routed rows, grouped by expert, ascending within an expert
+  std::vector<float> weight;    // ... and the weight of that expert's output in each
+  int64_t count(int e) const { return start[static_cast<size_t>(e) + 1] - start[static_cast<size_t>(e)]; }
+};
+ExpertGroups group_by_expert(const ExpertRoutes& routes, int n_expert);
+
+}  // namespace ringlm
