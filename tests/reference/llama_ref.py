@@ -197,9 +197,10 @@ def linear(x: np.ndarray, w: np.ndarray, b=None) -> np.ndarray:
 
 
 class LlamaModel:
-    def __init__(self, path: str, dtype=np.float64, rope_style: str | None = None):
+    def __init__(self, path, dtype=np.float64, rope_style: str | None = None):
+        """path: a GGUF file, or a GGUFReader of one already open."""
         self.dtype = np.dtype(dtype)
-        r = GGUFReader(path)
+        r = path if isinstance(path, gguf.GGUFReader) else GGUFReader(path)
         arch = _field(r, "general.architecture")
         if arch not in ROPE_STYLE:
             raise GGUFModelError(f"unsupported architecture '{arch}' (this reference implements "
