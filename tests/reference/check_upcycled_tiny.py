@@ -42,6 +42,11 @@ N_GEN = 8
 PROMPT_LEN = 24
 
 
+def raw_bytes(t) -> np.ndarray:
+    """A tensor's data as flat bytes."""
+    return np.ascontiguousarray(t.data).view(np.uint8).ravel()
+
+
 def check_file(dr, mr, permuted):
     """The upcycled file's keys and bytes (dense and MoE GGUFReaders). Returns a list of problems."""
     problems = []
@@ -81,8 +86,8 @@ def check_file(dr, mr, permuted):
             if exps.tensor_type != t.tensor_type or list(exps.shape) != list(t.shape) + [E]:
                 problems.append(f"{exps.name}: type {exps.tensor_type.name} shape {list(exps.shape)}")
                 continue
-            dense_bytes = np.ascontiguousarray(t.data).view(np.uint8).ravel()
-            slabs = np.ascontiguousarray(exps.data).view(np.uint8).reshape(E, -1)
+            dense_bytes = raw_bytes(t)
+            slabs = raw_bytes(exps).reshape(E, -1)
             if not np.array_equal(slabs[0], dense_bytes):
                 problems.append(f"{exps.name}: expert 0 is not the dense bytes")
             same = [np.array_equal(slabs[e], dense_bytes) for e in range(1, E)]
@@ -96,7 +101,7 @@ def check_file(dr, mr, permuted):
             continue
         m = mt.get(name)
         if m is None or m.tensor_type != t.tensor_type or list(m.shape) != list(t.shape) \
-                or not np.array_equal(np.ascontiguousarray(m.data).view(np.uint8), np.ascontiguousarray(t.data).view(np.uint8)):
+                or not np.array_equal(raw_bytes(m), raw_bytes(t)):
             problems.append(f"tensor {name} not copied unchanged")
     return problems
 
