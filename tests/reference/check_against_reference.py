@@ -178,6 +178,10 @@ def main(argv=None) -> int:
               f"[ringlm {t_bin:.1f}s, reference {t_ref:.1f}s]")
         for line in details:
             print(f"     {line}")
+        if model.routing:   # MoE: how close the reference's expert choice came to a tie this prompt
+            gaps = [st["min_gap"] for st in model.routing]
+            print(f"     routing: smallest K-th - (K+1)-th router logit gap {min(gaps):.3g} "
+                  f"(layer {gaps.index(min(gaps))}); a gap near float rounding can flip a choice")
         if ok:
             print(f"     text: {model.detokenize(ref_gen)!r}")
 

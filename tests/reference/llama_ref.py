@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent numpy reference of the GGUF `llama`, `qwen2`, `qwen3`, `gemma3` and `phi3` forward passes.
+"""Independent numpy reference of the GGUF `llama`, `qwen2`, `qwen3`, `gemma3`, `phi3` and `qwen3moe` forward passes.
 
 This is the oracle that ringlm's C++ forward pass is checked against, so it is
 written to be obviously correct rather than fast:
@@ -70,6 +70,24 @@ Architectures (general.architecture; hyperparameters under "<arch>."):
            currently disabled"), and so does this reference.
          Separate attn_q/k/v matrices are also read (llama.cpp accepts both layouts, for every
          family here).
+  qwen3moe  qwen3's attention (per-head q/k RMSNorm, NEOX RoPE, key_length) with a mixture of
+         experts as the FFN of every layer (below); the experts' hidden size is
+         expert_feed_forward_length, or feed_forward_length / expert_used_count without that key
+         (llama.cpp's fallback). feed_forward_length itself is not used.
+  Mixture of experts (llama.cpp's build_moe_ffn with softmax gating and normalised weights, as its
+  llama (Mixtral) and qwen3moe graphs call it): <arch>.expert_count = E > 0 (llama: optional; then
+  every layer is a MoE layer) and expert_used_count = K (1 <= K <= E). A layer's FFN is, per token,
+  with h = RMSNorm(x) * ffn_norm:
+         logits = ffn_gate_inp @ h                       (E values; GGML [n_embd, E])
+         chosen = the K largest logits, an exact tie going to the lower expert index
+         w      = softmax of the chosen logits           (= softmax over all E, renormalised over K)
+         out    = sum over chosen e of w_e * down_e(silu(gate_e h) * up_e h)
+  where expert e of ffn_gate_exps / ffn_up_exps (GGML [n_embd, n_ff_exp, E]) is the e-th
+  [n_ff_exp, n_embd] slab and of ffn_down_exps (GGML [n_ff_exp, n_embd, E]) the e-th
+  [n_embd, n_ff_exp] slab (numpy order [E, rows, cols]). A llama (Mixtral) file's experts are
+  feed_forward_length wide (llama.cpp ignores expert_feed_forward_length there). The chosen
+  experts' counts and the smallest gap between the K-th and the (K+1)-th logit (how close the
+  choice came to a tie) are kept per layer in `routing` for diagnostics.
   RoPE scaling (rope.scaling.*, as llama.cpp reads them): a missing type is "linear", "none" never
   scales; linear divides every frequency by rope.scaling.factor; "yarn" is HF's
   _compute_yarn_parameters: with s = factor, L = original_context_length and the correction
@@ -129,7 +147,10 @@ SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, 
                    QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS}
 
 # The RoPE pairing of each architecture (llama.cpp's llama_model_rope_type; see the docstring).
-ROPE_STYLE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "phi3": "neox"}
+ROPE_STYLE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "phi3": "neox",
+              "qwen3moe": "neox"}
+# The architectures whose FFN may be a mixture of experts (see the docstring); qwen3moe's always is.
+MOE_ARCHS = ("llama", "qwen3moe")
 
 
 class GGUFModelError(RuntimeError):
@@ -176,9 +197,10 @@ def linear(x: np.ndarray, w: np.ndarray, b=None) -> np.ndarray:
 
 
 class LlamaModel:
-    def __init__(self, path: str, dtype=np.float64, rope_style: str | None = None):
+    def __init__(self, path, dtype=np.float64, rope_style: str | None = None):
+        """path: a GGUF file, or a GGUFReader of one already open."""
         self.dtype = np.dtype(dtype)
-        r = GGUFReader(path)
+        r = path if isinstance(path, gguf.GGUFReader) else GGUFReader(path)
         arch = _field(r, "general.architecture")
         if arch not in ROPE_STYLE:
             raise GGUFModelError(f"unsupported architecture '{arch}' (this reference implements "
@@ -254,6 +276,22 @@ class LlamaModel:
                     if (il + 1) % 6 != 0:                            # local layer
                         self.window[il] = n_swa
                         self.layer_rope[il] = (base_swa, False)
+        # Mixture of experts (see the docstring).
+        self.n_expert = int(_field(r, a + "expert_count", default=0, required=False))
+        self.n_expert_used = int(_field(r, a + "expert_used_count", default=0, required=False))
+        if self.n_expert and arch not in MOE_ARCHS:
+            raise GGUFModelError(f"'{a}expert_count' on {arch}: experts are modelled for "
+                                 f"{' and '.join(MOE_ARCHS)} only")
+        if arch == "qwen3moe" and not self.n_expert:
+            raise GGUFModelError("qwen3moe needs expert_count > 0 (llama.cpp refuses it too)")
+        if self.n_expert and not 1 <= self.n_expert_used <= self.n_expert:
+            raise GGUFModelError(f"expert_used_count {self.n_expert_used} not in [1, expert_count "
+                                 f"{self.n_expert}]")
+        self.n_ff_exp = self.n_ff
+        if arch == "qwen3moe":
+            self.n_ff_exp = int(_field(r, a + "expert_feed_forward_length", required=False,
+                                       default=self.n_ff // self.n_expert_used))
+        self.routing = None
         self.context_length = int(_field(r, a + "context_length", default=0, required=False))
         self.eos_id = _field(r, "tokenizer.ggml.eos_token_id", required=False)
         self._tok_field = r.fields.get("tokenizer.ggml.tokens")
@@ -297,7 +335,7 @@ class LlamaModel:
                 setattr(self, f"{name}_factors", None if f is None else f.astype(np.float64))
 
         bias_required = arch == "qwen2"     # optional (and absent in practice) for the others
-        qk_norm = arch in ("qwen3", "gemma3")
+        qk_norm = arch in ("qwen3", "qwen3moe", "gemma3")
         gemma = arch == "gemma3"
         nq, nk, nv = self.n_head * hk, self.n_head_kv * hk, self.n_head_kv * hv
         self.layers = []
@@ -323,14 +361,22 @@ class LlamaModel:
                 wo=get(p + "attn_output.weight", (d, self.n_head * hv)),
                 post_attn_norm=get(p + "post_attention_norm.weight", (d,)) if gemma else None,
                 ffn_norm=get(p + "ffn_norm.weight", (d,)),
-                w_down=get(p + "ffn_down.weight", (d, self.n_ff)),
                 post_ffn_norm=get(p + "post_ffw_norm.weight", (d,)) if gemma else None,
+                router=None,
             )
-            if arch == "phi3":                             # gate_up_proj: the gate's rows, then up's
+            if self.n_expert:                              # experts [E, rows, cols], numpy order
+                E, fe = self.n_expert, self.n_ff_exp
+                L.update(router=get(p + "ffn_gate_inp.weight", (E, d)),
+                         w_gate=get(p + "ffn_gate_exps.weight", (E, fe, d)),
+                         w_up=get(p + "ffn_up_exps.weight", (E, fe, d)),
+                         w_down=get(p + "ffn_down_exps.weight", (E, d, fe)))
+            elif arch == "phi3":                             # gate_up_proj: the gate's rows, then up's
                 gate_up = get(p + "ffn_up.weight", (2 * self.n_ff, d))
                 L.update(w_gate=gate_up[:self.n_ff], w_up=gate_up[self.n_ff:])
             else:
                 L.update(w_gate=get(p + "ffn_gate.weight", (self.n_ff, d)), w_up=get(p + "ffn_up.weight", (self.n_ff, d)))
+            if not self.n_expert:
+                L.update(w_down=get(p + "ffn_down.weight", (d, self.n_ff)))
             self.layers.append(L)
         self.act = gelu_tanh if gemma else silu
         # A tensor we do not read may be one llama.cpp applies (an attn_output or output
@@ -346,6 +392,11 @@ class LlamaModel:
         """Allocate an empty KV cache for n_ctx positions (prompt + generated)."""
         self.n_ctx = n_ctx
         self.n_past = 0
+        if self.n_expert:
+            # Per layer: how often each expert was chosen, and the smallest K-th minus (K+1)-th
+            # router logit seen (inf when K == E: nothing is left out).
+            self.routing = [dict(picks=np.zeros(self.n_expert, np.int64), min_gap=float("inf"))
+                            for _ in range(self.n_layer)]
         self.k_cache = [np.zeros((n_ctx, self.n_head_kv, self.hd_k), self.dtype) for _ in range(self.n_layer)]
         self.v_cache = [np.zeros((n_ctx, self.n_head_kv, self.hd_v), self.dtype) for _ in range(self.n_layer)]
 
@@ -394,6 +445,30 @@ class LlamaModel:
             x0, x1 = x[..., :half], x[..., half:self.n_rot]
             out[..., :half] = x0 * cos - x1 * sin
             out[..., half:self.n_rot] = x0 * sin + x1 * cos
+        return out
+
+    # ---- mixture of experts -------------------------------------------------------
+    def moe_ffn(self, h: np.ndarray, L: dict, il: int) -> np.ndarray:
+        """The FFN of a MoE layer (see the docstring) on h = RMSNorm(x) * ffn_norm, [T, d]."""
+        K = self.n_expert_used
+        logits = h @ L["router"].T                                       # [T, E]
+        # A stable sort of the negated logits: the largest first, an exact tie to the lower index.
+        order = np.argsort(-logits, axis=-1, kind="stable")
+        chosen = order[:, :K]                                            # [T, K]
+        top = np.take_along_axis(logits, chosen, axis=-1)                # [T, K], descending
+        w = np.exp(top - top[:, :1])
+        w = w / w.sum(axis=-1, keepdims=True)
+        stats = self.routing[il]
+        stats["picks"] += np.bincount(chosen.ravel(), minlength=self.n_expert)
+        if K < self.n_expert:
+            gap = top[:, -1] - np.take_along_axis(logits, order[:, K:K + 1], axis=-1)[:, 0]
+            stats["min_gap"] = min(stats["min_gap"], float(gap.min()))
+        out = np.zeros_like(h)
+        for e in np.unique(chosen):
+            rows, slot = np.nonzero(chosen == e)                         # the tokens that chose e
+            he = h[rows]
+            y = (self.act(he @ L["w_gate"][e].T) * (he @ L["w_up"][e].T)) @ L["w_down"][e].T
+            out[rows] += w[rows, slot][:, None] * y
         return out
 
     # ---- forward ------------------------------------------------------------
@@ -449,7 +524,10 @@ class LlamaModel:
             x = x + o
 
             h = rms_norm(x, L["ffn_norm"], self.eps)
-            f = (self.act(h @ L["w_gate"].T) * (h @ L["w_up"].T)) @ L["w_down"].T
+            if L["router"] is not None:
+                f = self.moe_ffn(h, L, il)
+            else:
+                f = (self.act(h @ L["w_gate"].T) * (h @ L["w_up"].T)) @ L["w_down"].T
             if L["post_ffn_norm"] is not None:           # gemma3
                 f = rms_norm(f, L["post_ffn_norm"], self.eps)
             x = x + f
@@ -483,6 +561,17 @@ class LlamaModel:
         return last_logits, generated, margins
 
     # ---- display only ---------------------------------------------------------
+    def routing_summary(self):
+        """Lines describing the expert choices since reset() (none for a dense model)."""
+        if not self.routing:
+            return []
+        lines = [f"routing: {self.n_expert_used} of {self.n_expert} experts per token"]
+        for il, st in enumerate(self.routing):
+            unused = int((st["picks"] == 0).sum())
+            lines.append(f"  layer {il}: picks {st['picks'].tolist()} ({unused} unused), "
+                         f"smallest K-th - (K+1)-th logit gap {st['min_gap']:.3g}")
+        return lines
+
     def detokenize(self, ids) -> str:
         """Crude detokenizer for human inspection (not used in any comparison)."""
         if self._tok_field is None:
@@ -521,6 +610,8 @@ def main(argv=None) -> int:
                     help="experiments only: override the architecture's RoPE pairing "
                          "(llama: norm = adjacent pairs; qwen2/qwen3/gemma3: neox = (i, i + n_rot/2))")
     ap.add_argument("--show-text", action="store_true", help="print the decoded continuation to stderr")
+    ap.add_argument("--show-routing", action="store_true",
+                    help="MoE models: print each layer's expert choices and closest K-th/(K+1)-th gap to stderr")
     args = ap.parse_args(argv)
 
     prompt = [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
@@ -546,6 +637,9 @@ def main(argv=None) -> int:
         sys.stdout.write("\n")
     print(f"llama_ref: load {t1 - t0:.2f}s, prompt {len(prompt)} + generate {args.n} tokens {t2 - t1:.2f}s "
           f"({args.dtype}, {model.n_layer} layers, vocab {model.n_vocab})", file=sys.stderr)
+    if args.show_routing:
+        for line in model.routing_summary():
+            print(f"llama_ref: {line}", file=sys.stderr)
     if args.show_text:
         print(f"llama_ref: generated ids {generated}", file=sys.stderr)
         print(f"llama_ref: text {model.detokenize(prompt)!r} + {model.detokenize(generated)!r}", file=sys.stderr)

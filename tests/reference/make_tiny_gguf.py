@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write a small llama / qwen2 / qwen3 / gemma3 / phi3 GGUF with random weights, for fast unit tests.
+"""Write a small llama / qwen2 / qwen3 / gemma3 / phi3 / qwen3moe GGUF with random weights, for fast unit tests.
 
     make_tiny_gguf.py OUT.gguf --vocab ../shared/data/vocab/ggml-vocab-starcoder.gguf \
         [--type Q4_0] [--untied] [--n-layer 2] [--n-head 4 --n-head-kv 2] [--seed 0] ...
@@ -40,6 +40,17 @@ other families too.
 
 --rope-freqs N (llama) writes Llama 3.1's rope_freqs.weight as the converter computes it
 (factor 8, low/high frequency factors 1 and 4) for an original context of N.
+
+Mixture of experts (llama.cpp's layout): --n-expert E --n-expert-used K replaces every layer's
+ffn_gate/ffn_up/ffn_down with a router blk.N.ffn_gate_inp.weight (GGML [n_embd, E], --router-type,
+default F32, random with a logit spread of about --router-scale so that tokens pick different
+experts) and the experts stacked along a third dimension: blk.N.ffn_gate_exps.weight and
+ffn_up_exps.weight (GGML [n_embd, n_ff_exp, E]), ffn_down_exps.weight (GGML [n_ff_exp, n_embd, E]),
+in --type; keys <arch>.expert_count and <arch>.expert_used_count. With --arch llama that is a
+Mixtral file (the experts' hidden size is feed_forward_length = --n-ff). --arch qwen3moe is
+qwen3's attention (q/k norms, NEOX RoPE, key_length) with experts on every layer (E > 0 required)
+and qwen3moe.expert_feed_forward_length = --n-ff-exp (default 32, or 256 with a 256-block type;
+feed_forward_length is --n-ff, unused by the layers, as in the real files).
 
 RoPE scaling for any family: --yarn FACTOR writes rope.scaling.type yarn, rope.scaling.factor
 and rope.scaling.original_context_length = --orig-ctx (default --ctx / FACTOR);
@@ -145,6 +156,14 @@ def main(argv=None) -> int:
     ap.add_argument("--yarn-beta-fast", type=float, help="write rope.scaling.yarn_beta_fast")
     ap.add_argument("--yarn-beta-slow", type=float, help="write rope.scaling.yarn_beta_slow")
     ap.add_argument("--rope-attn-factor", type=float, help="write rope.scaling.attn_factor")
+    ap.add_argument("--n-expert", type=int, default=0, help="experts per layer (default 0: a dense FFN)")
+    ap.add_argument("--n-expert-used", type=int, help="experts chosen per token (with --n-expert)")
+    ap.add_argument("--n-ff-exp", type=int,
+                    help="qwen3moe: the experts' hidden size, expert_feed_forward_length (default 32, or 256 "
+                         "with a 256-block type)")
+    ap.add_argument("--router-type", default="F32", choices=TYPES, help="type of ffn_gate_inp (default F32)")
+    ap.add_argument("--router-scale", type=float, default=2.0,
+                    help="standard deviation of the router logits, about (default 2.0)")
     ap.add_argument("--eps", type=float, default=1e-5, help="attention.layer_norm_rms_epsilon")
     ap.add_argument("--ctx", type=int, default=512, help="context_length")
     ap.add_argument("--init-scale", type=float, default=1.0, help="multiplier on all random weight scales")
@@ -155,7 +174,23 @@ def main(argv=None) -> int:
 
     embd_type = args.embd_type or args.type
     out_type = args.output_type or args.type
-    used = {args.type, embd_type, out_type if args.untied else None}
+    moe = args.n_expert > 0
+    qwen3moe = args.arch == "qwen3moe"
+    if qwen3moe and not moe:
+        raise SystemExit("--arch qwen3moe needs --n-expert (and --n-expert-used)")
+    if moe:
+        if args.arch in ("qwen2", "qwen3", "gemma3", "phi3"):
+            raise SystemExit(f"--n-expert: llama.cpp has no experts for {args.arch} (use llama or qwen3moe)")
+        if not args.n_expert_used or args.n_expert_used < 1:
+            raise SystemExit("--n-expert needs --n-expert-used K >= 1")
+        if args.n_expert_used > args.n_expert:
+            print(f"make_tiny_gguf: note: expert_used_count {args.n_expert_used} > expert_count {args.n_expert}: "
+                  f"an invalid file, for error-path tests", file=sys.stderr)
+    elif args.n_expert_used or args.n_ff_exp:
+        raise SystemExit("--n-expert-used / --n-ff-exp need --n-expert")
+    if args.n_ff_exp and not qwen3moe:
+        raise SystemExit("--n-ff-exp is for --arch qwen3moe (a llama/Mixtral file's experts are --n-ff wide)")
+    used = {args.type, embd_type, out_type if args.untied else None, args.router_type if moe else None}
     uses_k = bool(used & K_TYPES)
     if used & set(kquants.QUANTIZERS):
         # The packers' layout is proven against gguf's decoders (a few ms) every time they are
@@ -163,11 +198,12 @@ def main(argv=None) -> int:
         kquants.selfcheck()
     d = args.n_embd or (256 if uses_k else 64)
     ff = args.n_ff or (512 if uses_k else 128)
+    ff_exp = (args.n_ff_exp or (256 if uses_k else 32)) if qwen3moe else ff   # the experts' hidden size
     if d % args.n_head or args.n_head % args.n_head_kv:
         raise SystemExit("need n_embd % n_head == 0 and n_head % n_head_kv == 0")
     hd = args.head_dim or d // args.n_head
     rot = args.rope_dims or hd
-    qwen = args.arch in ("qwen2", "qwen3", "gemma3")    # NEOX families: rope.dimension_count only on request
+    qwen = args.arch in ("qwen2", "qwen3", "qwen3moe", "gemma3")    # NEOX families: rope.dimension_count only on request
     gemma = args.arch == "gemma3"
     phi3 = args.arch == "phi3"
     fused_qkv = phi3 or args.fused_qkv
@@ -203,7 +239,7 @@ def main(argv=None) -> int:
     w.add_float32(a + "rope.freq_base", rope_base)
     if not qwen or args.rope_dims:
         w.add_uint32(a + "rope.dimension_count", rot)
-    if args.head_dim or args.arch in ("qwen3", "gemma3"):   # the converter writes them when config.json has head_dim
+    if args.head_dim or args.arch in ("qwen3", "qwen3moe", "gemma3"):   # the converter writes them when config.json has head_dim
         w.add_uint32(a + "attention.key_length", hd)
         w.add_uint32(a + "attention.value_length", hd)
     if (gemma or phi3) and args.sliding_window:
@@ -223,6 +259,11 @@ def main(argv=None) -> int:
             w.add_float32(a + "rope.scaling." + key, value)
     if gemma and args.rope_base_swa is not None:
         w.add_float32(a + "rope.freq_base_swa", args.rope_base_swa)
+    if moe:
+        w.add_uint32(a + "expert_count", args.n_expert)
+        w.add_uint32(a + "expert_used_count", args.n_expert_used)
+        if qwen3moe:
+            w.add_uint32(a + "expert_feed_forward_length", ff_exp)
 
     for key in args.drop_key:
         if key not in w.kv_data[0]:
@@ -274,13 +315,25 @@ def main(argv=None) -> int:
                 tensors += [(p + "attn_qkv.bias", np.concatenate([bq, bk, bv]), "F32")]
             else:
                 tensors += [(p + "attn_q.bias", bq, "F32"), (p + "attn_k.bias", bk, "F32"), (p + "attn_v.bias", bv, "F32")]
-        if args.arch in ("qwen3", "gemma3"):
+        if args.arch in ("qwen3", "qwen3moe", "gemma3"):
             tensors += [(p + "attn_q_norm.weight", norm_weight(hd), "F32"),
                         (p + "attn_k_norm.weight", norm_weight(hd), "F32")]
         tensors += [(p + "attn_output.weight", normal((d, args.n_head * hd), (args.n_head * hd) ** -0.5), args.type)]
         if gemma:
             tensors += [(p + "post_attention_norm.weight", norm_weight(), "F32")]
         tensors += [(p + "ffn_norm.weight", norm_weight(), "F32")]
+        if moe:
+            # The router sees the RMS-normed input (elements ~1): logits ~ router_scale apart, so
+            # that the K chosen differ from token to token and the softmax weights are far from
+            # uniform. Each expert is an FFN as large as the dense one below; their weighted sum
+            # (weights summing to 1) keeps the output O(1).
+            E = args.n_expert
+            tensors += [(p + "ffn_gate_inp.weight", rng.normal(0.0, args.router_scale * d ** -0.5, (E, d))
+                         .astype(np.float32), args.router_type),
+                        (p + "ffn_gate_exps.weight", normal((E, ff_exp, d), d ** -0.5), args.type),
+                        (p + "ffn_up_exps.weight", normal((E, ff_exp, d), d ** -0.5), args.type),
+                        (p + "ffn_down_exps.weight", normal((E, d, ff_exp), ff_exp ** -0.5), args.type)]
+            continue
         gate, up = normal((ff, d), d ** -0.5), normal((ff, d), d ** -0.5)
         if phi3:
             tensors += [(p + "ffn_up.weight", np.concatenate([gate, up]), args.type)]
@@ -296,7 +349,11 @@ def main(argv=None) -> int:
     for name, value, type_name in tensors:
         if name in args.drop_tensor:
             continue
-        arr, raw = encode(name, value, type_name)
+        # A stack of experts [E, rows, cols] is quantized as one [E * rows, cols] matrix (rows are
+        # whole blocks), then given back its third dimension.
+        arr, raw = encode(name, value.reshape(-1, value.shape[-1]) if value.ndim == 3 else value, type_name)
+        if value.ndim == 3:
+            arr = arr.reshape(value.shape[:2] + arr.shape[-1:])
         w.add_tensor(name, arr, raw_dtype=raw)
 
     w.write_header_to_file()
@@ -306,7 +363,9 @@ def main(argv=None) -> int:
     print(f"wrote {args.out}: arch {args.arch}, {args.n_layer} layers, d {d}, ff {ff}, heads {args.n_head}/"
           f"{args.n_head_kv}, head dim {hd}, vocab {n_vocab}, matrices {args.type}, token_embd {embd_type}, "
           + (f"output {out_type}" if args.untied else "tied output")
-          + (f", sliding window {args.sliding_window or 'none'}" if gemma else ""))
+          + (f", sliding window {args.sliding_window or 'none'}" if gemma else "")
+          + (f", {args.n_expert_used} of {args.n_expert} experts of hidden size {ff_exp}, router {args.router_type}"
+             if moe else ""))
     return 0
 
 

@@ -12,6 +12,7 @@ Options inject the faults the driver must catch:
     --perturb-token STEP                        change generated[STEP]
     --short                                     emit one generated id too few
     --rope-style neox|norm                      a plausible real bug (the other RoPE pairing)
+    --moe-fault NAME                            a plausible mixture-of-experts bug (MOE_FAULTS)
 """
 
 import argparse
@@ -22,6 +23,56 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_ref  # noqa: E402  (first: it sets the BLAS thread count before numpy loads)
 import numpy as np  # noqa: E402
+
+
+# Plausible bugs of a MoE FFN (llama_ref.LlamaModel.moe_ffn is the right one).
+MOE_FAULTS = {
+    "no-renorm": "weights = softmax over all E at the chosen experts, not renormalised over K",
+    "uniform": "every chosen expert weighted 1/K",
+    "one-less": "the K-1 largest logits",
+    "one-more": "the K+1 largest logits",
+    "ties-high": "an exact tie to the higher expert index (only differs on exact ties)",
+    "next-expert": "expert e's matrices taken from expert (e+1) mod E",
+    "down-next": "gate/up of expert e, down of expert (e+1) mod E",
+    "gate-up-swapped": "silu(up h) * gate h",
+    "router-unnormed": "router applied to x's RMSNorm without the ffn_norm weight",
+}
+
+
+def faulty_moe_ffn(fault):
+    def moe_ffn(self, h, L, il):
+        K, E = self.n_expert_used, self.n_expert
+        hr = h
+        if fault == "router-unnormed":
+            hr = h / L["ffn_norm"]
+        logits = hr @ L["router"].T
+        if fault == "ties-high":
+            order = (E - 1 - np.argsort(-logits[:, ::-1], axis=-1, kind="stable"))
+        else:
+            order = np.argsort(-logits, axis=-1, kind="stable")
+        k = {"one-less": max(K - 1, 1), "one-more": min(K + 1, E)}.get(fault, K)
+        chosen = order[:, :k]
+        top = np.take_along_axis(logits, chosen, axis=-1)
+        if fault == "no-renorm":
+            p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            w = np.take_along_axis(p / p.sum(axis=-1, keepdims=True), chosen, axis=-1)
+        elif fault == "uniform":
+            w = np.full(top.shape, 1.0 / k, dtype=h.dtype)
+        else:
+            w = np.exp(top - top[:, :1])
+            w = w / w.sum(axis=-1, keepdims=True)
+        out = np.zeros_like(h)
+        for t in range(h.shape[0]):
+            for j in range(k):
+                e = int(chosen[t, j])
+                eg = (e + 1) % E if fault == "next-expert" else e
+                ed = (e + 1) % E if fault in ("next-expert", "down-next") else e
+                g, u = L["w_gate"][eg] @ h[t], L["w_up"][eg] @ h[t]
+                if fault == "gate-up-swapped":
+                    g, u = u, g
+                out[t] += w[t, j] * (L["w_down"][ed] @ (self.act(g) * u))
+        return out
+    return moe_ffn
 
 
 def crude_tokenize(model, text):
@@ -69,7 +120,10 @@ def main():
     ap.add_argument("--perturb-token", type=int, default=-1)
     ap.add_argument("--short", action="store_true")
     ap.add_argument("--rope-style", default=None, help="norm | neox (default: the architecture's own)")
+    ap.add_argument("--moe-fault", choices=sorted(MOE_FAULTS), help="a MoE bug to inject (see MOE_FAULTS)")
     a = ap.parse_args()
+    if a.moe_fault:
+        llama_ref.LlamaModel.moe_ffn = faulty_moe_ffn(a.moe_fault)
     model = llama_ref.LlamaModel(a.m, dtype=np.float32, rope_style=a.rope_style)
     prompt = crude_tokenize(model, a.p)
     logits, gen, _ = model.generate(prompt, a.n)
