@@ -41,6 +41,11 @@ void route_experts(std::span<const float> logits, int n_expert, int k, bool norm
 
 ExpertGroups group_by_expert(const ExpertRoutes& routes, int n_expert) {
   ExpertGroups g;
+  group_by_expert(routes, n_expert, g);
+  return g;
+}
+
+void group_by_expert(const ExpertRoutes& routes, int n_expert, ExpertGroups& g) {
   g.start.assign(static_cast<size_t>(n_expert) + 1, 0);
   for (const int32_t e : routes.experts) {
     if (e < 0 || e >= n_expert) throw std::out_of_range("expert " + std::to_string(e) + " of " + std::to_string(n_expert));
@@ -49,14 +54,40 @@ ExpertGroups group_by_expert(const ExpertRoutes& routes, int n_expert) {
   for (size_t e = 0; e < static_cast<size_t>(n_expert); ++e) g.start[e + 1] += g.start[e];
   g.row.resize(routes.experts.size());
   g.weight.resize(routes.experts.size());
-  std::vector<int64_t> next(g.start.begin(), g.start.end() - 1);
+  g.next.assign(g.start.begin(), g.start.end() - 1);
   const auto K = static_cast<size_t>(routes.k);
   for (size_t i = 0; i < routes.experts.size(); ++i) {  // rows ascending, so each group is too
-    const auto slot = static_cast<size_t>(next[static_cast<size_t>(routes.experts[i])]++);
+    const auto slot = static_cast<size_t>(g.next[static_cast<size_t>(routes.experts[i])]++);
     g.row[slot] = static_cast<int64_t>(i / K);
     g.weight[slot] = routes.weights[i];
   }
-  return g;
+}
+
+void entries_by_row(const ExpertGroups& groups, int64_t n_rows, int k, std::vector<int64_t>& entries) {
+  entries.resize(static_cast<size_t>(n_rows * k));
+  std::vector<int> filled(static_cast<size_t>(n_rows), 0);
+  for (size_t slot = 0; slot < groups.row.size(); ++slot) {  // experts ascending
+    const auto r = static_cast<size_t>(groups.row[slot]);
+    entries[r * static_cast<size_t>(k) + static_cast<size_t>(filled[r]++)] = static_cast<int64_t>(slot);
+  }
+}
+
+void sum_weighted_rows(const ExpertGroups& groups, std::span<const int64_t> entries, int k, const float* products,
+                       int64_t width, int64_t r0, int64_t r1, float* out) {
+  const auto w = static_cast<size_t>(width);
+  for (int64_t r = r0; r < r1; ++r) {
+    float* const o = out + static_cast<size_t>(r) * w;
+    for (int j = 0; j < k; ++j) {
+      const auto slot = static_cast<size_t>(entries[static_cast<size_t>(r * k + j)]);
+      const float weight = groups.weight[slot];
+      const float* const p = products + slot * w;
+      if (j == 0) {
+        for (size_t c = 0; c < w; ++c) o[c] = p[c] * weight;
+      } else {
+        for (size_t c = 0; c < w; ++c) o[c] += p[c] * weight;
+      }
+    }
+  }
 }
 
 }  // namespace ringlm

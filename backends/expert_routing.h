@@ -38,8 +38,20 @@ struct ExpertGroups {
   std::vector<int64_t> start;   // [n_expert + 1]: expert e's entries are [start[e], start[e + 1])
   std::vector<int64_t> row;     // the routed rows, grouped by expert, ascending within an expert
   std::vector<float> weight;    // ... and the weight of that expert's output in each
+  std::vector<int64_t> next;    // (filling them)
   int64_t count(int e) const { return start[static_cast<size_t>(e) + 1] - start[static_cast<size_t>(e)]; }
 };
 ExpertGroups group_by_expert(const ExpertRoutes& routes, int n_expert);
+// The same into `groups`, reusing its memory.
+void group_by_expert(const ExpertRoutes& routes, int n_expert, ExpertGroups& groups);
+
+// For each row, its entries in `groups` ([rows][k]), in ascending order of expert.
+void entries_by_row(const ExpertGroups& groups, int64_t n_rows, int k, std::vector<int64_t>& entries);
+
+// out[r] = sum over j of groups.weight[e_j] * products[e_j] ([width] each), e_j = entries[r][j]
+// in order, for the rows [r0, r1): each weighted product rounded to a float and then added (no
+// fused multiply-add: the bits of Backend::moe_ffn's scale-then-add).
+void sum_weighted_rows(const ExpertGroups& groups, std::span<const int64_t> entries, int k, const float* products,
+                       int64_t width, int64_t r0, int64_t r1, float* out);
 
 }  // namespace ringlm

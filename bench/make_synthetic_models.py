@@ -2,11 +2,21 @@
 """Write a Llama-shaped GGUF with random Q4_0 weights, for speed measurements.
 
     python3 bench/make_synthetic_models.py --shape llama-3.2-1b --out /tmp/llama-3.2-1b.Q4_0.gguf
+    python3 bench/make_synthetic_models.py --shape qwen3-30b-a3b --layers 8 --out /tmp/q3moe-8l.gguf
 
-Shapes (all weight matrices, the embedding and the output in Q4_0, norms in F32):
+Shapes (all weight matrices, the embedding and the output in Q4_0, norms and routers in F32):
     smollm2-135m   30 layers, d 576,  ffn 1536,  9/3 heads,   vocab 49152 (tied)   ~72 MiB
     llama-3.2-1b   16 layers, d 2048, ffn 8192,  32/8 heads,  vocab 128256 (tied)  ~663 MiB
     llama-2-7b     32 layers, d 4096, ffn 11008, 32/32 heads, vocab 32000 (untied) ~3.53 GiB
+  Mixtures of experts (every layer's FFN: the router and n experts, k used per token):
+    qwen3-30b-a3b  qwen3moe, 48 layers, d 2048, 128 experts of 768, 8 used, 32/4 heads of 128,
+                   vocab 128256 (untied; Qwen3's is 151936: no vocabulary file of that size here)
+                   ~15.6 GiB, about 1.4 GiB read per token
+    mixtral-8x7b   llama, 32 layers, d 4096, 8 experts of 14336, 2 used, 32/8 heads,
+                   vocab 32000 (untied) ~24.6 GiB, about 7 GiB read per token
+
+--layers N keeps the first N layers of a shape (the same layers, fewer of them): a quick run on a
+small machine that still reads the expert products of the full model, layer by layer.
 
 Speed does not depend on weight values, so the blocks are random bytes with a sane fp16 scale:
 cheap to make (no quantization pass) and the activations stay finite. The tokenizer metadata is
@@ -18,6 +28,7 @@ tensor's data), so a 7B file never sits in memory whole.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -46,12 +57,24 @@ class Shape:
     vocab: str        # ggml-vocab-<vocab>.gguf
     rope_base: float
     n_ctx: int
+    arch: str = "llama"
+    head_dim: int = 0     # 0: n_embd / n_head
+    n_expert: int = 0     # 0: a dense FFN of n_ff
+    n_expert_used: int = 0
+    n_ff_exp: int = 0     # each expert's hidden units (qwen3moe; Mixtral's are n_ff)
+
+    def key_length(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
 
 
 SHAPES = {
     "smollm2-135m": Shape(30, 576, 1536, 9, 3, 49152, True, "starcoder", 100000.0, 8192),
     "llama-3.2-1b": Shape(16, 2048, 8192, 32, 8, 128256, True, "llama-bpe", 500000.0, 131072),
     "llama-2-7b": Shape(32, 4096, 11008, 32, 32, 32000, False, "llama-spm", 10000.0, 4096),
+    "qwen3-30b-a3b": Shape(48, 2048, 6144, 32, 4, 128256, False, "llama-bpe", 1000000.0, 40960, arch="qwen3moe",
+                           head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768),
+    "mixtral-8x7b": Shape(32, 4096, 14336, 32, 8, 32000, False, "llama-spm", 1000000.0, 32768,
+                          n_expert=8, n_expert_used=2),
 }
 
 
@@ -72,27 +95,42 @@ def copy_tokenizer(writer: gguf.GGUFWriter, vocab_path: str) -> int:
     return n_vocab
 
 
+def ffn_tensors(s: Shape, p: str):
+    """A layer's feed-forward tensors: (name, experts, rows, cols, kind), experts 0 for a matrix."""
+    if s.n_expert == 0:
+        return [(p + "ffn_gate.weight", 0, s.n_ff, s.n_embd, "q4_0"),
+                (p + "ffn_up.weight", 0, s.n_ff, s.n_embd, "q4_0"),
+                (p + "ffn_down.weight", 0, s.n_embd, s.n_ff, "q4_0")]
+    ff = s.n_ff_exp or s.n_ff
+    return [(p + "ffn_gate_inp.weight", 0, s.n_expert, s.n_embd, "router"),
+            (p + "ffn_gate_exps.weight", s.n_expert, ff, s.n_embd, "q4_0"),
+            (p + "ffn_up_exps.weight", s.n_expert, ff, s.n_embd, "q4_0"),
+            (p + "ffn_down_exps.weight", s.n_expert, s.n_embd, ff, "q4_0")]
+
+
 def tensor_list(s: Shape):
-    """(name, rows, cols, quantized) in GGUF order; rows x cols is numpy order [out, in]."""
-    head_dim = s.n_embd // s.n_head
-    kv = s.n_head_kv * head_dim
-    out = [("token_embd.weight", s.n_vocab, s.n_embd, True)]
+    """(name, experts, rows, cols, kind) in GGUF order; [experts,] rows x cols is numpy order
+    [out, in]; kind: q4_0, norm (F32 ones) or router (F32 random)."""
+    q = s.n_head * s.key_length()
+    kv = s.n_head_kv * s.key_length()
+    out = [("token_embd.weight", 0, s.n_vocab, s.n_embd, "q4_0")]
     for i in range(s.n_layer):
         p = f"blk.{i}."
         out += [
-            (p + "attn_norm.weight", 1, s.n_embd, False),
-            (p + "attn_q.weight", s.n_embd, s.n_embd, True),
-            (p + "attn_k.weight", kv, s.n_embd, True),
-            (p + "attn_v.weight", kv, s.n_embd, True),
-            (p + "attn_output.weight", s.n_embd, s.n_embd, True),
-            (p + "ffn_norm.weight", 1, s.n_embd, False),
-            (p + "ffn_gate.weight", s.n_ff, s.n_embd, True),
-            (p + "ffn_up.weight", s.n_ff, s.n_embd, True),
-            (p + "ffn_down.weight", s.n_embd, s.n_ff, True),
+            (p + "attn_norm.weight", 0, 1, s.n_embd, "norm"),
+            (p + "attn_q.weight", 0, q, s.n_embd, "q4_0"),
+            (p + "attn_k.weight", 0, kv, s.n_embd, "q4_0"),
+            (p + "attn_v.weight", 0, kv, s.n_embd, "q4_0"),
+            (p + "attn_output.weight", 0, s.n_embd, q, "q4_0"),
         ]
-    out.append(("output_norm.weight", 1, s.n_embd, False))
+        if s.arch == "qwen3moe":
+            out += [(p + "attn_q_norm.weight", 0, 1, s.key_length(), "norm"),
+                    (p + "attn_k_norm.weight", 0, 1, s.key_length(), "norm")]
+        out.append((p + "ffn_norm.weight", 0, 1, s.n_embd, "norm"))
+        out += ffn_tensors(s, p)
+    out.append(("output_norm.weight", 0, 1, s.n_embd, "norm"))
     if not s.tied:
-        out.append(("output.weight", s.n_vocab, s.n_embd, True))
+        out.append(("output.weight", 0, s.n_vocab, s.n_embd, "q4_0"))
     return out
 
 
@@ -105,47 +143,67 @@ def random_q4_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def write_model(shape_name: str, out_path: str, vocab_dir: str, seed: int) -> None:
+def write_model(shape_name: str, out_path: str, vocab_dir: str, seed: int, n_layers: int = 0) -> None:
     s = SHAPES[shape_name]
+    if n_layers:
+        if not 0 < n_layers <= s.n_layer:
+            raise SystemExit(f"--layers {n_layers}: {shape_name} has {s.n_layer} layers")
+        s = dataclasses.replace(s, n_layer=n_layers)
     vocab_path = os.path.join(vocab_dir, f"ggml-vocab-{s.vocab}.gguf")
-    w = gguf.GGUFWriter(out_path, "llama")
+    a = s.arch + "."
+    w = gguf.GGUFWriter(out_path, s.arch)
     w.add_string("general.name", f"ringlm synthetic {shape_name} (random Q4_0)")
     w.add_uint32("general.file_type", FILE_TYPE_Q4_0)
     w.add_uint32("general.quantization_version", 2)
-    w.add_uint32("llama.vocab_size", s.n_vocab)
-    w.add_uint32("llama.context_length", s.n_ctx)
-    w.add_uint32("llama.embedding_length", s.n_embd)
-    w.add_uint32("llama.block_count", s.n_layer)
-    w.add_uint32("llama.feed_forward_length", s.n_ff)
-    w.add_uint32("llama.attention.head_count", s.n_head)
-    w.add_uint32("llama.attention.head_count_kv", s.n_head_kv)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_float32("llama.rope.freq_base", s.rope_base)
-    w.add_uint32("llama.rope.dimension_count", s.n_embd // s.n_head)
+    w.add_uint32(a + "vocab_size", s.n_vocab)
+    w.add_uint32(a + "context_length", s.n_ctx)
+    w.add_uint32(a + "embedding_length", s.n_embd)
+    w.add_uint32(a + "block_count", s.n_layer)
+    w.add_uint32(a + "feed_forward_length", s.n_ff)
+    w.add_uint32(a + "attention.head_count", s.n_head)
+    w.add_uint32(a + "attention.head_count_kv", s.n_head_kv)
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32(a + "rope.freq_base", s.rope_base)
+    w.add_uint32(a + "rope.dimension_count", s.key_length())
+    if s.head_dim:
+        w.add_uint32(a + "attention.key_length", s.head_dim)
+        w.add_uint32(a + "attention.value_length", s.head_dim)
+    if s.n_expert:
+        w.add_uint32(a + "expert_count", s.n_expert)
+        w.add_uint32(a + "expert_used_count", s.n_expert_used)
+        if s.n_ff_exp:
+            w.add_uint32(a + "expert_feed_forward_length", s.n_ff_exp)
     n_vocab = copy_tokenizer(w, vocab_path)
     if n_vocab != s.n_vocab:
         raise SystemExit(f"{vocab_path} has {n_vocab} tokens, shape {shape_name} needs {s.n_vocab}")
 
     tensors = tensor_list(s)
-    for name, rows, cols, quantized in tensors:
-        if quantized:
-            nbytes = rows * cols // Q4_0_BLOCK * Q4_0_BLOCK_BYTES
-            w.add_tensor_info(name, (rows, cols // Q4_0_BLOCK * Q4_0_BLOCK_BYTES), np.dtype(np.uint8), nbytes,
+    for name, experts, rows, cols, kind in tensors:
+        lead = (experts,) if experts else ()
+        if kind == "q4_0":
+            row_bytes = cols // Q4_0_BLOCK * Q4_0_BLOCK_BYTES
+            w.add_tensor_info(name, lead + (rows, row_bytes), np.dtype(np.uint8), max(experts, 1) * rows * row_bytes,
                               raw_dtype=QT.Q4_0)
         else:
-            w.add_tensor_info(name, (cols,), np.dtype(np.float32), cols * 4)
+            shape = (cols,) if kind == "norm" else (rows, cols)
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
 
     rng = np.random.default_rng(seed)
     total = 0
-    for name, rows, cols, quantized in tensors:
-        data = random_q4_0(rng, rows, cols) if quantized else np.ones(cols, dtype=np.float32)
+    for name, experts, rows, cols, kind in tensors:
+        if kind == "q4_0":
+            data = random_q4_0(rng, max(experts, 1) * rows, cols)
+        elif kind == "router":  # logits of unit scale: every token picks its own experts
+            data = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+        else:
+            data = np.ones(cols, dtype=np.float32)
         w.write_tensor_data(data)
         total += data.nbytes
     w.close()
-    print(f"{out_path}: {shape_name}, {len(tensors)} tensors, {total / 2**20:.1f} MiB of weights")
+    print(f"{out_path}: {shape_name}, {s.n_layer} layers, {len(tensors)} tensors, {total / 2**20:.1f} MiB of weights")
 
 
 def main(argv=None) -> int:
@@ -155,8 +213,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="GGUF file to write")
     ap.add_argument("--vocab-dir", default=DEFAULT_VOCAB_DIR, help="folder of ggml-vocab-*.gguf (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=0, help="keep only the first N layers (default: all)")
     args = ap.parse_args(argv)
-    write_model(args.shape, args.out, args.vocab_dir, args.seed)
+    write_model(args.shape, args.out, args.vocab_dir, args.seed, args.layers)
     return 0
 
 

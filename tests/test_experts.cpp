@@ -136,8 +136,10 @@ Experts random_experts(std::mt19937& rng) {
   return e;
 }
 
+// The block over rows [first_row, first_row + n_rows); `seam_default`: the Backend's own
+// moe_ffn (each expert through matmul_glu and matmul) instead of the CPU backend's fused one.
 std::vector<float> run_moe(Backend& backend, const Experts& e, const std::vector<float>& x, const std::vector<float>& norm,
-                           const Routed& routes, int64_t first_row, int64_t n_rows) {
+                           const Routed& routes, int64_t first_row, int64_t n_rows, bool seam_default = false) {
   std::vector<std::unique_ptr<PreparedWeight>> gate, up, down;
   for (int i = 0; i < kExperts; ++i) {
     const auto view = [](const Matrix& m) { return WeightView{"w", TensorType::Q8_0, m.rows, m.cols, m.bytes.data()}; };
@@ -149,8 +151,12 @@ std::vector<float> run_moe(Backend& backend, const Experts& e, const std::vector
   const ExpertRoutes r{kUsed, std::span<const int32_t>(routes.experts).subspan(first * K, static_cast<size_t>(n_rows) * K),
                        std::span<const float>(routes.weights).subspan(first * K, static_cast<size_t>(n_rows) * K)};
   std::vector<float> out(static_cast<size_t>(n_rows * kEmbd), NAN);
-  backend.moe_ffn(ExpertBlock{gate, up, down}, r, MatmulInput{x.data() + first * kEmbd, n_rows, norm.data(), kEps},
-                  Activation::kSilu, out.data());
+  const MatmulInput in{x.data() + first * kEmbd, n_rows, norm.data(), kEps};
+  if (seam_default) {
+    backend.Backend::moe_ffn(ExpertBlock{gate, up, down}, r, in, Activation::kSilu, out.data());
+  } else {
+    backend.moe_ffn(ExpertBlock{gate, up, down}, r, in, Activation::kSilu, out.data());
+  }
   return out;
 }
 
@@ -234,6 +240,17 @@ TEST(ExpertBlock, ARowGetsTheSameBitsAloneOrWithOthersOnEitherPath) {
       EXPECT_EQ(std::memcmp(alone.data(), all.data() + r * kEmbd, kEmbd * sizeof(float)), 0)
           << "row " << r << (compute == ComputeType::kInt8 ? " (int8)" : " (fp32)");
     }
+  }
+}
+
+// The CPU backend's one-region block gives the bits of the seam's default, expert by expert.
+TEST(ExpertBlock, TheFusedBlockGivesTheBitsOfOneExpertAtATime) {
+  const Block b = random_block(9);
+  auto backend = make_cpu_backend(2, ComputeType::kInt8);
+  for (const int64_t n : {1, 7}) {
+    const std::vector<float> fused = run_moe(*backend, b.experts, b.x, b.norm, b.routes, 0, n);
+    const std::vector<float> apart = run_moe(*backend, b.experts, b.x, b.norm, b.routes, 0, n, /*seam_default=*/true);
+    EXPECT_EQ(std::memcmp(fused.data(), apart.data(), fused.size() * sizeof(float)), 0) << n << " rows";
   }
 }
 

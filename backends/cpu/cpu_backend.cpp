@@ -218,6 +218,66 @@ class CpuBackend final : public Backend {
     matmul_packed(packed_weights, packed_ys, in, cols);
   }
 
+  // The experts' products in one parallel region: each chosen expert's rows (gathered in expert
+  // order) prepared once, every expert's gate|up pieces handed out together with act(g) * u
+  // fused, the hidden rows prepared, every expert's down pieces, and each row's weighted sum.
+  // Where a product would leave the packed kernels (fp32 compute, a crossover, the tiles), each
+  // expert runs on its own through the seam's default: the same bits where both run the packed
+  // kernels (test_experts).
+  void moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, const MatmulInput& in, Activation act,
+               float* out) override {
+    const auto n_expert = static_cast<int>(experts.gate.size());
+    group_by_expert(routes, n_expert, moe_groups_);
+    if (!experts_fuse(experts, moe_groups_)) return Backend::moe_ffn(experts, routes, in, act, out);
+    const int64_t d = experts.down[0]->rows(), ff = experts.gate[0]->rows();
+    const auto n_routes = static_cast<int64_t>(moe_groups_.row.size());
+    entries_by_row(moe_groups_, in.n_tokens, routes.k, moe_entries_);
+    moe_pieces(experts.gate, moe_up_pieces_);
+    moe_pieces(experts.down, moe_down_pieces_);
+    reserve(n_routes, std::max(d, ff), 0);
+    grow(moe_hidden_, n_routes * ff);
+    grow(up_out_, n_routes * ff);
+    grow(moe_products_, n_routes * d);
+    const Needs up_needs = expert_needs(experts.gate, experts.up, d), down_needs = expert_needs(experts.down, {}, ff);
+    float* const hidden = moe_hidden_.data();
+    float* const up_y = up_out_.data();
+    float* const products = moe_products_.data();
+    const std::span<const int64_t> entries(moe_entries_);
+#pragma omp parallel num_threads(n_threads_)
+    {
+      float* const scratch = per_thread_[static_cast<size_t>(omp_get_thread_num())].row.data();
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n_routes; ++i) {
+        const float* x = in.x + moe_groups_.row[static_cast<size_t>(i)] * d;
+        prepare_gathered_row(x, in, i, d, up_needs, scratch);
+      }
+#pragma omp for schedule(guided)
+      for (size_t c = 0; c < moe_up_pieces_.size(); ++c) {
+        const ExpertPiece& p = moe_up_pieces_[c];
+        const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
+        const cpu::PackedInput x = gathered_input(d, m0);
+        const auto& gate = static_cast<const CpuWeight&>(*experts.gate[static_cast<size_t>(p.expert)]);
+        const auto& up = static_cast<const CpuWeight&>(*experts.up[static_cast<size_t>(p.expert)]);
+        gemm_packed_rows(gate, p.n0, p.n1, x, tile_terms_, m, hidden + m0 * ff);
+        gemm_packed_rows(up, p.n0, p.n1, x, tile_terms_, m, up_y + m0 * ff);
+        for (int64_t r = m0; r < m0 + m; ++r) cpu::glu(act, hidden + r * ff + p.n0, up_y + r * ff + p.n0, p.n1 - p.n0);
+      }
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n_routes; ++i) {
+        prepare_gathered_row(hidden + i * ff, MatmulInput{}, i, ff, down_needs, scratch);
+      }
+#pragma omp for schedule(guided)
+      for (size_t c = 0; c < moe_down_pieces_.size(); ++c) {
+        const ExpertPiece& p = moe_down_pieces_[c];
+        const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
+        const auto& down = static_cast<const CpuWeight&>(*experts.down[static_cast<size_t>(p.expert)]);
+        gemm_packed_rows(down, p.n0, p.n1, gathered_input(ff, m0), tile_terms_, m, products + m0 * d);
+      }
+      const Range r = share(in.n_tokens, omp_get_thread_num(), omp_get_num_threads());
+      sum_weighted_rows(moe_groups_, entries, routes.k, products, d, r.begin, r.end, out);
+    }
+  }
+
   void matmul_glu(const PreparedWeight& gate_w, const PreparedWeight& up_w, const MatmulInput& in, Activation act,
                   float* out) override {
     const auto& gate = static_cast<const CpuWeight&>(gate_w);
@@ -302,6 +362,78 @@ class CpuBackend final : public Backend {
   }
 
   static bool takes_packed(const CpuWeight& w, int64_t n_tokens) { return n_tokens < w.int8_below; }
+
+  // --- Mixture of experts (moe_ffn) ---
+  // A piece of work of one expert's product: its rows [n0, n1).
+  struct ExpertPiece {
+    int expert;
+    int64_t n0, n1;
+  };
+
+  // Whether every chosen expert's products run on the packed kernels, off the tiles, at the
+  // number of rows routed to it.
+  bool experts_fuse(const ExpertBlock& experts, const ExpertGroups& groups) const {
+    if (compute_ != ComputeType::kInt8) return false;
+    for (size_t e = 0; e < experts.gate.size(); ++e) {
+      const int64_t m = groups.count(static_cast<int>(e));
+      if (m == 0) continue;
+      for (const auto* list : {&experts.gate, &experts.up, &experts.down}) {
+        const auto& w = static_cast<const CpuWeight&>(*(*list)[e]);
+        if (w.packed.data == nullptr || !takes_packed(w, m) || on_tiles(w, m)) return false;
+      }
+    }
+    return true;
+  }
+
+  // The pieces of the chosen experts' products with `weights` (one unit of rows each).
+  void moe_pieces(std::span<const std::unique_ptr<PreparedWeight>> weights, std::vector<ExpertPiece>& pieces) const {
+    pieces.clear();
+    for (size_t e = 0; e < weights.size(); ++e) {
+      if (moe_groups_.count(static_cast<int>(e)) == 0) continue;
+      const int64_t rows = weights[e]->rows();
+      for (int64_t u = 0; u < row_units(rows); u += kPieceUnits) {
+        pieces.push_back({static_cast<int>(e), u * kUnitRows, std::min(rows, (u + kPieceUnits) * kUnitRows)});
+      }
+    }
+  }
+
+  // The input forms the chosen experts' weights (of `cols` columns) read.
+  Needs expert_needs(std::span<const std::unique_ptr<PreparedWeight>> a, std::span<const std::unique_ptr<PreparedWeight>> b,
+                     int64_t cols) const {
+    Needs n;
+    for (const auto list : {a, b}) {
+      for (size_t e = 0; e < list.size(); ++e) {
+        if (moe_groups_.count(static_cast<int>(e)) == 0) continue;
+        const CpuWeight* w = &static_cast<const CpuWeight&>(*list[e]);
+        const Needs one = needed_inputs(std::span<const CpuWeight* const>(&w, 1));
+        n.block |= one.block;
+        n.super |= one.super && cols % cpu::kSuperBlock == 0;
+        n.f32 |= one.f32;
+      }
+    }
+    return n;
+  }
+
+  // `src` (one row of `cols`, normalised as `in` asks) into slot `slot` of the prepared inputs,
+  // in the forms `needs` asks for: prepare_row's bits, for a row gathered from elsewhere.
+  void prepare_gathered_row(const float* src, const MatmulInput& in, int64_t slot, int64_t cols, const Needs& needs,
+                            float* scratch) {
+    const MatmulInput one{src, 1, in.rms_weight, in.rms_eps};
+    float* const dst = needs.f32 ? normed_.data() + slot * cols : scratch;
+    const float* row = normalized_input_row(one, 0, cols, dst);
+    if (needs.f32 && row != dst) std::copy_n(row, cols, dst);
+    if (needs.block) cpu::quantize_acts(row, 0, 1, block_acts(cols, slot));
+    if (needs.super) cpu::quantize_acts_super(row, 0, 1, super_acts(cols, slot));
+  }
+
+  // The prepared inputs of rows `cols` wide from slot m0 on.
+  cpu::PackedInput gathered_input(int64_t cols, int64_t m0) {
+    cpu::PackedInput x;
+    x.block = block_acts(cols, m0);
+    x.super = super_acts(cols, m0);
+    x.f32 = normed_.data() + m0 * cols;
+    return x;
+  }
 
   // Tokens from which sgemm beats the packed kernels on this weight.
   int64_t crossover(const WeightView& w) const {
@@ -487,6 +619,12 @@ class CpuBackend final : public Backend {
   std::vector<float> normed_;  // normalised fp32 input rows (float formats and fp32 paths with RMSNorm)
   std::vector<float> up_out_;  // the up projection's outputs inside matmul_glu
   std::vector<float> residual_;  // matmul_add's product before it is added
+  // moe_ffn's: the routes grouped by expert, each row's entries, the pieces of work, the hidden
+  // rows and the experts' products (both in expert order).
+  ExpertGroups moe_groups_;
+  std::vector<int64_t> moe_entries_;
+  std::vector<ExpertPiece> moe_up_pieces_, moe_down_pieces_;
+  std::vector<float> moe_hidden_, moe_products_;
   std::vector<const CpuWeight*> packed_batch_;  // reused lists: no allocation per call
   std::vector<float*> packed_batch_ys_;
   std::vector<ThreadBuffers> per_thread_;

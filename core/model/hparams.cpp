@@ -98,7 +98,10 @@ void read_experts(const GgufFile& gguf, const std::string& p, const ArchInfo& ar
     const auto v = gguf.get_uint(p + "expert_feed_forward_length");
     hp.n_ff_exp = v ? checked_dim(gguf, p + "expert_feed_forward_length", *v, 1 << 20) : std::max(1, hp.n_ff / hp.n_expert_used);
   }
-  if (auto v = gguf.get_bool(p + "expert_weights_norm")) hp.expert_weights_norm = *v;
+  // Both families renormalise the chosen experts' weights (llama.cpp reads no key for it there).
+  if (auto v = gguf.get_bool(p + "expert_weights_norm"); v && !*v) {
+    gguf.fail("metadata '" + p + "expert_weights_norm': false is not supported for '" + hp.arch + "'");
+  }
   // llama.cpp's gating functions: 1 is the softmax, the only one these families use.
   if (auto v = gguf.get_uint(p + "expert_gating_func"); v && *v != 1) {
     gguf.fail("metadata '" + p + "expert_gating_func': " + std::to_string(*v) + " is not supported (only 1, the softmax)");

@@ -70,8 +70,8 @@ struct LlamaHparams {
   float swa_rope_base = 0.0f;
   // Mixture of experts (<arch>.expert_count > 0): every layer's feed-forward block is n_expert
   // experts of n_ff_exp hidden units each, of which a router picks n_expert_used per token.
-  // Their outputs are summed with the router's softmax weights: over the chosen experts' logits
-  // (renormalised, expert_weights_norm), or over all the experts' (not renormalised).
+  // Their outputs are summed with the router's softmax weights over the chosen experts' logits
+  // (renormalised, expert_weights_norm: these families' rule), or over all the experts'.
   int n_expert = 0;
   int n_expert_used = 0;
   int n_ff_exp = 0;
