@@ -23,6 +23,7 @@
 #include "backends/backend.h"
 #include "backends/cpu/cpu_backend.h"
 #include "core/gguf/gguf.h"
+#include "core/model/host_memory.h"
 #include "core/model/llama.h"
 #include "quant/int4.h"
 #include "tests/gguf_test_builder.h"
@@ -447,6 +448,24 @@ TEST(ModelLoad, Gemma3AttentionScaleFollowsLlamaCppsRule) {
     EXPECT_FLOAT_EQ(hp.attn_scale, n_layer == 62 ? 0.25f : 1.0f / std::sqrt(32.0f)) << n_layer;
   }
   EXPECT_FLOAT_EQ(LlamaHparams::from_gguf(TinyLlama(LlamaSpec{}).gguf()).attn_scale, 0.25f);  // llama: head_dim 16
+}
+
+// A model larger than the memory available is refused before anything is packed, with both sizes.
+TEST(HostMemoryCheck, WeightsLargerThanTheAvailableMemoryAreRefusedWithTheNumbers) {
+  constexpr size_t kGiB = size_t{1} << 30;
+  const HostMemory machine{16 * kGiB, 4 * kGiB};
+  EXPECT_NO_THROW(check_weights_fit(3 * kGiB, machine));
+  try {
+    check_weights_fit(10 * kGiB, machine);
+    FAIL() << "10 GiB of weights fit in 4 GiB";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("10.0 GiB"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("4.0 GiB available (16.0 GiB in all)"));
+  }
+  EXPECT_NO_THROW(check_weights_fit(10 * kGiB, HostMemory{}));  // unknown: nothing refused
+  const HostMemory here = host_memory();
+  EXPECT_GT(here.total, 0u);
+  EXPECT_LE(here.available, here.total);
 }
 
 }  // namespace

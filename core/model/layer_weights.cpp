@@ -246,6 +246,7 @@ void WeightPlan::count_elsewhere(const std::vector<const GgufTensorInfo*>& tenso
   for (const GgufTensorInfo* t : tensors) {
     if (t->shape.size() < 2) continue;  // norms and biases: not counted here either
     weight_bytes_ += t->n_bytes;
+    bytes_elsewhere_ += t->n_bytes;
     n_params_ += t->n_elements();
   }
 }

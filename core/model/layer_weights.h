@@ -84,6 +84,7 @@ class WeightPlan {
   std::unique_ptr<ActivationBuffer> place(Backend& backend, const std::unique_ptr<PreparedWeight>* first);
 
   size_t weight_bytes() const { return weight_bytes_; }
+  size_t bytes_here() const { return weight_bytes_ - bytes_elsewhere_; }  // this stage's matrices
   int64_t n_params() const { return n_params_; }
 
  private:
@@ -94,6 +95,7 @@ class WeightPlan {
   std::vector<PendingWeight> pending_;
   std::vector<std::pair<const float**, std::vector<float>>> constants_;
   size_t weight_bytes_ = 0;
+  size_t bytes_elsewhere_ = 0;
   int64_t n_params_ = 0;
 };
 

@@ -3,6 +3,7 @@
 // passes run on.
 #include <stdexcept>
 
+#include "core/model/host_memory.h"
 #include "core/model/llama.h"
 
 namespace ringlm {
@@ -22,6 +23,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineSta
   if (hp_.sliding_window > 0) max_batch_ = kWindowedMaxBatch;
   // The activations before the weights: on a device, what is left once they are placed is the
   // weights' (and a --gpu-layers out-of-memory error counts layers that really fit).
+  if (!backend_.offloads()) check_weights_fit(plan.bytes_here(), host_memory());
   allocate_scratch();
   backend_.plan_layers(hp_.n_layer);
   constants_ = plan.place(backend_, &output_);
