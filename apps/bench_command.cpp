@@ -46,7 +46,7 @@ struct BenchOptions {
   ComputeType compute = ComputeType::kInt8;
   std::string device = "cpu";
   std::string plugin_dir;
-  int gpu_layers = -1;
+  DevicePlacement placement;  // --gpu-layers, --cpu-moe, --n-cpu-moe
   std::string softmax = "async";  // decode attention: async (FlashDecoding++) or online
   std::string layer_split;         // --layer-split under mpirun ("": balanced by bytes)
 };
@@ -331,7 +331,7 @@ void bench(const BenchOptions& o) {
     const int threads = resolve_threads(t_flag);
     omp_set_num_threads(threads);
     // The backend's thread count is fixed at load.
-    LoadedModel m = load_model(path, threads, o.compute, o.device, o.plugin_dir, o.gpu_layers,
+    LoadedModel m = load_model(path, threads, o.compute, o.device, o.plugin_dir, o.placement,
                                stage_picker(process, o.layer_split));
     m.model->set_async_softmax(o.softmax == "async");
     if (serve_as_later_rank(process, m)) continue;
@@ -370,7 +370,7 @@ void add_bench_command(CLI::App& app) {
                   "under mpirun -np N: layers per rank, e.g. 10,12 (default: balanced by the bytes of their weights)");
   cmd->add_option("-r,--repetitions", o->reps, "timed repetitions of each test")->check(CLI::Range(1, 1000))->capture_default_str();
   add_compute_option(*cmd, o->compute);
-  add_device_options(*cmd, o->device, o->plugin_dir, o->gpu_layers);
+  add_device_options(*cmd, o->device, o->plugin_dir, o->placement);
   cmd->add_option("-o,--output", o->output, "output format: md or json")->check(CLI::IsMember({"md", "json"}))->capture_default_str();
   cmd->add_flag("--no-warmup", o->no_warmup, "skip the untimed warm-up run");
   cmd->callback([o] { bench(*o); });

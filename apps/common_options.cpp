@@ -33,7 +33,7 @@ void add_model_options(CLI::App& cmd, ModelOptions& opts) {
       ->check(CLI::Range(0, 1 << 24))
       ->capture_default_str();
   add_compute_option(cmd, opts.compute);
-  add_device_options(cmd, opts.device, opts.plugin_dir, opts.gpu_layers);
+  add_device_options(cmd, opts.device, opts.plugin_dir, opts.placement);
   cmd.add_option("--layer-split", opts.layer_split,
                  "under mpirun -np N: layers per rank, e.g. 10,12 (default: balanced by the bytes of their weights)");
   cmd.add_option_function<std::string>(
@@ -41,20 +41,27 @@ void add_model_options(CLI::App& cmd, ModelOptions& opts) {
       ->check(CLI::IsMember({"layer"}));
 }
 
-void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir, int& gpu_layers) {
+void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir, DevicePlacement& placement) {
   cmd.add_option("--device", device,
                  "where to run: cpu, auto (a plugin's GPU if there is one, else the CPU) or a plugin device "
                  "such as opencl or opencl:1 (see 'ringlm devices')")
       ->capture_default_str();
   cmd.add_option("--plugin-dir", plugin_dir, "directory searched for backend plugins first (then $RINGLM_PLUGIN_PATH, then next to ringlm)");
-  cmd.add_option("--gpu-layers,--n-gpu-layers", gpu_layers,
+  cmd.add_option("--gpu-layers,--n-gpu-layers", placement.gpu_layers,
                  "with a plugin device: the last N layers (and the output) on the device, the others on the CPU "
                  "(default: all; 0: none)")
       ->check(CLI::Range(0, 1 << 16));
+  CLI::Option* all_experts = cmd.add_flag_callback(
+      "--cpu-moe", [&placement] { placement.cpu_moe_layers = -1; },
+      "with a plugin device: a mixture of experts' expert products on the CPU, the rest of each layer on the device");
+  cmd.add_option("--n-cpu-moe", placement.cpu_moe_layers,
+                 "with a plugin device: the experts of the first N layers on the CPU")
+      ->check(CLI::Range(0, 1 << 16))
+      ->excludes(all_experts);
 }
 
 LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType compute, const std::string& device,
-                       const std::string& plugin_dir, int gpu_layers,
+                       const std::string& plugin_dir, const DevicePlacement& placement,
                        const std::function<PipelineStage(const GgufFile&)>& stage_of) {
   if (!stage_of && !this_process().alone()) {
     throw std::runtime_error("this command does not run across pipeline ranks (under mpirun: run, perplexity, bench, batch and serve)");
@@ -66,7 +73,7 @@ LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType
   choice.cache_dir = ringlm_cache_dir() / "kernels";
   choice.n_threads = n_threads;
   choice.compute = compute;
-  choice.gpu_layers = gpu_layers;
+  choice.placement = placement;
   std::string notice;
   std::unique_ptr<Backend> backend = make_backend(choice, notice);
   if (!notice.empty()) std::fprintf(stderr, "ringlm: %s\n", notice.c_str());

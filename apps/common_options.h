@@ -6,6 +6,7 @@
 #include <string>
 
 #include "backends/cpu/cpu_backend.h"
+#include "backends/plugin_backend.h"
 #include "core/kv/kv_cache.h"
 #include "core/model/loader.h"
 #include "core/sampling/sampler.h"
@@ -19,24 +20,24 @@ struct ModelOptions {
   ComputeType compute = ComputeType::kInt8;
   std::string device = "cpu";  // --device: cpu | auto | opencl[:N] (a plugin's name)
   std::string plugin_dir;      // --plugin-dir: searched for plugins before $RINGLM_PLUGIN_PATH
-  int gpu_layers = -1;         // --gpu-layers: the last N layers (and the output) on the device; -1: all
+  DevicePlacement placement;   // --gpu-layers, --cpu-moe, --n-cpu-moe
   std::string layer_split;     // --layer-split: layers per rank under mpirun ("" : balanced by bytes)
 };
 
 void add_model_options(CLI::App& cmd, ModelOptions& opts);
-// --device, --plugin-dir and --gpu-layers (part of add_model_options; alone for commands with
-// their own -m).
-void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir, int& gpu_layers);
+// --device, --plugin-dir, --gpu-layers, --cpu-moe and --n-cpu-moe (part of add_model_options;
+// alone for commands with their own -m).
+void add_device_options(CLI::App& cmd, std::string& device, std::string& plugin_dir, DevicePlacement& placement);
 
 // Loads the model -m names (resolve_model_path) onto the backend --device names, with
 // `n_threads` CPU threads; prints --device auto's fallback notice on stderr.
 // With `stage_of`, only the pipeline stage it picks is loaded (apps/pipeline_process.h).
 LoadedModel load_model(const std::string& model_flag, int n_threads, ComputeType compute, const std::string& device,
-                       const std::string& plugin_dir, int gpu_layers = -1,
+                       const std::string& plugin_dir, const DevicePlacement& placement = {},
                        const std::function<PipelineStage(const GgufFile&)>& stage_of = {});
 inline LoadedModel load_model(const ModelOptions& opts, int n_threads,
                               const std::function<PipelineStage(const GgufFile&)>& stage_of = {}) {
-  return load_model(opts.model_path, n_threads, opts.compute, opts.device, opts.plugin_dir, opts.gpu_layers, stage_of);
+  return load_model(opts.model_path, n_threads, opts.compute, opts.device, opts.plugin_dir, opts.placement, stage_of);
 }
 void add_sampling_options(CLI::App& cmd, SamplingParams& params);
 // --compute int8|fp32: how quantized weights are multiplied (int8: activations quantized per

@@ -40,7 +40,7 @@ struct PerplexityOptions {
   ComputeType compute = ComputeType::kInt8;
   std::string device = "cpu";
   std::string plugin_dir;
-  int gpu_layers = -1;
+  DevicePlacement placement;  // --gpu-layers, --cpu-moe, --n-cpu-moe
   std::string layer_split;  // --layer-split under mpirun ("": balanced by bytes)
   KvCacheOptions cache;
   int stream_tokens = 0;        // > 0: stream this many tokens through one ring of -c slots
@@ -167,7 +167,7 @@ void perplexity(const PerplexityOptions& o) {
   const std::string text = process.rank() == 0 ? read_text(o.text_file) : std::string();
   const int n_threads = resolve_threads(o.n_threads);
   omp_set_num_threads(n_threads);
-  LoadedModel m = load_model(o.model_path, n_threads, o.compute, o.device, o.plugin_dir, o.gpu_layers,
+  LoadedModel m = load_model(o.model_path, n_threads, o.compute, o.device, o.plugin_dir, o.placement,
                              stage_picker(process, o.layer_split));
   if (serve_as_later_rank(process, m)) return;
   perplexity_of(m, o, text);
@@ -235,7 +235,7 @@ void add_perplexity_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("-t,--threads", o->n_threads, "CPU threads (0: all cores)")->check(CLI::Range(0, 1024));
   add_compute_option(*cmd, o->compute);
-  add_device_options(*cmd, o->device, o->plugin_dir, o->gpu_layers);
+  add_device_options(*cmd, o->device, o->plugin_dir, o->placement);
   cmd->add_option("--layer-split", o->layer_split,
                   "under mpirun -np N: layers per rank, e.g. 10,12 (default: balanced by the bytes of their weights)");
   cmd->add_option("--chunks", o->n_chunks, "score at most this many chunks (-1: all)")

@@ -46,6 +46,8 @@ struct WeightView {
   // 0 .. n_layer - 1 a layer, n_layer the output; -1 (the default) none: a backend that places
   // layers on different devices puts it with the output.
   int layer = -1;
+  // One expert's matrix of a mixture of experts (a backend may keep experts apart: --cpu-moe).
+  bool expert = false;
 };
 
 // A weight after the backend prepared it. Opaque to the model except for its shape.

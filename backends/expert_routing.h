@@ -14,7 +14,7 @@ class PreparedWeight;
 // A mixture-of-experts feed-forward block's experts: expert e's gate[e] and up[e]
 // ([n_ff_exp][n_embd]) and down[e] ([n_embd][n_ff_exp]), prepared as any weight.
 struct ExpertBlock {
-  std::span<const std::unique_ptr<PreparedWeight>> gate, up, down;
+  std::span<const PreparedWeight* const> gate, up, down;
 };
 
 // Each row's k experts and their weights, [rows][k] each, on the host.

@@ -30,8 +30,14 @@ namespace ringlm {
 // `cpu` runs what the device does not take, and the first layers when gpu_layers (the last N
 // layers and the output on the device; -1: all) leaves them off it. Throws std::runtime_error
 // when the device cannot even take a small matmul (nothing would run there).
+// Which layers' ops run on the device, as llama.cpp's -ngl, --cpu-moe and --n-cpu-moe say.
+struct DevicePlacement {
+  int gpu_layers = -1;     // the last N layers and the output on the device (-1: all)
+  int cpu_moe_layers = 0;  // the experts of the first N layers on the CPU (-1: every layer's)
+};
+
 std::unique_ptr<Backend> make_plugin_backend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu,
-                                             int gpu_layers = -1);
+                                             const DevicePlacement& placement = {});
 
 // What --device, --plugin-dir, -t and --compute ask for.
 struct BackendChoice {
@@ -40,7 +46,7 @@ struct BackendChoice {
   std::filesystem::path cache_dir;   // where plugins keep compiled programs; empty: none
   int n_threads = 0;
   ComputeType compute = ComputeType::kInt8;
-  int gpu_layers = -1;               // --gpu-layers: the last N layers and the output on the device (-1: all)
+  DevicePlacement placement;         // --gpu-layers, --cpu-moe, --n-cpu-moe
 };
 
 // The backend `choice` names. A named device that cannot run throws PluginError (or

@@ -45,9 +45,10 @@ using ::testing::Not;
 std::string plugin_dir() { return std::filesystem::path(RINGLM_BINARY).parent_path().string(); }
 std::string work_dir() { return test::work_dir_for("test_device_model"); }
 
-std::unique_ptr<Backend> opencl_backend(int gpu_layers = -1) {
+std::unique_ptr<Backend> opencl_backend(int gpu_layers = -1, int cpu_moe_layers = 0) {
   BackendChoice choice;
-  choice.gpu_layers = gpu_layers;
+  choice.placement.gpu_layers = gpu_layers;
+  choice.placement.cpu_moe_layers = cpu_moe_layers;
   choice.device = "opencl";
   choice.plugin_dir = plugin_dir();
   choice.cache_dir = work_dir() + "/kernels";
@@ -389,6 +390,37 @@ TEST(DeviceFallback, WeightsArePlacedByTheirLayerNotTheirName) {
   EXPECT_EQ(launches(*cpu_weight), 0u);
   EXPECT_EQ(device->layer_device(0), "cpu");
   EXPECT_EQ(device->layer_device(1), "opencl:0");
+}
+
+// A mixture of experts (the tiny Mixtral-style model) on the device, op by op through the seam's
+// default, with every layer's experts on the CPU (--cpu-moe) and with the first layer's
+// (--n-cpu-moe 1): the logits of a prompt and of each decode step are the CPU's (fp32).
+TEST(DeviceExperts, AMixtureOfExpertsOnTheDeviceOrBesideItGivesTheCpusLogits) {
+  const std::string path = std::string(RINGLM_TEST_WORK_DIR) + "/tiny_mixtral_q4_0.gguf";
+  LoadedModel cpu = load_model(path, 1, ComputeType::kFp32);
+  const std::vector<int32_t> prompt = cpu.tokenizer->encode("one two three four five six", false, true);
+  const auto logits_of = [&](LlamaModel& model) {
+    std::vector<std::vector<float>> steps;
+    KvCache cache = model.make_cache(64);
+    std::vector<float> logits(static_cast<size_t>(model.hparams().n_vocab));
+    model.forward(prompt, cache, logits.data());
+    for (int step = 0; step < 6; ++step) {
+      steps.push_back(logits);
+      const std::vector<int32_t> next = {argmax(logits)};
+      model.forward(next, cache, logits.data());
+    }
+    return steps;
+  };
+  const auto expected = logits_of(*cpu.model);
+  for (const int cpu_moe_layers : {0, -1, 1}) {
+    SCOPED_TRACE("cpu_moe_layers " + std::to_string(cpu_moe_layers));
+    LoadedModel device = load_model(path, opencl_backend(-1, cpu_moe_layers));
+    const auto got = logits_of(*device.model);
+    for (size_t step = 0; step < got.size(); ++step) {
+      EXPECT_LT(relative_gap(got[step], expected[step]), 1e-3f) << "step " << step;
+      EXPECT_EQ(argmax(got[step]), argmax(expected[step])) << "step " << step;
+    }
+  }
 }
 
 // --- The command line --------------------------------------------------------------------------

@@ -152,10 +152,16 @@ std::vector<float> run_moe(Backend& backend, const Experts& e, const std::vector
                        std::span<const float>(routes.weights).subspan(first * K, static_cast<size_t>(n_rows) * K)};
   std::vector<float> out(static_cast<size_t>(n_rows * kEmbd), NAN);
   const MatmulInput in{x.data() + first * kEmbd, n_rows, norm.data(), kEps};
+  std::vector<const PreparedWeight*> g, u, dn;
+  for (int i = 0; i < kExperts; ++i) {
+    g.push_back(gate[static_cast<size_t>(i)].get());
+    u.push_back(up[static_cast<size_t>(i)].get());
+    dn.push_back(down[static_cast<size_t>(i)].get());
+  }
   if (seam_default) {
-    backend.Backend::moe_ffn(ExpertBlock{gate, up, down}, r, in, Activation::kSilu, out.data());
+    backend.Backend::moe_ffn(ExpertBlock{g, u, dn}, r, in, Activation::kSilu, out.data());
   } else {
-    backend.moe_ffn(ExpertBlock{gate, up, down}, r, in, Activation::kSilu, out.data());
+    backend.moe_ffn(ExpertBlock{g, u, dn}, r, in, Activation::kSilu, out.data());
   }
   return out;
 }

@@ -431,7 +431,8 @@ TEST_P(Matmul, FusedNormAndResidualMatchTheCpu) {
   std::mt19937 rng(static_cast<unsigned>(type) + 11);
   auto cpu = make_cpu_backend(1, ComputeType::kFp32);
   // (Longer rows: Matmul2RowIsBitIdenticalWhateverM.)
-  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{101, block_weights(type) == 256 ? 768 : 576}}) {
+  // n = 4 and 8: a mixture of experts' router (fewer rows than one group of the GEMV).
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{101, block_weights(type) == 256 ? 768 : 576}, {4, 64 * 4}, {8, 256}}) {
     const Weights w = make_weights(type, n, k, rng);
     auto prepared = cpu->prepare({"w", type, n, k, w.bytes.data()});
     DeviceBuffer wd(w.bytes);

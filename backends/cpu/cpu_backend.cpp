@@ -386,7 +386,7 @@ class CpuBackend final : public Backend {
   }
 
   // The pieces of the chosen experts' products with `weights` (one unit of rows each).
-  void moe_pieces(std::span<const std::unique_ptr<PreparedWeight>> weights, std::vector<ExpertPiece>& pieces) const {
+  void moe_pieces(std::span<const PreparedWeight* const> weights, std::vector<ExpertPiece>& pieces) const {
     pieces.clear();
     for (size_t e = 0; e < weights.size(); ++e) {
       if (moe_groups_.count(static_cast<int>(e)) == 0) continue;
@@ -398,8 +398,7 @@ class CpuBackend final : public Backend {
   }
 
   // The input forms the chosen experts' weights (of `cols` columns) read.
-  Needs expert_needs(std::span<const std::unique_ptr<PreparedWeight>> a, std::span<const std::unique_ptr<PreparedWeight>> b,
-                     int64_t cols) const {
+  Needs expert_needs(std::span<const PreparedWeight* const> a, std::span<const PreparedWeight* const> b, int64_t cols) const {
     Needs n;
     for (const auto list : {a, b}) {
       for (size_t e = 0; e < list.size(); ++e) {

@@ -16,7 +16,7 @@ std::unique_ptr<Backend> make_backend(const BackendChoice& choice, std::string& 
   const std::vector<std::filesystem::path> dirs = plugin_search_dirs(choice.plugin_dir);
   if (spec.kind == DeviceSpec::Kind::kPlugin) {
     std::shared_ptr<OpenedDevice> device = open_plugin_device(spec, dirs, choice.cache_dir);
-    return make_plugin_backend(std::move(device), std::move(cpu), choice.gpu_layers);
+    return make_plugin_backend(std::move(device), std::move(cpu), choice.placement);
   }
   std::string why;
   std::shared_ptr<OpenedDevice> device = open_auto_device(dirs, choice.cache_dir, why);
@@ -25,7 +25,7 @@ std::unique_ptr<Backend> make_backend(const BackendChoice& choice, std::string& 
     return cpu;
   }
   try {
-    return make_plugin_backend(std::move(device), std::move(cpu), choice.gpu_layers);
+    return make_plugin_backend(std::move(device), std::move(cpu), choice.placement);
   } catch (const std::exception& e) {
     notice = std::string("--device auto: ") + e.what() + "; running on the CPU";
     return make_cpu_backend(choice.n_threads, choice.compute);

@@ -57,13 +57,14 @@ struct HeldRope {
 
 class PluginBackend final : public Backend {
  public:
-  PluginBackend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu, int gpu_layers)
+  PluginBackend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu, const DevicePlacement& placement)
       : link_(std::move(device)),
         residency_(link_),
         products_(link_, residency_),
         kv_(link_, residency_),
         cpu_(std::move(cpu)),
-        gpu_layers_(gpu_layers),
+        gpu_layers_(placement.gpu_layers),
+        cpu_moe_layers_(placement.cpu_moe_layers),
         name_(link_.opened()->plugin->name()) {}
 
   std::string_view name() const override { return name_; }
@@ -79,6 +80,12 @@ class PluginBackend final : public Backend {
                           " run on the CPU, " + std::to_string(first_device_layer_) + "-" + std::to_string(n_layer_ - 1) +
                           " and the output on the device") +
                " (--gpu-layers " + std::to_string(gpu_layers_) + ")";
+    }
+    if (cpu_moe_layers_ != 0) {
+      if (!layers.empty()) layers += "\nringlm: ";
+      layers += link_.label() + ": the experts of " +
+                (cpu_moe_layers_ < 0 ? "every layer" : "layers 0-" + std::to_string(cpu_moe_layers_ - 1)) +
+                " run on the CPU (" + (cpu_moe_layers_ < 0 ? "--cpu-moe" : "--n-cpu-moe " + std::to_string(cpu_moe_layers_)) + ")";
     }
     if (cpu_weight_types_.empty()) return layers;
     if (!layers.empty()) layers += "\nringlm: ";
@@ -200,6 +207,34 @@ class PluginBackend final : public Backend {
     });
   }
 
+  // --cpu-moe / --n-cpu-moe: a block whose experts all stay on the CPU runs there whole (its one
+  // parallel region), the rest of the layer on the device: the hidden rows cross to the host and
+  // the block's sum comes back, once each way. Otherwise the seam's default, op by op.
+  void moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, const MatmulInput& in, Activation act,
+               float* out) override {
+    const auto on_cpu = [](const PreparedWeight* w) { return !as_plugin_weight(*w).on_device; };
+    const bool all_on_cpu = std::all_of(experts.gate.begin(), experts.gate.end(), on_cpu) &&
+                            std::all_of(experts.up.begin(), experts.up.end(), on_cpu) &&
+                            std::all_of(experts.down.begin(), experts.down.end(), on_cpu);
+    if (!all_on_cpu) return Backend::moe_ffn(experts, routes, in, act, out);
+    run([&] {
+      const auto cpu_weights = [](std::span<const PreparedWeight* const> from, std::vector<const PreparedWeight*>& to) {
+        to.clear();
+        for (const PreparedWeight* w : from) to.push_back(as_plugin_weight(*w).cpu.get());
+      };
+      cpu_weights(experts.gate, cpu_gate_);
+      cpu_weights(experts.up, cpu_up_);
+      cpu_weights(experts.down, cpu_down_);
+      const int64_t d = experts.down[0]->rows();
+      const auto n = static_cast<size_t>(in.n_tokens * d);
+      const float* x = residency_.host_read(in.x, n);
+      const float* norm = in.rms_weight != nullptr ? residency_.host_read(in.rms_weight, static_cast<size_t>(d)) : nullptr;
+      float* const sum = residency_.host_overwrite(out, n);
+      cpu_->moe_ffn(ExpertBlock{cpu_gate_, cpu_up_, cpu_down_}, routes, MatmulInput{x, in.n_tokens, norm, in.rms_eps}, act,
+                    sum);
+    });
+  }
+
   // The device picks the top k of values it computed (a step's logits) and sends back k pairs
   // instead of the n values; values the host holds the newest of are picked on the host.
   void top_k(const float* x, int64_t n_rows, int64_t n, int k, std::span<TopLogit> top) override {
@@ -233,7 +268,8 @@ class PluginBackend final : public Backend {
     prepared->source = w.data;
     ++n_weights_;
     const bool in_a_layer = w.layer >= 0 && w.layer < n_layer_;
-    const bool placed_on_device = in_a_layer ? w.layer >= first_device_layer_ : output_on_device_;
+    const bool experts_on_cpu = w.expert && in_a_layer && (cpu_moe_layers_ < 0 || w.layer < cpu_moe_layers_);
+    const bool placed_on_device = in_a_layer ? w.layer >= first_device_layer_ && !experts_on_cpu : output_on_device_;
     prepared->max_rows = placed_on_device ? products_.device_rows_for(w.type, w.rows, w.cols) : 0;
     if (prepared->max_rows > 0) {
       prepared->on_device = true;
@@ -662,6 +698,8 @@ class PluginBackend final : public Backend {
   DeviceKv kv_;
   std::unique_ptr<Backend> cpu_;
   int gpu_layers_ = -1;  // --gpu-layers: the last N layers on the device (-1: all)
+  int cpu_moe_layers_ = 0;  // --n-cpu-moe: the experts of the first N layers on the CPU (-1: all, --cpu-moe)
+  std::vector<const PreparedWeight*> cpu_gate_, cpu_up_, cpu_down_;  // moe_ffn's CPU weights, reused
   std::string name_;
   int n_layer_ = 0;
   int first_device_layer_ = 0;  // layers before it run on the CPU
@@ -681,7 +719,7 @@ class PluginBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_plugin_backend(std::shared_ptr<OpenedDevice> device, std::unique_ptr<Backend> cpu,
-                                             int gpu_layers) {
+                                             const DevicePlacement& placement) {
   if (device == nullptr || device->context == nullptr) throw std::invalid_argument("make_plugin_backend: no device");
   ringlm_op_desc probe{};
   probe.op = RINGLM_OP_MATMUL;
@@ -693,7 +731,7 @@ std::unique_ptr<Backend> make_plugin_backend(std::shared_ptr<OpenedDevice> devic
     throw std::runtime_error(device_label(*device) + " does not run the INT4 matmul (Q4_0, 1x32x32); nothing would run there");
   }
 
-  return std::make_unique<PluginBackend>(std::move(device), std::move(cpu), gpu_layers);
+  return std::make_unique<PluginBackend>(std::move(device), std::move(cpu), placement);
 }
 
 }  // namespace ringlm

@@ -151,7 +151,7 @@ void read_experts(const LayerTensor& t, const std::string& name, ModelTensors& t
   experts.resize(static_cast<size_t>(hp.n_expert));
   for (int e = 0; e < hp.n_expert; ++e) {
     plan.prepare_rows(experts[static_cast<size_t>(e)], tensors.file(), info, e * rows, rows,
-                      "expert " + std::to_string(e), il);
+                      "expert " + std::to_string(e), il, /*expert=*/true);
   }
 }
 
@@ -234,12 +234,12 @@ void WeightPlan::prepare(std::unique_ptr<PreparedWeight>& slot, const GgufTensor
 // A row is a whole number of blocks, contiguous in the file, so a range of rows of a fused
 // matrix is a view of its bytes: nothing is copied, and the backend prepares it as any other weight.
 void WeightPlan::prepare_rows(std::unique_ptr<PreparedWeight>& slot, const GgufFile& gguf, const GgufTensorInfo& t,
-                              int64_t row0, int64_t n, const std::string& part, int layer) {
+                              int64_t row0, int64_t n, const std::string& part, int layer, bool expert) {
   const int64_t block = type_traits(static_cast<uint32_t>(t.type))->block_elems;
   if (t.cols() % block != 0) gguf.fail("tensor '" + t.name + "': rows are not whole blocks, cannot be split");
   const size_t stride = row_bytes(t.type, t.cols());
   const uint8_t* data = t.data + static_cast<size_t>(row0) * stride;
-  pending_.push_back({&slot, WeightView{t.name + " (" + part + ")", t.type, n, t.cols(), data, true, layer}});
+  pending_.push_back({&slot, WeightView{t.name + " (" + part + ")", t.type, n, t.cols(), data, true, layer, expert}});
 }
 
 void WeightPlan::count_elsewhere(const std::vector<const GgufTensorInfo*>& tensors) {
@@ -267,6 +267,16 @@ std::unique_ptr<ActivationBuffer> WeightPlan::place(Backend& backend, const std:
 }
 
 // --- One layer -------------------------------------------------------------------------------
+
+void LayerWeights::index_experts() {
+  const auto index = [](const std::vector<std::unique_ptr<PreparedWeight>>& owned, std::vector<const PreparedWeight*>& view) {
+    view.clear();
+    for (const auto& w : owned) view.push_back(w.get());
+  };
+  index(gate_exps, gate_experts);
+  index(up_exps, up_experts);
+  index(down_exps, down_experts);
+}
 
 void read_layer_weights(ModelTensors& tensors, WeightPlan& plan, const LlamaHparams& hp, int il, LayerWeights& layer) {
   const std::string prefix = "blk." + std::to_string(il) + ".";

@@ -36,6 +36,9 @@ struct LayerWeights {
   // every expert's three matrices (expert e's are element e).
   std::unique_ptr<PreparedWeight> router;
   std::vector<std::unique_ptr<PreparedWeight>> gate_exps, up_exps, down_exps;
+  // The same as the seam takes them (ExpertBlock), once placed (index_experts).
+  std::vector<const PreparedWeight*> gate_experts, up_experts, down_experts;
+  void index_experts();
 };
 
 // The file's tensors as the decoder reads them. Each one read is marked, so that what is left at
@@ -72,8 +75,9 @@ class WeightPlan {
   // ... prepared as one weight into `slot`, for `layer` (-1: the embedding; n_layer: the output).
   void prepare(std::unique_ptr<PreparedWeight>& slot, const GgufTensorInfo& t, int layer);
   // Rows [row0, row0 + n) of matrix t as a weight of its own (a fused matrix's part).
+  // `expert`: the part is one expert's matrix (WeightView::expert).
   void prepare_rows(std::unique_ptr<PreparedWeight>& slot, const GgufFile& gguf, const GgufTensorInfo& t,
-                    int64_t row0, int64_t n, const std::string& part, int layer);
+                    int64_t row0, int64_t n, const std::string& part, int layer, bool expert = false);
   void constant(const float*& slot, std::vector<float> values) { constants_.emplace_back(&slot, std::move(values)); }
   // Matrices another pipeline stage loads: part of the model's size all the same.
   void count_elsewhere(const std::vector<const GgufTensorInfo*>& tensors);

@@ -282,7 +282,7 @@ void LlamaModel::mixture_of_experts(const LayerWeights& L, int n) {
   const std::span<float> weights(s.route_weights.data(), n_routes);
   route_experts(std::span<const float>(s.host_router_logits.data(), n_logits), hp_.n_expert, hp_.n_expert_used,
                 hp_.expert_weights_norm, experts, weights);
-  const ExpertBlock block{L.gate_exps, L.up_exps, L.down_exps};
+  const ExpertBlock block{L.gate_experts, L.up_experts, L.down_experts};
   float* const sum = s.xn->data();
   backend_.moe_ffn(block, ExpertRoutes{hp_.n_expert_used, experts, weights}, input, hp_.activation, sum);
   if (L.post_ffn_norm != nullptr) backend_.rms_norm(sum, n, hp_.n_embd, L.post_ffn_norm, hp_.rms_eps);

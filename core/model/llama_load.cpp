@@ -27,6 +27,7 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineSta
   allocate_scratch();
   backend_.plan_layers(hp_.n_layer);
   constants_ = plan.place(backend_, &output_);
+  for (LayerWeights& layer : layers_) layer.index_experts();
   weight_bytes_ = plan.weight_bytes();
   n_params_ = plan.n_params();
 }

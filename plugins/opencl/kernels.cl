@@ -393,10 +393,12 @@ void gemv_rows(const int format, const int block_bytes, __global const uchar* W0
     }
   }
   barrier(CLK_LOCAL_MEM_FENCE);
-  if (has_norm && tid < M) {
+  // (A group of fewer work-items than rows of x, a weight of a few rows such as a router's,
+  // takes the rows in turn.)
+  for (int m = tid; has_norm && m < M; m += G) {
     float ss = 0.0f;
-    for (int part = 0; part < NORM_PARTS; ++part) ss += lsum[tid * NORM_PARTS + part];
-    linv[tid] = 1.0f / sqrt(ss / (float)K + eps);
+    for (int part = 0; part < NORM_PARTS; ++part) ss += lsum[m * NORM_PARTS + part];
+    linv[m] = 1.0f / sqrt(ss / (float)K + eps);
   }
   barrier(CLK_LOCAL_MEM_FENCE);
 
