@@ -56,7 +56,7 @@ struct Fmt {
   static constexpr PackedFormat F = *packed_format(T);
   // Weights that are signed values (Q8_0's bytes, IQ4's and MXFP4's code books) rather than
   // unsigned codes.
-  static constexpr bool kSignedValues = F.codes == Codes::kBytes || F.codebook != nullptr;
+  static constexpr bool kSignedValues = F.codes == Codes::kBytes || F.has_codebook();
   // The largest unsigned code, for the int16 sums of vpmaddubsw.
   static constexpr int kMaxCode = F.codes == Codes::kNib4Hb1     ? 31
                                   : F.codes == Codes::kNib4Hb2   ? 63
@@ -289,7 +289,7 @@ HWY_INLINE void DecodePair(const uint8_t* sub, VI table, VI& q0, VI& q1) {
       q0 = Or(q0, PlaneBits<2 * ((2 * P) % 4), 4, 2>(hb));
       q1 = Or(q1, PlaneBits<2 * ((2 * P + 1) % 4), 4, 2>(hb));
     }
-    if constexpr (F.codebook != nullptr) {
+    if constexpr (F.has_codebook()) {
       q0 = Lookup(table, q0);
       q1 = Lookup(table, q1);
     }
@@ -317,9 +317,10 @@ HWY_INLINE void DecodePair(const uint8_t* sub, VI table, VI& q0, VI& q1) {
 // (unsigned bytes for vpdpbusd, the 128 taken off with the activation sums).
 template <class Fm>
 HWY_INLINE VI CodeTable() {
-  if constexpr (Fm::F.codebook != nullptr) {
+  if constexpr (Fm::F.has_codebook()) {
+    const int8_t* values = codebook_values(Fm::F.codebook);
     alignas(16) int8_t t[16];
-    for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(RINGLM_VNNI ? Fm::F.codebook[i] + 128 : Fm::F.codebook[i]);
+    for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(RINGLM_VNNI ? values[i] + 128 : values[i]);
     return LoadTable(t);
   }
   return ZeroI();
@@ -613,7 +614,7 @@ HWY_INLINE float ScaleAt(const uint8_t* p, int r) {
 template <class Fm>
 HWY_INLINE int WeightOf(int code) {
   if constexpr (Fm::F.codes == Codes::kBytes) return static_cast<int8_t>(code);
-  if constexpr (Fm::F.codebook != nullptr) return Fm::F.codebook[code];
+  if constexpr (Fm::F.has_codebook()) return codebook_values(Fm::F.codebook)[code];
   return code - Fm::F.offset;
 }
 

@@ -53,7 +53,7 @@ constexpr size_t kSubTileBytes = 8 * kTileBytes;    // a sub-block's codes widen
 
 // Whether a format's weights are signed values (Q8_0's bytes, IQ4's and MXFP4's code books)
 // rather than unsigned codes; VNNI adds 128 to those and subtracts 128 times the activations' sum.
-constexpr bool signed_values(const PackedFormat& f) { return f.codes == Codes::kBytes || f.codebook != nullptr; }
+constexpr bool signed_values(const PackedFormat& f) { return f.codes == Codes::kBytes || f.has_codebook(); }
 
 // 64 bytes as one value of the compilers' vector extension (GCC, Clang): element-wise integer
 // operations that each copy of this file compiles for its own instruction set (SSE2 for the
@@ -103,8 +103,9 @@ inline void widen_sub_block(const PackedFormat& f, const uint8_t* sub, int8_t* t
       default:
         return;  // float formats never come here
     }
-    if (f.codebook != nullptr) {
-      for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>(f.codebook[row[i]]);
+    if (f.has_codebook()) {
+      const int8_t* values = codebook_values(f.codebook);
+      for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>(values[row[i]]);
     }
   }
 }
