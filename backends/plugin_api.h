@@ -54,6 +54,7 @@ enum ringlm_format {
   RINGLM_FORMAT_Q6_K = 14,
   RINGLM_FORMAT_IQ4_NL = 20,
   RINGLM_FORMAT_IQ4_XS = 23,
+  RINGLM_FORMAT_MXFP4 = 39,
 };
 
 enum ringlm_device_type {

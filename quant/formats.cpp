@@ -34,9 +34,10 @@ std::optional<TypeTraits> type_traits(uint32_t type_id) {
     case TensorType::Q6_K: return TypeTraits{"Q6_K", kQK_K, sizeof(BlockQ6_K), true};
     case TensorType::IQ4_NL: return TypeTraits{"IQ4_NL", kQK4_NL, sizeof(BlockIQ4_NL), true};
     case TensorType::IQ4_XS: return TypeTraits{"IQ4_XS", kQK_K, sizeof(BlockIQ4_XS), true};
+    case TensorType::MXFP4: return TypeTraits{"MXFP4", kQKMxfp4, sizeof(BlockMXFP4), true};
   }
   // GGML ids that exist but ringlm does not read: the grid-based IQ types (IQ2_*, IQ3_*, IQ1_*),
-  // the ternary TQ types, the FP4 types, Q8_K (a dot-product intermediate, never in model files)
+  // the ternary TQ types, NVFP4, Q8_K (a dot-product intermediate, never in model files)
   // and the plain integer/F64 types. Their sizes are still known so a file using them fails with
   // the type named, not a size error. Ids and sizes: gguf-py's GGML_QUANT_SIZES (ggml.h for Q2_0,
   // which is newer than gguf 0.19.0); 4, 5, 31..33 and 36..38 were removed from GGML.
@@ -45,8 +46,8 @@ std::optional<TypeTraits> type_traits(uint32_t type_id) {
       {15, "Q8_K", 256, 292},    {16, "IQ2_XXS", 256, 66}, {17, "IQ2_XS", 256, 74}, {18, "IQ3_XXS", 256, 98},
       {19, "IQ1_S", 256, 50},    {21, "IQ3_S", 256, 110},  {22, "IQ2_S", 256, 82},  {24, "I8", 1, 1},
       {25, "I16", 1, 2},         {26, "I32", 1, 4},        {27, "I64", 1, 8},       {28, "F64", 1, 8},
-      {29, "IQ1_M", 256, 56},    {34, "TQ1_0", 256, 54},   {35, "TQ2_0", 256, 66},  {39, "MXFP4", 32, 17},
-      {40, "NVFP4", 64, 36},     {41, "Q1_0", 128, 18},    {42, "Q2_0", 64, 18},
+      {29, "IQ1_M", 256, 56},    {34, "TQ1_0", 256, 54},   {35, "TQ2_0", 256, 66},  {40, "NVFP4", 64, 36},
+      {41, "Q1_0", 128, 18},     {42, "Q2_0", 64, 18},
   };
   for (const Other& o : kOthers) {
     if (o.id == type_id) return TypeTraits{o.name, o.elems, o.bytes, false};
@@ -290,6 +291,16 @@ void dequantize_iq4_nl(const BlockIQ4_NL* blocks, float* dst, int64_t n_blocks) 
   }
 }
 
+void dequantize_mxfp4(const BlockMXFP4* blocks, float* dst, int64_t n_blocks) {
+  for (int64_t b = 0; b < n_blocks; ++b, dst += kQKMxfp4) {
+    const float d = e8m0_half_to_fp32(blocks[b].e);
+    for (int j = 0; j < kQKMxfp4 / 2; ++j) {
+      dst[j] = d * kMxfp4Values[blocks[b].qs[j] & 0x0F];
+      dst[j + kQKMxfp4 / 2] = d * kMxfp4Values[blocks[b].qs[j] >> 4];
+    }
+  }
+}
+
 void dequantize_iq4_xs(const BlockIQ4_XS* blocks, float* dst, int64_t n_blocks) {
   for (int64_t b = 0; b < n_blocks; ++b) {
     const BlockIQ4_XS& x = blocks[b];
@@ -379,6 +390,7 @@ void dequantize_row(TensorType type, const void* src, float* dst, int64_t n) {
     case TensorType::Q6_K: return dequantize_q6_k(static_cast<const BlockQ6_K*>(src), dst, n / kQK_K);
     case TensorType::IQ4_NL: return dequantize_iq4_nl(static_cast<const BlockIQ4_NL*>(src), dst, n / kQK4_NL);
     case TensorType::IQ4_XS: return dequantize_iq4_xs(static_cast<const BlockIQ4_XS*>(src), dst, n / kQK_K);
+    case TensorType::MXFP4: return dequantize_mxfp4(static_cast<const BlockMXFP4*>(src), dst, n / kQKMxfp4);
     case TensorType::Q8_1: break;
   }
   throw std::invalid_argument("dequantize_row: unsupported tensor type");

@@ -5,6 +5,7 @@
 // plugins see only plugin_api.h and these layouts).
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -32,6 +33,7 @@ enum class TensorType : uint32_t {
   IQ4_NL = 20,
   IQ4_XS = 23,
   BF16 = 30,
+  MXFP4 = 39,
 };
 
 // fp16 / bf16 storage: raw bits, converted explicitly.
@@ -44,11 +46,26 @@ inline constexpr int kQK5_0 = 32;
 inline constexpr int kQK5_1 = 32;
 inline constexpr int kQK8_0 = 32;
 inline constexpr int kQK4_NL = 32;
+inline constexpr int kQKMxfp4 = 32;
 inline constexpr int kQK_K = 256;      // super-block of the K-quants and IQ4_XS
 inline constexpr int kKScaleBytes = 12;  // packed 6-bit scales/mins of Q4_K and Q5_K (and Q3_K's 6-bit scales)
 
 // The 16 values a 4-bit IQ4_NL / IQ4_XS code stands for (a non-linear grid, denser near 0).
 inline constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// The 16 values of an MXFP4 code (OCP microscaling FP4, E2M1: sign, 2 exponent bits, 1 mantissa
+// bit), times two so that they are integers: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
+// (code 8 is -0). The block scale is halved to make up for it (e8m0_half_to_fp32).
+inline constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Half of an E8M0 scale: the byte e stands for 2^(e - 127), so this is 2^(e - 128), exact in
+// float32 for every e (e = 0 and 1 give the subnormals 2^-128 and 2^-127; e = 255, which the OCP
+// format reserves for NaN, gives 2^127 as ggml reads it). Built from the bits: a normal float's
+// exponent field is e - 1, and below it the one mantissa bit 2^(e - 128) / 2^-149 = 1 << (21 + e).
+inline float e8m0_half_to_fp32(uint8_t e) {
+  const uint32_t bits = e >= 2 ? static_cast<uint32_t>(e - 1) << 23 : 1u << (21 + e);
+  return std::bit_cast<float>(bits);
+}
 
 // 32 weights: w = d * (q - 8), q in [0, 15]. Low nibbles hold elements 0..15, high 16..31.
 struct BlockQ4_0 {
@@ -125,6 +142,11 @@ struct BlockIQ4_NL {
   f16_bits d;
   uint8_t qs[kQK4_NL / 2];
 };
+// 32 weights: w = e8m0_half_to_fp32(e) * kMxfp4Values[q], nibbles as in Q4_0.
+struct BlockMXFP4 {
+  uint8_t e;
+  uint8_t qs[kQKMxfp4 / 2];
+};
 // 256 weights in 8 sub-blocks of 32: w = d * (s_j - 32) * kIq4nlValues[q]; s_j is 6 bits, its low
 // 4 in scales_l (nibble j % 2 of byte j / 2) and its high 2 in bits 2j..2j+1 of scales_h. Each
 // sub-block's 16 bytes of nibbles as in IQ4_NL.
@@ -143,6 +165,7 @@ static_assert(sizeof(BlockQ3_K) == 110);
 static_assert(sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockIQ4_NL) == 18);
 static_assert(sizeof(BlockIQ4_XS) == 136);
+static_assert(sizeof(BlockMXFP4) == 17);
 static_assert(sizeof(BlockQ4_1) == 20);
 static_assert(sizeof(BlockQ8_0) == 34);
 static_assert(sizeof(BlockQ4_K) == 144);

@@ -215,16 +215,16 @@ TEST(TileProduct, OnlyInt8TypesRunOnTheTiles) {
 // Models' prompts through the tiles, emulated so that this runs on any CPU: the backend sends
 // every int8 product of 128 tokens or more there (KernelTable::kDefaultTilesFrom;
 // emulated_tile_products() counts them), and the logits are those of the packed kernels, bit for
-// bit where those run AVX-512 VNNI (elsewhere Q8_0 and
-// IQ4_NL sum through another float formula: within 1e-4 of the largest logit). Block formats,
-// K-quants of both depths, IQ4_XS, Gemma 3's window ring; prompts of 150-odd tokens. The
-// sanitizer build runs three of the seven models (tests/build_scale.h).
+// bit where those run AVX-512 VNNI (elsewhere Q8_0, IQ4_NL and MXFP4 sum through another float
+// formula: within 1e-4 of the largest logit). Block formats, K-quants of both depths, IQ4_XS,
+// MXFP4, Gemma 3's window ring; prompts of 150-odd tokens. The sanitizer build runs three of
+// the eight models (tests/build_scale.h).
 TEST(TileProduct, ModelsGiveThePackedKernelsLogitsThroughTheEmulatedTiles) {
   std::string text;
   for (int i = 0; i < 12; ++i) text += "The quick brown fox jumps over the lazy dog by the river bank. ";
   std::vector<std::string> models = {"tiny_q4_0", "tiny_q3_k", "tiny_gemma3_q8_0"};  // block, depth 16, signed
   if (!test::kSanitizedBuild) {
-    for (const char* more : {"tiny_q5_1", "tiny_q4_k", "tiny_iq4_nl", "tiny_iq4_xs"}) models.push_back(more);
+    for (const char* more : {"tiny_q5_1", "tiny_q4_k", "tiny_iq4_nl", "tiny_iq4_xs", "tiny_mxfp4"}) models.push_back(more);
   }
   for (const std::string& name : models) {
     SCOPED_TRACE(name);

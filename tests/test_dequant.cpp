@@ -26,8 +26,8 @@ namespace {
 const std::string kVectorsPath = std::string(RINGLM_TEST_WORK_DIR) + "/dequant_vectors.gguf";
 
 // Every type ringlm reads, by its GGML name; each has vectors in the file.
-const std::vector<std::string> kReadableTypes = {"F32",  "F16",  "BF16", "Q8_0", "Q4_0", "Q4_1",   "Q5_0",  "Q5_1",
-                                                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"};
+const std::vector<std::string> kReadableTypes = {"F32",  "F16",  "BF16", "Q8_0", "Q4_0",   "Q4_1",   "Q5_0", "Q5_1",
+                                                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"};
 
 // The distance in representable floats (0 for equal values, +0 and -0 included).
 int64_t ulps_apart(float a, float b) {

@@ -354,15 +354,38 @@ TEST(DeviceFallback, BackendsSayWhichOpsAndTypesTheyRun) {
   const auto one = [](TensorType t) { return std::vector<TensorType>{t}; };
   EXPECT_TRUE(device->supports(BackendOp::kMatmul, one(TensorType::Q4_0)));
   EXPECT_TRUE(device->supports(BackendOp::kMatmulGlu, one(TensorType::Q4_K)));
+  EXPECT_TRUE(device->supports(BackendOp::kMatmul, one(TensorType::MXFP4)));
   EXPECT_FALSE(device->supports(BackendOp::kMatmul, one(TensorType::BF16)));
   EXPECT_FALSE(device->supports(BackendOp::kMatmul, one(i4s)));
   EXPECT_FALSE(device->supports(BackendOp::kMatmulMany, std::vector{TensorType::Q4_0, TensorType::BF16}));
   EXPECT_TRUE(device->supports(BackendOp::kAttention, one(TensorType::F16)));
   EXPECT_TRUE(device->supports(BackendOp::kRmsNorm, {}));
-  for (const TensorType t : {TensorType::Q4_0, TensorType::Q4_K, TensorType::BF16, i4s}) {
+  for (const TensorType t : {TensorType::Q4_0, TensorType::Q4_K, TensorType::BF16, TensorType::MXFP4, i4s}) {
     EXPECT_TRUE(cpu->supports(BackendOp::kMatmul, one(t))) << static_cast<int>(t);
   }
   EXPECT_FALSE(cpu->supports(BackendOp::kMatmul, one(static_cast<TensorType>(16))));  // IQ2_XXS: not read
+}
+
+// A model whose every matrix and embedding is MXFP4 (gpt-oss's experts' type; tests/CMakeLists.txt's
+// tiny_mxfp4) runs whole on the device, its 17-byte blocks read in place, and gives the CPU's
+// logits (fp32) for a prompt and a few decode steps.
+TEST(DeviceFallback, AnMxfp4ModelRunsWholeOnTheDeviceWithTheCpusLogits) {
+  const std::string path = std::string(RINGLM_TEST_WORK_DIR) + "/tiny_mxfp4.gguf";
+  LoadedModel cpu = load_model(path, 1, ComputeType::kFp32);
+  LoadedModel device = load_model(path, opencl_backend());
+  EXPECT_EQ(device.backend->cpu_fallback_report(), "");
+  const std::vector<int32_t> prompt = cpu.tokenizer->encode("The capital of France is", false, true);
+  KvCache cpu_cache = cpu.model->make_cache(64), device_cache = device.model->make_cache(64);
+  std::vector<float> cpu_logits(static_cast<size_t>(cpu.model->hparams().n_vocab)), device_logits(cpu_logits.size());
+  cpu.model->forward(prompt, cpu_cache, cpu_logits.data());
+  device.model->forward(prompt, device_cache, device_logits.data());
+  for (int step = 0; step < 4; ++step) {
+    EXPECT_LT(relative_gap(device_logits, cpu_logits), 1e-3f) << "step " << step;
+    ASSERT_EQ(argmax(device_logits), argmax(cpu_logits)) << "step " << step;
+    const std::vector<int32_t> next = {argmax(cpu_logits)};
+    cpu.model->forward(next, cpu_cache, cpu_logits.data());
+    device.model->forward(next, device_cache, device_logits.data());
+  }
 }
 
 // With --gpu-layers a weight goes where the layer the model gives it (WeightView::layer) runs,

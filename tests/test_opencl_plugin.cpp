@@ -331,24 +331,32 @@ struct Weights {
   std::vector<float> dequant;  // the same weights as fp32, [n][k]
 };
 
-bool is_iq4(TensorType type) { return type == TensorType::IQ4_NL || type == TensorType::IQ4_XS; }
+// The code book formats, which ringlm reads but does not quantize to.
+bool is_codebook(TensorType type) {
+  return type == TensorType::IQ4_NL || type == TensorType::IQ4_XS || type == TensorType::MXFP4;
+}
 
 // Weights: random floats quantized (the formats ringlm quantizes to), or random codes under a
-// random fp16 scale (IQ4_NL, IQ4_XS: every block starts with it), with their dequantization.
+// random scale (every block starts with it: IQ4_NL's and IQ4_XS's fp16, MXFP4's E8M0 exponent,
+// here 2^-11 .. 2^-6 once halved), with their dequantization.
 Weights make_weights(TensorType type, int64_t n, int64_t k, std::mt19937& rng) {
   const std::vector<float> w = random_floats(static_cast<size_t>(n * k), rng);
   const size_t row = row_bytes(type, k);
   Weights out{std::vector<uint8_t>(row * static_cast<size_t>(n)), std::vector<float>(w.size())};
-  if (is_iq4(type)) {
+  if (is_codebook(type)) {
     for (uint8_t& b : out.bytes) b = static_cast<uint8_t>(rng());
     const size_t block = type_traits(static_cast<uint32_t>(type))->block_bytes;
     for (size_t at = 0; at < out.bytes.size(); at += block) {
+      if (type == TensorType::MXFP4) {
+        out.bytes[at] = static_cast<uint8_t>(117 + rng() % 6);
+        continue;
+      }
       const uint16_t d = fp32_to_fp16(random_floats(1, rng, 0.01f)[0]);
       std::memcpy(&out.bytes[at], &d, sizeof(d));
     }
   }
   for (int64_t r = 0; r < n; ++r) {
-    if (!is_iq4(type)) quantize_row(type, &w[static_cast<size_t>(r * k)], &out.bytes[row * static_cast<size_t>(r)], k);
+    if (!is_codebook(type)) quantize_row(type, &w[static_cast<size_t>(r * k)], &out.bytes[row * static_cast<size_t>(r)], k);
     dequantize_row(type, &out.bytes[row * static_cast<size_t>(r)], &out.dequant[static_cast<size_t>(r * k)], k);
   }
   return out;
@@ -525,7 +533,8 @@ TEST(OpenclPlugin, Matmul2GemmTakesPromptChunksOnAGpu) {
   const bool takes = api().supports(ctx(), &gemm) != 0;
   EXPECT_EQ(takes, gpu_kernel_shapes());
   const bool int8 = int8_gemm();
-  for (const TensorType type : {TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4_K, TensorType::Q6_K}) {
+  // (MXFP4: 17-byte blocks, so rows of 13 blocks start at odd addresses)
+  for (const TensorType type : {TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4_K, TensorType::Q6_K, TensorType::MXFP4}) {
     const int64_t k = block_weights(type) == 256 ? 512 : 416;  // 416: 13 blocks of 32
     const std::vector<int64_t> rows = {130, 33, 64};  // q, k, v; gate and up: the first two of 130
     std::vector<Weights> w;
@@ -756,7 +765,8 @@ TEST(OpenclPlugin, MatmulRowIsBitIdenticalWhateverM) {
 INSTANTIATE_TEST_SUITE_P(Formats, Matmul,
                          ::testing::Values(TensorType::Q4_0, TensorType::Q4_1, TensorType::Q8_0, TensorType::F16,
                                            TensorType::F32, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL,
-                                           TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::IQ4_XS),
+                                           TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::IQ4_XS,
+                                           TensorType::MXFP4),
                          [](const auto& info) {
                            return std::string(type_traits(static_cast<uint32_t>(info.param))->name);
                          });
@@ -1050,6 +1060,8 @@ TEST(OpenclPlugin, SupportsSaysNoToWhatItCannotRun) {
   EXPECT_FALSE(matmul(RINGLM_FORMAT_Q4_1, 1, 576, 48));  // k not a multiple of 32
   EXPECT_FALSE(matmul(RINGLM_FORMAT_Q4_1, 1, 0, 576));
   EXPECT_FALSE(matmul(30, 1, 576, 576));  // BF16: not a format it reads
+  EXPECT_TRUE(matmul(RINGLM_FORMAT_MXFP4, 3, 100, 96));
+  EXPECT_FALSE(matmul(RINGLM_FORMAT_MXFP4, 3, 100, 80));  // k not a multiple of 32
   EXPECT_TRUE(matmul(RINGLM_FORMAT_Q4_K, 1, 576, 768));
   EXPECT_FALSE(matmul(RINGLM_FORMAT_Q4_K, 1, 576, 576));  // k not a multiple of a super-block (256)
   EXPECT_FALSE(matmul(99, 1, 576, 576));
@@ -1598,7 +1610,8 @@ TEST_P(GetRows, MatchesDequantizeRowAndZerosOutOfRange) {
 INSTANTIATE_TEST_SUITE_P(Formats, GetRows,
                          ::testing::Values(TensorType::Q4_0, TensorType::Q4_1, TensorType::Q8_0, TensorType::F16,
                                            TensorType::F32, TensorType::Q5_0, TensorType::Q5_1, TensorType::IQ4_NL,
-                                           TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::IQ4_XS),
+                                           TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::IQ4_XS,
+                                           TensorType::MXFP4),
                          [](const auto& info) {
                            return std::string(type_traits(static_cast<uint32_t>(info.param))->name);
                          });

@@ -203,8 +203,9 @@ TEST(QuantizeTypeNames, GgmlNamesParseCaseInsensitivelyAndOthersDoNot) {
   EXPECT_EQ(parse_quantize_type("Q4_K"), TensorType::Q4_K);
   EXPECT_EQ(parse_quantize_type("q5_k"), TensorType::Q5_K);
   EXPECT_EQ(parse_quantize_type("Q6_K"), TensorType::Q6_K);
-  // Mixes are the command's business, not tensor types; Q3_K, Q8_K and the IQ types have no quantizer.
-  for (const char* bad : {"", "Q4_K_M", "Q5_K_S", "Q3_K", "Q8_K", "IQ4_NL", "i4s", "i4s-g64", "i4x-g32",
+  // Mixes are the command's business, not tensor types; Q3_K, Q8_K, the IQ types and MXFP4 have no
+  // quantizer.
+  for (const char* bad : {"", "Q4_K_M", "Q5_K_S", "Q3_K", "Q8_K", "IQ4_NL", "MXFP4", "i4s", "i4s-g64", "i4x-g32",
                           "i4s-g32-f16-f16", "q4_0 ", "Q8_0-f16", "Q4_K-f16"}) {
     EXPECT_FALSE(parse_quantize_type(bad).has_value()) << "'" << bad << "'";
   }

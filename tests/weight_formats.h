@@ -24,7 +24,8 @@ inline std::vector<std::pair<TensorType, std::string>> packed_types() {
       {TensorType::Q4_0, "Q4_0"},     {TensorType::Q4_1, "Q4_1"},     {TensorType::Q5_0, "Q5_0"},
       {TensorType::Q5_1, "Q5_1"},     {TensorType::Q8_0, "Q8_0"},     {TensorType::IQ4_NL, "IQ4_NL"},
       {TensorType::Q2_K, "Q2_K"},     {TensorType::Q3_K, "Q3_K"},     {TensorType::Q4_K, "Q4_K"},
-      {TensorType::Q5_K, "Q5_K"},     {TensorType::Q6_K, "Q6_K"},     {TensorType::IQ4_XS, "IQ4_XS"}};
+      {TensorType::Q5_K, "Q5_K"},     {TensorType::Q6_K, "Q6_K"},     {TensorType::IQ4_XS, "IQ4_XS"},
+      {TensorType::MXFP4, "MXFP4"}};
   for (uint32_t id = kInt4TypeBase; id < kInt4TypeBase + 12; ++id) {
     std::string name(kInt4TypeNames[id - kInt4TypeBase]);
     for (char& c : name) c = c == '-' ? '_' : c;
@@ -61,6 +62,10 @@ struct BlockLayout {
   std::vector<size_t> f32;   // ... fp32
   size_t codes_begin = 0, codes_end = 0;
   uint8_t zero_code = 0;  // the code byte of the weight farthest below zero... of code 0 (Q8_0: -128)
+  std::vector<size_t> e8m0 = {};  // offsets of E8M0 exponent scales (MXFP4)
+  // The offset a kernel splits off is what zero_code's weight is worth times this: 1, but for
+  // MXFP4, whose values reach only 12 (code byte 0x77) where VNNI still adds 128 to each.
+  float zero_times = 1.0f;
 };
 inline BlockLayout block_layout(TensorType t) {
   if (const auto f = int4_format(static_cast<uint32_t>(t))) {
@@ -87,6 +92,14 @@ inline BlockLayout block_layout(TensorType t) {
     case TensorType::Q5_K: return {{0, 2}, {}, {}, 16, 176};
     case TensorType::Q6_K: return {{208}, {}, {}, 0, 192};
     case TensorType::IQ4_XS: return {{0}, {}, {}, 8, 136};
+    case TensorType::MXFP4: {
+      BlockLayout l;
+      l.e8m0 = {0};
+      l.codes_begin = 1, l.codes_end = 17;
+      l.zero_code = 0x77;
+      l.zero_times = 128.0f / 12.0f;
+      return l;
+    }
     default: return {};
   }
 }
@@ -124,6 +137,8 @@ inline std::vector<uint8_t> random_weights(TensorType t, int64_t rows, int64_t c
       const float v = scale(rng);
       std::memcpy(&bytes[off + f], &v, 4);
     }
+    // Scales 2^-11 .. 2^-6 (halved, times values up to 12): weights as large as the others'.
+    for (size_t f : l.e8m0) bytes[off + f] = static_cast<uint8_t>(117 + rng() % 6);
   }
   return bytes;
 }
@@ -137,7 +152,7 @@ inline std::vector<float> dequantize(TensorType t, const std::vector<uint8_t>& w
 
 // Per weight, the magnitude of what code 0 is worth in its (sub-)block: the offset or min a
 // kernel splits off and adds back (Q4_0: 8|d|, Q4_1: |m|, Q4_K: |dmin m_j|, Q6_K: 32|d sc_j|,
-// Q8_0 and IQ4: about 128|d|, where a kernel turns signed values unsigned). A kernel's
+// Q8_0, IQ4 and MXFP4: about 128|d|, where a kernel turns signed values unsigned). A kernel's
 // intermediate terms are as large as |w| + this, which bounds its rounding error.
 inline std::vector<float> offset_magnitudes(TensorType t, std::vector<uint8_t> w, int64_t rows, int64_t cols) {
   const BlockLayout l = block_layout(t);
@@ -146,7 +161,7 @@ inline std::vector<float> offset_magnitudes(TensorType t, std::vector<uint8_t> w
     std::memset(&w[off + l.codes_begin], l.zero_code, l.codes_end - l.codes_begin);
   }
   std::vector<float> zero = dequantize(t, w, rows, cols);
-  for (float& v : zero) v = std::fabs(v);
+  for (float& v : zero) v = std::fabs(v) * l.zero_times;
   return zero;
 }
 

@@ -107,7 +107,7 @@ TileConfig tile_product_config();
 // 16-row group, laid out block by block so that a pass reads its tokens' in a row. Per activation
 // block of 32 and token: the scale dx; the offset term s, which is the block's sx, or -offset * sx
 // for a format with an offset and no min (for signed values, the 128 VNNI adds); and, for a
-// format of signed values (Q8_0, IQ4_NL), `shift`, 128 times the block's activation sum, which
+// format of signed values (Q8_0, IQ4_NL, MXFP4), `shift`, 128 times the block's activation sum, which
 // their dots gain where VNNI makes them unsigned. Made once per product, for the formats of all
 // the weights it multiplies (the CPU backend's threads fill a share of the tokens each as they
 // quantize them), then only read, by every thread and group. The super formats need none.

@@ -54,8 +54,9 @@ struct Prefetch {
 template <TensorType T>
 struct Fmt {
   static constexpr PackedFormat F = *packed_format(T);
-  // Weights that are signed values (Q8_0's bytes, IQ4's code book) rather than unsigned codes.
-  static constexpr bool kSignedValues = F.codes == Codes::kBytes || F.codebook;
+  // Weights that are signed values (Q8_0's bytes, IQ4's and MXFP4's code books) rather than
+  // unsigned codes.
+  static constexpr bool kSignedValues = F.codes == Codes::kBytes || F.has_codebook();
   // The largest unsigned code, for the int16 sums of vpmaddubsw.
   static constexpr int kMaxCode = F.codes == Codes::kNib4Hb1     ? 31
                                   : F.codes == Codes::kNib4Hb2   ? 63
@@ -288,7 +289,7 @@ HWY_INLINE void DecodePair(const uint8_t* sub, VI table, VI& q0, VI& q1) {
       q0 = Or(q0, PlaneBits<2 * ((2 * P) % 4), 4, 2>(hb));
       q1 = Or(q1, PlaneBits<2 * ((2 * P + 1) % 4), 4, 2>(hb));
     }
-    if constexpr (F.codebook) {
+    if constexpr (F.has_codebook()) {
       q0 = Lookup(table, q0);
       q1 = Lookup(table, q1);
     }
@@ -316,9 +317,10 @@ HWY_INLINE void DecodePair(const uint8_t* sub, VI table, VI& q0, VI& q1) {
 // (unsigned bytes for vpdpbusd, the 128 taken off with the activation sums).
 template <class Fm>
 HWY_INLINE VI CodeTable() {
-  if constexpr (Fm::F.codebook) {
+  if constexpr (Fm::F.has_codebook()) {
+    const int8_t* values = codebook_values(Fm::F.codebook);
     alignas(16) int8_t t[16];
-    for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(RINGLM_VNNI ? kIq4nlValues[i] + 128 : kIq4nlValues[i]);
+    for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(RINGLM_VNNI ? values[i] + 128 : values[i]);
     return LoadTable(t);
   }
   return ZeroI();
@@ -612,7 +614,7 @@ HWY_INLINE float ScaleAt(const uint8_t* p, int r) {
 template <class Fm>
 HWY_INLINE int WeightOf(int code) {
   if constexpr (Fm::F.codes == Codes::kBytes) return static_cast<int8_t>(code);
-  if constexpr (Fm::F.codebook) return kIq4nlValues[code];
+  if constexpr (Fm::F.has_codebook()) return codebook_values(Fm::F.codebook)[code];
   return code - Fm::F.offset;
 }
 
@@ -834,7 +836,7 @@ template <TensorType... Ts>
 struct TypeList {};
 using AllTypes =
     TypeList<TensorType::F32, TensorType::F16, TensorType::BF16, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q5_0,
-             TensorType::Q5_1, TensorType::Q8_0, TensorType::IQ4_NL, TensorType::Q2_K, TensorType::Q3_K,
+             TensorType::Q5_1, TensorType::Q8_0, TensorType::IQ4_NL, TensorType::MXFP4, TensorType::Q2_K, TensorType::Q3_K,
              TensorType::Q4_K, TensorType::Q5_K, TensorType::Q6_K, TensorType::IQ4_XS,
              static_cast<TensorType>(kInt4TypeBase + 0), static_cast<TensorType>(kInt4TypeBase + 1),
              static_cast<TensorType>(kInt4TypeBase + 2), static_cast<TensorType>(kInt4TypeBase + 3),

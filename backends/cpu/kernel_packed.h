@@ -12,8 +12,8 @@
 // for ahead of time (software prefetch far enough ahead to cover the memory latency).
 //
 // Activations come in the form each format's arithmetic needs (packed_format.h's ActKind):
-//   - block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, ringlm's INT4 types): int8 per block
-//     of 32 with a float scale and sum (QuantizedActs),
+//   - block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, ringlm's INT4 types): int8 per
+//     block of 32 with a float scale and sum (QuantizedActs),
 //   - super formats (Q2_K..Q6_K, IQ4_XS): int8 per block of 256 with one scale and integer sums
 //     per 16 and per 32 (SuperActs), so that sub-block scales apply in integers, as llama.cpp's
 //     Q8_K does,

@@ -25,7 +25,8 @@
 //
 // Headers (S = 16 rows x bytes of one value, row-major within each field):
 //   block formats (scale per block of 32 or 128, activations quantized per 32): the scales of
-//     kblock / group blocks (fp16, bf16 or fp32 bits as stored in the file), then as many mins
+//     kblock / group blocks (fp16, bf16 or fp32 bits as stored in the file; MXFP4's E8M0 byte
+//     as the bf16 of its halved scale, the same number), then as many mins
 //     for the formats with a min. A K-block holds as many blocks as fill 64 header bytes
 //     (two blocks of a format with one 16-bit scale, else one).
 //   super formats (K-quants, IQ4_XS: 256 weights, activations quantized per 256): fp16 d, fp16
@@ -51,6 +52,12 @@ inline constexpr int64_t kSubWeights = 32;  // weights per sub-block (8 quads of
 
 enum class Codes : uint8_t { kNib4, kNib4Hb1, kNib4Hb2, kCrumb2, kCrumb2Hb1, kBytes, kHalf, kBf16, kFloat };
 
+// The table a code book format's 4-bit codes index. (An enum, not the table's address: GCC does
+// not fold a global's address compared with null under the sanitizers, and the kernels decide on
+// it at compile time.)
+enum class CodeBook : uint8_t { kNone, kIq4nl, kMxfp4 };
+inline const int8_t* codebook_values(CodeBook c) { return c == CodeBook::kMxfp4 ? kMxfp4Values : kIq4nlValues; }
+
 // Which activations a format's kernel reads.
 enum class ActKind : uint8_t {
   kBlock32,   // int8 per block of 32 with its scale and sum (QuantizedActs)
@@ -66,14 +73,17 @@ struct PackedFormat {
   int sub = 32;        // super formats: weights per integer sub-block scale, 16 or 32
   bool min = false;    // block: a float min per block; super: fp16 dmin and integer mins
   int offset = 0;      // integer weight = code - offset (block sym 4-bit: 8, Q5_0: 16, Q3_K: 4, Q6_K: 32)
-  bool codebook = false;        // IQ4: the 4-bit code indexes kIq4nlValues
+  // A code book format's 16 values, which its 4-bit codes index (IQ4_NL, IQ4_XS: kIq4nlValues;
+  // MXFP4: kMxfp4Values); kNone for the formats whose codes are the integers themselves.
+  CodeBook codebook = CodeBook::kNone;
   bool signed_scales = false;   // super: sub-block scales are signed bytes (Q3_K, Q6_K, IQ4_XS)
   bool nibble_scale_min = false;  // super: scale and min share a byte (Q2_K)
-  ScaleType scale = ScaleType::kF16;  // block formats: how the file stores scales and mins
+  ScaleType scale = ScaleType::kF16;  // block formats: scales and mins in the header (as in the file; MXFP4: bf16)
   int kblock = 0;               // weights per K-block (one header)
   size_t header_bytes = 0;      // per full K-block, a multiple of 64
 
   constexpr bool super() const { return acts == ActKind::kSuper256; }
+  constexpr bool has_codebook() const { return codebook != CodeBook::kNone; }
   constexpr int subs() const { return static_cast<int>(kblock / sub); }  // super: sub-block scales per K-block
   // Super headers: where the sub-block scales and (Q4_K, Q5_K) the mins start.
   constexpr size_t scales_offset() const { return min ? 64 : 32; }
@@ -116,7 +126,7 @@ struct PackedFormat {
 // --- The layout of each type ---------------------------------------------------------------------
 
 constexpr PackedFormat block_format(TensorType type, Codes codes, int group, bool min, int offset, ScaleType scale,
-                                    bool codebook = false) {
+                                    CodeBook codebook = CodeBook::kNone) {
   PackedFormat f;
   f.type = type;
   f.codes = codes;
@@ -134,7 +144,7 @@ constexpr PackedFormat block_format(TensorType type, Codes codes, int group, boo
 }
 
 constexpr PackedFormat super_format(TensorType type, Codes codes, int sub, bool min, int offset, bool signed_scales,
-                                    bool codebook = false, bool nibble_scale_min = false) {
+                                    CodeBook codebook = CodeBook::kNone, bool nibble_scale_min = false) {
   PackedFormat f;
   f.type = type;
   f.codes = codes;
@@ -178,13 +188,16 @@ constexpr std::optional<PackedFormat> packed_format(TensorType type) {
     case TensorType::Q5_0: return block_format(type, Codes::kNib4Hb1, 32, false, 16, kF16);
     case TensorType::Q5_1: return block_format(type, Codes::kNib4Hb1, 32, true, 0, kF16);
     case TensorType::Q8_0: return block_format(type, Codes::kBytes, 32, false, 0, kF16);
-    case TensorType::IQ4_NL: return block_format(type, Codes::kNib4, 32, false, 0, kF16, true);
-    case TensorType::Q2_K: return super_format(type, Codes::kCrumb2, 16, true, 0, false, false, true);
+    case TensorType::IQ4_NL: return block_format(type, Codes::kNib4, 32, false, 0, kF16, CodeBook::kIq4nl);
+    // MXFP4's E8M0 scale, halved (e8m0_half_to_fp32), is a power of two from 2^-128 to 2^127:
+    // bf16 holds every one exactly, and two blocks' scales fill a header as IQ4_NL's fp16 do.
+    case TensorType::MXFP4: return block_format(type, Codes::kNib4, 32, false, 0, ScaleType::kBF16, CodeBook::kMxfp4);
+    case TensorType::Q2_K: return super_format(type, Codes::kCrumb2, 16, true, 0, false, CodeBook::kNone, true);
     case TensorType::Q3_K: return super_format(type, Codes::kCrumb2Hb1, 16, false, 4, true);
     case TensorType::Q4_K: return super_format(type, Codes::kNib4, 32, true, 0, false);
     case TensorType::Q5_K: return super_format(type, Codes::kNib4Hb1, 32, true, 0, false);
     case TensorType::Q6_K: return super_format(type, Codes::kNib4Hb2, 16, false, 32, true);
-    case TensorType::IQ4_XS: return super_format(type, Codes::kNib4, 32, false, 0, true, true);
+    case TensorType::IQ4_XS: return super_format(type, Codes::kNib4, 32, false, 0, true, CodeBook::kIq4nl);
     default: return std::nullopt;
   }
 }

@@ -163,6 +163,14 @@ void decode(const PackedFormat& f, const uint8_t* src, Decoded& out) {
       }
       return;
     }
+    case TensorType::MXFP4: {
+      // The E8M0 byte becomes the bf16 bits of the halved scale (the header's ScaleType::kBF16),
+      // the number it stands for: a power of two, so the float's low 16 bits are zero.
+      const auto& b = *reinterpret_cast<const BlockMXFP4*>(src);
+      out.scale_bits = std::bit_cast<uint32_t>(e8m0_half_to_fp32(b.e)) >> 16;
+      nibbles(b.qs, out.code);
+      return;
+    }
     default: {
       // Q4_0, Q4_1, IQ4_NL and ringlm's INT4 types: scale (and min), then sub-blocks of 32
       // weights as Q4_0's 16 bytes of nibbles.
@@ -342,15 +350,15 @@ void unpack_row(const PackedFormat& f, const uint8_t* group, int r, int64_t cols
         if (f.min) std::memcpy(&dmin_bits, header + 32 + 2 * r, 2);
         const int j = static_cast<int>(w / f.sub);
         const SubScale sm = sub_scale_at(f, header, j, r);
-        const float q = f.codebook ? kIq4nlValues[code] : static_cast<float>(code - f.offset);
+        const float q = f.has_codebook() ? codebook_values(f.codebook)[code] : static_cast<float>(code - f.offset);
         value = fp16_to_fp32(d_bits) * static_cast<float>(sm.scale) * q - fp16_to_fp32(dmin_bits) * static_cast<float>(sm.min);
       } else {
         const size_t vb = f.value_bytes();
         const float d = scale_at(header + (static_cast<size_t>(b) * kPackRows + static_cast<size_t>(r)) * vb, f.scale);
         if (f.codes == Codes::kBytes) {
           value = d * static_cast<float>(static_cast<int8_t>(code));
-        } else if (f.codebook) {
-          value = d * static_cast<float>(kIq4nlValues[code]);
+        } else if (f.has_codebook()) {
+          value = d * static_cast<float>(codebook_values(f.codebook)[code]);
         } else if (f.min) {
           value = d * static_cast<float>(code) + scale_at(header + (static_cast<size_t>(blocks + b) * kPackRows + static_cast<size_t>(r)) * vb, f.scale);
         } else {

@@ -1,8 +1,8 @@
 // Activation quantization for the int8 kernels (kernel_packed.h): the rows a product reads,
 // turned into int8 with the scales and sums each weight format's arithmetic needs.
 //
-//   QuantizedActs (per block of 32): for the block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
-//     and ringlm's INT4 types), whose weights carry a float scale per block of 32 or 128. Per
+//   QuantizedActs (per block of 32): for the block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
+//     MXFP4 and ringlm's INT4 types), whose weights carry a float scale per block of 32 or 128. Per
 //     weight block the kernels add dw * dx * (integer dot) plus the block's offset or min times
 //     s = dx * (sum of the block's int8 values): the offset of unsigned codes (w = d (c - 8)) or
 //     the min (w = d c + m) costs one multiply-add per block, not a pass over it.

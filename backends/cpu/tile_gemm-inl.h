@@ -51,9 +51,9 @@ constexpr int kPassTiles = 4;                       // token tiles per pass over
 constexpr int64_t kPassTokens = kPassTiles * kTileRows;
 constexpr size_t kSubTileBytes = 8 * kTileBytes;    // a sub-block's codes widened: 8 rows of 64
 
-// Whether a format's weights are signed values (Q8_0's bytes, IQ4's code book) rather than
-// unsigned codes; VNNI adds 128 to those and subtracts 128 times the activations' sum.
-constexpr bool signed_values(const PackedFormat& f) { return f.codes == Codes::kBytes || f.codebook; }
+// Whether a format's weights are signed values (Q8_0's bytes, IQ4's and MXFP4's code books)
+// rather than unsigned codes; VNNI adds 128 to those and subtracts 128 times the activations' sum.
+constexpr bool signed_values(const PackedFormat& f) { return f.codes == Codes::kBytes || f.has_codebook(); }
 
 // 64 bytes as one value of the compilers' vector extension (GCC, Clang): element-wise integer
 // operations that each copy of this file compiles for its own instruction set (SSE2 for the
@@ -103,8 +103,9 @@ inline void widen_sub_block(const PackedFormat& f, const uint8_t* sub, int8_t* t
       default:
         return;  // float formats never come here
     }
-    if (f.codebook) {
-      for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>(kIq4nlValues[row[i]]);
+    if (f.has_codebook()) {
+      const int8_t* values = codebook_values(f.codebook);
+      for (int i = 0; i < kTileBytes; ++i) row[i] = static_cast<uint8_t>(values[row[i]]);
     }
   }
 }
@@ -264,7 +265,7 @@ inline void add_block_dots(const int32_t (*dots)[kTileRows], int tokens, const f
   }
 }
 
-// A block format's pass (Q4_0 .. Q8_0, IQ4_NL, the INT4 types): per activation block of 32, in
+// A block format's pass (Q4_0 .. Q8_0, IQ4_NL, MXFP4, the INT4 types): per activation block of 32, in
 // K order, acc += dw * (dx * dot + offset term), as kernel_packed.cpp's BlockTile on VNNI.
 template <BlockFormula kFormula, bool kShift, class Tiles>
 void block_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const TileTokenTerms& x, int64_t nb,

@@ -29,6 +29,7 @@ bool nameable_format(TensorType type) {
     case TensorType::Q6_K:
     case TensorType::IQ4_NL:
     case TensorType::IQ4_XS:
+    case TensorType::MXFP4:
       return true;
     default:
       return false;

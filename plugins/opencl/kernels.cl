@@ -30,6 +30,7 @@
 #define FMT_Q6_K 14
 #define FMT_IQ4_NL 20
 #define FMT_IQ4_XS 23
+#define FMT_MXFP4 39
 
 #define BLOCK 32       // weights per quantized block; F32 and F16 rows are read in runs of 32 as well
 #define MAX_M 16       // rows of x one matmul call takes (supports() says so; the host splits more)
@@ -65,6 +66,13 @@ int block_weights(const int format) {
 // The 16 values of IQ4_NL's and IQ4_XS's 4-bit codes (quant/formats.h, kIq4nlValues).
 __constant float kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+// The 16 values of MXFP4's 4-bit codes: the E2M1 values times two (quant/formats.h, kMxfp4Values).
+__constant float kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Half of MXFP4's E8M0 block scale e, 2^(e - 128), from its float bits (quant/formats.h,
+// e8m0_half_to_fp32; e = 0 and 1 are subnormal, which a device may flush to zero).
+float e8m0_half(const uchar e) { return as_float(e >= 2 ? (uint)(e - 1) << 23 : 1u << (21 + e)); }
+
 // Bits `first` .. first + 15 of qh, each as 16 (the fifth bit of a 5-bit code) or 0.
 uint16 fifth_bits(const uint qh, const int first) {
   const uint16 shifts = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15) + (uint)first;
@@ -87,19 +95,25 @@ typedef struct {
   char16 lo;
   char16 hi;
   float scale_lo, scale_hi;
-  float min;  // 0 for the formats of signed codes (Q4_0, Q5_0, Q8_0, Q6_K, IQ4_NL, IQ4_XS)
+  float min;  // 0 for the formats of signed codes (Q4_0, Q5_0, Q8_0, Q6_K, IQ4_NL, IQ4_XS, MXFP4)
 } CodeBlock;
 
 // The formats whose weights are one scale times the codes: load_block keeps the codes (as floats)
 // and the scale multiplies a block's dot product once. (Q6_K has two scales, the others a min.)
 int codes_scaled_once(const int format) {
   return format == FMT_Q4_0 || format == FMT_Q5_0 || format == FMT_Q8_0 || format == FMT_IQ4_NL ||
-         format == FMT_IQ4_XS;
+         format == FMT_IQ4_XS || format == FMT_MXFP4;
 }
 
 char16 iq4_codes(const uchar16 nibbles) {
   char v[16];
   for (int i = 0; i < 16; ++i) v[i] = (char)kIq4Values[((uchar*)&nibbles)[i]];
+  return vload16(0, v);
+}
+
+char16 mxfp4_codes(const uchar16 nibbles) {
+  char v[16];
+  for (int i = 0; i < 16; ++i) v[i] = (char)kMxfp4Values[((uchar*)&nibbles)[i]];
   return vload16(0, v);
 }
 
@@ -162,6 +176,14 @@ CodeBlock load_codes(const int format, __global const uchar* row, const int b, c
   __global const uchar* p = row + (ulong)b * block_bytes;
   CodeBlock c;
   c.min = 0.0f;
+  if (format == FMT_MXFP4) {  // {E8M0 e; nibbles as Q4_0}, w = e8m0_half(e) kMxfp4Values[q]
+    // (17-byte blocks: no fp16 to read, and none could be, at odd addresses)
+    const uchar16 q = vload16(0, p + 1);
+    c.scale_lo = c.scale_hi = e8m0_half(p[0]);
+    c.lo = mxfp4_codes(q & (uchar16)0x0F);
+    c.hi = mxfp4_codes(q >> (uchar16)4);
+    return c;
+  }
   c.scale_lo = c.scale_hi = vload_half(0, (__global const half*)p);
   if (format == FMT_Q4_0) {  // {fp16 d; 16 bytes: low nibbles = elements 0..15, high = 16..31}, w = d (q - 8)
     const uchar16 q = vload16(0, p + 2);
@@ -475,6 +497,7 @@ GEMV_KERNEL(gemv_q4_k, FMT_Q4_K, 144)
 GEMV_KERNEL(gemv_q5_k, FMT_Q5_K, 176)
 GEMV_KERNEL(gemv_q6_k, FMT_Q6_K, 210)
 GEMV_KERNEL(gemv_iq4_xs, FMT_IQ4_XS, 136)
+GEMV_KERNEL(gemv_mxfp4, FMT_MXFP4, 17)
 
 // --- GEMM: prompts and batches -----------------------------------------------------------------
 

@@ -91,6 +91,7 @@ enum KernelId {
   kGemvQ5K,
   kGemvQ6K,
   kGemvIq4Xs,
+  kGemvMxfp4,
   kGemm,
   kGemmQ8,
   kQuantizeRowsQ8,
@@ -105,7 +106,7 @@ constexpr std::array<const char*, kKernelCount> kKernelNames = {
     "gemv_q4_0",      "gemv_q4_1",      "gemv_q8_0",    "gemv_f16",     "gemv_f32",
     "attention_serial_f32", "attention_serial_f16", "rope_store", "attention_split_f32", "attention_split_f16",
     "attention_merge", "top_k_rows", "matmul_other", "gemv_q5_0", "gemv_q5_1", "gemv_iq4_nl", "gemv_q4_k",
-    "gemv_q5_k", "gemv_q6_k", "gemv_iq4_xs", "gemm", "gemm_q8",
+    "gemv_q5_k", "gemv_q6_k", "gemv_iq4_xs", "gemv_mxfp4", "gemm", "gemm_q8",
     "quantize_rows_q8", "attention_tile_f32", "attention_tile_f16",
 };
 
@@ -375,6 +376,7 @@ constexpr FormatInfo kFormats[] = {
     {RINGLM_FORMAT_Q5_K, "Q5_K", 256, 176, kGemvQ5K, kMatmulOther},
     {RINGLM_FORMAT_Q6_K, "Q6_K", 256, 210, kGemvQ6K, kMatmulOther},
     {RINGLM_FORMAT_IQ4_XS, "IQ4_XS", 256, 136, kGemvIq4Xs, kMatmulOther},
+    {RINGLM_FORMAT_MXFP4, "MXFP4", 32, 17, kGemvMxfp4, kMatmulOther},
 };
 
 // The format's entry; nullptr for one the plugin does not read.
@@ -1558,7 +1560,7 @@ int32_t api_counters(const ringlm_context* ctx, ringlm_counters* out) {
 }
 
 constexpr const char* kDescription =
-    "OpenCL 1.2 devices: flat GEMM on F32/F16/Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL/Q4_K/Q5_K/Q6_K/IQ4_XS weights, "
+    "OpenCL 1.2 devices: flat GEMM on F32/F16/Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/IQ4_NL/Q4_K/Q5_K/Q6_K/IQ4_XS/MXFP4 weights, "
     "causal and sliding-window attention (split over the keys on long caches), shift-RoPE, row ops, top-k";
 
 // The description named 5 of the 12 formats once the others had come: a format added to

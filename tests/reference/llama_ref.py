@@ -144,7 +144,7 @@ from gguf_fast import GGUFReader  # noqa: E402  (gguf's own reader, without np.m
 # these are the ones ringlm supports, and limiting the set keeps a model in an
 # unexpected format from being "verified" by accident.
 SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K,
-                   QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS}
+                   QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4}
 
 # The RoPE pairing of each architecture (llama.cpp's llama_model_rope_type; see the docstring).
 ROPE_STYLE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "phi3": "neox",

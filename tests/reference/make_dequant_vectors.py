@@ -5,14 +5,15 @@
     <TYPE>.ref  F32 [512, 3], gguf.quants.dequantize of exactly those bytes
 
 for TYPE in F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
-Q6_K, IQ4_NL, IQ4_XS. ringlm's C++ test dequantizes <TYPE>.q with its own code
+Q6_K, IQ4_NL, IQ4_XS, MXFP4. ringlm's C++ test dequantizes <TYPE>.q with its own code
 and compares with <TYPE>.ref. The blocks are random fields rather than quantized
 data so that they reach corners real weights seldom do: negative, zero,
 subnormal and maximal fp16 scales; every 2-, 3-, 4-, 5- and 6-bit code and int8
 value; all-ones and all-zero high-bit masks (Q5_0/Q5_1 qh, Q3_K hmask, Q5_K qh);
 packed 6-bit scale bytes with every bit set (Q3_K, Q4_K, Q5_K, IQ4_XS) and
 scales 0 and 63 (-32 and +31 once Q3_K / IQ4_XS subtract 32); negative Q6_K
-sub-block scales including -128.
+sub-block scales including -128; MXFP4 exponents from 0 (a subnormal scale) to 255
+(the top byte, which gguf reads as 2^127; only its codes 0 and +-1 stay finite).
 No value is Inf or NaN, so an exact or ulp-level comparison is meaningful.
 
 gguf computes in float32 with one rounding per operation, in this order (q, s,
@@ -22,11 +23,13 @@ sc, m and the grid value kv[q] are small integers, exact in float32):
   Q2_K  (d*sc)*q - (dmin*m)               Q3_K  (d*(s-32))*(q - 4*!hbit)
   Q4_K  (d*sc)*q - (dmin*m)               Q5_K  (d*sc)*q - (dmin*m)
   Q6_K  (d*sc)*(q-32)                     IQ4_XS  (d*(s-32))*kv[q]
+  MXFP4  2^(e-128) * kv[q]  (kv: the E2M1 values times two, integers up to 12)
 This script proves that list: it computes every value from the fields in that
 order and asserts that gguf's result is identical, bit for bit. Every product
 in it is exact in float32 (an fp16 scale has 11 significant bits, the integers
 multiplied with it at most 12 between them), so the only rounding is the final
-+ m / - (dmin*m): reordering the products or fusing the last step (FMA) gives
++ m / - (dmin*m) (an MXFP4 product is a power of two times a small integer, exact
+even among the subnormals): reordering the products or fusing the last step (FMA) gives
 the same floats, and ringlm's dequantize_row() is compared exactly. A kernel
 that folds the min in another way (e.g. d*(q + m/d)) may differ by an ulp or so
 of the largest term; compare such a one with a tolerance of a few ulp of |each
@@ -54,7 +57,7 @@ import kquants  # noqa: E402
 
 ROWS, COLS = 3, 512
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-         "IQ4_NL", "IQ4_XS"]
+         "IQ4_NL", "IQ4_XS", "MXFP4"]
 QK_K = 256
 
 # fp16 scales that stress a converter: signs, zero, both zeros, the smallest
@@ -278,6 +281,19 @@ def make_blocks(type_name: str, rng) -> tuple[np.ndarray, np.ndarray]:
         raw = np.concatenate([f16_bytes(d), scales_h.reshape(-1, 1).view(np.uint8), scales_l, qs], axis=1)
         want = per_sub(col(d) * (s - 32).astype(F32), 32) * np.array(gguf.quants.IQ4_NL.kvalues, dtype=F32)[q]
         assert (raw[0, 2:8] == 0xFF).all()
+    elif type_name == "MXFP4":
+        # E8M0 exponent byte e; the scale 2^(e-127) is halved because kv holds the E2M1 values
+        # times two. Edges: e = 0 and 1 (subnormal scales), 2 (the first normal one), 127, 252
+        # (the largest whose every code is finite), 255 (the top byte) with codes 0 and +-1 only.
+        e = rng.integers(0, 253, nb)
+        e[:6] = [0, 1, 2, 127, 252, 255]
+        q = rng.integers(0, 16, (nb, 32))
+        q[:5, :16] = np.arange(16)                              # every code in the low nibbles ...
+        q[:5, 16:] = np.arange(15, -1, -1)                      # ... and in the high ones
+        q[5] = rng.choice([0, 1, 8, 9], 32)                     # 0, 1, -0, -1 times 2^127
+        kv = np.array(gguf.quants.MXFP4.kvalues, dtype=F32)
+        raw = np.concatenate([e.astype(np.uint8).reshape(-1, 1), nibbles(q)], axis=1)
+        want = col(np.ldexp(F32(1), e - 128).astype(F32)) * kv[q]
     else:
         raise ValueError(type_name)
 

@@ -79,13 +79,13 @@ import kquants  # noqa: E402
 from gguf_fast import GGUFReader  # noqa: E402
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-         "IQ4_NL", "IQ4_XS"]
+         "IQ4_NL", "IQ4_XS", "MXFP4"]
 # Types with 256-value blocks: they need row lengths that are multiples of 256.
 K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
 # general.file_type values (llama.cpp's LLAMA_FTYPE_*, the _M variant where there are several);
 # informational only.
 FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 12,
-             "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}
+             "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32, "MXFP4": 38}
 
 
 def encode(name: str, w: np.ndarray, type_name: str):
@@ -101,7 +101,7 @@ def encode(name: str, w: np.ndarray, type_name: str):
         return w.astype(np.float16), None
     if type_name in kquants.QUANTIZERS:                          # K-quants, IQ4_NL, IQ4_XS
         return kquants.QUANTIZERS[type_name](w), qt
-    return gguf.quants.quantize(w.astype(np.float32), qt), qt   # BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+    return gguf.quants.quantize(w.astype(np.float32), qt), qt   # BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4
 
 
 def copy_tokenizer(writer: gguf.GGUFWriter, vocab_path: str) -> int:
