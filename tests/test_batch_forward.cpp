@@ -102,6 +102,41 @@ void BatchForward::each_sequence_gets_the_logits_it_gets_alone() {
   EXPECT_TRUE(bitwise_equal(ld, alone({d})));
 }
 
+// The same through a mixture of experts (the tiny Qwen3-MoE, int8 on every target): the rows a
+// pass gathers for each expert come from several sequences, and each sequence still gets the
+// logits it gets alone, bit for bit.
+TEST(BatchForwardExperts, EachSequenceGetsTheLogitsItGetsAloneThroughTheExperts) {
+  LoadedModel moe = load_model(std::string(RINGLM_TEST_WORK_DIR) + "/tiny_qwen3moe_q8_0.gguf", 1);
+  LlamaModel& model = *moe.model;
+  const size_t vocab = static_cast<size_t>(model.hparams().n_vocab);
+  const auto encode = [&](const char* text) { return moe.tokenizer->encode(text, false, true); };
+  const auto alone = [&](const std::vector<std::vector<int32_t>>& chunks) {
+    KvCache cache = model.make_cache(128);
+    std::vector<float> logits(vocab);
+    for (const auto& c : chunks) model.forward(c, cache, logits.data());
+    return logits;
+  };
+  for (const int64_t target : test::model_test_targets()) {
+    SCOPED_TRACE(hwy::TargetName(target));
+    const test::OnlyTarget only(target);
+    const std::vector<int32_t> a = encode("one two three four"), b = encode("the quick brown fox jumps over the lazy dog");
+    KvCache ca = model.make_cache(128), cb = model.make_cache(128);
+    std::vector<float> la(vocab), lb(vocab);
+    const LlamaModel::SequenceTokens prefill[] = {{a, &ca, la.data()}, {b, &cb, lb.data()}};
+    model.forward_batch(prefill);
+    EXPECT_TRUE(bitwise_equal(la, alone({a})));
+    EXPECT_TRUE(bitwise_equal(lb, alone({b})));
+    const std::vector<int32_t> ta = {argmax(la)};
+    const std::vector<int32_t> c = encode("a prompt that joins");
+    KvCache cc = model.make_cache(128);
+    std::vector<float> lc(vocab);
+    const LlamaModel::SequenceTokens mixed[] = {{ta, &ca, la.data()}, {c, &cc, lc.data()}};
+    model.forward_batch(mixed);
+    EXPECT_TRUE(bitwise_equal(la, alone({a, ta})));
+    EXPECT_TRUE(bitwise_equal(lc, alone({c})));
+  }
+}
+
 // Sequences that want only their top k (a sampler that needs no more) get, in the same pass as
 // sequences that want every logit, exactly select_top_k of the logits they get alone, each at
 // its own k (the pass picks the largest k once for all of them).
