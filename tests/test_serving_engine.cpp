@@ -208,7 +208,11 @@ TEST_F(ServingEngineTest, AFullQueueRefuses) {
 
 TEST_F(ServingEngineTest, StopFinishesWithinTheDeadlineOrCancels) {
   const std::string expected = alone(greedy("The capital of France is", 4));
-  ServingEngine engine(*loaded_->model, *loaded_->tokenizer, options(2), 4);
+  // A context the endless request cannot fill before the deadline (512 tokens took an idle
+  // machine 1.9 s: it finished, "length", instead of being cancelled).
+  BatchOptions o = options(2);
+  o.n_ctx = 8192;
+  ServingEngine engine(*loaded_->model, *loaded_->tokenizer, o, 4);
   std::shared_ptr<RequestStream> short_one = engine.submit(greedy("The capital of France is", 4));
   std::shared_ptr<RequestStream> endless = engine.submit(greedy("Once upon a time", -1));
   while (endless->wait(100ms).empty()) {
