@@ -17,7 +17,10 @@ void route_experts(std::span<const float> logits, int n_expert, int k, bool norm
   }
   const size_t n_rows = logits.size() / static_cast<size_t>(n_expert), K = static_cast<size_t>(k);
   if (experts.size() != n_rows * K || weights.size() != n_rows * K) throw std::invalid_argument("route_experts: output size");
-  std::vector<TopLogit> top(K);
+  // (Kept from call to call: a decode step allocates nothing.)
+  thread_local std::vector<TopLogit> chosen;
+  chosen.resize(K);
+  const std::span<TopLogit> top(chosen);
   for (size_t r = 0; r < n_rows; ++r) {
     const std::span<const float> row = logits.subspan(r * static_cast<size_t>(n_expert), static_cast<size_t>(n_expert));
     select_top_k(row, top);
@@ -64,11 +67,13 @@ void group_by_expert(const ExpertRoutes& routes, int n_expert, ExpertGroups& g) 
 }
 
 void entries_by_row(const ExpertGroups& groups, int64_t n_rows, int k, std::vector<int64_t>& entries) {
-  entries.resize(static_cast<size_t>(n_rows * k));
-  std::vector<int> filled(static_cast<size_t>(n_rows), 0);
-  for (size_t slot = 0; slot < groups.row.size(); ++slot) {  // experts ascending
-    const auto r = static_cast<size_t>(groups.row[slot]);
-    entries[r * static_cast<size_t>(k) + static_cast<size_t>(filled[r]++)] = static_cast<int64_t>(slot);
+  // Each row's k places filled in the order of the groups (experts ascending); no counters to
+  // allocate: a row's next place is its first still unset (k is small).
+  entries.assign(static_cast<size_t>(n_rows * k), -1);
+  for (size_t slot = 0; slot < groups.row.size(); ++slot) {
+    int64_t* place = entries.data() + groups.row[slot] * k;
+    while (*place >= 0) ++place;
+    *place = static_cast<int64_t>(slot);
   }
 }
 

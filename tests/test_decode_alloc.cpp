@@ -73,7 +73,8 @@ TEST_P(DecodeAllocations, NoneAfterThePrefill) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(TinyModels, DecodeAllocations, ::testing::Values("tiny_q4_1.gguf", "tiny_q8_0.gguf", "tiny_q4_k.gguf"),
+INSTANTIATE_TEST_SUITE_P(TinyModels, DecodeAllocations, ::testing::Values("tiny_q4_1.gguf", "tiny_q8_0.gguf", "tiny_q4_k.gguf",
+                                                                  "tiny_mixtral_q4_0.gguf", "tiny_qwen3moe_q8_0.gguf"),
                          [](const auto& info) { return info.param.substr(5, info.param.size() - 10); });
 
 }  // namespace

@@ -222,22 +222,23 @@ class CpuBackend final : public Backend {
   // order) prepared once, every expert's gate|up pieces handed out together with act(g) * u
   // fused, the hidden rows prepared, every expert's down pieces, and each row's weighted sum.
   // Where a product would leave the packed kernels (fp32 compute, a crossover, the tiles), each
-  // expert runs on its own through the seam's default: the same bits where both run the packed
-  // kernels (test_experts).
+  // expert runs on its own (experts_apart): the seam default's bits, as the fused region's are
+  // where both run the packed kernels (test_experts). Neither allocates once its buffers have
+  // grown (test_decode_alloc).
   void moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, const MatmulInput& in, Activation act,
                float* out) override {
     const auto n_expert = static_cast<int>(experts.gate.size());
     group_by_expert(routes, n_expert, moe_groups_);
-    if (!experts_fuse(experts, moe_groups_)) return Backend::moe_ffn(experts, routes, in, act, out);
+    entries_by_row(moe_groups_, in.n_tokens, routes.k, moe_entries_);
     const int64_t d = experts.down[0]->rows(), ff = experts.gate[0]->rows();
     const auto n_routes = static_cast<int64_t>(moe_groups_.row.size());
-    entries_by_row(moe_groups_, in.n_tokens, routes.k, moe_entries_);
+    grow(moe_hidden_, n_routes * ff);
+    grow(moe_products_, n_routes * d);
+    if (!experts_fuse(experts, moe_groups_)) return experts_apart(experts, routes, in, act, out);
     moe_pieces(experts.gate, moe_up_pieces_);
     moe_pieces(experts.down, moe_down_pieces_);
     reserve(n_routes, std::max(d, ff), 0);
-    grow(moe_hidden_, n_routes * ff);
     grow(up_out_, n_routes * ff);
-    grow(moe_products_, n_routes * d);
     const Needs up_needs = expert_needs(experts.gate, experts.up, d), down_needs = expert_needs(experts.down, {}, ff);
     float* const hidden = moe_hidden_.data();
     float* const up_y = up_out_.data();
@@ -276,6 +277,25 @@ class CpuBackend final : public Backend {
       const Range r = share(in.n_tokens, omp_get_thread_num(), omp_get_num_threads());
       sum_weighted_rows(moe_groups_, entries, routes.k, products, d, r.begin, r.end, out);
     }
+  }
+
+  // Each chosen expert's rows gathered (in expert order) and multiplied by its own calls, then
+  // each row's weighted sum.
+  void experts_apart(const ExpertBlock& experts, const ExpertRoutes& routes, const MatmulInput& in, Activation act,
+                     float* out) {
+    const int64_t d = experts.down[0]->rows(), ff = experts.gate[0]->rows();
+    grow(moe_gathered_, static_cast<int64_t>(moe_groups_.row.size()) * d);
+    for (size_t i = 0; i < moe_groups_.row.size(); ++i) {
+      std::copy_n(in.x + moe_groups_.row[i] * d, d, moe_gathered_.data() + static_cast<int64_t>(i) * d);
+    }
+    for (size_t e = 0; e < experts.gate.size(); ++e) {
+      const int64_t m = moe_groups_.count(static_cast<int>(e)), m0 = moe_groups_.start[e];
+      if (m == 0) continue;
+      const MatmulInput rows{moe_gathered_.data() + m0 * d, m, in.rms_weight, in.rms_eps};
+      matmul_glu(*experts.gate[e], *experts.up[e], rows, act, moe_hidden_.data() + m0 * ff);
+      matmul(*experts.down[e], moe_hidden_.data() + m0 * ff, m, moe_products_.data() + m0 * d);
+    }
+    sum_weighted_rows(moe_groups_, moe_entries_, routes.k, moe_products_.data(), d, 0, in.n_tokens, out);
   }
 
   void matmul_glu(const PreparedWeight& gate_w, const PreparedWeight& up_w, const MatmulInput& in, Activation act,
@@ -623,7 +643,7 @@ class CpuBackend final : public Backend {
   ExpertGroups moe_groups_;
   std::vector<int64_t> moe_entries_;
   std::vector<ExpertPiece> moe_up_pieces_, moe_down_pieces_;
-  std::vector<float> moe_hidden_, moe_products_;
+  std::vector<float> moe_gathered_, moe_hidden_, moe_products_;
   std::vector<const CpuWeight*> packed_batch_;  // reused lists: no allocation per call
   std::vector<float*> packed_batch_ys_;
   std::vector<ThreadBuffers> per_thread_;
