@@ -66,25 +66,32 @@ void Backend::moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, co
   if (most == 0) return;
   const int64_t d = experts.down[0]->rows(), n_ff = experts.gate[0]->rows();
   const auto d_size = static_cast<size_t>(d);
-  const std::unique_ptr<ActivationBuffer> gathered = alloc_activations(static_cast<size_t>(most) * d_size);
-  const std::unique_ptr<ActivationBuffer> hidden = alloc_activations(static_cast<size_t>(most * n_ff));
-  const std::unique_ptr<ActivationBuffer> product = alloc_activations(static_cast<size_t>(most) * d_size);
+  // The model's scratch when it has room for the largest group, else buffers of this call's own.
+  std::unique_ptr<ActivationBuffer> own_rows, own_hidden, own_products;
+  const bool room = experts.scratch_rows != nullptr && most <= experts.scratch_routes;
+  const auto buffer = [&](float* given, std::unique_ptr<ActivationBuffer>& own, size_t n) {
+    if (room) return given;
+    own = alloc_activations(n);
+    return own->data();
+  };
+  float* const gathered = buffer(experts.scratch_rows, own_rows, static_cast<size_t>(most) * d_size);
+  float* const hidden = buffer(experts.scratch_hidden, own_hidden, static_cast<size_t>(most * n_ff));
+  float* const product = buffer(experts.scratch_products, own_products, static_cast<size_t>(most) * d_size);
   std::vector<bool> written(static_cast<size_t>(input.n_tokens), false);
   for (int e = 0; e < n_expert; ++e) {
     const int64_t m = groups.count(e), first = groups.start[static_cast<size_t>(e)];
     if (m == 0) continue;
     for (int64_t i = 0; i < m; ++i) {
       const auto row = static_cast<size_t>(groups.row[static_cast<size_t>(first + i)]);
-      copy(gathered->data() + static_cast<size_t>(i) * d_size, input.x + row * d_size, d_size);
+      copy(gathered + static_cast<size_t>(i) * d_size, input.x + row * d_size, d_size);
     }
     const size_t ex = static_cast<size_t>(e);
-    matmul_glu(*experts.gate[ex], *experts.up[ex], MatmulInput{gathered->data(), m, input.rms_weight, input.rms_eps}, act,
-               hidden->data());
-    matmul(*experts.down[ex], hidden->data(), m, product->data());
+    matmul_glu(*experts.gate[ex], *experts.up[ex], MatmulInput{gathered, m, input.rms_weight, input.rms_eps}, act, hidden);
+    matmul(*experts.down[ex], hidden, m, product);
     // Each row's share goes to its place in `out`: the first expert of a row writes it.
     for (int64_t i = 0; i < m; ++i) {
       const size_t entry = static_cast<size_t>(first + i), row = static_cast<size_t>(groups.row[entry]);
-      float* const share = product->data() + static_cast<size_t>(i) * d_size;
+      float* const share = product + static_cast<size_t>(i) * d_size;
       scale(share, d, groups.weight[entry]);
       if (written[row]) {
         add(out + row * d_size, share, d);

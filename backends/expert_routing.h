@@ -15,6 +15,13 @@ class PreparedWeight;
 // ([n_ff_exp][n_embd]) and down[e] ([n_embd][n_ff_exp]), prepared as any weight.
 struct ExpertBlock {
   std::span<const PreparedWeight* const> gate, up, down;
+  // Activation memory for Backend::moe_ffn's default, room for `scratch_routes` routed rows: the
+  // gathered input rows and the products ([routes][n_embd]), the hidden units ([routes][n_ff_exp]).
+  // Null: it allocates its own per call (the CPU backend keeps buffers of its own).
+  float* scratch_rows = nullptr;
+  float* scratch_hidden = nullptr;
+  float* scratch_products = nullptr;
+  int64_t scratch_routes = 0;
 };
 
 // Each row's k experts and their weights, [rows][k] each, on the host.

@@ -30,6 +30,11 @@ void LlamaModel::allocate_scratch() {
   if (hp_.moe()) {
     const size_t routes = M * static_cast<size_t>(hp_.n_expert_used);
     s.router_logits = backend_.alloc_activations(M * static_cast<size_t>(hp_.n_expert));
+    if (backend_.offloads()) {
+      s.expert_rows = backend_.alloc_activations(routes * d);
+      s.expert_hidden = backend_.alloc_activations(routes * static_cast<size_t>(hp_.n_ff_exp));
+      s.expert_products = backend_.alloc_activations(routes * d);
+    }
     s.host_router_logits.resize(M * static_cast<size_t>(hp_.n_expert));
     s.route_experts.resize(routes);
     s.route_weights.resize(routes);
@@ -282,7 +287,13 @@ void LlamaModel::mixture_of_experts(const LayerWeights& L, int n) {
   const std::span<float> weights(s.route_weights.data(), n_routes);
   route_experts(std::span<const float>(s.host_router_logits.data(), n_logits), hp_.n_expert, hp_.n_expert_used,
                 hp_.expert_weights_norm, experts, weights);
-  const ExpertBlock block{L.gate_experts, L.up_experts, L.down_experts};
+  ExpertBlock block{L.gate_experts, L.up_experts, L.down_experts};
+  if (s.expert_rows != nullptr) {
+    block.scratch_rows = s.expert_rows->data();
+    block.scratch_hidden = s.expert_hidden->data();
+    block.scratch_products = s.expert_products->data();
+    block.scratch_routes = static_cast<int64_t>(max_batch_) * hp_.n_expert_used;
+  }
   float* const sum = s.xn->data();
   backend_.moe_ffn(block, ExpertRoutes{hp_.n_expert_used, experts, weights}, input, hp_.activation, sum);
   if (L.post_ffn_norm != nullptr) backend_.rms_norm(sum, n, hp_.n_embd, L.post_ffn_norm, hp_.rms_eps);

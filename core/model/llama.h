@@ -106,6 +106,9 @@ class LlamaModel {
     // A mixture of experts: the router's logits ([tokens][n_expert]), read to the host to pick
     // each row's experts (routes). (The experts' weighted sum goes to xn.)
     std::unique_ptr<ActivationBuffer> router_logits;
+    // ... and, on a device (where the seam's default runs the experts op by op), the gathered
+    // rows, hidden units and products of every route a pass can have.
+    std::unique_ptr<ActivationBuffer> expert_rows, expert_hidden, expert_products;
     std::vector<float> host_router_logits;
     std::vector<int32_t> route_experts;
     std::vector<float> route_weights;
