@@ -71,11 +71,10 @@ struct LlamaHparams {
   // Mixture of experts (<arch>.expert_count > 0): every layer's feed-forward block is n_expert
   // experts of n_ff_exp hidden units each, of which a router picks n_expert_used per token.
   // Their outputs are summed with the router's softmax weights over the chosen experts' logits
-  // (renormalised, expert_weights_norm: these families' rule), or over all the experts'.
+  // (renormalised: every family here; a file that says otherwise is refused).
   int n_expert = 0;
   int n_expert_used = 0;
   int n_ff_exp = 0;
-  bool expert_weights_norm = true;
   bool moe() const { return n_expert > 0; }
 
   // Reads and checks every field; GgufError naming the key on a missing or absurd value.

@@ -286,7 +286,7 @@ void LlamaModel::mixture_of_experts(const LayerWeights& L, int n) {
   const std::span<int32_t> experts(s.route_experts.data(), n_routes);
   const std::span<float> weights(s.route_weights.data(), n_routes);
   route_experts(std::span<const float>(s.host_router_logits.data(), n_logits), hp_.n_expert, hp_.n_expert_used,
-                hp_.expert_weights_norm, experts, weights);
+                /*normalize=*/true, experts, weights);
   ExpertBlock block{L.gate_experts, L.up_experts, L.down_experts};
   if (s.expert_rows != nullptr) {
     block.scratch_rows = s.expert_rows->data();
