@@ -77,6 +77,8 @@ void Backend::moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, co
   float* const gathered = buffer(experts.scratch_rows, own_rows, static_cast<size_t>(most) * d_size);
   float* const hidden = buffer(experts.scratch_hidden, own_hidden, static_cast<size_t>(most * n_ff));
   float* const product = buffer(experts.scratch_products, own_products, static_cast<size_t>(most) * d_size);
+  std::unique_ptr<ActivationBuffer> own_up;
+  float* const up_products = experts.has_biases() ? buffer(experts.scratch_up, own_up, static_cast<size_t>(most * n_ff)) : nullptr;
   std::vector<bool> written(static_cast<size_t>(input.n_tokens), false);
   for (int e = 0; e < n_expert; ++e) {
     const int64_t m = groups.count(e), first = groups.start[static_cast<size_t>(e)];
@@ -86,8 +88,13 @@ void Backend::moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, co
       copy(gathered + static_cast<size_t>(i) * d_size, input.x + row * d_size, d_size);
     }
     const size_t ex = static_cast<size_t>(e);
-    matmul_glu(*experts.gate[ex], *experts.up[ex], MatmulInput{gathered, m, input.rms_weight, input.rms_eps}, act, hidden);
-    matmul(*experts.down[ex], hidden, m, product);
+    const MatmulInput rows{gathered, m, input.rms_weight, input.rms_eps};
+    if (experts.has_biases()) {
+      expert_with_biases(experts, e, rows, act, hidden, up_products, product);
+    } else {
+      matmul_glu(*experts.gate[ex], *experts.up[ex], rows, act, hidden);
+      matmul(*experts.down[ex], hidden, m, product);
+    }
     // Each row's share goes to its place in `out`: the first expert of a row writes it.
     for (int64_t i = 0; i < m; ++i) {
       const size_t entry = static_cast<size_t>(first + i), row = static_cast<size_t>(groups.row[entry]);
@@ -101,6 +108,22 @@ void Backend::moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, co
       }
     }
   }
+}
+
+// Expert e over its gathered rows with the biases of its products: gate and up in one pass, each
+// with its bias, the activation, then down and its bias.
+void Backend::expert_with_biases(const ExpertBlock& experts, int e, const MatmulInput& rows, Activation act,
+                                 float* hidden, float* up, float* product) {
+  const auto ex = static_cast<size_t>(e);
+  const int64_t n_ff = experts.gate[ex]->rows(), d = experts.down[ex]->rows();
+  const PreparedWeight* const gate_up[] = {experts.gate[ex], experts.up[ex]};
+  float* const outs[] = {hidden, up};
+  matmul_many(gate_up, rows, outs);
+  if (experts.gate_bias != nullptr) add_row(hidden, experts.gate_bias + ex * static_cast<size_t>(n_ff), rows.n_tokens, n_ff);
+  if (experts.up_bias != nullptr) add_row(up, experts.up_bias + ex * static_cast<size_t>(n_ff), rows.n_tokens, n_ff);
+  glu(act, hidden, up, rows.n_tokens * n_ff);
+  matmul(*experts.down[ex], hidden, rows.n_tokens, product);
+  if (experts.down_bias != nullptr) add_row(product, experts.down_bias + ex * static_cast<size_t>(d), rows.n_tokens, d);
 }
 
 bool Backend::supports(BackendOp /*op*/, std::span<const TensorType> types) const {

@@ -129,9 +129,11 @@ struct RopeAngles {
   bool adjacent_pairs = true;
 };
 
-// The activation of a gated feed-forward block: silu(x) = x / (1 + exp(-x)) (SwiGLU: Llama, Qwen),
-// or GELU in its tanh form, x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))) (GeGLU: Gemma).
-enum class Activation { kSilu, kGeluTanh };
+// The activation of a gated feed-forward block, act(g, u): silu(g) * u with silu(x) = x / (1 +
+// exp(-x)) (SwiGLU: Llama, Qwen); gelu(g) * u, GELU in its tanh form, x / 2 * (1 + tanh(sqrt(2 /
+// pi) * (x + 0.044715 x^3))) (GeGLU: Gemma); or gpt-oss's clamped SwiGLU, a * sigmoid(1.702 a) *
+// (b + 1) with a = min(g, 7) and b = clamp(u, -7, 7) (ggml's swiglu_oai as llama.cpp calls it).
+enum class Activation { kSilu, kGeluTanh, kSwigluOai };
 
 struct AttentionShape {
   int n_head = 0;     // query heads
@@ -142,6 +144,10 @@ struct AttentionShape {
   int window = 0;
   // Scores are q·k times this (0: the usual 1/sqrt(head_dim); Gemma 3 27B has its own).
   float scale = 0.0f;
+  // Attention sinks (gpt-oss): per query head a learned logit in the softmax's denominator with
+  // no value, p_j = exp(s_j) / (sum_i exp(s_i) + exp(sinks[h])). [n_head] in activation memory;
+  // nullptr: none.
+  const float* sinks = nullptr;
   float score_scale() const { return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(head_dim)); }
 };
 
@@ -194,7 +200,7 @@ struct DeviceCounters {
 enum class BackendOp {
   kMatmul, kMatmulAdd, kMatmulMany, kMatmulGlu, kRows,  // products and embedding rows: the weights' types
   kMoeFfn,                                              // a mixture of experts: the experts' types
-  kRope, kAdd, kAddRow, kScale, kRmsNorm, kCopy,        // row-wise ops on fp32 activations: no types
+  kRope, kAdd, kAddRow, kScale, kRmsNorm, kCopy, kGlu,  // row-wise ops on fp32 activations: no types
   kStoreKv, kAttention, kShiftKeys,                     // the KV cache's element type (F16 or F32)
   kTopK,                                                // no types
 };
@@ -251,12 +257,19 @@ class Backend {
                           Activation act, float* out) = 0;
 
   // A mixture of experts' feed-forward block: out[r] = sum over j of routes.weights[r][j] *
-  // down_e(act(gate_e · x_r) * (up_e · x_r)), e = routes.experts[r][j], for every row r of the
-  // input (normalised on the way in, as matmul_glu's). out is [n_tokens][n_embd], overwritten.
-  // This default runs each chosen expert once, over the rows routed to it gathered together
-  // (matmul_glu, then matmul), and sums each row's experts in ascending order of expert.
+  // (down_e(act(gate_e · x_r + gb_e, up_e · x_r + ub_e)) + db_e), e = routes.experts[r][j], for
+  // every row r of the input (normalised on the way in, as matmul_glu's), the biases those of
+  // the block (zero where it has none). out is [n_tokens][n_embd], overwritten. This default runs
+  // each chosen expert once, over the rows routed to it gathered together (matmul_glu, then
+  // matmul; with biases, matmul_many, add_row and glu), and sums each row's experts in ascending
+  // order of expert.
   virtual void moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, const MatmulInput& input,
                        Activation act, float* out);
+  // moe_ffn's default for expert e of a block with biases: hidden = act(gate_e · x + gb_e,
+  // up_e · x + ub_e) (`up`: room for the up products), product = down_e · hidden + db_e, over
+  // the m = rows.n_tokens gathered rows.
+  void expert_with_biases(const ExpertBlock& experts, int e, const MatmulInput& rows, Activation act, float* hidden,
+                          float* up, float* product);
 
   // --- The attention block: RoPE, the KV cache, attention, the StreamingLLM shift -----------
 
@@ -287,6 +300,9 @@ class Backend {
   virtual void scale(float* x, int64_t n, float factor) = 0;
   // x[r][c] += row[c] for n_rows rows of `width`: a bias.
   virtual void add_row(float* x, const float* row, int64_t n_rows, int64_t width) = 0;
+  // gate[i] = act(gate[i], up[i]) for i < n: a gated block's activation on its own (matmul_glu
+  // fuses it), for products that take a bias first.
+  virtual void glu(Activation act, float* gate, const float* up, int64_t n) = 0;
   // Each of n_rows rows of `width` RMS-normalised and scaled by weight, in place (as
   // normalized_input_row): the per-head norm of q and k (QK-norm).
   virtual void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) = 0;

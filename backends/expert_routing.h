@@ -15,12 +15,19 @@ class PreparedWeight;
 // ([n_ff_exp][n_embd]) and down[e] ([n_embd][n_ff_exp]), prepared as any weight.
 struct ExpertBlock {
   std::span<const PreparedWeight* const> gate, up, down;
+  // Biases of every expert's products (gpt-oss), in activation memory: [n_expert][n_ff_exp] for
+  // gate and up, [n_expert][n_embd] for down. nullptr: none.
+  const float* gate_bias = nullptr;
+  const float* up_bias = nullptr;
+  const float* down_bias = nullptr;
+  bool has_biases() const { return gate_bias != nullptr || up_bias != nullptr || down_bias != nullptr; }
   // Activation memory for Backend::moe_ffn's default, room for `scratch_routes` routed rows: the
   // gathered input rows and the products ([routes][n_embd]), the hidden units ([routes][n_ff_exp]).
   // Null: it allocates its own per call (the CPU backend keeps buffers of its own).
   float* scratch_rows = nullptr;
   float* scratch_hidden = nullptr;
   float* scratch_products = nullptr;
+  float* scratch_up = nullptr;  // (a block with biases: the up products, [routes][n_ff_exp])
   int64_t scratch_routes = 0;
 };
 

@@ -31,7 +31,19 @@ struct Case {
   bool f16 = false;   // keys and values stored as fp16
   int prefix = 0;     // slots [0, prefix) live in a separate prefix run (a shared prompt segment)
   int window = 0;     // sliding window: a query sees the last `window` positions (0: all)
+  bool sinks = false;  // attention sinks (gpt-oss): a logit per head in every softmax's denominator
 };
+
+// The sinks of a case's heads: around the scores' range, some above the largest score.
+std::vector<float> sinks_of(const Case& c) {
+  std::vector<float> sinks;
+  for (int h = 0; h < c.n_head; ++h) sinks.push_back(c.sinks ? 2.5f * std::sin(1.7f * static_cast<float>(h) + 0.3f) + 1.0f : 0.0f);
+  return sinks;
+}
+
+AttentionShape shape_of(const Case& c, const std::vector<float>& sinks) {
+  return AttentionShape{c.n_head, c.n_head_kv, c.head_dim, c.window, 0.0f, c.sinks ? sinks.data() : nullptr};
+}
 
 // Where each token's keys and values live: slot_of[j] for token j, and per slot its position
 // (-1: empty). In order, token j is slot j; as a ring, the tokens are shuffled over 1.5x as
@@ -56,6 +68,7 @@ std::vector<double> reference(const Case& c, const std::vector<float>& q, const 
                               const std::vector<float>& v) {
   const int group = c.n_head / c.n_head_kv, hd = c.head_dim, kv_w = c.n_head_kv * hd, q_w = c.n_head * hd;
   std::vector<double> out(static_cast<size_t>(c.n_tokens) * q_w);
+  const std::vector<float> sinks = sinks_of(c);
   for (int i = 0; i < c.n_tokens; ++i) {
     for (int h = 0; h < c.n_head; ++h) {
       const int g = h / group, n_vis = c.n_past + i + 1;
@@ -68,7 +81,10 @@ std::vector<double> reference(const Case& c, const std::vector<float>& q, const 
         s[static_cast<size_t>(j)] = dot / std::sqrt(static_cast<double>(hd));
         mx = std::max(mx, s[static_cast<size_t>(j)]);
       }
-      double sum = 0;
+      // A sink is one more logit in the softmax, with no value.
+      const double sink = sinks[static_cast<size_t>(h)];
+      if (c.sinks) mx = std::max(mx, sink);
+      double sum = c.sinks ? std::exp(sink - mx) : 0.0;
       for (double& x : s) sum += (x = std::exp(x - mx));
       for (int e = 0; e < hd; ++e) {
         double acc = 0;
@@ -108,6 +124,7 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     for (float& x : v) x = fp16_to_fp32(fp32_to_fp16(x));
   }
   const std::vector<double> expected = reference(c, q, k, v);
+  const std::vector<float> sinks = sinks_of(c);
 
   // The cache: token j's row in slot slot_of[j]; empty slots hold garbage that must not count.
   const Layout layout = make_layout(c, rng);
@@ -152,8 +169,7 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     const test::OnlyTarget only(target);
     AttentionScratch scratch;
     std::vector<float> out(q.size(), NAN);
-    attention_causal({c.n_head, c.n_head_kv, c.head_dim, c.window}, q.data(), kv, c.n_past, c.n_tokens, out.data(), scratch,
-                     threads);
+    attention_causal(shape_of(c, sinks), q.data(), kv, c.n_past, c.n_tokens, out.data(), scratch, threads);
     for (size_t i = 0; i < out.size(); ++i) {
       // Outputs are convex combinations of values of magnitude ~1: fp32 softmax and sums over
       // a few hundred keys stay well within 1e-5.
@@ -161,8 +177,7 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     }
     if (c.prefix > 0) {  // a prefix run is read as if its slots were the cache's first ones
       std::vector<float> out_whole(q.size(), NAN);
-      attention_causal({c.n_head, c.n_head_kv, c.head_dim, c.window}, q.data(), whole, c.n_past, c.n_tokens, out_whole.data(),
-                       scratch, threads);
+      attention_causal(shape_of(c, sinks), q.data(), whole, c.n_past, c.n_tokens, out_whole.data(), scratch, threads);
       for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], out_whole[i]) << "threads " << threads << " index " << i;
     }
   }
@@ -183,6 +198,7 @@ TEST_P(AsyncSoftmax, MatchesTheDefinitionAndFallsBack) {
   for (float& x : k) x = normal(rng);
   for (float& x : v) x = normal(rng);
   const std::vector<double> expected = reference(c, q, k, v);
+  const std::vector<float> sinks = sinks_of(c);
   std::vector<int64_t> positions(static_cast<size_t>(n_keys));
   for (int j = 0; j < n_keys; ++j) positions[static_cast<size_t>(j)] = j;
   KvLayer kv;
@@ -195,15 +211,14 @@ TEST_P(AsyncSoftmax, MatchesTheDefinitionAndFallsBack) {
     AttentionScratch scratch;
     std::vector<float> phi(static_cast<size_t>(c.n_head), NAN);
     std::vector<float> out(q.size());
-    attention_causal({c.n_head, c.n_head_kv, c.head_dim, c.window}, q.data(), kv, c.n_past, 1, out.data(), scratch, threads,
+    attention_causal(shape_of(c, sinks), q.data(), kv, c.n_past, 1, out.data(), scratch, threads,
                      phi.data());  // learns phi
     for (float x : phi) ASSERT_TRUE(std::isfinite(x));
     const std::vector<float> learned = phi;
     for (float offset : {0.0f, -100.0f, 100.0f, 3.0f}) {
       for (size_t h = 0; h < phi.size(); ++h) phi[h] = learned[h] + offset;
       std::fill(out.begin(), out.end(), NAN);
-      attention_causal({c.n_head, c.n_head_kv, c.head_dim, c.window}, q.data(), kv, c.n_past, 1, out.data(), scratch, threads,
-                       phi.data());
+      attention_causal(shape_of(c, sinks), q.data(), kv, c.n_past, 1, out.data(), scratch, threads, phi.data());
       for (size_t i = 0; i < out.size(); ++i) {
         ASSERT_NEAR(out[i], expected[i], 1e-5) << "threads " << threads << " phi offset " << offset << " index " << i;
       }
@@ -404,7 +419,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                                            Case{4, 4, 16, 0, 9, false, false, 0, 1},
                                            Case{8, 2, 32, 700, 1, false, false, 0, 300},
                                            Case{6, 3, 8, 129, 70, true, true, 0, 40},
-                                           Case{9, 3, 64, 200, 33, false, true, 77, 120}),
+                                           Case{9, 3, 64, 200, 33, false, true, 77, 120},
+                                           // attention sinks: tiles, decode with split keys, a
+                                           // window on a ring, a prefix
+                                           Case{9, 3, 64, 200, 33, false, false, 0, 0, true},
+                                           Case{8, 1, 32, 1000, 1, false, false, 0, 0, true},
+                                           Case{6, 3, 8, 129, 70, true, true, 0, 40, true},
+                                           Case{9, 3, 64, 600, 1, false, true, 300, 128, true}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;  // (not operator+: GCC 12 reports a false -Wrestrict on it)
@@ -412,6 +433,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                                 << "_n" << c.n_tokens << (c.ring ? "_ring" : "") << (c.f16 ? "_f16" : "");
                            if (c.prefix > 0) name << "_prefix" << c.prefix;
                            if (c.window > 0) name << "_window" << c.window;
+                           if (c.sinks) name << "_sinks";
                            return name.str();
                          });
 
@@ -419,12 +441,14 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
 INSTANTIATE_TEST_SUITE_P(DecodeShapes, AsyncSoftmax,
                          ::testing::Values(Case{4, 4, 16, 0, 1}, Case{8, 1, 32, 1000, 1}, Case{8, 2, 32, 700, 1},
                                            Case{9, 3, 64, 600, 1}, Case{9, 3, 64, 2047, 1}, Case{32, 32, 64, 300, 1},
-                                           Case{9, 3, 64, 2047, 1, false, false, 0, 600}),
+                                           Case{9, 3, 64, 2047, 1, false, false, 0, 600},
+                                           Case{9, 3, 64, 600, 1, false, false, 0, 0, true}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;
                            name << "H" << c.n_head << "_KV" << c.n_head_kv << "_D" << c.head_dim << "_past" << c.n_past;
                            if (c.window > 0) name << "_window" << c.window;
+                           if (c.sinks) name << "_sinks";
                            return name.str();
                          });
 

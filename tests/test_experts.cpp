@@ -136,10 +136,16 @@ Experts random_experts(std::mt19937& rng) {
   return e;
 }
 
+// gpt-oss's: every expert's products have biases, and the activation is the clamped SwiGLU.
+struct Biases {
+  std::vector<float> gate, up, down;  // [kExperts][kFf], [kExperts][kFf], [kExperts][kEmbd]
+};
+
 // The block over rows [first_row, first_row + n_rows); `seam_default`: the Backend's own
 // moe_ffn (each expert through matmul_glu and matmul) instead of the CPU backend's fused one.
 std::vector<float> run_moe(Backend& backend, const Experts& e, const std::vector<float>& x, const std::vector<float>& norm,
-                           const Routed& routes, int64_t first_row, int64_t n_rows, bool seam_default = false) {
+                           const Routed& routes, int64_t first_row, int64_t n_rows, bool seam_default = false,
+                           const Biases* biases = nullptr, Activation act = Activation::kSilu) {
   std::vector<std::unique_ptr<PreparedWeight>> gate, up, down;
   for (int i = 0; i < kExperts; ++i) {
     const auto view = [](const Matrix& m) { return WeightView{"w", TensorType::Q8_0, m.rows, m.cols, m.bytes.data()}; };
@@ -158,17 +164,43 @@ std::vector<float> run_moe(Backend& backend, const Experts& e, const std::vector
     u.push_back(up[static_cast<size_t>(i)].get());
     dn.push_back(down[static_cast<size_t>(i)].get());
   }
+  ExpertBlock block{g, u, dn};
+  if (biases != nullptr) {
+    block.gate_bias = biases->gate.data();
+    block.up_bias = biases->up.data();
+    block.down_bias = biases->down.data();
+  }
   if (seam_default) {
-    backend.Backend::moe_ffn(ExpertBlock{g, u, dn}, r, in, Activation::kSilu, out.data());
+    backend.Backend::moe_ffn(block, r, in, act, out.data());
   } else {
-    backend.moe_ffn(ExpertBlock{g, u, dn}, r, in, Activation::kSilu, out.data());
+    backend.moe_ffn(block, r, in, act, out.data());
   }
   return out;
 }
 
+// act(g, u) in float64, as backend.h defines it (the elements' counts of the clamps reached, for
+// a test to see that it reaches them).
+struct Glu {
+  Activation act;
+  int gates_clamped = 0, ups_clamped = 0;
+  double operator()(double g, double u) {
+    if (act != Activation::kSwigluOai) return g / (1.0 + std::exp(-g)) * u;
+    gates_clamped += g > 7.0;
+    ups_clamped += std::fabs(u) > 7.0;
+    const double a = std::min(g, 7.0), b = std::clamp(u, -7.0, 7.0);
+    return a / (1.0 + std::exp(-1.702 * a)) * (b + 1.0);
+  }
+};
+
 // The block from its definition, in float64.
 std::vector<double> moe_definition(const Experts& e, const std::vector<float>& x, const std::vector<float>& norm,
-                                   const Routed& routes, int64_t n_rows) {
+                                   const Routed& routes, int64_t n_rows, const Biases* biases = nullptr,
+                                   Glu* glu_out = nullptr) {
+  Glu own{Activation::kSilu};
+  Glu& glu = glu_out != nullptr ? *glu_out : own;
+  const auto bias = [&](const std::vector<float> Biases::*which, size_t ex, int width, int i) {
+    return biases != nullptr ? static_cast<double>((biases->*which)[ex * static_cast<size_t>(width) + static_cast<size_t>(i)]) : 0.0;
+  };
   std::vector<double> out(static_cast<size_t>(n_rows * kEmbd), 0.0);
   for (int64_t r = 0; r < n_rows; ++r) {
     std::vector<double> xn(kEmbd);
@@ -186,10 +218,10 @@ std::vector<double> moe_definition(const Experts& e, const std::vector<float>& x
           g += e.gate[ex].values[static_cast<size_t>(f * kEmbd + i)] * xn[static_cast<size_t>(i)];
           u += e.up[ex].values[static_cast<size_t>(f * kEmbd + i)] * xn[static_cast<size_t>(i)];
         }
-        h[static_cast<size_t>(f)] = g / (1.0 + std::exp(-g)) * u;
+        h[static_cast<size_t>(f)] = glu(g + bias(&Biases::gate, ex, kFf, f), u + bias(&Biases::up, ex, kFf, f));
       }
       for (int o = 0; o < kEmbd; ++o) {
-        double y = 0;
+        double y = bias(&Biases::down, ex, kEmbd, o);
         for (int f = 0; f < kFf; ++f) y += e.down[ex].values[static_cast<size_t>(o * kFf + f)] * h[static_cast<size_t>(f)];
         out[static_cast<size_t>(r * kEmbd + o)] += w * y;
       }
@@ -234,6 +266,37 @@ TEST(ExpertBlock, MatchesItsDefinitionOnTheFp32Path) {
   for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-5 * scale) << "element " << i;
 }
 
+// gpt-oss's block: biases on every product, the clamped SwiGLU; large enough biases that both
+// clamps are reached.
+Biases random_biases(unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 6.0f);
+  Biases b;
+  for (int i = 0; i < kExperts * kFf; ++i) b.gate.push_back(normal(rng));
+  for (int i = 0; i < kExperts * kFf; ++i) b.up.push_back(normal(rng));
+  for (int i = 0; i < kExperts * kEmbd; ++i) b.down.push_back(normal(rng) / 6.0f);
+  return b;
+}
+
+TEST(ExpertBlock, WithBiasesAndTheClampedSwigluItMatchesItsDefinitionOnTheFp32Path) {
+  const Block b = random_block(11);
+  const Biases biases = random_biases(12);
+  auto backend = make_cpu_backend(2, ComputeType::kFp32);
+  const int64_t n = 7;
+  for (const bool seam_default : {false, true}) {
+    const std::vector<float> got =
+        run_moe(*backend, b.experts, b.x, b.norm, b.routes, 0, n, seam_default, &biases, Activation::kSwigluOai);
+    Glu glu{Activation::kSwigluOai};
+    const std::vector<double> want = moe_definition(b.experts, b.x, b.norm, b.routes, n, &biases, &glu);
+    EXPECT_GT(glu.gates_clamped, 0);
+    EXPECT_GT(glu.ups_clamped, 0);
+    double scale = 0;
+    for (const double v : want) scale = std::max(scale, std::fabs(v));
+    ASSERT_GT(scale, 0.0);
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-5 * scale) << "element " << i;
+  }
+}
+
 TEST(ExpertBlock, ARowGetsTheSameBitsAloneOrWithOthersOnEitherPath) {
   const Block b = random_block(5);
   for (const ComputeType compute : {ComputeType::kFp32, ComputeType::kInt8}) {
@@ -257,6 +320,14 @@ TEST(ExpertBlock, TheFusedBlockGivesTheBitsOfOneExpertAtATime) {
     const std::vector<float> fused = run_moe(*backend, b.experts, b.x, b.norm, b.routes, 0, n);
     const std::vector<float> apart = run_moe(*backend, b.experts, b.x, b.norm, b.routes, 0, n, /*seam_default=*/true);
     EXPECT_EQ(std::memcmp(fused.data(), apart.data(), fused.size() * sizeof(float)), 0) << n << " rows";
+  }
+  const Biases biases = random_biases(10);
+  for (const int64_t n : {1, 7}) {
+    const auto run = [&](bool seam_default) {
+      return run_moe(*backend, b.experts, b.x, b.norm, b.routes, 0, n, seam_default, &biases, Activation::kSwigluOai);
+    };
+    const std::vector<float> fused = run(false), apart = run(true);
+    EXPECT_EQ(std::memcmp(fused.data(), apart.data(), fused.size() * sizeof(float)), 0) << n << " rows, with biases";
   }
 }
 

@@ -48,6 +48,18 @@ void GeluTanhMul(float* gate, const float* up, int64_t n) {
   });
 }
 
+// gpt-oss's clamped SwiGLU (ggml's swiglu_oai, alpha 1.702, limit 7): a = min(g, 7),
+// b = clamp(u, -7, 7), a / (1 + exp(-1.702 a)) * (b + 1).
+void SwigluOaiMul(float* gate, const float* up, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const auto one = hn::Set(d, 1.0f), limit = hn::Set(d, 7.0f), alpha = hn::Set(d, -1.702f);
+  MapGated(d, gate, up, n, [&](auto g, auto u) {
+    const auto a = hn::Min(g, limit);
+    const auto b = hn::Clamp(u, hn::Neg(limit), limit);
+    return hn::Mul(hn::Div(a, hn::Add(one, hn::Exp(d, hn::Mul(alpha, a)))), hn::Add(b, one));
+  });
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace ringlm::cpu
 HWY_AFTER_NAMESPACE();
@@ -57,12 +69,19 @@ namespace ringlm::cpu {
 
 HWY_EXPORT(SiluMul);
 HWY_EXPORT(GeluTanhMul);
+HWY_EXPORT(SwigluOaiMul);
 
 void silu_mul(float* gate, const float* up, int64_t n) { HWY_DYNAMIC_DISPATCH(SiluMul)(gate, up, n); }
 void gelu_tanh_mul(float* gate, const float* up, int64_t n) { HWY_DYNAMIC_DISPATCH(GeluTanhMul)(gate, up, n); }
 
+void swiglu_oai_mul(float* gate, const float* up, int64_t n) { HWY_DYNAMIC_DISPATCH(SwigluOaiMul)(gate, up, n); }
+
 void glu(Activation act, float* gate, const float* up, int64_t n) {
-  if (act == Activation::kGeluTanh) return gelu_tanh_mul(gate, up, n);
+  switch (act) {
+    case Activation::kGeluTanh: return gelu_tanh_mul(gate, up, n);
+    case Activation::kSwigluOai: return swiglu_oai_mul(gate, up, n);
+    case Activation::kSilu: break;
+  }
   silu_mul(gate, up, n);
 }
 

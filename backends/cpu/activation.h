@@ -15,7 +15,11 @@ void silu_mul(float* gate, const float* up, int64_t n);
 // Gemma's feed-forward block; tanh is Highway's.
 void gelu_tanh_mul(float* gate, const float* up, int64_t n);
 
-// gate = act(gate) * up for the activation a model names.
+// gpt-oss's clamped SwiGLU (Activation::kSwigluOai): a = min(gate, 7), b = clamp(up, -7, 7),
+// gate = a * sigmoid(1.702 a) * (b + 1).
+void swiglu_oai_mul(float* gate, const float* up, int64_t n);
+
+// gate = act(gate, up) for the activation a model names.
 void glu(Activation act, float* gate, const float* up, int64_t n);
 
 }  // namespace ringlm::cpu

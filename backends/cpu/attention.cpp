@@ -646,13 +646,17 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
   return run_unit_rows(sh, q, kv, q_pos0, u, buf, st, phi, seen_max);
 }
 
-// Writes a finished tile to the output: acc / l per row.
+// Writes a finished tile to the output: acc / l per row. A head's sink (gpt-oss) adds its term to
+// the denominator, exp(sink - m) in the row's own scale (m: the max its sums are relative to).
 void store_unit(const AttentionShape& sh, const Unit& u, const TileState& st, float* out) {
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int rows = (u.token_end - u.token_begin) * group;
   for (int r = 0; r < rows; ++r) {
-    float* dst = out + (u.token_begin + r / group) * static_cast<int64_t>(sh.n_head) * hd + (u.kv_head * group + r % group) * hd;
-    const float inv = st.l[r] > 0 ? 1.0f / st.l[r] : 0.0f;
+    const int head = u.kv_head * group + r % group;
+    float* dst = out + (u.token_begin + r / group) * static_cast<int64_t>(sh.n_head) * hd + head * hd;
+    float l = st.l[r];
+    if (sh.sinks != nullptr && st.m[r] != -INFINITY) l += std::exp(sh.sinks[head] - st.m[r]);
+    const float inv = l > 0 ? 1.0f / l : 0.0f;
     for (int c = 0; c < hd; ++c) dst[c] = st.acc[r * hd + c] * inv;
   }
 }

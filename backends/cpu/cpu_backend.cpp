@@ -154,6 +154,13 @@ class CpuBackend final : public Backend {
   void rms_norm(float* x, int64_t n_rows, int64_t width, const float* weight, float eps) override {
     layer_ops_.rms_norm(x, n_rows, width, weight, eps);
   }
+  void glu(Activation act, float* gate, const float* up, int64_t n) override {
+#pragma omp parallel num_threads(n_threads_)
+    {
+      const Range r = share(n, omp_get_thread_num(), omp_get_num_threads());
+      cpu::glu(act, gate + r.begin, up + r.begin, r.end - r.begin);
+    }
+  }
 
   std::unique_ptr<PreparedWeight> prepare(const WeightView& w) override {
     const std::optional<TypeTraits> traits = type_traits(static_cast<uint32_t>(w.type));
@@ -261,6 +268,8 @@ class CpuBackend final : public Backend {
         const auto& up = static_cast<const CpuWeight&>(*experts.up[static_cast<size_t>(p.expert)]);
         gemm_packed_rows(gate, p.n0, p.n1, x, tile_terms_, m, hidden + m0 * ff);
         gemm_packed_rows(up, p.n0, p.n1, x, tile_terms_, m, up_y + m0 * ff);
+        add_expert_bias(experts.gate_bias, p, ff, m0, m, hidden);
+        add_expert_bias(experts.up_bias, p, ff, m0, m, up_y);
         for (int64_t r = m0; r < m0 + m; ++r) cpu::glu(act, hidden + r * ff + p.n0, up_y + r * ff + p.n0, p.n1 - p.n0);
       }
 #pragma omp for schedule(static)
@@ -273,6 +282,7 @@ class CpuBackend final : public Backend {
         const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
         const auto& down = static_cast<const CpuWeight&>(*experts.down[static_cast<size_t>(p.expert)]);
         gemm_packed_rows(down, p.n0, p.n1, gathered_input(ff, m0), tile_terms_, m, products + m0 * d);
+        add_expert_bias(experts.down_bias, p, d, m0, m, products);
       }
       const Range r = share(in.n_tokens, omp_get_thread_num(), omp_get_num_threads());
       sum_weighted_rows(moe_groups_, entries, routes.k, products, d, r.begin, r.end, out);
@@ -292,6 +302,12 @@ class CpuBackend final : public Backend {
       const int64_t m = moe_groups_.count(static_cast<int>(e)), m0 = moe_groups_.start[e];
       if (m == 0) continue;
       const MatmulInput rows{moe_gathered_.data() + m0 * d, m, in.rms_weight, in.rms_eps};
+      if (experts.has_biases()) {
+        grow(moe_up_, m * ff);
+        expert_with_biases(experts, static_cast<int>(e), rows, act, moe_hidden_.data() + m0 * ff, moe_up_.data(),
+                           moe_products_.data() + m0 * d);
+        continue;
+      }
       matmul_glu(*experts.gate[e], *experts.up[e], rows, act, moe_hidden_.data() + m0 * ff);
       matmul(*experts.down[e], moe_hidden_.data() + m0 * ff, m, moe_products_.data() + m0 * d);
     }
@@ -403,6 +419,16 @@ class CpuBackend final : public Backend {
       }
     }
     return true;
+  }
+
+  // The columns [p.n0, p.n1) of expert p.expert's bias (`bias`: [n_expert][width]; nullptr: none)
+  // added to the m rows from m0 of `y` ([rows][width]): the piece the thread just computed.
+  static void add_expert_bias(const float* bias, const ExpertPiece& p, int64_t width, int64_t m0, int64_t m, float* y) {
+    if (bias == nullptr) return;
+    const float* b = bias + p.expert * width;
+    for (int64_t r = m0; r < m0 + m; ++r) {
+      for (int64_t c = p.n0; c < p.n1; ++c) y[r * width + c] += b[c];
+    }
   }
 
   // The pieces of the chosen experts' products with `weights` (one unit of rows each).
@@ -643,7 +669,7 @@ class CpuBackend final : public Backend {
   ExpertGroups moe_groups_;
   std::vector<int64_t> moe_entries_;
   std::vector<ExpertPiece> moe_up_pieces_, moe_down_pieces_;
-  std::vector<float> moe_gathered_, moe_hidden_, moe_products_;
+  std::vector<float> moe_gathered_, moe_hidden_, moe_products_, moe_up_;
   std::vector<const CpuWeight*> packed_batch_;  // reused lists: no allocation per call
   std::vector<float*> packed_batch_ys_;
   std::vector<ThreadBuffers> per_thread_;

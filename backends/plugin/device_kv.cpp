@@ -198,6 +198,7 @@ const char* DeviceKv::why_not_on_device(const KvView& kv, const AttentionShape& 
   if (shape.window != 0 && !link_.v2()) {
     return "sliding-window attention runs on the CPU (the plugin's attention has no window: plugin ABI 1)";
   }
+  if (shape.sinks != nullptr) return "attention with sinks (gpt-oss) runs on the CPU (the plugin's attention has none)";
   if (kv.state == nullptr) return "attention over a read-only cache runs on the CPU";
   if (const PluginKvCache* copy = copy_of(kv); copy != nullptr && copy->host_only) {
     return "attention of this head geometry runs on the CPU (the plugin does not take it)";

@@ -36,6 +36,8 @@ bool nameable_format(TensorType type) {
   }
 }
 
+bool device_activation(Activation act) { return act != Activation::kSwigluOai; }
+
 uint32_t activation_code(Activation act) { return act == Activation::kGeluTanh ? RINGLM_ACT_GELU_TANH : RINGLM_ACT_SILU; }
 
 int64_t DeviceProducts::device_rows_for(TensorType type, int64_t rows, int64_t cols) const {

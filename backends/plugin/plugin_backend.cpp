@@ -133,6 +133,7 @@ class PluginBackend final : public Backend {
       case BackendOp::kScale:
       case BackendOp::kRmsNorm:
       case BackendOp::kCopy:
+      case BackendOp::kGlu:
         return link_.v2();
     }
     return false;
@@ -230,8 +231,13 @@ class PluginBackend final : public Backend {
       const float* x = residency_.host_read(in.x, n);
       const float* norm = in.rms_weight != nullptr ? residency_.host_read(in.rms_weight, static_cast<size_t>(d)) : nullptr;
       float* const sum = residency_.host_overwrite(out, n);
-      cpu_->moe_ffn(ExpertBlock{cpu_gate_, cpu_up_, cpu_down_}, routes, MatmulInput{x, in.n_tokens, norm, in.rms_eps}, act,
-                    sum);
+      ExpertBlock block{cpu_gate_, cpu_up_, cpu_down_};
+      const auto n_expert = experts.gate.size(), ff = static_cast<size_t>(experts.gate[0]->rows());
+      const auto bias = [&](const float* b, size_t width) { return b != nullptr ? residency_.host_read(b, n_expert * width) : nullptr; };
+      block.gate_bias = bias(experts.gate_bias, ff);
+      block.up_bias = bias(experts.up_bias, ff);
+      block.down_bias = bias(experts.down_bias, static_cast<size_t>(d));
+      cpu_->moe_ffn(block, routes, MatmulInput{x, in.n_tokens, norm, in.rms_eps}, act, sum);
     });
   }
 
@@ -378,6 +384,10 @@ class PluginBackend final : public Backend {
     rope_now(r);
   }
 
+  void glu(Activation act, float* gate, const float* up, int64_t n) override {
+    device_glu(up, gate, static_cast<size_t>(n), act);
+  }
+
   void add(float* x, const float* delta, int64_t n) override { add_repeated(x, delta, n, n); }
   void add_row(float* x, const float* row, int64_t n_rows, int64_t width) override {
     add_repeated(x, row, n_rows * width, width);
@@ -440,7 +450,10 @@ class PluginBackend final : public Backend {
           kv_.attend(layer, call, shape);
         }
       }
-      if (!cpu_calls_.empty()) cpu_->attention(layer, shape, cpu_calls_);
+      if (cpu_calls_.empty()) return;
+      AttentionShape host_shape = shape;
+      if (shape.sinks != nullptr) host_shape.sinks = residency_.host_read(shape.sinks, static_cast<size_t>(shape.n_head));
+      cpu_->attention(layer, host_shape, cpu_calls_);
     });
   }
 
@@ -587,7 +600,8 @@ class PluginBackend final : public Backend {
           args.activation = activation_code(act);
           link_.check(link_.api().glu(link_.context(), &args), "glu");
         },
-        [&](const std::array<float*, 2>& host) { cpu::glu(act, host[1], host[0], static_cast<int64_t>(n)); });
+        [&](const std::array<float*, 2>& host) { cpu::glu(act, host[1], host[0], static_cast<int64_t>(n)); },
+        device_activation(act));
   }
 
   void many_on_cpu(std::span<const PreparedWeight* const> weights, const MatmulInput& input,
@@ -643,7 +657,7 @@ class PluginBackend final : public Backend {
                          Activation act, float* out_rows) {
     const size_t nx = static_cast<size_t>(input.n_tokens * g.cols());
     const std::vector<const PluginWeight*> pair = {&g, &u};
-    if (!products_.can_fuse(pair, {out_rows}, input.n_tokens) || !residency_.on_device(input.x, nx) ||
+    if (!device_activation(act) || !products_.can_fuse(pair, {out_rows}, input.n_tokens) || !residency_.on_device(input.x, nx) ||
         (input.rms_weight != nullptr && !residency_.on_device(input.rms_weight, static_cast<size_t>(g.cols())))) {
       return false;
     }
