@@ -22,6 +22,20 @@ constexpr ArchInfo kSupportedArchs[] = {
      .swa_period = 6,
      .swa_rope_base = 10000.0f,
      .wide_query_scale_n_layer = 62},
+    // gpt-oss (llama.cpp's openai-moe): experts in MXFP4 with biases and a clamped SwiGLU, every
+    // other layer a sliding window with the same YaRN RoPE as the global ones, attention sinks.
+    {.name = "gpt-oss",
+     .rope_style = RopeStyle::kHalfSplit,
+     .qkv_bias = true,
+     .activation = Activation::kSwigluOai,
+     .swa_period = 2,
+     .swa_rope_scaled = true,
+     .attn_sinks = true,
+     .attn_out_bias = true,
+     .expert_biases = true,
+     .ffn_norm_post_attention = true,
+     .experts = true,
+     .moe_only = true},
     {.name = "phi3",
      .rope_style = RopeStyle::kHalfSplit,
      .fused_gate_up = true,
@@ -74,8 +88,8 @@ void read_rope_scaling(const GgufFile& gguf, const std::string& p, const ArchInf
   hp.yarn_beta_fast = positive_float(gguf, p + "rope.scaling.yarn_beta_fast", 32.0);
   hp.yarn_beta_slow = positive_float(gguf, p + "rope.scaling.yarn_beta_slow", 1.0);
   hp.rope_attn_factor = positive_float(gguf, p + "rope.scaling.attn_factor", 1.0);
-  if (hp.rope_scaling == RopeScaling::kYarn && arch.swa_period > 0) {
-    gguf.fail("metadata '" + p + "rope.scaling.type': yarn is not supported for a family with sliding-window layers");
+  if (hp.rope_scaling == RopeScaling::kYarn && arch.swa_period > 0 && !arch.swa_rope_scaled) {
+    gguf.fail("metadata '" + p + "rope.scaling.type': yarn is not supported for a family whose sliding-window layers are unscaled");
   }
 }
 
@@ -91,14 +105,15 @@ void read_experts(const GgufFile& gguf, const std::string& p, const ArchInfo& ar
   hp.n_expert = checked_dim(gguf, p + "expert_count", n_expert, 4096);
   hp.n_expert_used = checked_dim(gguf, p + "expert_used_count", gguf.require_uint(p + "expert_used_count"),
                                  static_cast<uint64_t>(hp.n_expert));
-  // Mixtral's experts are feed_forward_length wide; Qwen3-MoE's expert_feed_forward_length, or
-  // (as llama.cpp falls back) feed_forward_length / expert_used_count.
+  // Mixtral's experts are feed_forward_length wide; Qwen3-MoE's and gpt-oss's
+  // expert_feed_forward_length, or (as llama.cpp falls back) feed_forward_length / expert_used_count.
   hp.n_ff_exp = hp.n_ff;
   if (arch.moe_only) {
     const auto v = gguf.get_uint(p + "expert_feed_forward_length");
     hp.n_ff_exp = v ? checked_dim(gguf, p + "expert_feed_forward_length", *v, 1 << 20) : std::max(1, hp.n_ff / hp.n_expert_used);
   }
-  // Both families renormalise the chosen experts' weights (llama.cpp reads no key for it there).
+  // Every family here weighs the chosen experts by the softmax over their logits alone: Mixtral's
+  // and gpt-oss's directly, Qwen3-MoE's renormalised (llama.cpp reads no key for it there).
   if (auto v = gguf.get_bool(p + "expert_weights_norm"); v && !*v) {
     gguf.fail("metadata '" + p + "expert_weights_norm': false is not supported for '" + hp.arch + "'");
   }
@@ -142,6 +157,10 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
   hp.post_norms = arch->post_norms;
   hp.embed_scale = arch->embed_scale;
   hp.fused_gate_up = arch->fused_gate_up;
+  hp.attn_sinks = arch->attn_sinks;
+  hp.attn_out_bias = arch->attn_out_bias;
+  hp.expert_biases = arch->expert_biases;
+  hp.ffn_norm_post_attention = arch->ffn_norm_post_attention;
 
   const std::string p = hp.arch + ".";
   auto dim = [&](const std::string& key, uint64_t max) { return checked_dim(gguf, key, gguf.require_uint(key), max); };
@@ -193,7 +212,9 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
     hp.sliding_window = static_cast<int>(window);
     if (hp.sliding_window > 0) {
       hp.swa_period = arch->swa_period;
-      hp.swa_rope_base = static_cast<float>(gguf.get_float(p + "rope.freq_base_swa").value_or(arch->swa_rope_base));
+      hp.swa_rope_scaled = arch->swa_rope_scaled;
+      const double base = arch->swa_rope_base > 0.0f ? arch->swa_rope_base : hp.rope_base;
+      hp.swa_rope_base = static_cast<float>(gguf.get_float(p + "rope.freq_base_swa").value_or(base));
       if (!(hp.swa_rope_base > 1.0f) || !std::isfinite(hp.swa_rope_base)) {
         gguf.fail("metadata '" + p + "rope.freq_base_swa': must be > 1");
       }

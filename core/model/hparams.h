@@ -61,17 +61,24 @@ struct LlamaHparams {
   bool post_norms = false;   // RMSNorm of each block's output before the residual (Gemma 3)
   bool embed_scale = false;  // embeddings times sqrt(n_embd) (Gemma)
   bool fused_gate_up = false;  // ffn_up holds gate then up, 2 * n_ff rows (Phi-3)
+  bool attn_sinks = false;     // per-head learned sinks in the attention softmax (gpt-oss)
+  bool attn_out_bias = false;  // attn_output.bias (gpt-oss, or any file that has it)
+  bool expert_biases = false;  // the router's and every expert's matrices have biases (gpt-oss)
+  bool ffn_norm_post_attention = false;  // the FFN's input norm is named post_attention_norm (gpt-oss)
   // Attention scores are q·k times this: 1/sqrt(head_dim), but Gemma 3 27B's 1/sqrt(n_embd / n_head).
   float attn_scale = 0.0f;
-  // Sliding-window layers (Gemma 3): all but every swa_period-th layer see the last
-  // sliding_window positions, with RoPE base swa_rope_base (and no RoPE scaling). 0: none.
+  // Sliding-window layers (Gemma 3, gpt-oss): all but every swa_period-th layer see the last
+  // sliding_window positions, with RoPE base swa_rope_base, scaled as the global layers' only when
+  // swa_rope_scaled (gpt-oss; Gemma 3's never are). 0: none.
   int sliding_window = 0;
   int swa_period = 0;
   float swa_rope_base = 0.0f;
+  bool swa_rope_scaled = false;
   // Mixture of experts (<arch>.expert_count > 0): every layer's feed-forward block is n_expert
   // experts of n_ff_exp hidden units each, of which a router picks n_expert_used per token.
   // Their outputs are summed with the router's softmax weights over the chosen experts' logits
-  // (renormalised: every family here; a file that says otherwise is refused).
+  // (renormalised: every family here; a file that says otherwise is refused). gpt-oss adds
+  // biases to the router and to every expert's products (expert_biases).
   int n_expert = 0;
   int n_expert_used = 0;
   int n_ff_exp = 0;
@@ -107,9 +114,18 @@ struct ArchInfo {
   bool ignores_sliding_window = false;
   // Sliding-window layers (<arch>.attention.sliding_window, when the file gives one): every
   // layer but each swa_period-th, with RoPE base <arch>.rope.freq_base_swa (default
-  // swa_rope_base) and no RoPE scaling (which is the global layers').
+  // swa_rope_base; 0: the global layers' base) and, unless swa_rope_scaled, no RoPE scaling
+  // (which is the global layers').
   int swa_period = 0;
   float swa_rope_base = 0.0f;
+  bool swa_rope_scaled = false;
+  // gpt-oss: learned per-head attention sinks (attn_sinks.weight, a logit with no value in every
+  // softmax's denominator), attn_output.bias, biases on the router and on every expert's three
+  // products, and the FFN's input norm stored as post_attention_norm.weight.
+  bool attn_sinks = false;
+  bool attn_out_bias = false;
+  bool expert_biases = false;
+  bool ffn_norm_post_attention = false;
   // A model of this many layers scales its attention scores by 1/sqrt(n_embd / n_head) instead of
   // 1/sqrt(head_dim): Gemma 3 27B's query_pre_attn_scalar, which llama.cpp applies by layer count.
   int wide_query_scale_n_layer = 0;

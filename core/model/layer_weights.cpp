@@ -16,7 +16,7 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 // --- The layer schema ------------------------------------------------------------------------
 
 // The lengths a layer tensor's shape is given in.
-enum class Dim { kNone, kEmbd, kQ, kKv, kQkv, kFf, kGateUp, kHeadDim, kExpert, kFfExp };
+enum class Dim { kNone, kEmbd, kQ, kKv, kQkv, kFf, kGateUp, kHeadDim, kHead, kExpert, kFfExp };
 
 int64_t length(Dim dim, const LlamaHparams& hp) {
   const int64_t q = static_cast<int64_t>(hp.n_head) * hp.head_dim;
@@ -30,6 +30,7 @@ int64_t length(Dim dim, const LlamaHparams& hp) {
     case Dim::kFf: return hp.n_ff;
     case Dim::kGateUp: return 2 * static_cast<int64_t>(hp.n_ff);
     case Dim::kHeadDim: return hp.head_dim;
+    case Dim::kHead: return hp.n_head;
     case Dim::kExpert: return hp.n_expert;
     case Dim::kFfExp: return hp.n_ff_exp;
   }
@@ -66,7 +67,9 @@ struct LayerTensor {
   When when;
   bool LlamaHparams::* family_flag = nullptr;  // kFamily, kFamilyOrFile
   std::vector<Part> parts;
-  bool per_expert = false;  // one matrix per expert, [n_expert][rows][cols], into an ExpertsSlot
+  // One matrix per expert, [n_expert][rows][cols], into an ExpertsSlot; a vector's: one per
+  // expert, [n_expert][cols], into one VectorSlot.
+  bool per_expert = false;
 };
 
 // A layer's tensors, in the order they are read. A tensor is read only while no tensor read before
@@ -78,6 +81,9 @@ const std::vector<LayerTensor>& layer_schema() {
   using H = LlamaHparams;
   static const std::vector<LayerTensor> schema = {
       {"attn_norm.weight", Dim::kEmbd, Dim::kNone, When::kAlways, nullptr, {{&L::attn_norm, Dim::kEmbd}}},
+      // gpt-oss's FFN input norm has the name of Gemma's post-attention norm (the converter's).
+      {"post_attention_norm.weight", Dim::kEmbd, Dim::kNone, When::kFamily, &H::ffn_norm_post_attention,
+       {{&L::ffn_norm, Dim::kEmbd}}},
       {"ffn_norm.weight", Dim::kEmbd, Dim::kNone, When::kAlways, nullptr, {{&L::ffn_norm, Dim::kEmbd}}},
       // q, k and v: one fused matrix of their rows in that order (any family's file may hold
       // it, as llama.cpp's build_qkv views), or three.
@@ -97,6 +103,8 @@ const std::vector<LayerTensor>& layer_schema() {
        {{&L::post_attn_norm, Dim::kEmbd}}},
       {"post_ffw_norm.weight", Dim::kEmbd, Dim::kNone, When::kFamily, &H::post_norms, {{&L::post_ffn_norm, Dim::kEmbd}}},
       {"attn_output.weight", Dim::kQ, Dim::kEmbd, When::kAlways, nullptr, {{&L::wo, Dim::kEmbd}}},
+      {"attn_output.bias", Dim::kEmbd, Dim::kNone, When::kFamilyOrFile, &H::attn_out_bias, {{&L::o_bias, Dim::kEmbd}}},
+      {"attn_sinks.weight", Dim::kHead, Dim::kNone, When::kFamily, &H::attn_sinks, {{&L::attn_sinks, Dim::kHead}}},
       // gate and up: one matrix of the gate's rows, then up's (Phi-3), or two.
       {"ffn_up.weight", Dim::kEmbd, Dim::kGateUp, When::kFamily, &H::fused_gate_up,
        {{&L::gate, Dim::kFf, "gate"}, {&L::up, Dim::kFf, "up"}}},
@@ -108,6 +116,13 @@ const std::vector<LayerTensor>& layer_schema() {
       {"ffn_gate_exps.weight", Dim::kEmbd, Dim::kFfExp, When::kExperts, nullptr, {{&L::gate_exps, Dim::kFfExp}}, true},
       {"ffn_up_exps.weight", Dim::kEmbd, Dim::kFfExp, When::kExperts, nullptr, {{&L::up_exps, Dim::kFfExp}}, true},
       {"ffn_down_exps.weight", Dim::kFfExp, Dim::kEmbd, When::kExperts, nullptr, {{&L::down_exps, Dim::kEmbd}}, true},
+      // ... and their biases (gpt-oss).
+      {"ffn_gate_inp.bias", Dim::kExpert, Dim::kNone, When::kFamily, &H::expert_biases, {{&L::router_bias, Dim::kExpert}}},
+      {"ffn_gate_exps.bias", Dim::kFfExp, Dim::kNone, When::kFamily, &H::expert_biases,
+       {{&L::gate_exps_bias, Dim::kFfExp}}, true},
+      {"ffn_up_exps.bias", Dim::kFfExp, Dim::kNone, When::kFamily, &H::expert_biases, {{&L::up_exps_bias, Dim::kFfExp}}, true},
+      {"ffn_down_exps.bias", Dim::kEmbd, Dim::kNone, When::kFamily, &H::expert_biases,
+       {{&L::down_exps_bias, Dim::kEmbd}}, true},
   };
   return schema;
 }
@@ -157,6 +172,9 @@ void read_experts(const LayerTensor& t, const std::string& name, ModelTensors& t
 
 void read_vector(const LayerTensor& t, const std::string& name, ModelTensors& tensors, WeightPlan& plan,
                  const LlamaHparams& hp, LayerWeights& layer) {
+  if (t.per_expert) {  // [n_expert][cols], one slot
+    return plan.constant(layer.*std::get<VectorSlot>(t.parts[0].slot), tensors.vector(name, length(t.cols, hp), hp.n_expert));
+  }
   const std::vector<float> values = tensors.vector(name, length(t.cols, hp));
   auto at = values.begin();
   for (const Part& part : t.parts) {
@@ -187,10 +205,12 @@ const GgufTensorInfo& ModelTensors::get(const std::string& name, std::vector<int
   return *t;
 }
 
-std::vector<float> ModelTensors::vector(const std::string& name, int64_t n) {
-  const GgufTensorInfo& t = get(name, {n});
-  std::vector<float> v(static_cast<size_t>(n));
-  dequantize_row(t.type, t.data, v.data(), n);
+std::vector<float> ModelTensors::vector(const std::string& name, int64_t n, int64_t n_expert) {
+  const GgufTensorInfo& t = n_expert > 0 ? get(name, {n, n_expert}) : get(name, {n});
+  const int64_t rows = std::max<int64_t>(n_expert, 1);
+  std::vector<float> v(static_cast<size_t>(n * rows));
+  const size_t stride = row_bytes(t.type, n);
+  for (int64_t r = 0; r < rows; ++r) dequantize_row(t.type, t.data + static_cast<size_t>(r) * stride, v.data() + r * n, n);
   return v;
 }
 

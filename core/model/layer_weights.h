@@ -29,6 +29,8 @@ struct LayerWeights {
   const float* k_norm = nullptr;
   const float* post_attn_norm = nullptr;  // post_norms families
   const float* post_ffn_norm = nullptr;
+  const float* o_bias = nullptr;      // attn_output.bias
+  const float* attn_sinks = nullptr;  // attn_sinks families: [n_head]
   int window = 0;    // sliding window of its attention (0: none)
   int rope_set = 0;  // its RoPE frequencies (RopeTables' set)
   std::unique_ptr<PreparedWeight> wq, wk, wv, wo, gate, up, down;
@@ -38,6 +40,12 @@ struct LayerWeights {
   std::vector<std::unique_ptr<PreparedWeight>> gate_exps, up_exps, down_exps;
   // The same as the seam takes them (ExpertBlock), once placed (index_experts).
   std::vector<const PreparedWeight*> gate_experts, up_experts, down_experts;
+  // expert_biases families: the router's ([n_expert]) and the experts' products' biases
+  // ([n_expert][n_ff_exp] for gate and up, [n_expert][n_embd] for down).
+  const float* router_bias = nullptr;
+  const float* gate_exps_bias = nullptr;
+  const float* up_exps_bias = nullptr;
+  const float* down_exps_bias = nullptr;
   void index_experts();
 };
 
@@ -51,8 +59,8 @@ class ModelTensors {
   bool has(const std::string& name) const { return gguf_.find_tensor(name) != nullptr; }
   // The tensor `name` with exactly `shape` (GGML order) and a readable type, or a GgufError.
   const GgufTensorInfo& get(const std::string& name, std::vector<int64_t> shape);
-  // A 1-D tensor of n values, dequantized.
-  std::vector<float> vector(const std::string& name, int64_t n);
+  // A 1-D tensor of n values, dequantized; with n_expert, a 2-D one of n_expert such rows.
+  std::vector<float> vector(const std::string& name, int64_t n, int64_t n_expert = 0);
   // Every tensor whose name starts with `prefix` counts as read: another pipeline stage reads it.
   std::vector<const GgufTensorInfo*> leave_to_another_stage(const std::string& prefix);
   void refuse_unused(const std::string& arch) const;

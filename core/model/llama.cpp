@@ -34,6 +34,7 @@ void LlamaModel::allocate_scratch() {
       s.expert_rows = backend_.alloc_activations(routes * d);
       s.expert_hidden = backend_.alloc_activations(routes * static_cast<size_t>(hp_.n_ff_exp));
       s.expert_products = backend_.alloc_activations(routes * d);
+      if (hp_.expert_biases) s.expert_up = backend_.alloc_activations(routes * static_cast<size_t>(hp_.n_ff_exp));
     }
     s.host_router_logits.resize(M * static_cast<size_t>(hp_.n_expert));
     s.route_experts.resize(routes);
@@ -257,7 +258,7 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     backend_.rope(k, n, hp_.n_head_kv, hp_.head_dim, angles);
     for (size_t i = 0; i < rows.size(); ++i) store_kv(il, i, rows[i]);
     attention(il, rows);
-    residual(*L.wo, attn, n, L.post_attn_norm);
+    residual(*L.wo, attn, n, L.o_bias, L.post_attn_norm);
 
     feed_forward(L, n);
   }
@@ -269,7 +270,7 @@ void LlamaModel::feed_forward(const LayerWeights& L, int n) {
   // down(act(gate(x)) * up(x)), gate and up in one fused pass.
   float* const gate = scratch_->gate->data();
   backend_.matmul_glu(*L.gate, *L.up, MatmulInput{scratch_->x->data(), n, L.ffn_norm, hp_.rms_eps}, hp_.activation, gate);
-  residual(*L.down, gate, n, L.post_ffn_norm);
+  residual(*L.down, gate, n, nullptr, L.post_ffn_norm);
 }
 
 // The router's logits come to the host, which picks each row's experts; the backend then runs
@@ -280,6 +281,7 @@ void LlamaModel::mixture_of_experts(const LayerWeights& L, int n) {
   const PreparedWeight* const router[] = {L.router.get()};
   float* const router_out[] = {s.router_logits->data()};
   backend_.matmul_many(router, input, router_out);
+  if (L.router_bias != nullptr) backend_.add_row(s.router_logits->data(), L.router_bias, n, hp_.n_expert);
   const size_t n_logits = static_cast<size_t>(n) * static_cast<size_t>(hp_.n_expert);
   const size_t n_routes = static_cast<size_t>(n) * static_cast<size_t>(hp_.n_expert_used);
   backend_.read(s.router_logits->data(), s.host_router_logits.data(), n_logits);
@@ -288,10 +290,14 @@ void LlamaModel::mixture_of_experts(const LayerWeights& L, int n) {
   route_experts(std::span<const float>(s.host_router_logits.data(), n_logits), hp_.n_expert, hp_.n_expert_used,
                 /*normalize=*/true, experts, weights);
   ExpertBlock block{L.gate_experts, L.up_experts, L.down_experts};
+  block.gate_bias = L.gate_exps_bias;
+  block.up_bias = L.up_exps_bias;
+  block.down_bias = L.down_exps_bias;
   if (s.expert_rows != nullptr) {
     block.scratch_rows = s.expert_rows->data();
     block.scratch_hidden = s.expert_hidden->data();
     block.scratch_products = s.expert_products->data();
+    if (s.expert_up != nullptr) block.scratch_up = s.expert_up->data();
     block.scratch_routes = static_cast<int64_t>(max_batch_) * hp_.n_expert_used;
   }
   float* const sum = s.xn->data();
@@ -327,13 +333,19 @@ void LlamaModel::rope_angles(int row0, int64_t pos0, int n_tokens, int n_ctx) {
   }
 }
 
-// x += input · weightᵀ, the block's output added to the hidden state; with a post-norm
+// x += input · weightᵀ + bias, the block's output added to the hidden state; with a post-norm
 // (Gemma), the output is RMS-normalised before it is added.
-void LlamaModel::residual(const PreparedWeight& weight, const float* input, int n, const float* post_norm) {
+void LlamaModel::residual(const PreparedWeight& weight, const float* input, int n, const float* bias,
+                          const float* post_norm) {
   float* const x = scratch_->x->data();
-  if (post_norm == nullptr) return backend_.matmul_add(weight, input, n, x);
+  if (post_norm == nullptr) {
+    backend_.matmul_add(weight, input, n, x);
+    if (bias != nullptr) backend_.add_row(x, bias, n, hp_.n_embd);
+    return;
+  }
   float* const out = scratch_->xn->data();
   backend_.matmul(weight, input, n, out);
+  if (bias != nullptr) backend_.add_row(out, bias, n, hp_.n_embd);
   backend_.rms_norm(out, n, hp_.n_embd, post_norm, hp_.rms_eps);
   backend_.add(x, out, static_cast<int64_t>(n) * hp_.n_embd);
 }

@@ -108,7 +108,7 @@ class LlamaModel {
     std::unique_ptr<ActivationBuffer> router_logits;
     // ... and, on a device (where the seam's default runs the experts op by op), the gathered
     // rows, hidden units and products of every route a pass can have.
-    std::unique_ptr<ActivationBuffer> expert_rows, expert_hidden, expert_products;
+    std::unique_ptr<ActivationBuffer> expert_rows, expert_hidden, expert_products, expert_up;
     std::vector<float> host_router_logits;
     std::vector<int32_t> route_experts;
     std::vector<float> route_weights;
@@ -168,8 +168,8 @@ class LlamaModel {
   // the scratch activations.
   void run_layers(std::span<const Rows> rows, int n_rows);
   void embed(std::span<const int32_t> tokens, float* out);
-  // x += input · weightᵀ (normalised by post_norm first, when the family has post-norms).
-  void residual(const PreparedWeight& weight, const float* input, int n, const float* post_norm);
+  // x += input · weightᵀ + bias (normalised by post_norm first, when the family has post-norms).
+  void residual(const PreparedWeight& weight, const float* input, int n, const float* bias, const float* post_norm);
   // The feed-forward block of a layer: down(act(gate(x)) * up(x)), or a mixture of experts.
   void feed_forward(const LayerWeights& layer, int n);
   // x += the experts the router picks for each of the n rows, weighted (Backend::moe_ffn).

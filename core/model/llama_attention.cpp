@@ -69,7 +69,8 @@ void LlamaModel::attention(int layer, std::span<const Rows> rows) {
   // Every sequence of a pass has the same rings (one model, one context size per pass).
   const int index = rows[0].cache->place(layer).index;
   const int window = layers_[static_cast<size_t>(layer)].window;
-  const AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim, window, hp_.attn_scale};
+  const AttentionShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim, window, hp_.attn_scale,
+                             layers_[static_cast<size_t>(layer)].attn_sinks};
   const bool any_steps = std::any_of(rows.begin(), rows.end(), [](const Rows& r) { return r.steps; });
   if (!any_steps) return backend_.attention(index, shape, s.attention_calls);
   if (backend_.attends_stepwise()) return attention_stepwise(layer, index, shape, rows);

@@ -17,7 +17,7 @@ RopeTables::RopeTables(const LlamaHparams& hp, const ArchInfo& arch, ModelTensor
   const auto ptr = [](const std::optional<std::vector<float>>& v) { return v ? &*v : nullptr; };
   inv_freq_.push_back(rope_frequencies(hp, hp.rope_base, rope_freqs ? ptr(rope_freqs) : ptr(short_factors), true));
   if (short_factors || long_factors) inv_freq_long_ = rope_frequencies(hp, hp.rope_base, ptr(long_factors), true);
-  if (hp.swa_period > 0) inv_freq_.push_back(rope_frequencies(hp, hp.swa_rope_base, nullptr, false));
+  if (hp.swa_period > 0) inv_freq_.push_back(rope_frequencies(hp, hp.swa_rope_base, nullptr, hp.swa_rope_scaled));
 }
 
 const std::vector<double>& RopeTables::inv_freq(size_t set, int n_ctx) const {

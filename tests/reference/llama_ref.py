@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent numpy reference of the GGUF `llama`, `qwen2`, `qwen3`, `gemma3`, `phi3` and `qwen3moe` forward passes.
+"""Independent numpy reference of the GGUF `llama`, `qwen2`, `qwen3`, `gemma3`, `phi3`, `qwen3moe` and `gpt-oss` forward passes.
 
 This is the oracle that ringlm's C++ forward pass is checked against, so it is
 written to be obviously correct rather than fast:
@@ -74,8 +74,39 @@ Architectures (general.architecture; hyperparameters under "<arch>."):
          experts as the FFN of every layer (below); the experts' hidden size is
          expert_feed_forward_length, or feed_forward_length / expert_used_count without that key
          (llama.cpp's fallback). feed_forward_length itself is not used.
+  gpt-oss  OpenAI's gpt-oss (HF GptOssForCausalLM, llama.cpp's LLM_ARCH_OPENAI_MOE graph), a MoE
+         decoder (the experts below, with the differences listed here):
+         * head_dim = attention.key_length (= value_length; 64 where n_embd is 2880): attn_q is
+           [n_embd -> n_head*head_dim]; q, k and v have biases (attn_{q,k,v}.bias), attn_output
+           too (attn_output.bias, added after the matmul); NEOX RoPE, scale 1/sqrt(head_dim);
+         * sliding-window attention on the even layers (il % 2 == 0; llama.cpp's swa pattern 2:
+           is_swa = il % 2 < 1), global on the odd ones; the window is attention.sliding_window
+           (required) with gemma3's rule (a query at p sees keys p - window + 1 .. p). The window
+           layers use rope.freq_base_swa when the file has it, else rope.freq_base, and the SAME
+           rope scaling as the global ones (YaRN on every layer: llama.cpp sets
+           rope_freq_scale_train_swa = rope_freq_scale_train). attention.sliding_window_pattern
+           is refused;
+         * attention sinks: blk.N.attn_sinks.weight [n_head] (F32), one learned logit per head
+           that joins the softmax's denominator and carries no value:
+           p_j = exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink_h - m)), m = max(max_j s_j, sink_h)
+           (ggml's soft_max with sinks; HF appends the sink column and drops it after softmax);
+         * the FFN input norm is blk.N.post_attention_norm.weight (there is no ffn_norm): a
+           pre-norm with another name, NOT gemma3's sandwich norm;
+         * router with a bias (ffn_gate_inp.bias [E]); the weights are the softmax over the K
+           chosen logits (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT: the same numbers as the
+           softmax-then-renormalise below), no scale;
+         * each expert has biases ffn_{gate,up}_exps.bias (GGML [n_ff_exp, E]) and
+           ffn_down_exps.bias (GGML [n_embd, E]) and the clamped "SwiGLU-OAI" activation
+           (ggml_swiglu_oai, alpha 1.702, limit 7): with g = gate_e h + bg_e, u = up_e h + bu_e,
+           a = min(g, 7), b = clamp(u, -7, 7): down_e((a * sigmoid(1.702 a)) * (b + 1)) + bd_e;
+         * the experts are expert_feed_forward_length wide (required); feed_forward_length is
+           not used (optional);
+         * a separate output.weight (required; no tied fallback).
+         YaRN as everywhere here: llama.cpp floors/ceils the correction dims (HF's gpt-oss config
+         says truncate: false, which would not); llama.cpp ignores yarn_beta_fast/_slow for
+         gpt-oss (32/1, what the converter writes), the reference honours them as for the others.
   Mixture of experts (llama.cpp's build_moe_ffn with softmax gating and normalised weights, as its
-  llama (Mixtral) and qwen3moe graphs call it): <arch>.expert_count = E > 0 (llama: optional; then
+  llama (Mixtral), qwen3moe and gpt-oss graphs call it): <arch>.expert_count = E > 0 (llama: optional; then
   every layer is a MoE layer) and expert_used_count = K (1 <= K <= E). A layer's FFN is, per token,
   with h = RMSNorm(x) * ffn_norm:
          logits = ffn_gate_inp @ h                       (E values; GGML [n_embd, E])
@@ -99,7 +130,7 @@ Architectures (general.architecture; hyperparameters under "<arch>."):
   The other YaRN keys (yarn_ext_factor, yarn_attn_factor, yarn_log_multiplier) are refused:
   llama.cpp ignores them for these families. gemma3 with yarn is refused.
   Any of them: q/k/v biases are added when the file has them (llama.cpp loads them
-  as optional for all five); a tensor the reference would not use is an error.
+  as optional for all of these but qwen2); a tensor the reference would not use is an error.
 
 RoPE layout (the one detail that is easy to get silently wrong): llama.cpp maps
 LLM_ARCH_LLAMA to LLAMA_ROPE_TYPE_NORM ("a normal RoPE, operating on pairs of
@@ -148,9 +179,12 @@ SUPPORTED_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, 
 
 # The RoPE pairing of each architecture (llama.cpp's llama_model_rope_type; see the docstring).
 ROPE_STYLE = {"llama": "norm", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox", "phi3": "neox",
-              "qwen3moe": "neox"}
-# The architectures whose FFN may be a mixture of experts (see the docstring); qwen3moe's always is.
-MOE_ARCHS = ("llama", "qwen3moe")
+              "qwen3moe": "neox", "gpt-oss": "neox"}
+# The architectures whose FFN may be a mixture of experts (see the docstring); qwen3moe's and
+# gpt-oss's always is.
+MOE_ARCHS = ("llama", "qwen3moe", "gpt-oss")
+# gpt-oss's expert activation (ggml_swiglu_oai's constants in llama.cpp's build_moe_ffn).
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
 
 
 class GGUFModelError(RuntimeError):
@@ -190,6 +224,13 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))   # sqrt(2/pi)
 
 
+def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """gpt-oss's expert activation: min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1)."""
+    a = np.minimum(g, OAI_LIMIT)
+    b = np.clip(u, -OAI_LIMIT, OAI_LIMIT)
+    return a / (1.0 + np.exp(-OAI_ALPHA * a)) * (b + 1.0)
+
+
 def linear(x: np.ndarray, w: np.ndarray, b=None) -> np.ndarray:
     """x @ w.T (+ b): w is [out, in] in numpy order."""
     y = x @ w.T
@@ -210,7 +251,9 @@ class LlamaModel:
         a = arch + "."
         self.n_embd = int(_field(r, a + "embedding_length"))
         self.n_layer = int(_field(r, a + "block_count"))
-        self.n_ff = int(_field(r, a + "feed_forward_length"))
+        oss = arch == "gpt-oss"
+        # gpt-oss: llama.cpp reads feed_forward_length as optional (only the experts' width is used).
+        self.n_ff = int(_field(r, a + "feed_forward_length", default=0, required=not oss))
         self.n_head = int(_field(r, a + "attention.head_count"))
         self.n_head_kv = int(_field(r, a + "attention.head_count_kv", default=self.n_head))
         self.eps = float(_field(r, a + "attention.layer_norm_rms_epsilon"))
@@ -253,6 +296,9 @@ class LlamaModel:
             self.mscale *= 0.1 * float(np.log(self.scale_factor)) + 1.0
         if scaling == "yarn" and arch == "gemma3":
             raise GGUFModelError("yarn RoPE scaling on gemma3 is not modelled by this reference")
+        if oss and self.hd_v != self.hd_k:
+            raise GGUFModelError("gpt-oss needs key_length == value_length (llama.cpp sizes q, k, v and "
+                                 "attn_output by one head size)")
 
         # Attention scale and, for gemma3, the per-layer window / RoPE base / scaling.
         self.attn_scale = 1.0 / float(np.sqrt(self.hd_k))
@@ -276,14 +322,24 @@ class LlamaModel:
                     if (il + 1) % 6 != 0:                            # local layer
                         self.window[il] = n_swa
                         self.layer_rope[il] = (base_swa, False)
+        if oss:
+            if (a + "attention.sliding_window_pattern") in r.fields:
+                raise GGUFModelError(f"'{a}attention.sliding_window_pattern' is not modelled by this reference")
+            n_swa = int(_field(r, a + "attention.sliding_window"))
+            if n_swa <= 0:
+                raise GGUFModelError(f"gpt-oss needs attention.sliding_window > 0 (have {n_swa})")
+            base_swa = float(_field(r, a + "rope.freq_base_swa", default=self.rope_base, required=False))
+            for il in range(0, self.n_layer, 2):                      # even layers: the window ones
+                self.window[il] = n_swa
+                self.layer_rope[il] = (base_swa, True)                # scaled like the global layers
         # Mixture of experts (see the docstring).
         self.n_expert = int(_field(r, a + "expert_count", default=0, required=False))
         self.n_expert_used = int(_field(r, a + "expert_used_count", default=0, required=False))
         if self.n_expert and arch not in MOE_ARCHS:
             raise GGUFModelError(f"'{a}expert_count' on {arch}: experts are modelled for "
                                  f"{' and '.join(MOE_ARCHS)} only")
-        if arch == "qwen3moe" and not self.n_expert:
-            raise GGUFModelError("qwen3moe needs expert_count > 0 (llama.cpp refuses it too)")
+        if arch in ("qwen3moe", "gpt-oss") and not self.n_expert:
+            raise GGUFModelError(f"{arch} needs expert_count > 0 (llama.cpp refuses it too)")
         if self.n_expert and not 1 <= self.n_expert_used <= self.n_expert:
             raise GGUFModelError(f"expert_used_count {self.n_expert_used} not in [1, expert_count "
                                  f"{self.n_expert}]")
@@ -291,6 +347,8 @@ class LlamaModel:
         if arch == "qwen3moe":
             self.n_ff_exp = int(_field(r, a + "expert_feed_forward_length", required=False,
                                        default=self.n_ff // self.n_expert_used))
+        elif oss:
+            self.n_ff_exp = int(_field(r, a + "expert_feed_forward_length"))
         self.routing = None
         self.context_length = int(_field(r, a + "context_length", default=0, required=False))
         self.eos_id = _field(r, "tokenizer.ggml.eos_token_id", required=False)
@@ -319,8 +377,9 @@ class LlamaModel:
         d, hk, hv = self.n_embd, self.hd_k, self.hd_v
         self.tok_embd = get("token_embd.weight", (self.n_vocab, d))
         self.output_norm = get("output_norm.weight", (d,))
-        # Tied embeddings: llama.cpp falls back to token_embd when output.weight is absent.
-        self.tied = "output.weight" not in tensors
+        # Tied embeddings: llama.cpp falls back to token_embd when output.weight is absent
+        # (not for gpt-oss, whose loader requires output.weight).
+        self.tied = "output.weight" not in tensors and not oss
         self.output = self.tok_embd if self.tied else get("output.weight", (self.n_vocab, d))
 
         # Per-pair frequency divisors: Llama 3's rope_freqs (llama.cpp's qwen2/qwen3/gemma3/phi3
@@ -334,7 +393,9 @@ class LlamaModel:
                 f = get(f"rope_factors_{name}.weight", (half,), required=False)
                 setattr(self, f"{name}_factors", None if f is None else f.astype(np.float64))
 
-        bias_required = arch == "qwen2"     # optional (and absent in practice) for the others
+        # Optional (and absent in practice) for the others; gpt-oss's files have them, but llama.cpp
+        # loads them as optional there too.
+        bias_required = arch == "qwen2"
         qk_norm = arch in ("qwen3", "qwen3moe", "gemma3")
         gemma = arch == "gemma3"
         nq, nk, nv = self.n_head * hk, self.n_head_kv * hk, self.n_head_kv * hv
@@ -359,8 +420,11 @@ class LlamaModel:
                 q_norm=get(p + "attn_q_norm.weight", (hk,)) if qk_norm else None,
                 k_norm=get(p + "attn_k_norm.weight", (hk,)) if qk_norm else None,
                 wo=get(p + "attn_output.weight", (d, self.n_head * hv)),
+                bo=get(p + "attn_output.bias", (d,)) if oss else None,
+                sinks=get(p + "attn_sinks.weight", (self.n_head,)) if oss else None,
                 post_attn_norm=get(p + "post_attention_norm.weight", (d,)) if gemma else None,
-                ffn_norm=get(p + "ffn_norm.weight", (d,)),
+                # gpt-oss: post_attention_norm is the FFN's (pre-)norm, under another name
+                ffn_norm=get(p + ("post_attention_norm.weight" if oss else "ffn_norm.weight"), (d,)),
                 post_ffn_norm=get(p + "post_ffw_norm.weight", (d,)) if gemma else None,
                 router=None,
             )
@@ -370,6 +434,11 @@ class LlamaModel:
                          w_gate=get(p + "ffn_gate_exps.weight", (E, fe, d)),
                          w_up=get(p + "ffn_up_exps.weight", (E, fe, d)),
                          w_down=get(p + "ffn_down_exps.weight", (E, d, fe)))
+                if oss:                                    # biases [E, n] (GGML [n, E])
+                    L.update(router_b=get(p + "ffn_gate_inp.bias", (E,)),
+                             b_gate=get(p + "ffn_gate_exps.bias", (E, fe)),
+                             b_up=get(p + "ffn_up_exps.bias", (E, fe)),
+                             b_down=get(p + "ffn_down_exps.bias", (E, d)))
             elif arch == "phi3":                             # gate_up_proj: the gate's rows, then up's
                 gate_up = get(p + "ffn_up.weight", (2 * self.n_ff, d))
                 L.update(w_gate=gate_up[:self.n_ff], w_up=gate_up[self.n_ff:])
@@ -379,6 +448,8 @@ class LlamaModel:
                 L.update(w_down=get(p + "ffn_down.weight", (d, self.n_ff)))
             self.layers.append(L)
         self.act = gelu_tanh if gemma else silu
+        # The gated activation of the FFN / experts: act(gate) * up, or gpt-oss's clamped variant.
+        self.glu = swiglu_oai if oss else (lambda g, u: self.act(g) * u)
         # A tensor we do not read may be one llama.cpp applies (an attn_output or output
         # bias, a fused attn_qkv...): refuse rather than "verify" a different model.
         unused = sorted(set(tensors) - used)
@@ -451,7 +522,7 @@ class LlamaModel:
     def moe_ffn(self, h: np.ndarray, L: dict, il: int) -> np.ndarray:
         """The FFN of a MoE layer (see the docstring) on h = RMSNorm(x) * ffn_norm, [T, d]."""
         K = self.n_expert_used
-        logits = h @ L["router"].T                                       # [T, E]
+        logits = linear(h, L["router"], L.get("router_b"))              # [T, E]
         # A stable sort of the negated logits: the largest first, an exact tie to the lower index.
         order = np.argsort(-logits, axis=-1, kind="stable")
         chosen = order[:, :K]                                            # [T, K]
@@ -467,7 +538,12 @@ class LlamaModel:
         for e in np.unique(chosen):
             rows, slot = np.nonzero(chosen == e)                         # the tokens that chose e
             he = h[rows]
-            y = (self.act(he @ L["w_gate"][e].T) * (he @ L["w_up"][e].T)) @ L["w_down"][e].T
+            if "b_gate" in L:                                            # gpt-oss: biased experts
+                g = linear(he, L["w_gate"][e], L["b_gate"][e])
+                u = linear(he, L["w_up"][e], L["b_up"][e])
+                y = linear(self.glu(g, u), L["w_down"][e], L["b_down"][e])
+            else:
+                y = self.glu(he @ L["w_gate"][e].T, he @ L["w_up"][e].T) @ L["w_down"][e].T
             out[rows] += w[rows, slot][:, None] * y
         return out
 
@@ -514,11 +590,17 @@ class LlamaModel:
             qg = q.reshape(T, self.n_head_kv, group, self.hd_k)
             scores = np.einsum("tgrd,sgd->grts", qg, K) * scale          # [n_kv, group, T, S]
             scores = np.where(mask, -np.inf, scores)
-            scores = scores - scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
+            if L["sinks"] is None:
+                scores = scores - scores.max(axis=-1, keepdims=True)
+                p = np.exp(scores)
+                p /= p.sum(axis=-1, keepdims=True)
+            else:                                        # gpt-oss: one extra logit per head, no value
+                sink = L["sinks"].reshape(self.n_head_kv, group)[:, :, None, None]
+                m = np.maximum(scores.max(axis=-1, keepdims=True), sink)
+                p = np.exp(scores - m)
+                p /= p.sum(axis=-1, keepdims=True) + np.exp(sink - m)
             attn = np.einsum("grts,sgd->tgrd", p, V).reshape(T, self.n_head * self.hd_v)
-            o = attn @ L["wo"].T
+            o = linear(attn, L["wo"], L["bo"])
             if L["post_attn_norm"] is not None:          # gemma3: norm before the residual add
                 o = rms_norm(o, L["post_attn_norm"], self.eps)
             x = x + o
@@ -527,7 +609,7 @@ class LlamaModel:
             if L["router"] is not None:
                 f = self.moe_ffn(h, L, il)
             else:
-                f = (self.act(h @ L["w_gate"].T) * (h @ L["w_up"].T)) @ L["w_down"].T
+                f = self.glu(h @ L["w_gate"].T, h @ L["w_up"].T) @ L["w_down"].T
             if L["post_ffn_norm"] is not None:           # gemma3
                 f = rms_norm(f, L["post_ffn_norm"], self.eps)
             x = x + f

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write a small llama / qwen2 / qwen3 / gemma3 / phi3 / qwen3moe GGUF with random weights, for fast unit tests.
+"""Write a small llama / qwen2 / qwen3 / gemma3 / phi3 / qwen3moe / gpt-oss GGUF with random weights, for fast unit tests.
 
     make_tiny_gguf.py OUT.gguf --vocab ../shared/data/vocab/ggml-vocab-starcoder.gguf \
         [--type Q4_0] [--untied] [--n-layer 2] [--n-head 4 --n-head-kv 2] [--seed 0] ...
@@ -51,6 +51,24 @@ Mixtral file (the experts' hidden size is feed_forward_length = --n-ff). --arch 
 qwen3's attention (q/k norms, NEOX RoPE, key_length) with experts on every layer (E > 0 required)
 and qwen3moe.expert_feed_forward_length = --n-ff-exp (default 32, or 256 with a 256-block type;
 feed_forward_length is --n-ff, unused by the layers, as in the real files).
+
+--arch gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE; E > 0 required) is OpenAI's gpt-oss layout, tensors and
+keys as conversion/gpt_oss.py writes them: per layer attn_norm, q/k/v with random F32 biases
+attn_{q,k,v}.bias, attn_output.weight and .bias, blk.N.attn_sinks.weight ([n_head] F32, normal with
+std 1.5, so that the sink visibly takes a share of each softmax), post_attention_norm.weight (the
+FFN's input norm, near 1; no ffn_norm), the router ffn_gate_inp.weight and .bias, the experts
+ffn_{gate,up,down}_exps.weight (in --type) with F32 biases ffn_{gate,up}_exps.bias (GGML
+[n_ff_exp, E]) and ffn_down_exps.bias (GGML [n_embd, E]); always a separate output.weight (in
+--output-type). The gate and up values are about 3 in std (bias included) so that the activation's
+clamps (gate <= 7, |up| <= 7) bite on a few percent of them; down is scaled to keep the expert's
+output O(1). Keys: expert_feed_forward_length = --n-ff-exp (qwen3moe's default) and
+feed_forward_length = --n-ff or else the same value (the converter writes intermediate_size to
+both), key_length/value_length = the head dim (always; --head-dim may make n_head * head_dim differ
+from n_embd, as in the real model: 64 * 64 vs 2880), attention.sliding_window = --sliding-window
+(default 4; 0 omits the key, which llama.cpp requires: an error-path file), no
+rope.dimension_count (unless --rope-dims), rope.freq_base_swa only with --rope-base-swa; with --yarn
+also rope.scaling.yarn_beta_fast/_slow (32/1 unless given), as the current converter writes them from
+gpt-oss's config.json. Even layers are the sliding-window ones.
 
 RoPE scaling for any family: --yarn FACTOR writes rope.scaling.type yarn, rope.scaling.factor
 and rope.scaling.original_context_length = --orig-ctx (default --ctx / FACTOR);
@@ -122,6 +140,36 @@ def copy_tokenizer(writer: gguf.GGUFWriter, vocab_path: str) -> int:
     return n_vocab
 
 
+def gpt_oss_layer(p, args, d, hd, ff_exp, normal, norm_weight, rng):
+    """The tensors of one gpt-oss layer (llama.cpp's openai-moe loader: names and GGML shapes), in the
+    order the loader creates them. Scales: q/k/v/o outputs O(1) per element, their biases 0.5 (dropping
+    one moves the logits clearly); sinks N(0, 1.5) against attention scores of about unit spread;
+    gate and up about 3 in std (weights 2.6, biases 1.5) so that min(g, 7) and clamp(u, -7, 7) bite on a
+    few percent of the values; down scaled by 1/7 (the hidden values' RMS is about 7) plus a 0.5 bias."""
+    E, nq, nkv = args.n_expert, args.n_head * hd, args.n_head_kv * hd
+    t = [(p + "attn_norm.weight", norm_weight(), "F32"),
+         (p + "post_attention_norm.weight", norm_weight(), "F32"),
+         (p + "attn_q.weight", normal((nq, d), d ** -0.5), args.type),
+         (p + "attn_k.weight", normal((nkv, d), d ** -0.5), args.type),
+         (p + "attn_v.weight", normal((nkv, d), d ** -0.5), args.type),
+         (p + "attn_q.bias", normal(nq, 0.5), "F32"),
+         (p + "attn_k.bias", normal(nkv, 0.5), "F32"),
+         (p + "attn_v.bias", normal(nkv, 0.2), "F32"),
+         (p + "attn_output.weight", normal((d, nq), nq ** -0.5), args.type),
+         (p + "attn_sinks.weight", normal(args.n_head, 1.5), "F32"),
+         (p + "ffn_gate_inp.weight", rng.normal(0.0, args.router_scale * d ** -0.5, (E, d)).astype(np.float32),
+          args.router_type),
+         (p + "ffn_gate_exps.weight", normal((E, ff_exp, d), 2.6 * d ** -0.5), args.type),
+         (p + "ffn_down_exps.weight", normal((E, d, ff_exp), ff_exp ** -0.5 / 7.0), args.type),
+         (p + "ffn_up_exps.weight", normal((E, ff_exp, d), 2.6 * d ** -0.5), args.type),
+         (p + "attn_output.bias", normal(d, 0.2), "F32"),
+         (p + "ffn_gate_inp.bias", rng.normal(0.0, 0.25 * args.router_scale, E).astype(np.float32), "F32"),
+         (p + "ffn_gate_exps.bias", normal((E, ff_exp), 1.5), "F32"),
+         (p + "ffn_down_exps.bias", normal((E, d), 0.2), "F32"),
+         (p + "ffn_up_exps.bias", normal((E, ff_exp), 1.5), "F32")]
+    return t
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -144,9 +192,10 @@ def main(argv=None) -> int:
                     help="rope.dimension_count (default: head dim; for qwen2/qwen3/gemma3 the key is omitted)")
     ap.add_argument("--rope-base", type=float, help="rope.freq_base (default 10000; 1e6 for gemma3)")
     ap.add_argument("--rope-base-swa", type=float,
-                    help="gemma3: write rope.freq_base_swa (the local layers' base; default: key omitted = 10000)")
-    ap.add_argument("--sliding-window", type=int, default=8,
-                    help="gemma3: attention.sliding_window (default 8; 0 omits the key)")
+                    help="gemma3/gpt-oss: write rope.freq_base_swa (the local layers' base; default: key omitted "
+                         "= 10000 for gemma3, rope.freq_base for gpt-oss)")
+    ap.add_argument("--sliding-window", type=int,
+                    help="gemma3/phi3/gpt-oss: attention.sliding_window (default 8, gpt-oss 4; 0 omits the key)")
     ap.add_argument("--long-rope", type=int, metavar="N",
                     help="phi3: LongRoPE factors and attn_factor, original context length N")
     ap.add_argument("--fused-qkv", action="store_true", help="one attn_qkv matrix (phi3: always)")
@@ -159,8 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-expert", type=int, default=0, help="experts per layer (default 0: a dense FFN)")
     ap.add_argument("--n-expert-used", type=int, help="experts chosen per token (with --n-expert)")
     ap.add_argument("--n-ff-exp", type=int,
-                    help="qwen3moe: the experts' hidden size, expert_feed_forward_length (default 32, or 256 "
-                         "with a 256-block type)")
+                    help="qwen3moe/gpt-oss: the experts' hidden size, expert_feed_forward_length (default 32, or "
+                         "256 with a 256-block type)")
     ap.add_argument("--router-type", default="F32", choices=TYPES, help="type of ffn_gate_inp (default F32)")
     ap.add_argument("--router-scale", type=float, default=2.0,
                     help="standard deviation of the router logits, about (default 2.0)")
@@ -176,8 +225,9 @@ def main(argv=None) -> int:
     out_type = args.output_type or args.type
     moe = args.n_expert > 0
     qwen3moe = args.arch == "qwen3moe"
-    if qwen3moe and not moe:
-        raise SystemExit("--arch qwen3moe needs --n-expert (and --n-expert-used)")
+    oss = args.arch == "gpt-oss"
+    if (qwen3moe or oss) and not moe:
+        raise SystemExit(f"--arch {args.arch} needs --n-expert (and --n-expert-used)")
     if moe:
         if args.arch in ("qwen2", "qwen3", "gemma3", "phi3"):
             raise SystemExit(f"--n-expert: llama.cpp has no experts for {args.arch} (use llama or qwen3moe)")
@@ -188,26 +238,30 @@ def main(argv=None) -> int:
                   f"an invalid file, for error-path tests", file=sys.stderr)
     elif args.n_expert_used or args.n_ff_exp:
         raise SystemExit("--n-expert-used / --n-ff-exp need --n-expert")
-    if args.n_ff_exp and not qwen3moe:
-        raise SystemExit("--n-ff-exp is for --arch qwen3moe (a llama/Mixtral file's experts are --n-ff wide)")
-    used = {args.type, embd_type, out_type if args.untied else None, args.router_type if moe else None}
+    if args.n_ff_exp and not (qwen3moe or oss):
+        raise SystemExit("--n-ff-exp is for --arch qwen3moe/gpt-oss (a llama/Mixtral file's experts are --n-ff wide)")
+    untied = args.untied or oss                          # gpt-oss always has its own output.weight
+    used = {args.type, embd_type, out_type if untied else None, args.router_type if moe else None}
     uses_k = bool(used & K_TYPES)
     if used & set(kquants.QUANTIZERS):
         # The packers' layout is proven against gguf's decoders (a few ms) every time they are
         # used: a packer bug would otherwise only give other valid blocks, and no test would fail.
         kquants.selfcheck()
     d = args.n_embd or (256 if uses_k else 64)
-    ff = args.n_ff or (512 if uses_k else 128)
-    ff_exp = (args.n_ff_exp or (256 if uses_k else 32)) if qwen3moe else ff   # the experts' hidden size
+    ff_exp = (args.n_ff_exp or (256 if uses_k else 32)) if (qwen3moe or oss) else None   # the experts' hidden size
+    # gpt-oss: the converter writes intermediate_size (the experts' width) as feed_forward_length too.
+    ff = args.n_ff or (ff_exp if oss else 512 if uses_k else 128)
+    ff_exp = ff_exp or ff
     if d % args.n_head or args.n_head % args.n_head_kv:
         raise SystemExit("need n_embd % n_head == 0 and n_head % n_head_kv == 0")
     hd = args.head_dim or d // args.n_head
     rot = args.rope_dims or hd
-    qwen = args.arch in ("qwen2", "qwen3", "qwen3moe", "gemma3")    # NEOX families: rope.dimension_count only on request
+    qwen = args.arch in ("qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")   # NEOX: rope.dimension_count only on request
     gemma = args.arch == "gemma3"
     phi3 = args.arch == "phi3"
     fused_qkv = phi3 or args.fused_qkv
     rope_base = args.rope_base if args.rope_base is not None else (1e6 if gemma else 10000.0)
+    sliding_window = args.sliding_window if args.sliding_window is not None else (4 if oss else 8)
     if args.arch == "qwen2" and args.n_head * hd != d:
         raise SystemExit("qwen2 needs n_head * head_dim == n_embd (llama.cpp's qwen2 attn_q and attn_output "
                          "are [n_embd, n_embd])")
@@ -239,11 +293,11 @@ def main(argv=None) -> int:
     w.add_float32(a + "rope.freq_base", rope_base)
     if not qwen or args.rope_dims:
         w.add_uint32(a + "rope.dimension_count", rot)
-    if args.head_dim or args.arch in ("qwen3", "qwen3moe", "gemma3"):   # the converter writes them when config.json has head_dim
+    if args.head_dim or args.arch in ("qwen3", "qwen3moe", "gemma3", "gpt-oss"):   # the converter writes them when config.json has head_dim
         w.add_uint32(a + "attention.key_length", hd)
         w.add_uint32(a + "attention.value_length", hd)
-    if (gemma or phi3) and args.sliding_window:
-        w.add_uint32(a + "attention.sliding_window", args.sliding_window)
+    if (gemma or phi3 or oss) and sliding_window:
+        w.add_uint32(a + "attention.sliding_window", sliding_window)
     if phi3:
         w.add_uint32(a + "rope.scaling.original_context_length", args.long_rope or args.ctx)
         if args.long_rope:
@@ -253,16 +307,20 @@ def main(argv=None) -> int:
         w.add_string(a + "rope.scaling.type", "yarn")
         w.add_float32(a + "rope.scaling.factor", args.yarn)
         w.add_uint32(a + "rope.scaling.original_context_length", args.orig_ctx or int(args.ctx / args.yarn))
-    for key, value in (("yarn_beta_fast", args.yarn_beta_fast), ("yarn_beta_slow", args.yarn_beta_slow),
+    beta_fast, beta_slow = args.yarn_beta_fast, args.yarn_beta_slow
+    if oss and args.yarn:          # gpt-oss's config.json has beta_fast 32, beta_slow 1: the converter writes them
+        beta_fast = 32.0 if beta_fast is None else beta_fast
+        beta_slow = 1.0 if beta_slow is None else beta_slow
+    for key, value in (("yarn_beta_fast", beta_fast), ("yarn_beta_slow", beta_slow),
                        ("attn_factor", args.rope_attn_factor)):
         if value is not None:
             w.add_float32(a + "rope.scaling." + key, value)
-    if gemma and args.rope_base_swa is not None:
+    if (gemma or oss) and args.rope_base_swa is not None:
         w.add_float32(a + "rope.freq_base_swa", args.rope_base_swa)
     if moe:
         w.add_uint32(a + "expert_count", args.n_expert)
         w.add_uint32(a + "expert_used_count", args.n_expert_used)
-        if qwen3moe:
+        if qwen3moe or oss:
             w.add_uint32(a + "expert_feed_forward_length", ff_exp)
 
     for key in args.drop_key:
@@ -277,7 +335,7 @@ def main(argv=None) -> int:
     # ~0.1*sqrt(n_embd) (tied) or 2 (untied): greedy choices far from ties.
     tensors = [("token_embd.weight", normal((n_vocab, d), 0.1), embd_type),
                ("output_norm.weight", norm_weight(), "F32")]
-    if args.untied:
+    if untied:
         tensors.append(("output.weight", normal((n_vocab, d), 2.0 * d ** -0.5), out_type))
     if args.rope_freqs:
         # Llama 3.1's frequency divisors (convert_hf_to_gguf's "llama3" rope type): 1 for
@@ -296,6 +354,9 @@ def main(argv=None) -> int:
                      (np.exp(np.linspace(0.0, 3.0, half)) * (0.9 + 0.2 * rng.random(half))).astype(np.float32), "F32")]
     for i in range(args.n_layer):
         p = f"blk.{i}."
+        if oss:
+            tensors += gpt_oss_layer(p, args, d, hd, ff_exp, normal, norm_weight, rng)
+            continue
         tensors += [(p + "attn_norm.weight", norm_weight(), "F32")]
         # 1/sqrt(fan_in) keeps each projection's output O(1) per element.
         wq = normal((args.n_head * hd, d), d ** -0.5)
@@ -362,8 +423,8 @@ def main(argv=None) -> int:
     w.close()
     print(f"wrote {args.out}: arch {args.arch}, {args.n_layer} layers, d {d}, ff {ff}, heads {args.n_head}/"
           f"{args.n_head_kv}, head dim {hd}, vocab {n_vocab}, matrices {args.type}, token_embd {embd_type}, "
-          + (f"output {out_type}" if args.untied else "tied output")
-          + (f", sliding window {args.sliding_window or 'none'}" if gemma else "")
+          + (f"output {out_type}" if untied else "tied output")
+          + (f", sliding window {sliding_window or 'none'}" if (gemma or oss) else "")
           + (f", {args.n_expert_used} of {args.n_expert} experts of hidden size {ff_exp}, router {args.router_type}"
              if moe else ""))
     return 0

@@ -45,7 +45,7 @@ def faulty_moe_ffn(fault):
         hr = h
         if fault == "router-unnormed":
             hr = h / L["ffn_norm"]
-        logits = hr @ L["router"].T
+        logits = llama_ref.linear(hr, L["router"], L.get("router_b"))     # gpt-oss: a router bias
         if fault == "ties-high":
             order = (E - 1 - np.argsort(-logits[:, ::-1], axis=-1, kind="stable"))
         else:
@@ -68,9 +68,14 @@ def faulty_moe_ffn(fault):
                 eg = (e + 1) % E if fault == "next-expert" else e
                 ed = (e + 1) % E if fault in ("next-expert", "down-next") else e
                 g, u = L["w_gate"][eg] @ h[t], L["w_up"][eg] @ h[t]
+                if "b_gate" in L:                                       # gpt-oss: biased experts
+                    g, u = g + L["b_gate"][eg], u + L["b_up"][eg]
                 if fault == "gate-up-swapped":
                     g, u = u, g
-                out[t] += w[t, j] * (L["w_down"][ed] @ (self.act(g) * u))
+                y = L["w_down"][ed] @ self.glu(g, u)                    # act(g) * u, or gpt-oss's
+                if "b_down" in L:
+                    y = y + L["b_down"][ed]
+                out[t] += w[t, j] * y
         return out
     return moe_ffn
 
