@@ -116,7 +116,10 @@ std::string file_type_name(const GgufFile& gguf) {
     case 16: return "Q5_K - Small";
     case 17: return "Q5_K - Medium";
     case 18: return "Q6_K";
+    case 25: return "IQ4_NL - 4.5 bpw";
+    case 30: return "IQ4_XS - 4.25 bpw";
     case 32: return "BF16";
+    case 38: return "MXFP4 MoE";
     default: return "type " + std::to_string(*ft);
   }
 }

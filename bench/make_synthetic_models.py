@@ -3,8 +3,10 @@
 
     python3 bench/make_synthetic_models.py --shape llama-3.2-1b --out /tmp/llama-3.2-1b.Q4_0.gguf
     python3 bench/make_synthetic_models.py --shape qwen3-30b-a3b --layers 8 --out /tmp/q3moe-8l.gguf
+    python3 bench/make_synthetic_models.py --shape gpt-oss-20b --layers 8 --out /tmp/gpt-oss-8l.gguf
 
-Shapes (all weight matrices, the embedding and the output in Q4_0, norms and routers in F32):
+Shapes (all weight matrices, the embedding and the output in Q4_0, norms and routers in F32;
+gpt-oss-20b is typed as its official GGUF instead, see below):
     smollm2-135m   30 layers, d 576,  ffn 1536,  9/3 heads,   vocab 49152 (tied)   ~72 MiB
     llama-3.2-1b   16 layers, d 2048, ffn 8192,  32/8 heads,  vocab 128256 (tied)  ~663 MiB
     llama-2-7b     32 layers, d 4096, ffn 11008, 32/32 heads, vocab 32000 (untied) ~3.53 GiB
@@ -14,15 +16,29 @@ Shapes (all weight matrices, the embedding and the output in Q4_0, norms and rou
                    ~15.6 GiB, about 1.4 GiB read per token
     mixtral-8x7b   llama, 32 layers, d 4096, 8 experts of 14336, 2 used, 32/8 heads,
                    vocab 32000 (untied) ~24.6 GiB, about 7 GiB read per token
+    gpt-oss-20b    gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE), 24 layers, d 2880, 32 experts of 2880,
+                   4 used, 64/8 heads of 64 (q 4096 wide), sliding window 128 on the even layers,
+                   rope 150000 with yarn x32 from 4096, biases on q/k/v/o, the router and the
+                   experts, attention sinks; vocab 128256 (untied; gpt-oss's o200k_harmony is
+                   201088: no vocabulary file of that size here, the same substitution as qwen3's)
+                   ~10.86 GiB (the official file, 201088 tokens: 11.27 GiB), about 2.35 GB read
+                   per token (82 MB a layer, 393 MB of output). Typed as ggml-org/gpt-oss-20b-GGUF's
+                   mxfp4 file (file type 38, MXFP4 MoE; 289 f32, 98 q8_0, 72 mxfp4 tensors): the
+                   experts' gate/up/down in MXFP4, the embedding, the output and attention q/k/v/o
+                   in Q8_0, the norms, every bias, the sinks and the router in F32.
 
 --layers N keeps the first N layers of a shape (the same layers, fewer of them): a quick run on a
 small machine that still reads the expert products of the full model, layer by layer.
 
-Speed does not depend on weight values, so the blocks are random bytes with a sane fp16 scale:
-cheap to make (no quantization pass) and the activations stay finite. The tokenizer metadata is
-copied from a vocabulary GGUF in ../shared/data/vocab whose size matches the shape, so both
-ringlm and llama.cpp load the file. Tensors are written one at a time (header first, then each
-tensor's data), so a 7B file never sits in memory whole.
+Speed does not depend on weight values, so the blocks are random bytes with a sane scale (fp16
+for Q4_0 and Q8_0; for MXFP4 an E8M0 exponent per block, half 2^-8 and half 2^-9 at d 2880, so
+weights are at most 0.047 and about 0.018 rms): cheap to make (no quantization pass), each weight
+about 1/sqrt(fan-in) in size, and the activations stay finite. Biases are small random values
+(0.02 rms), the sinks random values of 0.5 rms, the routers unit-scale logits so that tokens
+spread over the experts. The tokenizer metadata is copied from a vocabulary GGUF in
+../shared/data/vocab whose size matches the shape, so both ringlm and llama.cpp load the file.
+Tensors are written one at a time (header first, then each tensor's data), so a 7B file never
+sits in memory whole.
 """
 
 from __future__ import annotations
@@ -43,6 +59,14 @@ DEFAULT_VOCAB_DIR = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "d
 Q4_0_BLOCK = 32       # weights per block
 Q4_0_BLOCK_BYTES = 18  # fp16 scale + 16 bytes of nibbles
 FILE_TYPE_Q4_0 = 2
+FILE_TYPE_MXFP4_MOE = 38  # LLAMA_FTYPE_MOSTLY_MXFP4_MOE: the experts in MXFP4, the rest Q8_0/F32
+
+QBLOCK = 32           # weights per block, Q4_0, Q8_0 and MXFP4 alike
+QTYPES = {"q4_0": (QT.Q4_0, Q4_0_BLOCK_BYTES),
+          "q8_0": (QT.Q8_0, 34),   # fp16 scale + 32 int8
+          "mxfp4": (QT.MXFP4, 17)}  # E8M0 exponent + 16 bytes of E2M1 nibbles
+BIAS_STD = 0.02       # gpt-oss biases
+SINK_STD = 0.5        # gpt-oss attention sinks (logits beside the scores, which are of unit scale)
 
 
 @dataclass(frozen=True)
@@ -62,6 +86,12 @@ class Shape:
     n_expert: int = 0     # 0: a dense FFN of n_ff
     n_expert_used: int = 0
     n_ff_exp: int = 0     # each expert's hidden units (qwen3moe; Mixtral's are n_ff)
+    wtype: str = "q4_0"   # the embedding, the output and the attention/dense FFN matrices
+    exp_type: str = ""    # the experts ("": wtype)
+    file_type: int = FILE_TYPE_Q4_0
+    n_swa: int = 0        # sliding window (gpt-oss: even layers windowed)
+    yarn_factor: float = 0.0  # rope.scaling yarn factor (0: no scaling)
+    yarn_orig_ctx: int = 0
 
     def key_length(self) -> int:
         return self.head_dim or self.n_embd // self.n_head
@@ -75,6 +105,11 @@ SHAPES = {
                            head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768),
     "mixtral-8x7b": Shape(32, 4096, 14336, 32, 8, 32000, False, "llama-spm", 1000000.0, 32768,
                           n_expert=8, n_expert_used=2),
+    # gpt-oss-20b's vocabulary is 201088 (o200k_harmony): no vocabulary file of that size here
+    "gpt-oss-20b": Shape(24, 2880, 2880, 64, 8, 128256, False, "llama-bpe", 150000.0, 131072, arch="gpt-oss",
+                         head_dim=64, n_expert=32, n_expert_used=4, n_ff_exp=2880, wtype="q8_0",
+                         exp_type="mxfp4", file_type=FILE_TYPE_MXFP4_MOE, n_swa=128, yarn_factor=32.0,
+                         yarn_orig_ctx=4096),
 }
 
 
@@ -97,40 +132,58 @@ def copy_tokenizer(writer: gguf.GGUFWriter, vocab_path: str) -> int:
 
 def ffn_tensors(s: Shape, p: str):
     """A layer's feed-forward tensors: (name, experts, rows, cols, kind), experts 0 for a matrix."""
+    w = s.wtype
     if s.n_expert == 0:
-        return [(p + "ffn_gate.weight", 0, s.n_ff, s.n_embd, "q4_0"),
-                (p + "ffn_up.weight", 0, s.n_ff, s.n_embd, "q4_0"),
-                (p + "ffn_down.weight", 0, s.n_embd, s.n_ff, "q4_0")]
+        return [(p + "ffn_gate.weight", 0, s.n_ff, s.n_embd, w),
+                (p + "ffn_up.weight", 0, s.n_ff, s.n_embd, w),
+                (p + "ffn_down.weight", 0, s.n_embd, s.n_ff, w)]
     ff = s.n_ff_exp or s.n_ff
-    return [(p + "ffn_gate_inp.weight", 0, s.n_expert, s.n_embd, "router"),
-            (p + "ffn_gate_exps.weight", s.n_expert, ff, s.n_embd, "q4_0"),
-            (p + "ffn_up_exps.weight", s.n_expert, ff, s.n_embd, "q4_0"),
-            (p + "ffn_down_exps.weight", s.n_expert, s.n_embd, ff, "q4_0")]
+    e = s.exp_type or w
+    out = [(p + "ffn_gate_inp.weight", 0, s.n_expert, s.n_embd, "router"),
+           (p + "ffn_gate_exps.weight", s.n_expert, ff, s.n_embd, e),
+           (p + "ffn_up_exps.weight", s.n_expert, ff, s.n_embd, e),
+           (p + "ffn_down_exps.weight", s.n_expert, s.n_embd, ff, e)]
+    if s.arch == "gpt-oss":  # biases on the router and each expert's three products
+        out += [(p + "ffn_gate_inp.bias", 0, 1, s.n_expert, "bias"),
+                (p + "ffn_gate_exps.bias", 0, s.n_expert, ff, "bias"),
+                (p + "ffn_up_exps.bias", 0, s.n_expert, ff, "bias"),
+                (p + "ffn_down_exps.bias", 0, s.n_expert, s.n_embd, "bias")]
+    return out
 
 
 def tensor_list(s: Shape):
     """(name, experts, rows, cols, kind) in GGUF order; [experts,] rows x cols is numpy order
-    [out, in]; kind: q4_0, norm (F32 ones) or router (F32 random)."""
+    [out, in], rows 1 a vector; kind: a quantized type of QTYPES (q4_0, q8_0, mxfp4), or F32:
+    norm (ones), router (random), bias (small random), sinks (random)."""
     q = s.n_head * s.key_length()
     kv = s.n_head_kv * s.key_length()
-    out = [("token_embd.weight", 0, s.n_vocab, s.n_embd, "q4_0")]
+    w = s.wtype
+    out = [("token_embd.weight", 0, s.n_vocab, s.n_embd, w)]
     for i in range(s.n_layer):
         p = f"blk.{i}."
         out += [
             (p + "attn_norm.weight", 0, 1, s.n_embd, "norm"),
-            (p + "attn_q.weight", 0, q, s.n_embd, "q4_0"),
-            (p + "attn_k.weight", 0, kv, s.n_embd, "q4_0"),
-            (p + "attn_v.weight", 0, kv, s.n_embd, "q4_0"),
-            (p + "attn_output.weight", 0, s.n_embd, q, "q4_0"),
+            (p + "attn_q.weight", 0, q, s.n_embd, w),
+            (p + "attn_k.weight", 0, kv, s.n_embd, w),
+            (p + "attn_v.weight", 0, kv, s.n_embd, w),
+            (p + "attn_output.weight", 0, s.n_embd, q, w),
         ]
         if s.arch == "qwen3moe":
             out += [(p + "attn_q_norm.weight", 0, 1, s.key_length(), "norm"),
                     (p + "attn_k_norm.weight", 0, 1, s.key_length(), "norm")]
-        out.append((p + "ffn_norm.weight", 0, 1, s.n_embd, "norm"))
+        if s.arch == "gpt-oss":
+            out += [(p + "attn_q.bias", 0, 1, q, "bias"),
+                    (p + "attn_k.bias", 0, 1, kv, "bias"),
+                    (p + "attn_v.bias", 0, 1, kv, "bias"),
+                    (p + "attn_output.bias", 0, 1, s.n_embd, "bias"),
+                    (p + "attn_sinks.weight", 0, 1, s.n_head, "sinks"),
+                    (p + "post_attention_norm.weight", 0, 1, s.n_embd, "norm")]
+        else:
+            out.append((p + "ffn_norm.weight", 0, 1, s.n_embd, "norm"))
         out += ffn_tensors(s, p)
     out.append(("output_norm.weight", 0, 1, s.n_embd, "norm"))
     if not s.tied:
-        out.append(("output.weight", 0, s.n_vocab, s.n_embd, "q4_0"))
+        out.append(("output.weight", 0, s.n_vocab, s.n_embd, w))
     return out
 
 
@@ -143,6 +196,41 @@ def random_q4_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def random_q8_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Random Q8_0 blocks as bytes [rows, cols/32*34]: int8 in [-127, 127] (as ggml's quantizer
+    writes them; a standard deviation of about 73.6) under an fp16 scale giving each weight a
+    standard deviation of about 1/sqrt(cols)."""
+    blocks = rng.integers(0, 256, size=(rows, cols // QBLOCK, 34), dtype=np.uint8)
+    qs = blocks[:, :, 2:].view(np.int8)
+    np.maximum(qs, -127, out=qs)
+    scale = np.float16(1.0 / (73.6 * np.sqrt(cols)))
+    blocks[:, :, 0:2] = np.frombuffer(scale.tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def mxfp4_exponent(cols: int) -> int:
+    """The larger of the two E8M0 exponents random_mxfp4 uses for a fan-in of cols.
+
+    A weight is kvalue * 2^(e-128) (ggml_e8m0_to_fp32_half: the kvalues are E2M1 doubled, 0..12);
+    uniform nibbles give kvalues of rms sqrt(274/8) = 5.85, and blocks drawing e and e-1 with
+    equal odds make the weights' rms 5.85 * sqrt(0.625) * 2^(e-128) = 4.63 * 2^(e-128): e is
+    chosen so that this is nearest 1/sqrt(cols) (d 2880: e = 120, rms 0.018, at most 0.047)."""
+    return 128 + int(round(np.log2(1.0 / (4.63 * np.sqrt(cols)))))
+
+
+def random_mxfp4(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Random MXFP4 blocks as bytes [rows, cols/32*17] (ggml's block_mxfp4: one E8M0 exponent,
+    then 16 bytes of E2M1 nibbles, any of the 16 codes a valid weight), the exponent of each block
+    mxfp4_exponent(cols) or one less, at random: real MXFP4 weights vary their scale block by block."""
+    blocks = rng.integers(0, 256, size=(rows, cols // QBLOCK, 17), dtype=np.uint8)
+    e = mxfp4_exponent(cols)
+    blocks[:, :, 0] = e - (blocks[:, :, 0] & 1)
+    return blocks.reshape(rows, -1)
+
+
+RANDOM_BLOCKS = {"q4_0": random_q4_0, "q8_0": random_q8_0, "mxfp4": random_mxfp4}
+
+
 def write_model(shape_name: str, out_path: str, vocab_dir: str, seed: int, n_layers: int = 0) -> None:
     s = SHAPES[shape_name]
     if n_layers:
@@ -152,8 +240,9 @@ def write_model(shape_name: str, out_path: str, vocab_dir: str, seed: int, n_lay
     vocab_path = os.path.join(vocab_dir, f"ggml-vocab-{s.vocab}.gguf")
     a = s.arch + "."
     w = gguf.GGUFWriter(out_path, s.arch)
-    w.add_string("general.name", f"ringlm synthetic {shape_name} (random Q4_0)")
-    w.add_uint32("general.file_type", FILE_TYPE_Q4_0)
+    types = "random Q4_0" if s.file_type == FILE_TYPE_Q4_0 else "random MXFP4 experts, Q8_0"
+    w.add_string("general.name", f"ringlm synthetic {shape_name} ({types})")
+    w.add_uint32("general.file_type", s.file_type)
     w.add_uint32("general.quantization_version", 2)
     w.add_uint32(a + "vocab_size", s.n_vocab)
     w.add_uint32(a + "context_length", s.n_ctx)
@@ -173,6 +262,12 @@ def write_model(shape_name: str, out_path: str, vocab_dir: str, seed: int, n_lay
         w.add_uint32(a + "expert_used_count", s.n_expert_used)
         if s.n_ff_exp:
             w.add_uint32(a + "expert_feed_forward_length", s.n_ff_exp)
+    if s.n_swa:
+        w.add_uint32(a + "attention.sliding_window", s.n_swa)
+    if s.yarn_factor:
+        w.add_string(a + "rope.scaling.type", "yarn")
+        w.add_float32(a + "rope.scaling.factor", s.yarn_factor)
+        w.add_uint32(a + "rope.scaling.original_context_length", s.yarn_orig_ctx)
     n_vocab = copy_tokenizer(w, vocab_path)
     if n_vocab != s.n_vocab:
         raise SystemExit(f"{vocab_path} has {n_vocab} tokens, shape {shape_name} needs {s.n_vocab}")
@@ -180,12 +275,13 @@ def write_model(shape_name: str, out_path: str, vocab_dir: str, seed: int, n_lay
     tensors = tensor_list(s)
     for name, experts, rows, cols, kind in tensors:
         lead = (experts,) if experts else ()
-        if kind == "q4_0":
-            row_bytes = cols // Q4_0_BLOCK * Q4_0_BLOCK_BYTES
+        if kind in QTYPES:
+            qtype, block_bytes = QTYPES[kind]
+            row_bytes = cols // QBLOCK * block_bytes
             w.add_tensor_info(name, lead + (rows, row_bytes), np.dtype(np.uint8), max(experts, 1) * rows * row_bytes,
-                              raw_dtype=QT.Q4_0)
+                              raw_dtype=qtype)
         else:
-            shape = (cols,) if kind == "norm" else (rows, cols)
+            shape = (cols,) if rows == 1 else (rows, cols)
             w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -194,10 +290,13 @@ def write_model(shape_name: str, out_path: str, vocab_dir: str, seed: int, n_lay
     rng = np.random.default_rng(seed)
     total = 0
     for name, experts, rows, cols, kind in tensors:
-        if kind == "q4_0":
-            data = random_q4_0(rng, max(experts, 1) * rows, cols)
+        if kind in QTYPES:
+            data = RANDOM_BLOCKS[kind](rng, max(experts, 1) * rows, cols)
         elif kind == "router":  # logits of unit scale: every token picks its own experts
             data = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+        elif kind in ("bias", "sinks"):
+            std = BIAS_STD if kind == "bias" else SINK_STD
+            data = (rng.standard_normal((cols,) if rows == 1 else (rows, cols)) * std).astype(np.float32)
         else:
             data = np.ones(cols, dtype=np.float32)
         w.write_tensor_data(data)
