@@ -415,11 +415,15 @@ TEST(DeviceFallback, WeightsArePlacedByTheirLayerNotTheirName) {
   EXPECT_EQ(device->layer_device(1), "opencl:0");
 }
 
-// A mixture of experts (the tiny Mixtral-style model) on the device, op by op through the seam's
-// default, with every layer's experts on the CPU (--cpu-moe) and with the first layer's
-// (--n-cpu-moe 1): the logits of a prompt and of each decode step are the CPU's (fp32).
-TEST(DeviceExperts, AMixtureOfExpertsOnTheDeviceOrBesideItGivesTheCpusLogits) {
-  const std::string path = std::string(RINGLM_TEST_WORK_DIR) + "/tiny_mixtral_q4_0.gguf";
+// A mixture of experts (the tiny Mixtral-style model; gpt-oss's, whose sinks and clamped SwiGLU
+// the plugin leaves to the CPU and whose expert biases take the seam's biased path) on the
+// device, op by op through the seam's default, with every layer's experts on the CPU (--cpu-moe)
+// and with the first layer's (--n-cpu-moe 1): the logits of a prompt and of each decode step are
+// the CPU's (fp32).
+class DeviceExperts : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(DeviceExperts, AMixtureOfExpertsOnTheDeviceOrBesideItGivesTheCpusLogits) {
+  const std::string path = std::string(RINGLM_TEST_WORK_DIR) + "/" + GetParam();
   LoadedModel cpu = load_model(path, 1, ComputeType::kFp32);
   const std::vector<int32_t> prompt = cpu.tokenizer->encode("one two three four five six", false, true);
   const auto logits_of = [&](LlamaModel& model) {
@@ -445,6 +449,9 @@ TEST(DeviceExperts, AMixtureOfExpertsOnTheDeviceOrBesideItGivesTheCpusLogits) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Models, DeviceExperts, ::testing::Values("tiny_mixtral_q4_0.gguf", "tiny_gpt_oss_q8_0.gguf"),
+                         [](const auto& info) { return std::string(info.param).substr(5, std::string(info.param).size() - 10); });
 
 // --- The command line --------------------------------------------------------------------------
 
