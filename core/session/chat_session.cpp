@@ -181,8 +181,12 @@ int ChatSession::rewrite_reply(std::string_view generated, int n_generated) {
   // The newest n_generated tokens are the reply's when a shift has left that many after the sinks.
   const bool whole_reply = n_generated <= cache().size() - cache().n_keep();
   if (!whole_reply || n_generated > cache().max_rollback()) return 0;  // kept as generated
-  sequence_.rollback(n_generated);
   const std::vector<int32_t> tokens = tokenizer_.encode(rendered, /*add_bos=*/false, /*parse_special=*/true);
+  // Without a context shift the rendering must fit where the reply was (a reply without
+  // headers renders longer than it was).
+  const int size_after = cache().size() - n_generated + static_cast<int>(tokens.size());
+  if (!cache().options().context_shift && size_after >= cache().capacity()) return 0;
+  sequence_.rollback(n_generated);
   sequence_.prefill(tokens);
   pending_text_.clear();  // the rendering closes the reply itself
   return static_cast<int>(tokens.size());

@@ -92,9 +92,9 @@ class ChatSession {
   // tokens are rolled back and the template's text evaluated, unless the reply is already that
   // text. A cache that cannot roll the whole reply back keeps it as generated, reasoning
   // included: one whose sliding-window ring holds fewer tokens beyond its window than the reply
-  // has (LlamaModel keeps a pass, 256 tokens, beyond it), or one whose context shift dropped the
-  // start of the reply. (Re-evaluating the whole conversation instead would cost a prefill of it
-  // at every turn.)
+  // has (LlamaModel keeps a pass, 256 tokens, beyond it), one whose context shift dropped the
+  // start of the reply, or one that does not shift and has no room for the rendering.
+  // (Re-evaluating the whole conversation instead would cost a prefill of it at every turn.)
   ChatTurnStats reply(std::string_view user_message, const std::function<void(std::string_view)>& on_text,
                       const std::atomic<bool>* stop = nullptr,
                       const std::function<void(std::string_view)>& on_reasoning = {});
