@@ -195,15 +195,33 @@ class ChatApp {
   }
 
   // One user turn: stream the reply. Returns whether Ctrl-C stopped it.
+  //
+  // The reasoning of a format with channels (harmony) is shown dimmed before the answer when
+  // stdout is a terminal, and not at all otherwise: piped, stdout carries the answers only.
   bool send(const std::string& message) {
     interrupt_requested().store(false);
+    const auto write = [](std::string_view piece) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    };
+    bool in_reasoning = false;
+    const auto show_reasoning = [&](std::string_view piece) {
+      if (!in_reasoning) std::fputs("\033[2m", stdout);  // dim
+      in_reasoning = true;
+      write(piece);
+    };
+    const auto end_reasoning = [&](const char* after) {
+      if (in_reasoning) std::fprintf(stdout, "\033[0m%s", after);
+      in_reasoning = false;
+    };
     last_ = session_.reply(
         message,
-        [](std::string_view piece) {
-          std::fwrite(piece.data(), 1, piece.size(), stdout);
-          std::fflush(stdout);
+        [&](std::string_view piece) {
+          end_reasoning("\n");
+          write(piece);
         },
-        &interrupt_requested());
+        &interrupt_requested(), show_reasoning_ ? std::function<void(std::string_view)>(show_reasoning) : nullptr);
+    end_reasoning("");
     std::fputc('\n', stdout);
     std::fflush(stdout);
     has_last_ = true;
@@ -299,6 +317,7 @@ class ChatApp {
         j["last_turn"] = {{"prefill_tokens", last_.prefill_tokens}, {"prefill_ms", last_.prefill_ms},
                           {"reply_tokens", last_.reply_tokens},     {"reply_ms", last_.reply_ms},
                           {"reply_tps", per_second(last_.reply_tokens, last_.reply_ms)},
+                          {"rewritten_tokens", last_.rewritten_tokens}, {"rewrite_ms", last_.rewrite_ms},
                           {"stop", last_.stop_reason}};
       }
       say("%s\n", j.dump().c_str());
@@ -311,6 +330,10 @@ class ChatApp {
       say("last turn %d new tokens prefilled in %.0f ms (%.1f t/s); reply %d tokens in %.0f ms (%.1f t/s), stop: %s\n",
           last_.prefill_tokens, last_.prefill_ms, per_second(last_.prefill_tokens, last_.prefill_ms), last_.reply_tokens,
           last_.reply_ms, per_second(last_.reply_tokens, last_.reply_ms), last_.stop_reason.c_str());
+      if (last_.rewritten_tokens > 0) {
+        say("          the reply as the template writes it (the answer alone) evaluated in its place: %d tokens in %.0f ms\n",
+            last_.rewritten_tokens, last_.rewrite_ms);
+      }
     }
     say("memory    KV cache %.1f MiB (%s), weights %.1f MiB, resident %.1f MiB\n", mib(static_cast<double>(cache.bytes())),
         cache.type() == KvType::kF16 ? "f16" : "f32", mib(static_cast<double>(model_.model->weight_bytes())),
@@ -323,6 +346,7 @@ class ChatApp {
   ChatSession session_;
   ChatTurnStats last_;
   bool has_last_ = false;
+  const bool show_reasoning_ = isatty(STDOUT_FILENO) != 0;
 };
 
 std::string history_file() {

@@ -256,6 +256,8 @@ json completion_response(const CompletionRequest& request, const ResponseHead& h
     json choice = {{"index", c.index}, {"finish_reason", c.finish_reason}};
     if (request.endpoint == Endpoint::kChat) {
       choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      // As llama-server: only when the format kept reasoning apart and the model wrote some.
+      if (!c.reasoning.empty()) choice["message"]["reasoning_content"] = c.reasoning;
       choice["logprobs"] = request.logprobs ? chat_logprobs(c.tokens) : json();
     } else {
       choice["text"] = c.text;
@@ -269,13 +271,15 @@ json completion_response(const CompletionRequest& request, const ResponseHead& h
 }
 
 json stream_chunk(const CompletionRequest& request, const ResponseHead& head, int index, const std::string& text,
-                  const std::vector<TokenInfo>& tokens, const std::string& finish_reason, bool role) {
+                  const std::vector<TokenInfo>& tokens, const std::string& finish_reason, bool role,
+                  const std::string& reasoning) {
   json out = head_json(request, head, true);
   json choice = {{"index", index}, {"finish_reason", finish_reason.empty() ? json() : json(finish_reason)}};
   if (request.endpoint == Endpoint::kChat) {
     json delta = json::object();
     if (role) delta["role"] = "assistant";
-    if (!text.empty() || (!role && finish_reason.empty())) delta["content"] = text;
+    if (!reasoning.empty()) delta["reasoning_content"] = reasoning;
+    if (!text.empty() || (!role && finish_reason.empty() && reasoning.empty())) delta["content"] = text;
     choice["delta"] = delta;
     choice["logprobs"] = request.logprobs && !tokens.empty() ? chat_logprobs(tokens) : json();
   } else {

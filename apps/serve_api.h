@@ -74,7 +74,8 @@ struct TokenInfo {
 // What a finished choice holds.
 struct Choice {
   int index = 0;
-  std::string text;
+  std::string text;                 // chat: the answer (content)
+  std::string reasoning;            // chat: the reasoning a format keeps apart (reasoning_content)
   std::string finish_reason;        // "stop" or "length"
   std::vector<TokenInfo> tokens;    // with logprobs only
 };
@@ -94,10 +95,12 @@ struct ResponseHead {
 // The whole response of a request that did not stream.
 json completion_response(const CompletionRequest& request, const ResponseHead& head, const std::vector<Choice>& choices,
                          const Usage& usage);
-// A stream chunk of one choice: its first (the role, chat only), a piece of text with its
-// tokens' log-probabilities, or its last (finish_reason set, no text).
+// A stream chunk of one choice: its first (the role, chat only), a piece of text (chat: of the
+// answer, and of the reasoning as reasoning_content) with its tokens' log-probabilities, or its
+// last (finish_reason set, no text).
 json stream_chunk(const CompletionRequest& request, const ResponseHead& head, int index, const std::string& text,
-                  const std::vector<TokenInfo>& tokens, const std::string& finish_reason, bool role = false);
+                  const std::vector<TokenInfo>& tokens, const std::string& finish_reason, bool role = false,
+                  const std::string& reasoning = "");
 // The last chunk of a stream that asked for the usage (stream_options.include_usage).
 json usage_chunk(const CompletionRequest& request, const ResponseHead& head, const Usage& usage);
 // A server-sent event carrying `data`: "data: <json>\n\n".

@@ -36,6 +36,7 @@
 #include "apps/serve_api.h"
 #include "core/scheduler/serving_engine.h"
 #include "core/session/chat_session.h"
+#include "core/session/reply_parser.h"
 
 namespace ringlm {
 
@@ -189,7 +190,9 @@ void Server::load() {
     std::string notice;
     template_ = chat_template_for(*model_->gguf, *model_->tokenizer, o_.chat_template, notice);
     if (!notice.empty()) std::fprintf(stderr, "ringlm: %s\n", notice.c_str());
-    if (auto marker = model_->tokenizer->find_token(template_->end_of_turn())) end_of_turn_.push_back(*marker);
+    for (const std::string& text : template_->end_markers()) {
+      if (auto marker = model_->tokenizer->find_token(text)) end_of_turn_.push_back(*marker);
+    }
     BatchOptions batch;
     batch.n_parallel = o_.n_parallel;
     batch.n_ctx = o_.model.n_ctx > 0 ? o_.model.n_ctx : model_->model->hparams().n_ctx_train;
@@ -292,6 +295,11 @@ void Server::gather(std::vector<StreamEvent> events, const CompletionRequest& re
     if (e.kind == StreamEvent::Kind::kPiece && e.token >= 0 && request.logprobs) c.tokens.push_back(token_info(e));
     if (e.kind == StreamEvent::Kind::kDone) {
       c.text = e.result.text;
+      if (request.endpoint == Endpoint::kChat) {  // the answer, and the reasoning apart (harmony)
+        ReplyDelta parts = ReplyParser::parse(*template_, c.text);
+        c.text = std::move(parts.content);
+        c.reasoning = std::move(parts.reasoning);
+      }
       c.finish_reason = e.result.finish_reason;
       answer.usage.completion_tokens += e.result.n_tokens;
     }
@@ -347,8 +355,12 @@ void Server::answer_streaming(std::shared_ptr<RequestStream> stream, const Compl
     serve::ResponseHead head;
     serve::Usage usage;
     bool started = false;
+    // Chat: each choice's answer and reasoning as its text streams (harmony's channels); the
+    // completions endpoint sends the text as generated.
+    std::vector<ReplyParser> parts;
   };
   auto state = std::make_shared<State>();
+  if (request.endpoint == Endpoint::kChat) state->parts.assign(static_cast<size_t>(request.n), ReplyParser(*template_));
   state->head = {random_id(request.endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-"),
                  static_cast<int64_t>(std::time(nullptr)), model_name_};
   state->usage.prompt_tokens = prompt_tokens;
@@ -374,10 +386,18 @@ void Server::answer_streaming(std::shared_ptr<RequestStream> stream, const Compl
           if (e.kind == StreamEvent::Kind::kPiece) {
             std::vector<serve::TokenInfo> tokens;
             if (e.token >= 0 && request.logprobs) tokens.push_back(token_info(e));
-            if (!e.text.empty() || !tokens.empty()) ok = send(serve::stream_chunk(request, state->head, e.sample, e.text, tokens, ""));
+            ReplyDelta piece{e.text, ""};
+            if (!state->parts.empty()) piece = state->parts[static_cast<size_t>(e.sample)].push(e.text);
+            if (!piece.empty() || !tokens.empty()) {
+              ok = send(serve::stream_chunk(request, state->head, e.sample, piece.content, tokens, "", false, piece.reasoning));
+            }
           } else if (e.kind == StreamEvent::Kind::kDone) {
             state->usage.completion_tokens += e.result.n_tokens;
-            ok = send(serve::stream_chunk(request, state->head, e.sample, "", {}, e.result.finish_reason));
+            if (!state->parts.empty()) {  // the text held back as a possible marker, which never became one
+              const ReplyDelta rest = state->parts[static_cast<size_t>(e.sample)].finish();
+              if (!rest.empty()) ok = send(serve::stream_chunk(request, state->head, e.sample, rest.content, {}, "", false, rest.reasoning));
+            }
+            ok = ok && send(serve::stream_chunk(request, state->head, e.sample, "", {}, e.result.finish_reason));
           } else {  // cancelled by a shutdown past its grace period
             ok = send(serve::error_body(ApiError(503, "the server is shutting down")));
           }

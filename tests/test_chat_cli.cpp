@@ -428,5 +428,39 @@ TEST(ChatPipe, ModelWithoutATemplateFallsBackToChatMl) {
   EXPECT_THAT(r.err, HasSubstr("the model has no chat template; using chatml"));
 }
 
+// gpt-oss's harmony format, on the scripted model of tests/data/scripted_harmony.json (written
+// by generate.scripted_harmony): to any message it replies with a reasoning message, then the
+// answer.
+const std::string kScriptedHarmony = std::string(RINGLM_TEST_WORK_DIR) + "/scripted_harmony.gguf";
+
+std::string harmony_spec(const char* key) {
+  std::ifstream in(std::string(RINGLM_SOURCE_DIR) + "/tests/data/scripted_harmony.json");
+  return nlohmann::json::parse(in)[key].get<std::string>();
+}
+
+TEST(ChatTerminal, HarmonyShowsTheReasoningDimmedThenTheAnswer) {
+  PtyChat chat({"-m", kScriptedHarmony}, "harmony");
+  ASSERT_THAT(chat.wait_for_prompt(), HasSubstr("template harmony"));
+  const std::string reply = chat.say("Hi");
+  // Dim, the reasoning, normal, a line break (the terminal writes "\r\n"), the answer.
+  EXPECT_THAT(reply, HasSubstr("\x1b[2m" + harmony_spec("reasoning") + "\x1b[0m\r\n" + harmony_spec("content") + "\r\n"));
+  EXPECT_THAT(reply, Not(HasSubstr("<|")));
+  chat.type("\x04");
+  EXPECT_EQ(chat.wait_exit(), 0) << chat.output();
+}
+
+TEST(ChatPipe, HarmonyPrintsOnlyTheAnswers) {
+  const PipeResult r = chat_through_pipe("Hi\nHi again\n/stats json\n", {"-m", kScriptedHarmony}, "harmony_pipe");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::string answer = harmony_spec("content");
+  EXPECT_EQ(r.out, answer + "\n" + answer + "\n");
+  // Each reply gave way to its answer as the template writes it (the reasoning dropped).
+  const size_t open = r.err.find("{\"context");
+  ASSERT_NE(open, std::string::npos) << r.err;
+  const nlohmann::json stats = nlohmann::json::parse(r.err.substr(open));
+  EXPECT_GT(stats["last_turn"]["rewritten_tokens"].get<int>(), 0);
+  EXPECT_EQ(stats["messages"], 4);
+}
+
 }  // namespace
 }  // namespace ringlm

@@ -6,7 +6,10 @@
 //  - a conversation restored by load() continues as the live one does: on the fp32 path to
 //    within float rounding, with the same greedy reply; on the int8 path, on every SIMD target,
 //    within the rounding of its 8-bit activations;
-//  - past the context, the StreamingLLM shift keeps the system prompt's tokens as the sinks.
+//  - past the context, the StreamingLLM shift keeps the system prompt's tokens as the sinks;
+//  - harmony (gpt-oss's format), on a scripted model whose reply is known: the reasoning and the
+//    answer are shown apart, the reply ends at <|return|> and not at the <|end|> after the
+//    reasoning, and the cache holds the answer as the template writes a past reply.
 #include <gtest/gtest.h>
 
 #include <omp.h>
@@ -14,6 +17,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -259,6 +264,107 @@ TEST_F(ChatSessionTest, ResetForgetsTheConversationButKeepsTheSystemPrompt) {
   EXPECT_EQ(s.cache().size(), 0);
   s.reply("Hello", kIgnore);
   EXPECT_EQ(detokenize(s.context()) + s.chat_template().reply_end(), s.chat_template().render(s.messages()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Harmony on a scripted model (tests/data/scripted_harmony.json, written by the CTest fixture
+// generate.scripted_harmony): gpt-oss's template and markers; to any prompt it replies with a
+// reasoning message, then the answer.
+
+class HarmonyChatSession : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    omp_set_num_threads(1);
+    model_ = new LoadedModel(load_model(std::string(RINGLM_TEST_WORK_DIR) + "/scripted_harmony.gguf", 1));
+    std::ifstream spec(std::string(RINGLM_SOURCE_DIR) + "/tests/data/scripted_harmony.json");
+    spec_ = new nlohmann::json(nlohmann::json::parse(spec));
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete spec_;
+    model_ = nullptr;
+    spec_ = nullptr;
+  }
+
+  static ChatSession make_session(int n_ctx) {
+    std::string notice;
+    ChatTemplate chat_template = chat_template_for(*model_->gguf, *model_->tokenizer, "", notice);
+    EXPECT_EQ(chat_template.name(), "harmony");
+    ChatSessionOptions o;
+    o.n_ctx = n_ctx;
+    o.cache.context_shift = true;
+    o.sampling.temperature = 0.0f;
+    return ChatSession(*model_->model, *model_->tokenizer, chat_template, o);
+  }
+  static std::string detokenize(const std::vector<int32_t>& ids) { return model_->tokenizer->decode(ids, true); }
+  static std::string spec(const char* key) { return (*spec_)[key].get<std::string>(); }
+
+  static LoadedModel* model_;
+  static nlohmann::json* spec_;
+};
+
+LoadedModel* HarmonyChatSession::model_ = nullptr;
+nlohmann::json* HarmonyChatSession::spec_ = nullptr;
+
+TEST_F(HarmonyChatSession, ReasoningAndAnswerApartAndTheCacheHoldsTheAnswerAsTheTemplateWritesIt) {
+  ChatSession s = make_session(4096);
+  s.set_system("Be kind.");
+  for (const char* message : {"Hi", "Hi again"}) {
+    SCOPED_TRACE(message);
+    std::string content, reasoning;
+    const ChatTurnStats t = s.reply(
+        message, [&](std::string_view p) { content += p; }, nullptr, [&](std::string_view p) { reasoning += p; });
+    EXPECT_EQ(content, spec("content"));
+    EXPECT_EQ(reasoning, spec("reasoning"));
+    // The whole reply: it went on after the <|end|> that closes the reasoning and stopped at
+    // <|return|> ("LEAK" would follow it).
+    EXPECT_EQ(t.stop_reason, "end");
+    EXPECT_EQ(t.reply_tokens, static_cast<int>((*spec_)["chain"].size()) - 3);
+    EXPECT_EQ(s.messages().back().content, content);
+    // The reply's tokens gave way to the answer as the template writes a past reply: the cache is
+    // the conversation as the template renders it, reasoning dropped.
+    EXPECT_GT(t.rewritten_tokens, 0);
+    EXPECT_EQ(detokenize(s.context()), s.chat_template().render(s.messages()));
+    EXPECT_EQ(detokenize(s.context()).find(spec("reasoning")), std::string::npos);
+    EXPECT_EQ(static_cast<int>(s.context().size()), s.cache().size());
+  }
+  // A conversation restored by load() is that same cache.
+  ChatSession restored = make_session(4096);
+  EXPECT_EQ(restored.load(s.messages()), static_cast<int>(s.context().size()));
+  EXPECT_EQ(restored.context(), s.context());
+}
+
+TEST_F(HarmonyChatSession, InterruptedWhileReasoningKeepsAnEmptyAnswer) {
+  ChatSession s = make_session(4096);
+  std::atomic<bool> stop{false};
+  std::string content, reasoning;
+  const ChatTurnStats t = s.reply(
+      "Hi", [&](std::string_view p) { content += p; }, &stop,
+      [&](std::string_view p) {
+        reasoning += p;
+        stop = true;
+      });
+  EXPECT_EQ(t.stop_reason, "interrupted");
+  EXPECT_EQ(content, "");
+  EXPECT_FALSE(reasoning.empty());
+  EXPECT_EQ(s.messages().back().content, "");
+  EXPECT_EQ(detokenize(s.context()), s.chat_template().render(s.messages()));
+}
+
+TEST_F(HarmonyChatSession, AReplyTheCacheCannotRollBackWholeStaysAsGenerated) {
+  // A context of the sinks and 24 tokens: the shifts during the reply drop its first tokens, so
+  // they cannot be given back; the reply stays in the cache as the model wrote it.
+  const int sinks = make_session(4096).system_tokens();
+  ChatSession s = make_session(sinks + 24);
+  std::string content;
+  const ChatTurnStats t = s.reply("Hi", [&](std::string_view p) { content += p; });
+  EXPECT_EQ(content, spec("content"));
+  EXPECT_EQ(t.rewritten_tokens, 0);
+  EXPECT_GT(s.cache().shifts(), 0);
+  const std::string generated = spec("generated");
+  const std::string kept = detokenize(s.context());
+  EXPECT_EQ(kept.substr(kept.size() - 12), generated.substr(generated.size() - 12));
+  EXPECT_EQ(s.reply("Hi", kIgnore).stop_reason, "end");  // and the chat goes on
 }
 
 }  // namespace

@@ -1,11 +1,14 @@
 // Chat template tests: recognising real templates by their markers, the default system prompt,
-// names, hand-written renderings of each format, the pieces adding up to render(), and
-// malformed conversations. tests/reference/check_chat_templates.py compares the renderings
-// with the real templates run by jinja2.
+// names, hand-written renderings of each format, the pieces adding up to render(), malformed
+// conversations, and harmony's replies read back as reasoning and answer (ReplyParser), whole
+// and streamed in pieces cut anywhere. tests/reference/check_chat_templates.py compares the
+// renderings with the real templates run by jinja2.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "core/session/chat_template.h"
+#include "core/session/reply_parser.h"
 
 namespace ringlm {
 namespace {
@@ -80,7 +84,8 @@ INSTANTIATE_TEST_SUITE_P(
                       TemplateCase{"microsoft-Phi-3-mini-4k-instruct.jinja", "phi3"},
                       TemplateCase{"HuggingFaceH4-zephyr-7b-beta.jinja", "zephyr"},
                       TemplateCase{"mistralai-Mistral-7B-Instruct-v0.1.jinja", "mistral"},
-                      TemplateCase{"mistralai-Mistral-7B-Instruct-v0.1-2023.jinja", "mistral"}));
+                      TemplateCase{"mistralai-Mistral-7B-Instruct-v0.1-2023.jinja", "mistral"},
+                      TemplateCase{"openai-gpt-oss-120b.jinja", "harmony"}));
 
 TEST(ChatTemplate, EveryTemplateFileHasAnExpectation) {
   // A template added to either folder must be added to the lists above too.
@@ -88,7 +93,7 @@ TEST(ChatTemplate, EveryTemplateFileHasAnExpectation) {
   for (const std::string& folder : {kSharedTemplates, kReferenceTemplates}) {
     for (const auto& entry : std::filesystem::directory_iterator(folder)) files += entry.path().extension() == ".jinja";
   }
-  EXPECT_EQ(files, 6u + 7u);
+  EXPECT_EQ(files, 6u + 8u);
 }
 
 TEST(ChatTemplate, Llama31WritesItsDatedSystemHeader) {
@@ -217,7 +222,8 @@ TEST(ChatTemplate, NoDefaultSystemPromptWhereTheBlockIsBuilt) {
 
 TEST(ChatTemplate, NamesRoundTrip) {
   const std::vector<std::string_view> names = ChatTemplate::names();
-  EXPECT_THAT(names, ::testing::ElementsAre("chatml", "llama2", "llama3", "gemma", "phi3", "mistral", "zephyr"));
+  EXPECT_THAT(names,
+              ::testing::ElementsAre("chatml", "llama2", "llama3", "gemma", "phi3", "mistral", "zephyr", "harmony"));
   std::vector<ChatFormat> formats;
   for (std::string_view name : names) {
     const ChatTemplate chat_template = ChatTemplate::from_name(name);
@@ -226,7 +232,7 @@ TEST(ChatTemplate, NamesRoundTrip) {
   }
   EXPECT_THAT(formats, ::testing::ElementsAre(ChatFormat::kChatMl, ChatFormat::kLlama2, ChatFormat::kLlama3,
                                               ChatFormat::kGemma, ChatFormat::kPhi3, ChatFormat::kMistral,
-                                              ChatFormat::kZephyr));
+                                              ChatFormat::kZephyr, ChatFormat::kHarmony));
 }
 
 TEST(ChatTemplate, UnknownNameListsTheKnownOnes) {
@@ -350,6 +356,172 @@ TEST(ChatTemplate, TrimmingIsPythonsStrip) {
   EXPECT_EQ(llama3.assistant_reply(" \t\n "), "<|eot_id|>");
 }
 
+TEST(ChatTemplate, HarmonyRendering) {
+  ChatTemplate harmony = ChatTemplate::from_name("harmony");
+  harmony.set_date("2025-08-05");
+  EXPECT_FALSE(harmony.starts_with_bos());
+  EXPECT_EQ(harmony.default_system_prompt(), "");
+  const std::string system_block =
+      "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+      "Knowledge cutoff: 2024-06\nCurrent date: 2025-08-05\n\nReasoning: medium\n\n"
+      "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>";
+  // The system message is the developer's; a past reply is its final channel, closed by <|end|>.
+  EXPECT_EQ(harmony.render(two_turns_with_system()),
+            system_block +
+                "<|start|>developer<|message|># Instructions\n\nS\n\n<|end|>"
+                "<|start|>user<|message|>U1<|end|><|start|>assistant"
+                "<|channel|>final<|message|>A1<|end|>"
+                "<|start|>user<|message|>U2<|end|><|start|>assistant");
+  // The system block is written without a system message too; contents are not trimmed.
+  EXPECT_EQ(harmony.conversation_start(""), system_block);
+  EXPECT_EQ(harmony.user_turn(" U \n", true, "S"), "<|start|>user<|message|> U \n<|end|><|start|>assistant");
+  EXPECT_EQ(harmony.end_of_turn(), "<|return|>");
+  EXPECT_THAT(harmony.end_markers(), ::testing::ElementsAre("<|return|>", "<|call|>"));
+  EXPECT_TRUE(harmony.has_channels());
+  EXPECT_FALSE(ChatTemplate::from_name("chatml").has_channels());
+}
+
+TEST(ChatTemplate, HarmonyDateIsTodaysUnlessSet) {
+  // Unset, a rendering says today's local date, as the template's strftime_now("%Y-%m-%d"); the
+  // local date is within a day of the UTC one.
+  const std::string today = ChatTemplate::today();
+  ASSERT_EQ(today.size(), 10u);
+  const auto utc = std::chrono::year_month_day(std::chrono::floor<std::chrono::days>(std::chrono::system_clock::now()));
+  int year = 0;
+  unsigned month = 0, day = 0;
+  ASSERT_EQ(std::sscanf(today.c_str(), "%4d-%2u-%2u", &year, &month, &day), 3) << today;
+  const std::chrono::year_month_day local{std::chrono::year(year), std::chrono::month(month), std::chrono::day(day)};
+  ASSERT_TRUE(local.ok()) << today;
+  const auto apart = std::chrono::sys_days(local) - std::chrono::sys_days(utc);
+  EXPECT_LE(std::abs(apart.count()), 1) << today;
+
+  const ChatTemplate harmony = ChatTemplate::from_name("harmony");
+  EXPECT_EQ(harmony.date(), "");
+  EXPECT_THAT(harmony.conversation_start(""), HasSubstr("\nCurrent date: " + today + "\n"));
+  ChatTemplate fixed = harmony;
+  fixed.set_date("1999-12-31");
+  EXPECT_THAT(fixed.conversation_start(""), HasSubstr("\nCurrent date: 1999-12-31\n"));
+}
+
+TEST(ChatTemplate, HarmonyIsRecognisedByItsChannelMarkers) {
+  EXPECT_EQ(ChatTemplate::detect("{{ '<|start|>assistant<|channel|>final<|message|>' }}")->name(), "harmony");
+  // Neither marker alone is harmony: Phi-3's <|end|> and <|assistant|> are not either.
+  EXPECT_FALSE(ChatTemplate::detect("{{ '<|channel|>' }}"));
+  EXPECT_EQ(ChatTemplate::detect("{{ '<|user|>' + m + '<|end|><|assistant|>' }}")->name(), "phi3");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Replies read back: harmony's channels
+
+ReplyDelta parse_harmony(std::string_view reply) {
+  return ReplyParser::parse(ChatTemplate::from_name("harmony"), reply);
+}
+
+// What gpt-oss writes after the generation prompt "<|start|>assistant" (its <|return|> ends
+// generation and is not part of the text).
+constexpr std::string_view kHarmonyReply =
+    "<|channel|>analysis<|message|>The user asks 2+2. Simple: 4.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>2 + 2 = **4** <|b|> a<|x\n";
+
+TEST(ReplyParser, HarmonySplitsReasoningFromTheAnswer) {
+  const ReplyDelta parts = parse_harmony(kHarmonyReply);
+  EXPECT_EQ(parts.reasoning, "The user asks 2+2. Simple: 4.");
+  // "<|b|>" and "<|x" are no markers of the format: text.
+  EXPECT_EQ(parts.content, "2 + 2 = **4** <|b|> a<|x\n");
+}
+
+TEST(ReplyParser, HarmonyStreamedInPiecesCutAnywhereIsTheWholeReply) {
+  const ChatTemplate harmony = ChatTemplate::from_name("harmony");
+  const ReplyDelta whole = ReplyParser::parse(harmony, kHarmonyReply);
+  // Two pieces cut at every byte, and every byte a piece of its own.
+  for (size_t cut = 0; cut <= kHarmonyReply.size(); ++cut) {
+    SCOPED_TRACE("cut at " + std::to_string(cut));
+    ReplyParser parser(harmony);
+    std::string content, reasoning;
+    for (std::string_view piece : {kHarmonyReply.substr(0, cut), kHarmonyReply.substr(cut)}) {
+      const ReplyDelta delta = parser.push(piece);
+      content += delta.content;
+      reasoning += delta.reasoning;
+      // Nothing handed out is taken back later: no piece of a marker ever went out.
+      EXPECT_EQ(whole.content.substr(0, content.size()), content);
+      EXPECT_EQ(whole.reasoning.substr(0, reasoning.size()), reasoning);
+    }
+    const ReplyDelta rest = parser.finish();
+    EXPECT_EQ(content + rest.content, whole.content);
+    EXPECT_EQ(reasoning + rest.reasoning, whole.reasoning);
+    EXPECT_EQ(parser.content(), whole.content);
+    EXPECT_EQ(parser.reasoning(), whole.reasoning);
+  }
+  ReplyParser parser(harmony);
+  std::string content, reasoning;
+  for (char byte : kHarmonyReply) {
+    const ReplyDelta delta = parser.push(std::string_view(&byte, 1));
+    content += delta.content;
+    reasoning += delta.reasoning;
+    EXPECT_EQ(whole.content.substr(0, content.size()), content);
+  }
+  const ReplyDelta rest = parser.finish();
+  EXPECT_EQ(content + rest.content, whole.content);
+  EXPECT_EQ(reasoning + rest.reasoning, whole.reasoning);
+}
+
+TEST(ReplyParser, HarmonyHoldsBackOnlyWhatCouldStillBeAMarker) {
+  ReplyParser parser(ChatTemplate::from_name("harmony"));
+  EXPECT_EQ(parser.push("<|channel|>final<|message|>Hi <").content, "Hi ");
+  EXPECT_EQ(parser.push("|mess").content, "");   // "<|mess" may become <|message|>
+  EXPECT_EQ(parser.push("y").content, "<|messy");  // it cannot any more
+  EXPECT_EQ(parser.push(" <|en").content, " ");
+  EXPECT_EQ(parser.finish().content, "<|en");  // the reply ended: it was text
+  EXPECT_EQ(parser.content(), "Hi <|messy <|en");
+}
+
+TEST(ReplyParser, HarmonyMessagesGoWhereLlamaServerPutsThem) {
+  // The commentary channel's preamble is part of the answer.
+  EXPECT_EQ(parse_harmony("<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant"
+                          "<|channel|>final<|message|>Done.")
+                .content,
+            "Let me check.Done.");
+  // A tool call (a recipient other than the assistant) is neither answer nor reasoning, in either
+  // place its recipient may be written, with or without <|constrain|>.
+  const ReplyDelta call = parse_harmony(
+      "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to=functions.get_weather"
+      "<|channel|>commentary <|constrain|>json<|message|>{\"city\": \"Paris\"}");
+  EXPECT_EQ(call.reasoning, "Need weather.");
+  EXPECT_EQ(call.content, "");
+  EXPECT_EQ(parse_harmony("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}").content, "");
+  EXPECT_EQ(parse_harmony(" to=functions.f<|channel|>commentary json<|message|>{}").content, "");
+  // gpt-oss sometimes writes a commentary channel to the assistant before the real one.
+  const ReplyDelta stray = parse_harmony("<|channel|>commentary to=assistant<|channel|>analysis<|message|>hmm<|end|>"
+                                         "<|start|>assistant<|channel|>final<|message|>ok");
+  EXPECT_EQ(stray.reasoning, "hmm");
+  EXPECT_EQ(stray.content, "ok");
+  // A final message whose format is constrained: the type is part of the header.
+  EXPECT_EQ(parse_harmony("<|channel|>final <|constrain|>json<|message|>{\"a\": 1}").content, "{\"a\": 1}");
+}
+
+TEST(ReplyParser, HarmonyRepliesThatBreakTheFormat) {
+  // No header at all: the text is the answer.
+  EXPECT_EQ(parse_harmony("Just an answer.").content, "Just an answer.");
+  EXPECT_EQ(parse_harmony(" t").content, " t");  // the start of a recipient, then the reply ended
+  // A new channel without <|end|><|start|>assistant before it starts a new message.
+  const ReplyDelta skipped = parse_harmony("<|channel|>analysis<|message|>think<|channel|>final<|message|>answer");
+  EXPECT_EQ(skipped.reasoning, "think");
+  EXPECT_EQ(skipped.content, "answer");
+  // Cut off while thinking (a token limit): reasoning only. Markers never reach either part.
+  const ReplyDelta cut = parse_harmony("<|channel|>analysis<|message|>hmm <|start|>assistant<|channel|>fi");
+  EXPECT_EQ(cut.reasoning, "hmm ");
+  EXPECT_EQ(cut.content, "");
+  EXPECT_EQ(parse_harmony("<|channel|>final<|message|>a<|message|>b<|constrain|>c<|end|>stray<|return|>").content,
+            "abc");
+}
+
+TEST(ReplyParser, OtherFormatsAreAllContent) {
+  ReplyParser parser(ChatTemplate::from_name("chatml"));
+  EXPECT_EQ(parser.push("<|channel|>analysis<|message|>x <").content, "<|channel|>analysis<|message|>x <");
+  EXPECT_EQ(parser.finish().content, "");
+  EXPECT_EQ(parser.reasoning(), "");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Pieces and render()
 
@@ -377,8 +549,15 @@ TEST_P(EveryFormat, ReplyEndClosesEveryReplyAndHoldsTheEndOfTurn) {
   const std::string end = chat_template.reply_end();
   ASSERT_GE(reply.size(), end.size());
   EXPECT_EQ(reply.substr(reply.size() - end.size()), end);
-  EXPECT_THAT(end, HasSubstr(chat_template.end_of_turn()));
   EXPECT_FALSE(chat_template.end_of_turn().empty());
+  EXPECT_EQ(chat_template.end_markers().front(), chat_template.end_of_turn());
+  if (chat_template.has_channels()) {
+    // Harmony: the model ends a reply with <|return|>, which a past reply is written without.
+    EXPECT_EQ(end, "<|end|>");
+    EXPECT_EQ(chat_template.end_of_turn(), "<|return|>");
+  } else {
+    EXPECT_THAT(end, HasSubstr(chat_template.end_of_turn()));
+  }
 }
 
 TEST_P(EveryFormat, EmptyConversationIsTheConversationStart) {

@@ -327,6 +327,59 @@ TEST(Tokenizer, EveryKnownPreTokenizerNameLoads) {
   for (const char* name : {"deepseek-v3", "qwen2", "gpt-4o"}) EXPECT_FALSE(find_pre_tokenizer(name)->add_bos);
 }
 
+// gpt-oss's special tokens (o200k_harmony) on the tiny BPE vocabulary, as control tokens, as the
+// GGUF converter writes them; EOS is <|return|> (its tokenizer_config's eos_token).
+std::unique_ptr<Tokenizer> harmony_tokenizer(bool with_call) {
+  std::vector<std::string> tokens = {"a",         "b",           "ab",          "\u0120",  "\u0120a",
+                                     "<|endoftext|>", "<|return|>", "<|start|>", "<|channel|>", "<|message|>",
+                                     "<|end|>",   "<|constrain|>"};
+  if (with_call) tokens.push_back("<|call|>");
+  std::vector<float> types(tokens.size(), 3.0f);  // control
+  std::fill_n(types.begin(), 5, 1.0f);            // normal
+  const std::vector<uint8_t> bytes = GgufImage()
+                                         .str("tokenizer.ggml.model", "gpt2")
+                                         .str("tokenizer.ggml.pre", "gpt-4o")
+                                         .strings("tokenizer.ggml.tokens", tokens)
+                                         .floats("tokenizer.ggml.token_type", types)
+                                         .strings("tokenizer.ggml.merges", {"a b", "\u0120 a"})
+                                         .u32("tokenizer.ggml.eos_token_id", 6)
+                                         .bytes();
+  const auto gguf = GgufFile::parse(bytes.data(), bytes.size(), "test.gguf");
+  return Tokenizer::from_gguf(*gguf);
+}
+
+TEST(Tokenizer, HarmonyEndsAReplyAtReturnOrCallAndRendersTheMessageMarkers) {
+  // As llama.cpp: with <|return|>, <|call|> and <|end|> all ending generation, <|end|> does not
+  // (it ends the reasoning's message, not the reply), and the markers of a message are
+  // user-defined tokens, rendered in generated text.
+  const auto tok = harmony_tokenizer(/*with_call=*/true);
+  const auto id = [&](std::string_view text) { return tok->find_token(text).value_or(-1); };
+  EXPECT_TRUE(tok->is_end_of_generation(id("<|return|>")));
+  EXPECT_TRUE(tok->is_end_of_generation(id("<|call|>")));
+  EXPECT_TRUE(tok->is_end_of_generation(id("<|endoftext|>")));
+  EXPECT_FALSE(tok->is_end_of_generation(id("<|end|>")));
+  EXPECT_FALSE(tok->is_end_of_generation(id("<|channel|>")));
+  for (std::string_view marker : {"<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>"}) {
+    SCOPED_TRACE(marker);
+    EXPECT_EQ(tok->token_type(id(marker)), Tokenizer::TokenType::UserDefined);
+    EXPECT_EQ(tok->token_to_piece(id(marker)), marker);
+  }
+  EXPECT_EQ(tok->token_to_piece(id("<|return|>")), "");
+  const std::vector<int32_t> reply = {id("<|channel|>"), 0, id("<|message|>"), 1, id("<|end|>"), id("<|return|>")};
+  EXPECT_EQ(tok->decode(reply), "<|channel|>a<|message|>b<|end|>");
+  // User-defined tokens are cut out of any text, as llama.cpp does; control ones only when asked.
+  EXPECT_EQ(tok->encode("ab<|channel|>a", false, /*parse_special=*/false),
+            (std::vector<int32_t>{2, id("<|channel|>"), 0}));
+  EXPECT_EQ(tok->encode("a<|return|>", false, /*parse_special=*/true), (std::vector<int32_t>{0, id("<|return|>")}));
+
+  // Without <|call|> it is not harmony's vocabulary: <|end|> ends a turn (Phi-3's does) and
+  // the other markers stay hidden control tokens.
+  const auto other = harmony_tokenizer(/*with_call=*/false);
+  EXPECT_TRUE(other->is_end_of_generation(*other->find_token("<|end|>")));
+  EXPECT_EQ(other->token_to_piece(*other->find_token("<|channel|>")), "");
+  EXPECT_EQ(other->token_type(*other->find_token("<|channel|>")), Tokenizer::TokenType::Control);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Streaming UTF-8
 

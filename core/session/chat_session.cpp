@@ -7,6 +7,7 @@
 #include "core/gguf/gguf.h"
 #include "core/model/llama.h"
 #include "core/session/generation.h"
+#include "core/session/reply_parser.h"
 #include "core/session/timing.h"
 #include "core/tokenizer/tokenizer.h"
 
@@ -25,6 +26,13 @@ const char* stop_reason(FinishReason finish) {
 }
 
 void append(std::vector<int32_t>& to, const std::vector<int32_t>& tokens) { to.insert(to.end(), tokens.begin(), tokens.end()); }
+
+// A session's template writes one date for the whole conversation (harmony's "Current date"):
+// its text in the cache must not change when the day does.
+ChatTemplate dated(ChatTemplate chat_template) {
+  if (chat_template.date().empty()) chat_template.set_date(ChatTemplate::today());
+  return chat_template;
+}
 
 }  // namespace
 
@@ -60,15 +68,17 @@ ChatSession::ChatSession(LlamaModel& model, const Tokenizer& tokenizer, ChatTemp
                          const ChatSessionOptions& options)
     : model_(model),
       tokenizer_(tokenizer),
-      template_(std::move(chat_template)),
+      template_(dated(std::move(chat_template))),
       options_(options),
       sampler_(options.sampling, model.hparams().n_vocab),
       sequence_(model, model.make_cache(options.n_ctx, cache_options_for(static_cast<int>(conversation_start_tokens("").size()))),
                 /*top_k=*/0, options.drafter) {
   system_tokens_ = static_cast<int>(conversation_start_tokens(system_).size());
-  // A reply ends at the vocabulary's end-of-generation tokens and at the format's own marker,
-  // which some vocabularies do not flag as one (a GGUF converted without it).
-  if (auto marker = tokenizer_.find_token(template_.end_of_turn())) end_of_turn_tokens_.push_back(*marker);
+  // A reply ends at the vocabulary's end-of-generation tokens and at the format's own markers,
+  // which some vocabularies do not flag as such (a GGUF converted without them).
+  for (const std::string& text : template_.end_markers()) {
+    if (auto marker = tokenizer_.find_token(text)) end_of_turn_tokens_.push_back(*marker);
+  }
 }
 
 std::vector<int32_t> ChatSession::conversation_start_tokens(std::string_view system) const {
@@ -101,7 +111,8 @@ void ChatSession::clear_cache() {
 }
 
 ChatTurnStats ChatSession::reply(std::string_view user_message, const std::function<void(std::string_view)>& on_text,
-                                 const std::atomic<bool>* stop) {
+                                 const std::atomic<bool>* stop,
+                                 const std::function<void(std::string_view)>& on_reasoning) {
   // The new tokens: the conversation start (first turn only, tokenized alone so that it is
   // exactly the sinks), the end of the last reply, the message and the reply header.
   std::vector<int32_t> tokens = started_ ? std::vector<int32_t>{} : conversation_start_tokens(system_);
@@ -136,8 +147,13 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
   until.max_tokens = options_.n_predict;
   until.end_tokens = end_of_turn_tokens_;
   Generation generation(tokenizer_, sampler_, std::move(until), context());
+  ReplyParser parser(template_);  // the answer and, with channels, the reasoning
+  const auto show = [&](const ReplyDelta& delta) {
+    if (!delta.reasoning.empty() && on_reasoning) on_reasoning(delta.reasoning);
+    if (!delta.content.empty() && on_text) on_text(delta.content);
+  };
   GenerateOptions options;
-  options.on_text = on_text;
+  options.on_text = [&](std::string_view piece) { show(parser.push(piece)); };
   options.interrupt = stop;
   options.evaluate_every_token = true;
   options.forget_dropped_history = true;
@@ -146,11 +162,34 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
     options.speculation = &stats.speculation;
   }
   stats.stop_reason = stop_reason(generate(generation, sequence_, options));
+  show(parser.finish());
   stats.reply_tokens = generation.n_tokens();
-  turns_.back().assistant = std::string(generation.text());
+  turns_.back().assistant = parser.content();
   stats.reply_ms = ms_since(t0);
   pending_text_ = template_.reply_end();
+  if (template_.has_channels()) {
+    t0 = std::chrono::steady_clock::now();
+    stats.rewritten_tokens = rewrite_reply(generation.text(), generation.n_tokens());
+    stats.rewrite_ms = ms_since(t0);
+  }
   return stats;
+}
+
+int ChatSession::rewrite_reply(std::string_view generated, int n_generated) {
+  const std::string rendered = template_.assistant_reply(turns_.back().assistant);
+  if (std::string(generated) + template_.reply_end() == rendered) return 0;  // the answer alone already
+  // The newest n_generated tokens are the reply's when a shift has left that many after the sinks.
+  const bool whole_reply = n_generated <= cache().size() - cache().n_keep();
+  if (!whole_reply || n_generated > cache().max_rollback()) return 0;  // kept as generated
+  const std::vector<int32_t> tokens = tokenizer_.encode(rendered, /*add_bos=*/false, /*parse_special=*/true);
+  // Without a context shift the rendering must fit where the reply was (a reply without
+  // headers renders longer than it was).
+  const int size_after = cache().size() - n_generated + static_cast<int>(tokens.size());
+  if (!cache().options().context_shift && size_after >= cache().capacity()) return 0;
+  sequence_.rollback(n_generated);
+  sequence_.prefill(tokens);
+  pending_text_.clear();  // the rendering closes the reply itself
+  return static_cast<int>(tokens.size());
 }
 
 void ChatSession::set_system(std::string system) {
@@ -179,12 +218,17 @@ int ChatSession::load(const std::vector<ChatMessage>& messages) {
 
 std::vector<int32_t> ChatSession::conversation_tokens(std::string_view system, const std::vector<Turn>& turns) const {
   // The same pieces, tokenized the same way, as the turns were when they were said.
+  // A format with channels has its replies in the cache as the template writes them (reply()).
   std::vector<int32_t> tokens = conversation_start_tokens(system);
   std::string pending;
   for (size_t i = 0; i < turns.size(); ++i) {
     append(tokens, tokenizer_.encode(pending + template_.user_turn(turns[i].user, i == 0, system), false, true));
-    append(tokens, tokenizer_.encode(turns[i].assistant, false, true));
-    pending = template_.reply_end();
+    if (template_.has_channels()) {
+      append(tokens, tokenizer_.encode(template_.assistant_reply(turns[i].assistant), false, true));
+    } else {
+      append(tokens, tokenizer_.encode(turns[i].assistant, false, true));
+      pending = template_.reply_end();
+    }
   }
   return tokens;
 }
@@ -202,7 +246,7 @@ int ChatSession::replace_conversation(std::string system, std::vector<Turn> turn
   clear_cache();
   sequence_.prefill(tokens);
   started_ = true;
-  pending_text_ = turns_.empty() ? std::string() : template_.reply_end();
+  pending_text_ = turns_.empty() || template_.has_channels() ? std::string() : template_.reply_end();
   return static_cast<int>(tokens.size());
 }
 

@@ -10,6 +10,12 @@
 //
 // The session mirrors the cache with the token ids it holds (context()), so it can say what is
 // in the context and feed the sampler's repetition penalty.
+//
+// A format whose replies have channels (harmony: reasoning, then the answer) shows each part
+// through its own callback, keeps the answer as the reply (messages()), and keeps in the cache
+// what its template writes for a past reply: the answer alone. The reply's tokens are forgotten
+// (KvCache::rollback) and the answer as the template writes it evaluated in their place, where
+// the cache can forget them; see reply().
 #pragma once
 
 #include <atomic>
@@ -63,6 +69,11 @@ struct ChatTurnStats {
   int reply_tokens = 0;     // tokens the reply generated
   double reply_ms = 0;
   std::string stop_reason;  // "end" (end of turn), "limit" (-n), "interrupted", "context" (full, no shift)
+  // Tokens of the reply as the template writes it, evaluated after the reply in place of the
+  // generated ones (harmony: the answer without the reasoning); 0 when the cache kept the reply
+  // as generated.
+  int rewritten_tokens = 0;
+  double rewrite_ms = 0;
   SpeculationStats speculation;  // with a guesser
 };
 
@@ -70,12 +81,23 @@ class ChatSession {
  public:
   ChatSession(LlamaModel& model, const Tokenizer& tokenizer, ChatTemplate chat_template, const ChatSessionOptions& options);
 
-  // Streams each piece of the reply (complete UTF-8 only) to `on_text`. `stop` (may be null),
-  // when it becomes true, ends the reply after the token being generated; what was generated
-  // stays in the conversation. Throws std::invalid_argument, changing nothing, when the
-  // message cannot fit the context.
+  // Streams each piece of the reply's answer (complete UTF-8 only) to `on_text`, and of its
+  // reasoning, in a format with channels, to `on_reasoning` (may be empty: not shown). `stop`
+  // (may be null), when it becomes true, ends the reply after the token being generated; what
+  // was generated stays in the conversation. Throws std::invalid_argument, changing nothing,
+  // when the message cannot fit the context.
+  //
+  // With channels, the cache then holds the reply as the template writes a past one (its answer
+  // alone), so that the next turn reads what the template would give the model: the reply's
+  // tokens are rolled back and the template's text evaluated, unless the reply is already that
+  // text. A cache that cannot roll the whole reply back keeps it as generated, reasoning
+  // included: one whose sliding-window ring holds fewer tokens beyond its window than the reply
+  // has (LlamaModel keeps a pass, 256 tokens, beyond it), one whose context shift dropped the
+  // start of the reply, or one that does not shift and has no room for the rendering.
+  // (Re-evaluating the whole conversation instead would cost a prefill of it at every turn.)
   ChatTurnStats reply(std::string_view user_message, const std::function<void(std::string_view)>& on_text,
-                      const std::atomic<bool>* stop = nullptr);
+                      const std::atomic<bool>* stop = nullptr,
+                      const std::function<void(std::string_view)>& on_reasoning = {});
 
   // Replaces the system prompt ("" for none) and prefills the conversation again under it.
   void set_system(std::string system);
@@ -120,6 +142,10 @@ class ChatSession {
   std::vector<int32_t> conversation_tokens(std::string_view system, const std::vector<Turn>& turns) const;
   // Makes (system, turns) the conversation and prefills it; refuses (unchanged) if it cannot fit.
   int replace_conversation(std::string system, std::vector<Turn> turns);
+  // After a reply of `n_generated` tokens whose text was `generated`, in a format with channels:
+  // puts the reply as the template writes it in the cache in their place when it differs and
+  // the cache can roll them back (see reply()). Returns the tokens evaluated.
+  int rewrite_reply(std::string_view generated, int n_generated);
 
   LlamaModel& model_;
   const Tokenizer& tokenizer_;

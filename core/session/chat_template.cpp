@@ -7,6 +7,7 @@
 #include "core/session/chat_template.h"
 
 #include <array>
+#include <ctime>
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
@@ -15,8 +16,8 @@ namespace ringlm {
 namespace {
 
 // Indexed by ChatFormat.
-constexpr std::array<std::string_view, 7> kFormatNames = {"chatml", "llama2", "llama3", "gemma",
-                                                          "phi3",   "mistral", "zephyr"};
+constexpr std::array<std::string_view, 8> kFormatNames = {"chatml", "llama2",  "llama3", "gemma",
+                                                          "phi3",   "mistral", "zephyr", "harmony"};
 
 bool contains(std::string_view text, std::string_view marker) { return text.find(marker) != std::string_view::npos; }
 
@@ -95,6 +96,8 @@ std::string_view python_strip(std::string_view text) {
 // --- Reading the template -------------------------------------------------------------------
 
 std::optional<ChatFormat> format_by_markers(std::string_view source) {
+  // Harmony's messages are "<|start|>role<|channel|>name<|message|>text<|end|>".
+  if (contains(source, "<|channel|>") && contains(source, "<|message|>")) return ChatFormat::kHarmony;
   if (contains(source, "<|im_start|>")) return ChatFormat::kChatMl;
   if (contains(source, "<|start_header_id|>")) return ChatFormat::kLlama3;
   if (contains(source, "<start_of_turn>")) return ChatFormat::kGemma;
@@ -182,6 +185,17 @@ std::string llama3_header(std::string_view role) {
   return concat({"<|start_header_id|>", role, "<|end_header_id|>\n\n"});
 }
 
+// gpt-oss's template writes this system message before every conversation, with the defaults of
+// its model_identity and reasoning_effort variables and no tools; the caller's system message
+// becomes the developer message after it.
+std::string harmony_system_block(std::string_view date) {
+  return concat({"<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+                 "Knowledge cutoff: 2024-06\nCurrent date: ",
+                 date,
+                 "\n\nReasoning: medium\n\n"
+                 "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"});
+}
+
 }  // namespace
 
 std::optional<ChatTemplate> ChatTemplate::detect(std::string_view template_source, const ChatSpecialTokens& special) {
@@ -225,6 +239,14 @@ ChatTemplate ChatTemplate::from_name(std::string_view name, const ChatSpecialTok
 
 std::vector<std::string_view> ChatTemplate::names() { return {kFormatNames.begin(), kFormatNames.end()}; }
 
+std::string ChatTemplate::today() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  char text[16];
+  return std::string(text, std::strftime(text, sizeof(text), "%Y-%m-%d", &local));
+}
+
 std::string_view ChatTemplate::name() const { return kFormatNames[static_cast<size_t>(format_)]; }
 
 bool ChatTemplate::starts_with_bos() const {
@@ -253,6 +275,11 @@ std::string ChatTemplate::conversation_start(std::string_view system) const {
       return system.empty() ? "" : concat({"<|system|>\n", system, "<|end|>\n"});
     case ChatFormat::kZephyr:
       return system.empty() ? "" : concat({"<|system|>\n", system, special_.eos, "\n"});
+    case ChatFormat::kHarmony: {
+      const std::string system_block = harmony_system_block(date_.empty() ? today() : date_);
+      if (system.empty()) return system_block;
+      return concat({system_block, "<|start|>developer<|message|># Instructions\n\n", system, "\n\n<|end|>"});
+    }
     case ChatFormat::kLlama2:
     case ChatFormat::kGemma:
     case ChatFormat::kMistral:
@@ -275,6 +302,8 @@ std::string ChatTemplate::user_turn(std::string_view content, bool first, std::s
       return concat({"<|user|>\n", content, "<|end|>\n<|assistant|>\n"});
     case ChatFormat::kZephyr:
       return concat({"<|user|>\n", content, special_.eos, "\n<|assistant|>\n"});
+    case ChatFormat::kHarmony:
+      return concat({"<|start|>user<|message|>", content, "<|end|><|start|>assistant"});
     case ChatFormat::kLlama2: {
       // Every user message starts with BOS; the first one's is the conversation's own (not
       // written here). The template strips the message with its <<SYS>> block as one text, so
@@ -302,6 +331,10 @@ std::string ChatTemplate::assistant_reply(std::string_view content) const {
       return concat({" ", python_strip(content), reply_end()});
     case ChatFormat::kMistral:
       return concat({mistral_space_before_turns_ ? " " : "", content, reply_end()});
+    case ChatFormat::kHarmony:
+      // The template drops the reasoning of past replies and closes the final message with
+      // <|end|> (the <|return|> the model ended it with is for the end of generation only).
+      return concat({"<|channel|>final<|message|>", content, reply_end()});
     default:
       return concat({content, reply_end()});
   }
@@ -323,6 +356,8 @@ std::string ChatTemplate::reply_end() const {
       return " " + special_.eos;
     case ChatFormat::kMistral:
       return mistral_space_after_eos_ ? special_.eos + " " : special_.eos;
+    case ChatFormat::kHarmony:
+      return "<|end|>";
   }
   return "";
 }
@@ -337,12 +372,19 @@ std::string ChatTemplate::end_of_turn() const {
       return "<end_of_turn>";
     case ChatFormat::kPhi3:
       return "<|end|>";
+    case ChatFormat::kHarmony:
+      return "<|return|>";
     case ChatFormat::kZephyr:
     case ChatFormat::kLlama2:
     case ChatFormat::kMistral:
       return special_.eos;
   }
   return "";
+}
+
+std::vector<std::string> ChatTemplate::end_markers() const {
+  if (format_ == ChatFormat::kHarmony) return {end_of_turn(), "<|call|>"};
+  return {end_of_turn()};
 }
 
 namespace {

@@ -5,6 +5,10 @@
 // markers that format uses (ChatML's <|im_start|>, Llama-3's <|start_header_id|>, ...). Each
 // format is then rendered by the code below, so hostile template text can do nothing.
 //
+// Harmony (gpt-oss) also has a reply format of its own: the model writes its reasoning and its
+// answer as messages on channels (analysis, final), which reply_parser.h splits; a past reply is
+// written with its final channel only (has_channels()).
+//
 // A conversation is an optional system message, then user and assistant messages taking turns,
 // ending with a user message when a reply is wanted. For a chat that lives in the KV cache, the
 // text is built in pieces that concatenate to exactly render(): the part before the first user
@@ -16,11 +20,12 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace ringlm {
 
-enum class ChatFormat { kChatMl, kLlama2, kLlama3, kGemma, kPhi3, kMistral, kZephyr };
+enum class ChatFormat { kChatMl, kLlama2, kLlama3, kGemma, kPhi3, kMistral, kZephyr, kHarmony };
 
 struct ChatMessage {
   std::string role;  // "system", "user" or "assistant"
@@ -40,7 +45,7 @@ class ChatTemplate {
   static std::optional<ChatTemplate> detect(std::string_view template_source, const ChatSpecialTokens& special = {});
   // By name (see names()); std::invalid_argument listing the known names otherwise.
   static ChatTemplate from_name(std::string_view name, const ChatSpecialTokens& special = {});
-  // "chatml", "llama2", "llama3", "gemma", "phi3", "mistral", "zephyr".
+  // "chatml", "llama2", "llama3", "gemma", "phi3", "mistral", "zephyr", "harmony".
   static std::vector<std::string_view> names();
 
   ChatFormat format() const { return format_; }
@@ -55,24 +60,45 @@ class ChatTemplate {
   // does not add it: the caller decides whether to pass it as the system message.
   const std::string& default_system_prompt() const { return default_system_; }
 
+  // Today's date as harmony's template writes it (its strftime_now("%Y-%m-%d"): the local date).
+  static std::string today();
+  // The date harmony's system block says it is ("Current date: 2025-08-05"). Unset (""), each
+  // rendering takes today(), as the template does; a chat session fixes it for its conversation
+  // (the text in its cache must not change at midnight), tests fix it to compare renderings.
+  // Other formats do not write it.
+  void set_date(std::string yyyy_mm_dd) { date_ = std::move(yyyy_mm_dd); }
+  const std::string& date() const { return date_; }
+
+  // Whether replies come as messages on channels (harmony: the analysis channel's reasoning,
+  // then the final channel's answer), which ReplyParser splits. The template writes a past reply
+  // with its final channel only (assistant_reply()), so the reasoning of earlier turns is not
+  // part of the conversation.
+  bool has_channels() const { return format_ == ChatFormat::kHarmony; }
+
   // Text before the first user message: the system message in formats that give it a block of
   // its own (ChatML, Llama-3, Phi-3, Zephyr); "" in those that fold it into the first user
   // message (Llama-2, Gemma, Mistral) or when `system` is empty (except a format whose header
-  // is written even without a system message, such as Llama-3.1's dated header).
+  // is written even without a system message, such as Llama-3.1's dated header and harmony's
+  // system block; harmony writes the caller's system message as its developer message).
   std::string conversation_start(std::string_view system) const;
   // One user message followed by the header that opens the assistant's reply. `first` is true
   // for the first user message of the conversation; `system` is the system prompt, used only by
   // formats that fold it into the first user message.
   std::string user_turn(std::string_view content, bool first, std::string_view system) const;
   // What render() writes for an assistant message after the reply header: its content
-  // (trimmed where the format trims) and the text that closes it.
+  // (trimmed where the format trims) and the text that closes it. Harmony: the content as the
+  // final channel's message.
   std::string assistant_reply(std::string_view content) const;
   // Text that closes a reply the model generated (after its last token; the end-of-turn token
   // the model sampled is not in the cache yet, so it is written here).
   std::string reply_end() const;
-  // The marker that ends a reply ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", or
-  // the EOS text): generation stops when the model writes it.
+  // The marker that ends a reply ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>",
+  // harmony's "<|return|>", or the EOS text): generation stops when the model writes it.
+  // (Harmony's "<|end|>" ends one message of a reply, such as its reasoning, not the reply.)
   std::string end_of_turn() const;
+  // Every marker that ends a reply: end_of_turn() and, for harmony, "<|call|>" (a reply that is
+  // a tool call).
+  std::vector<std::string> end_markers() const;
 
   // The whole conversation without its leading BOS: conversation_start + for each user
   // message user_turn (the last one always has the reply header, as with Jinja's
@@ -89,6 +115,7 @@ class ChatTemplate {
   ChatFormat format_;
   ChatSpecialTokens special_;
   std::string default_system_;
+  std::string date_;  // harmony's "Current date"; "": today() at each rendering
   // Variants read from the template's markers.
   bool llama3_dated_header_ = false;      // Llama-3.1: "Cutting Knowledge Date: ..." system header
   bool mistral_space_after_inst_ = true;  // "[INST] text" (v1, v3) or "[INST]text" (Nemo/tekken)

@@ -25,9 +25,10 @@ constexpr std::string_view kAddSpaceKey = "tokenizer.ggml.add_space_prefix";
 
 // Tokens that end a turn in common chat formats. They only count as end-of-generation when
 // the vocabulary marks them as control tokens: as plain text they are just text.
-constexpr std::array<std::string_view, 8> kEndOfTurnTexts = {
+constexpr std::array<std::string_view, 10> kEndOfTurnTexts = {
     "<|eot_id|>",    "<|im_end|>",      "<|end|>",    "<end_of_turn>",
     "<|endoftext|>", "<|end_of_text|>", "<|eom_id|>", "<EOT>",
+    "<|return|>",    "<|call|>",  // harmony's (gpt-oss)
 };
 
 std::string quoted(std::string_view s) {
@@ -302,6 +303,20 @@ void Tokenizer::build_end_of_generation() {
   for (std::string_view text : kEndOfTurnTexts) {
     const int32_t id = lookup(text);
     if (id >= 0 && tokens_[static_cast<size_t>(id)].type == TokenType::Control) eog_ids_.insert(id);
+  }
+  // gpt-oss's vocabulary (o200k_harmony): a reply ends at <|return|>, or at <|call|> when it is a
+  // tool call, while <|end|> ends only one message of it (the reasoning before the answer). As
+  // llama.cpp does when the end tokens include all three, <|end|> is no end of generation, and it
+  // and the markers of a message's header are user-defined tokens: rendered in the generated text
+  // (where reply_parser.h reads the reply's channels from them) and always cut out of a text
+  // before it is tokenized.
+  const int32_t reply_end = lookup("<|return|>"), call = lookup("<|call|>"), message_end = lookup("<|end|>");
+  if (eog_ids_.count(reply_end) != 0 && eog_ids_.count(call) != 0 && eog_ids_.count(message_end) != 0) {
+    eog_ids_.erase(message_end);
+    for (std::string_view text : {"<|end|>", "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"}) {
+      const int32_t id = lookup(text);
+      if (id >= 0) tokens_[static_cast<size_t>(id)].type = TokenType::UserDefined;
+    }
   }
 }
 

@@ -56,7 +56,8 @@ class Tokenizer {
   // except the pre-tokenizers llama.cpp gives a BOS: Llama 3's, Tekken's, Chameleon's).
   bool add_bos_by_default() const { return add_bos_; }
   bool add_eos_by_default() const { return add_eos_; }  // informational: encode() never adds EOS
-  // EOS, EOT, EOM and control tokens that end a turn (<|im_end|>, <|eot_id|>, <|end|>, ...).
+  // EOS, EOT, EOM and control tokens that end a turn (<|im_end|>, <|eot_id|>, <|end|>, ...); in
+  // gpt-oss's vocabulary <|return|> and <|call|>, and not <|end|> (see build_end_of_generation).
   bool is_end_of_generation(int32_t id) const { return eog_ids_.count(id) != 0; }
   std::optional<int32_t> find_token(std::string_view text) const;  // exact vocabulary lookup
   std::string_view model_name() const { return kind_ == Kind::Spm ? "llama" : "gpt2"; }

@@ -10,11 +10,16 @@ ringlm says the format starts with BOS (ringlm adds that BOS as a token, never a
 
     check_chat_templates.py --tool build/tests/ringlm_chat_render --shared-data ../shared/data
 
+Templates that write today's date (gpt-oss's strftime_now("%Y-%m-%d")) are rendered on a fixed
+date, RENDER_DATE, on both sides: jinja2's strftime_now formats it, ringlm_chat_render is given it
+with --date.
+
 Where a template does what ringlm deliberately does not (see TEMPLATES below), only that
 combination is skipped, with the reason printed; the format detection is still checked.
 Exit status: 0 when everything matches, 1 on the first mismatch (both texts printed).
 """
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -29,6 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# The day both sides render on (not today: a ringlm that ignored it would fail).
+RENDER_DATE = datetime.datetime(2024, 2, 29, 13, 5, 0)
 
 
 def has_system(conversation):
@@ -92,6 +99,9 @@ TEMPLATES = {
     "mistralai-Mistral-7B-Instruct-v0.1.jinja": dict(format="mistral", bos="<s>", eos="</s>"),
     "mistralai-Mistral-7B-Instruct-v0.1-2023.jinja": dict(format="mistral", bos="<s>", eos="</s>",
                                                           skip=skip_mistral_2023_system),
+    # gpt-oss (harmony): a system block with the date, the system message as the developer's,
+    # past replies as their final channel. bos/eos: o200k_harmony's (the template writes neither).
+    "openai-gpt-oss-120b.jinja": dict(format="harmony", bos="<|startoftext|>", eos="<|return|>"),
 }
 
 
@@ -133,6 +143,8 @@ def jinja_render(source, conversation, bos, eos):
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = raise_exception
+    # transformers: datetime.now().strftime(format); here the fixed day.
+    env.globals["strftime_now"] = RENDER_DATE.strftime
     template = env.from_string(source)
     return template.render(messages=conversation, add_generation_prompt=True, bos_token=bos, eos_token=eos)
 
@@ -142,8 +154,8 @@ def ringlm_render(tool, template_path, conversation, bos, eos):
         json.dump(conversation, f, ensure_ascii=False)
         messages_path = f.name
     try:
-        result = subprocess.run([tool, template_path, messages_path, "--bos", bos, "--eos", eos],
-                                capture_output=True, timeout=60)
+        result = subprocess.run([tool, template_path, messages_path, "--bos", bos, "--eos", eos,
+                                 "--date", RENDER_DATE.strftime("%Y-%m-%d")], capture_output=True, timeout=60)
     finally:
         os.unlink(messages_path)
     if result.returncode != 0:

@@ -3,8 +3,9 @@
 // and prints {"format", "starts_with_bos", "default_system_prompt", "text"} as JSON. `text` is
 // render(), without the leading BOS that starts_with_bos says the caller adds.
 //
-//   ringlm_chat_render (TEMPLATE_FILE | --format NAME) MESSAGES_JSON [--bos TEXT] [--eos TEXT]
+//   ringlm_chat_render (TEMPLATE_FILE | --format NAME) MESSAGES_JSON [--bos TEXT] [--eos TEXT] [--date YYYY-MM-DD]
 //
+// --date: the date a format that writes one says it is (harmony's "Current date"; default today).
 // MESSAGES_JSON holds [{"role": ..., "content": ...}, ...]. Errors: a message on stderr, exit 1.
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -51,6 +52,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> files;
   std::string format;
   ringlm::ChatSpecialTokens special;
+  std::string date;
   CLI::App app{"ringlm_chat_render: render a conversation with the chat format a template is recognised as"};
   app.add_option("files", files, "[TEMPLATE_FILE] MESSAGES_JSON (messages: [{\"role\", \"content\"}, ...])")
       ->required()
@@ -58,6 +60,7 @@ int main(int argc, char** argv) {
   app.add_option("--format", format, "a format by name instead of a template file");
   app.add_option("--bos", special.bos, "BOS token text");
   app.add_option("--eos", special.eos, "EOS token text");
+  app.add_option("--date", date, "the date the conversation is rendered on (YYYY-MM-DD; default: today)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -68,7 +71,8 @@ int main(int argc, char** argv) {
     if (has_template_file == !format.empty()) throw std::runtime_error("give either a template file or --format NAME");
     const std::string template_path = has_template_file ? files[0] : "";
     const std::string& messages_path = files.back();
-    const ringlm::ChatTemplate chat_template = choose_template(template_path, format, special);
+    ringlm::ChatTemplate chat_template = choose_template(template_path, format, special);
+    chat_template.set_date(date);
     const std::vector<ringlm::ChatMessage> messages = read_messages(messages_path);
     nlohmann::json out;
     out["format"] = chat_template.name();

@@ -1,0 +1,172 @@
+// Harmony's channels read from a streamed reply (see reply_parser.h).
+#include "core/session/reply_parser.h"
+
+#include <algorithm>
+#include <array>
+#include <optional>
+#include <utility>
+
+namespace ringlm {
+
+namespace {
+
+// The markers a harmony reply holds, as its tokens render, in the order of ReplyParser::Marker.
+constexpr std::array<std::string_view, 7> kMarkers = {"<|start|>",   "<|channel|>", "<|constrain|>", "<|message|>",
+                                                      "<|end|>",     "<|return|>",  "<|call|>"};
+
+// The marker `text` starts with (its index in kMarkers), if any.
+std::optional<size_t> marker_at(std::string_view text) {
+  for (size_t i = 0; i < kMarkers.size(); ++i) {
+    if (text.substr(0, kMarkers[i].size()) == kMarkers[i]) return i;
+  }
+  return std::nullopt;
+}
+
+// Whether `text` is the start of a marker, shorter than it.
+bool starts_a_marker(std::string_view text) {
+  for (std::string_view marker : kMarkers) {
+    if (text.size() < marker.size() && marker.substr(0, text.size()) == text) return true;
+  }
+  return false;
+}
+
+// The name after `key` in a header ("to=functions.get_weather", "<|channel|>final"): up to a
+// space, the next marker or the end.
+std::string_view name_after(std::string_view header, size_t key_end) {
+  const std::string_view rest = header.substr(key_end);
+  return rest.substr(0, std::min(rest.find_first_of(" <"), rest.size()));
+}
+
+constexpr std::string_view kRecipient = " to=";  // a recipient right after the role
+
+}  // namespace
+
+ReplyDelta ReplyParser::push(std::string_view text) {
+  ReplyDelta out;
+  if (!channels_) {
+    content_ += text;
+    out.content = std::string(text);
+    return out;
+  }
+  held_ += text;
+  const std::string_view all = held_;
+  size_t done = 0;  // what has been read: text before it handed on, markers taken
+  for (size_t at = all.find('<'); at != std::string_view::npos; at = all.find('<', at)) {
+    if (const std::optional<size_t> marker = marker_at(all.substr(at))) {
+      on_text(all.substr(done, at - done), out);
+      on_marker(static_cast<Marker>(*marker));
+      at += kMarkers[*marker].size();
+      done = at;
+    } else if (starts_a_marker(all.substr(at))) {
+      on_text(all.substr(done, at - done), out);
+      held_.erase(0, at);
+      return out;
+    } else {
+      ++at;
+    }
+  }
+  on_text(all.substr(done), out);
+  held_.clear();
+  return out;
+}
+
+ReplyDelta ReplyParser::finish() {
+  ReplyDelta out;
+  if (!channels_) return out;
+  std::string rest = std::move(held_);
+  held_.clear();
+  on_text(rest, out);
+  // A reply that is only the start of " to=" was plain text after all.
+  if (!in_message_ && at_reply_start_ && !header_.empty()) {
+    route_ = Route::kContent;
+    route(header_, out);
+    header_.clear();
+  }
+  return out;
+}
+
+ReplyDelta ReplyParser::parse(const ChatTemplate& chat_template, std::string_view reply) {
+  ReplyParser parser(chat_template);
+  parser.push(reply);
+  parser.finish();
+  return {parser.content(), parser.reasoning()};
+}
+
+void ReplyParser::on_text(std::string_view text, ReplyDelta& out) {
+  if (text.empty()) return;
+  if (in_message_) {
+    route(text, out);
+    return;
+  }
+  header_ += text;
+  if (!at_reply_start_) return;
+  // The header the generation prompt began ("<|start|>assistant") goes on with a recipient or a
+  // marker; anything else is a reply without headers.
+  if (header_.substr(0, kRecipient.size()) == kRecipient) {
+    at_reply_start_ = false;
+  } else if (kRecipient.substr(0, header_.size()) != header_) {
+    at_reply_start_ = false;
+    in_message_ = true;
+    route_ = Route::kContent;
+    route(header_, out);
+    header_.clear();
+  }
+}
+
+void ReplyParser::on_marker(Marker marker) {
+  switch (marker) {
+    case Marker::kStart:  // a new message: its header follows
+      in_message_ = false;
+      header_.clear();
+      break;
+    case Marker::kChannel:  // a header's channel; in a message's text, a new message
+      if (in_message_) header_.clear();
+      in_message_ = false;
+      header_ += kMarkers[static_cast<size_t>(marker)];
+      break;
+    case Marker::kConstrain:  // part of a header (the type of a tool call's arguments)
+      if (!in_message_) header_ += kMarkers[static_cast<size_t>(marker)];
+      break;
+    case Marker::kMessage:  // the header ends, the message's text begins
+      if (!in_message_) {
+        route_ = route_of(header_);
+        header_.clear();
+        in_message_ = true;
+      }
+      break;
+    case Marker::kEnd:
+    case Marker::kReturn:
+    case Marker::kCall:  // the message ends
+      in_message_ = false;
+      header_.clear();
+      break;
+  }
+  at_reply_start_ = false;
+}
+
+void ReplyParser::route(std::string_view text, ReplyDelta& out) {
+  if (route_ == Route::kContent) {
+    content_ += text;
+    out.content += text;
+  } else if (route_ == Route::kReasoning) {
+    reasoning_ += text;
+    out.reasoning += text;
+  }
+}
+
+ReplyParser::Route ReplyParser::route_of(std::string_view header) {
+  // A recipient other than the assistant: a tool call, whose arguments are no answer.
+  for (size_t to = header.find("to="); to != std::string_view::npos; to = header.find("to=", to + 1)) {
+    if (to > 0 && header[to - 1] != ' ') continue;  // inside a word
+    if (name_after(header, to + 3) != "assistant") return Route::kNone;
+  }
+  // The last channel named (gpt-oss sometimes writes "<|channel|>commentary" before the real one).
+  constexpr std::string_view kChannel = "<|channel|>";
+  const size_t channel = header.rfind(kChannel);
+  if (channel != std::string_view::npos && name_after(header, channel + kChannel.size()) == "analysis") {
+    return Route::kReasoning;
+  }
+  return Route::kContent;  // final, commentary (a preamble to the answer), or none
+}
+
+}  // namespace ringlm

@@ -1,0 +1,72 @@
+// A reply read back as its parts: the answer (content) and the reasoning that a format keeps
+// apart from it.
+//
+// Harmony (gpt-oss) writes a reply as messages on channels, each a header and a text:
+//
+//   <|channel|>analysis<|message|>...reasoning...<|end|><|start|>assistant<|channel|>final<|message|>...answer...
+//
+// (the generation prompt already wrote the first "<|start|>assistant"; the <|return|> that ends
+// the reply is an end-of-generation token, not text). ReplyParser reads that text as it streams
+// and hands out the final channel's text as content and the analysis channel's as reasoning, as
+// llama-server does (its reasoning_content). No marker and no header reaches either part, and
+// text that could still be the start of a marker ("<", "<|mes") is held back until it is one or
+// cannot be one any more. The rest goes where llama-server's gpt-oss parser puts it: the
+// commentary channel (a preamble) to content; a message addressed to a recipient other than the
+// assistant ("to=functions.get_weather": a tool call, and ringlm runs no tools) to neither.
+// Text before any header is content: a reply that ignores the format is still an answer.
+// A marker in the middle of a message is read as the format means it even where the model left
+// out the one before it (a <|channel|> without <|end|><|start|>assistant starts a new message).
+//
+// Every other format's reply is all content, handed out as it comes.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "core/session/chat_template.h"
+
+namespace ringlm {
+
+struct ReplyDelta {
+  std::string content;
+  std::string reasoning;
+  bool empty() const { return content.empty() && reasoning.empty(); }
+};
+
+class ReplyParser {
+ public:
+  explicit ReplyParser(const ChatTemplate& chat_template) : channels_(chat_template.has_channels()) {}
+
+  // What the next piece of the reply's text (any cut: a marker or a UTF-8 character may be
+  // split between pieces) adds to each part.
+  ReplyDelta push(std::string_view text);
+  // The reply has ended: what was held back (text that never became a marker) goes to the part
+  // it belongs to.
+  ReplyDelta finish();
+
+  // Everything handed out so far: the whole parts once finished.
+  const std::string& content() const { return content_; }
+  const std::string& reasoning() const { return reasoning_; }
+
+  // A whole reply's parts.
+  static ReplyDelta parse(const ChatTemplate& chat_template, std::string_view reply);
+
+ private:
+  enum class Route { kContent, kReasoning, kNone };
+  enum class Marker { kStart, kChannel, kConstrain, kMessage, kEnd, kReturn, kCall };
+
+  void on_text(std::string_view text, ReplyDelta& out);
+  void on_marker(Marker marker);
+  void route(std::string_view text, ReplyDelta& out);
+  static Route route_of(std::string_view header);
+
+  bool channels_;
+  std::string held_;            // the end of the text, which may be the start of a marker
+  bool in_message_ = false;     // reading a message's text (else a header)
+  bool at_reply_start_ = true;  // no header nor marker read yet
+  std::string header_;          // the header being read (role, recipient, channel, markers)
+  Route route_ = Route::kContent;
+  std::string content_, reasoning_;
+};
+
+}  // namespace ringlm
