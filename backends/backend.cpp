@@ -57,6 +57,23 @@ void Backend::matmul_add(const PreparedWeight& weight, const float* x, int64_t n
   add(y, product->data(), static_cast<int64_t>(n));
 }
 
+void Backend::route(const PreparedWeight& router, const float* bias, const MatmulInput& input, float* logits, int k,
+                    std::span<int32_t> experts, std::span<float> weights) {
+  const int64_t n_expert = router.rows();
+  const PreparedWeight* const weight[] = {&router};
+  float* const out[] = {logits};
+  matmul_many(weight, input, out);
+  if (bias != nullptr) add_row(logits, bias, input.n_tokens, n_expert);
+  // (Kept from call to call: a decode step allocates nothing.)
+  thread_local std::vector<TopLogit> picks;
+  const auto K = static_cast<size_t>(k);
+  picks.resize(static_cast<size_t>(input.n_tokens) * K);
+  top_k(logits, input.n_tokens, n_expert, k, picks);
+  for (size_t r = 0; r < static_cast<size_t>(input.n_tokens); ++r) {
+    weigh_chosen(std::span<const TopLogit>(picks).subspan(r * K, K), experts.subspan(r * K, K), weights.subspan(r * K, K));
+  }
+}
+
 void Backend::moe_ffn(const ExpertBlock& experts, const ExpertRoutes& routes, const MatmulInput& input,
                       Activation act, float* out) {
   const auto n_expert = static_cast<int>(experts.gate.size());

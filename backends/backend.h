@@ -199,7 +199,7 @@ struct DeviceCounters {
 // The ops of the seam, as Backend::supports names them.
 enum class BackendOp {
   kMatmul, kMatmulAdd, kMatmulMany, kMatmulGlu, kRows,  // products and embedding rows: the weights' types
-  kMoeFfn,                                              // a mixture of experts: the experts' types
+  kMoeFfn, kRoute,                                      // a mixture of experts: the experts' / router's types
   kRope, kAdd, kAddRow, kScale, kRmsNorm, kCopy, kGlu,  // row-wise ops on fp32 activations: no types
   kStoreKv, kAttention, kShiftKeys,                     // the KV cache's element type (F16 or F32)
   kTopK,                                                // no types
@@ -255,6 +255,15 @@ class Backend {
   // with the activation applied as each output tile is produced. out is [n_tokens][gate.rows()].
   virtual void matmul_glu(const PreparedWeight& gate, const PreparedWeight& up, const MatmulInput& input,
                           Activation act, float* out) = 0;
+
+  // A mixture of experts' routing, in one op: the router's logits of every row of the input
+  // (normalised on the way in) plus `bias` ([n_expert], nullptr: none), into `logits`
+  // ([n_tokens][router.rows()], activation memory), then each row's k largest (select_top_k's
+  // order) and their softmax weights over those k (weigh_chosen), to the host ([n_tokens][k]
+  // each). This default runs matmul_many, add_row and top_k: a device picks the k itself and
+  // sends back k pairs a row instead of every logit.
+  virtual void route(const PreparedWeight& router, const float* bias, const MatmulInput& input, float* logits, int k,
+                     std::span<int32_t> experts, std::span<float> weights);
 
   // A mixture of experts' feed-forward block: out[r] = sum over j of routes.weights[r][j] *
   // (down_e(act(gate_e · x_r + gb_e, up_e · x_r + ub_e)) + db_e), e = routes.experts[r][j], for

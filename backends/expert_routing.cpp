@@ -27,18 +27,29 @@ void route_experts(std::span<const float> logits, int n_expert, int k, bool norm
     // The softmax's denominator over the chosen logits or over all of them; the largest logit
     // (the first chosen) is subtracted first, so no exp overflows. A row of NaNs leaves no
     // expert chosen: expert 0 with weight 0 stands in for each (the row's block adds nothing).
+    if (normalize) {
+      weigh_chosen(top, experts.subspan(r * K, K), weights.subspan(r * K, K));
+      continue;
+    }
     const float max = top[0].id >= 0 ? top[0].logit : 0.0f;
     double sum = 0.0;
-    if (normalize) {
-      for (const TopLogit& t : top) sum += t.id >= 0 ? std::exp(static_cast<double>(t.logit - max)) : 0.0;
-    } else {
-      for (const float l : row) sum += std::isnan(l) ? 0.0 : std::exp(static_cast<double>(l - max));
-    }
-    for (size_t j = 0; j < K; ++j) {
-      const bool chosen = top[j].id >= 0;
-      experts[r * K + j] = chosen ? top[j].id : 0;
-      weights[r * K + j] = chosen ? static_cast<float>(std::exp(static_cast<double>(top[j].logit - max)) / sum) : 0.0f;
-    }
+    for (const float l : row) sum += std::isnan(l) ? 0.0 : std::exp(static_cast<double>(l - max));
+    weigh(top, max, sum, experts.subspan(r * K, K), weights.subspan(r * K, K));
+  }
+}
+
+void weigh_chosen(std::span<const TopLogit> top, std::span<int32_t> experts, std::span<float> weights) {
+  const float max = top[0].id >= 0 ? top[0].logit : 0.0f;
+  double sum = 0.0;
+  for (const TopLogit& t : top) sum += t.id >= 0 ? std::exp(static_cast<double>(t.logit - max)) : 0.0;
+  weigh(top, max, sum, experts, weights);
+}
+
+void weigh(std::span<const TopLogit> top, float max, double sum, std::span<int32_t> experts, std::span<float> weights) {
+  for (size_t j = 0; j < top.size(); ++j) {
+    const bool chosen = top[j].id >= 0;
+    experts[j] = chosen ? top[j].id : 0;
+    weights[j] = chosen ? static_cast<float>(std::exp(static_cast<double>(top[j].logit - max)) / sum) : 0.0f;
   }
 }
 

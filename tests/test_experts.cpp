@@ -297,6 +297,39 @@ TEST(ExpertBlock, WithBiasesAndTheClampedSwigluItMatchesItsDefinitionOnTheFp32Pa
   }
 }
 
+// Backend::route: the router's product plus its bias, then each row's top k and their weights:
+// the logits are the definition's, and the routes are what route_experts picks from them.
+TEST(ExpertRoute, TheOpRoutesAsRouteExpertsDoesFromItsOwnLogits) {
+  const Block b = random_block(13);
+  std::mt19937 rng(14);
+  const Matrix router = random_q8_0(kExperts, kEmbd, rng);
+  std::vector<float> bias = {0.5f, -0.25f, 0.0f, 1.0f};
+  const int64_t n = 7;
+  for (const ComputeType compute : {ComputeType::kFp32, ComputeType::kInt8}) {
+    auto backend = make_cpu_backend(2, compute);
+    const auto weight = backend->prepare(WeightView{"router", TensorType::Q8_0, router.rows, router.cols, router.bytes.data()});
+    std::vector<float> logits(static_cast<size_t>(n * kExperts), NAN), weights(static_cast<size_t>(n * kUsed));
+    std::vector<int32_t> experts(static_cast<size_t>(n * kUsed), -1);
+    backend->route(*weight, bias.data(), MatmulInput{b.x.data(), n, b.norm.data(), kEps}, logits.data(), kUsed, experts,
+                   weights);
+    const Routed want = route(logits, kExperts, kUsed, true);
+    EXPECT_EQ(experts, want.experts);
+    EXPECT_EQ(std::memcmp(weights.data(), want.weights.data(), weights.size() * sizeof(float)), 0);
+    for (int64_t r = 0; r < n; ++r) {
+      double sum_sq = 0;
+      for (int i = 0; i < kEmbd; ++i) sum_sq += static_cast<double>(b.x[static_cast<size_t>(r * kEmbd + i)]) * b.x[static_cast<size_t>(r * kEmbd + i)];
+      const double inv = 1.0 / std::sqrt(sum_sq / kEmbd + kEps);
+      for (int e = 0; e < kExperts; ++e) {
+        double dot = bias[static_cast<size_t>(e)];
+        for (int i = 0; i < kEmbd; ++i) {
+          dot += router.values[static_cast<size_t>(e * kEmbd + i)] * b.x[static_cast<size_t>(r * kEmbd + i)] * inv * b.norm[static_cast<size_t>(i)];
+        }
+        EXPECT_NEAR(logits[static_cast<size_t>(r * kExperts + e)], dot, 0.02 * (1.0 + std::fabs(dot))) << "row " << r << " expert " << e;
+      }
+    }
+  }
+}
+
 TEST(ExpertBlock, ARowGetsTheSameBitsAloneOrWithOthersOnEitherPath) {
   const Block b = random_block(5);
   for (const ComputeType compute : {ComputeType::kFp32, ComputeType::kInt8}) {

@@ -120,6 +120,8 @@ class PluginBackend final : public Backend {
       case BackendOp::kRows:
       case BackendOp::kMoeFfn:  // Backend's: the fused product, copies and row-wise ops, each on the device
         return link_.v2() && device_multiplies();
+      case BackendOp::kRoute:  // Backend's: the product, the bias and the device's top k
+        return link_.v3() && device_multiplies();
       case BackendOp::kAttention:
       case BackendOp::kShiftKeys:
         return kv_type();

@@ -36,7 +36,6 @@ void LlamaModel::allocate_scratch() {
       s.expert_products = backend_.alloc_activations(routes * d);
       if (hp_.expert_biases) s.expert_up = backend_.alloc_activations(routes * static_cast<size_t>(hp_.n_ff_exp));
     }
-    s.host_router_logits.resize(M * static_cast<size_t>(hp_.n_expert));
     s.route_experts.resize(routes);
     s.route_weights.resize(routes);
   }
@@ -273,22 +272,15 @@ void LlamaModel::feed_forward(const LayerWeights& L, int n) {
   residual(*L.down, gate, n, nullptr, L.post_ffn_norm);
 }
 
-// The router's logits come to the host, which picks each row's experts; the backend then runs
-// every chosen expert over its rows.
+// The backend routes each row (the router's product, its top k and their weights, to the host),
+// then runs every chosen expert over its rows.
 void LlamaModel::mixture_of_experts(const LayerWeights& L, int n) {
   Scratch& s = *scratch_;
   const MatmulInput input{s.x->data(), n, L.ffn_norm, hp_.rms_eps};
-  const PreparedWeight* const router[] = {L.router.get()};
-  float* const router_out[] = {s.router_logits->data()};
-  backend_.matmul_many(router, input, router_out);
-  if (L.router_bias != nullptr) backend_.add_row(s.router_logits->data(), L.router_bias, n, hp_.n_expert);
-  const size_t n_logits = static_cast<size_t>(n) * static_cast<size_t>(hp_.n_expert);
   const size_t n_routes = static_cast<size_t>(n) * static_cast<size_t>(hp_.n_expert_used);
-  backend_.read(s.router_logits->data(), s.host_router_logits.data(), n_logits);
   const std::span<int32_t> experts(s.route_experts.data(), n_routes);
   const std::span<float> weights(s.route_weights.data(), n_routes);
-  route_experts(std::span<const float>(s.host_router_logits.data(), n_logits), hp_.n_expert, hp_.n_expert_used,
-                /*normalize=*/true, experts, weights);
+  backend_.route(*L.router, L.router_bias, input, s.router_logits->data(), hp_.n_expert_used, experts, weights);
   ExpertBlock block{L.gate_experts, L.up_experts, L.down_experts};
   block.gate_bias = L.gate_exps_bias;
   block.up_bias = L.up_exps_bias;

@@ -103,13 +103,13 @@ class LlamaModel {
   // (one allocation each: a device backend keeps each one's copies in step separately).
   struct Scratch {
     std::unique_ptr<ActivationBuffer> x, xn, q, k, v, attn, gate;
-    // A mixture of experts: the router's logits ([tokens][n_expert]), read to the host to pick
-    // each row's experts (routes). (The experts' weighted sum goes to xn.)
+    // A mixture of experts: the router's logits ([tokens][n_expert]), from which the backend picks
+    // each row's experts (Backend::route) for the host (routes). (The experts' weighted sum goes
+    // to xn.)
     std::unique_ptr<ActivationBuffer> router_logits;
     // ... and, on a device (where the seam's default runs the experts op by op), the gathered
     // rows, hidden units and products of every route a pass can have.
     std::unique_ptr<ActivationBuffer> expert_rows, expert_hidden, expert_products, expert_up;
-    std::vector<float> host_router_logits;
     std::vector<int32_t> route_experts;
     std::vector<float> route_weights;
     // [rope set][tokens][n_rot / 2]: each row's RoPE angles, per set of frequencies; computed on
