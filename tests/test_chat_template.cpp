@@ -85,7 +85,8 @@ INSTANTIATE_TEST_SUITE_P(
                       TemplateCase{"HuggingFaceH4-zephyr-7b-beta.jinja", "zephyr"},
                       TemplateCase{"mistralai-Mistral-7B-Instruct-v0.1.jinja", "mistral"},
                       TemplateCase{"mistralai-Mistral-7B-Instruct-v0.1-2023.jinja", "mistral"},
-                      TemplateCase{"openai-gpt-oss-120b.jinja", "harmony"}));
+                      TemplateCase{"openai-gpt-oss-120b.jinja", "harmony"},
+                      TemplateCase{"Qwen-Qwen3-0.6B.jinja", "chatml"}));
 
 TEST(ChatTemplate, EveryTemplateFileHasAnExpectation) {
   // A template added to either folder must be added to the lists above too.
@@ -93,7 +94,7 @@ TEST(ChatTemplate, EveryTemplateFileHasAnExpectation) {
   for (const std::string& folder : {kSharedTemplates, kReferenceTemplates}) {
     for (const auto& entry : std::filesystem::directory_iterator(folder)) files += entry.path().extension() == ".jinja";
   }
-  EXPECT_EQ(files, 6u + 8u);
+  EXPECT_EQ(files, 6u + 9u);
 }
 
 TEST(ChatTemplate, Llama31WritesItsDatedSystemHeader) {
@@ -520,6 +521,72 @@ TEST(ReplyParser, OtherFormatsAreAllContent) {
   EXPECT_EQ(parser.push("<|channel|>analysis<|message|>x <").content, "<|channel|>analysis<|message|>x <");
   EXPECT_EQ(parser.finish().content, "");
   EXPECT_EQ(parser.reasoning(), "");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Replies read back: think tags (Qwen3)
+
+// A ChatML template that handles think tags, as Qwen3's does (its test: the tag's markers).
+constexpr std::string_view kThinkingChatMl =
+    "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\n' }}"
+    "{%- if '</think>' in message.content %}{{ message.content.split('</think>')[-1] }}{%- endif %}"
+    "{{ message.content + '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}";
+
+// What Qwen3 writes after "<|im_start|>assistant\n".
+constexpr std::string_view kThinkingReply = "<think>\nThe user asks 2+2.\n\nSimple: 4. </thin k>\n</think>\n\n2 + 2 = **4**\n";
+
+ReplyDelta parse_thinking(std::string_view reply) {
+  return ReplyParser::parse(*ChatTemplate::detect(kThinkingChatMl), reply);
+}
+
+TEST(ReplyParser, ThinkTagsAreRecognisedInTheTemplate) {
+  EXPECT_TRUE(detect_file(kReferenceTemplates + "Qwen-Qwen3-0.6B.jinja").has_think_tags());
+  EXPECT_FALSE(detect_file(kSharedTemplates + "Qwen-Qwen2.5-7B-Instruct.jinja").has_think_tags());
+  EXPECT_TRUE(ChatTemplate::detect(kThinkingChatMl)->has_think_tags());
+  EXPECT_EQ(ChatTemplate::detect(kThinkingChatMl)->name(), "chatml");
+  EXPECT_FALSE(ChatTemplate::from_name("chatml").has_think_tags());
+  EXPECT_FALSE(ChatTemplate::from_name("harmony").has_think_tags());
+}
+
+TEST(ReplyParser, ThinkTagsSplitReasoningFromTheAnswerTrimmed) {
+  const ReplyDelta parts = parse_thinking(kThinkingReply);
+  EXPECT_EQ(parts.reasoning, "The user asks 2+2.\n\nSimple: 4. </thin k>");
+  EXPECT_EQ(parts.content, "2 + 2 = **4**\n");
+  // No thinking: the reply as it came, leading whitespace and all; empty thinking: no reasoning.
+  EXPECT_EQ(parse_thinking("  Hello <think>x</think>").content, "  Hello <think>x</think>");
+  EXPECT_EQ(parse_thinking("  Hello <think>x</think>").reasoning, "");
+  EXPECT_EQ(parse_thinking("<think>\n\n</think>\n\nHi").reasoning, "");
+  EXPECT_EQ(parse_thinking("<think>\n\n</think>\n\nHi").content, "Hi");
+  // Cut short while thinking: what it thought is reasoning; "<thi" alone is text.
+  EXPECT_EQ(parse_thinking("\n<think> deep thought\n</thi").reasoning, "deep thought\n</thi");
+  EXPECT_EQ(parse_thinking("\n<think> deep thought\n</thi").content, "");
+  EXPECT_EQ(parse_thinking("<thi").content, "<thi");
+}
+
+TEST(ReplyParser, ThinkTagsStreamedInPiecesCutAnywhereAreTheWholeReply) {
+  const ChatTemplate thinking = *ChatTemplate::detect(kThinkingChatMl);
+  for (const std::string_view reply : {kThinkingReply, std::string_view("<think>a  </think>  b  "), std::string_view("<tx")}) {
+    const ReplyDelta whole = ReplyParser::parse(thinking, reply);
+    for (size_t cut = 0; cut <= reply.size(); ++cut) {
+      for (size_t cut2 = cut; cut2 <= reply.size(); cut2 += 3) {
+        SCOPED_TRACE("cuts at " + std::to_string(cut) + ", " + std::to_string(cut2));
+        ReplyParser parser(thinking);
+        std::string content, reasoning;
+        for (std::string_view piece : {reply.substr(0, cut), reply.substr(cut, cut2 - cut), reply.substr(cut2)}) {
+          const ReplyDelta delta = parser.push(piece);
+          content += delta.content;
+          reasoning += delta.reasoning;
+          // Nothing handed out is taken back: no piece of a tag, no whitespace that is trimmed.
+          ASSERT_EQ(whole.content.substr(0, content.size()), content);
+          ASSERT_EQ(whole.reasoning.substr(0, reasoning.size()), reasoning);
+        }
+        const ReplyDelta rest = parser.finish();
+        ASSERT_EQ(content + rest.content, whole.content);
+        ASSERT_EQ(reasoning + rest.reasoning, whole.reasoning);
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -147,13 +147,17 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
   until.max_tokens = options_.n_predict;
   until.end_tokens = end_of_turn_tokens_;
   Generation generation(tokenizer_, sampler_, std::move(until), context());
-  ReplyParser parser(template_);  // the answer and, with channels, the reasoning
+  ReplyParser parser(template_);  // the answer and, with channels or think tags, the reasoning
   const auto show = [&](const ReplyDelta& delta) {
     if (!delta.reasoning.empty() && on_reasoning) on_reasoning(delta.reasoning);
     if (!delta.content.empty() && on_text) on_text(delta.content);
   };
+  std::string reply;  // as generated
   GenerateOptions options;
-  options.on_text = [&](std::string_view piece) { show(parser.push(piece)); };
+  options.on_text = [&](std::string_view piece) {
+    reply += piece;
+    show(parser.push(piece));
+  };
   options.interrupt = stop;
   options.evaluate_every_token = true;
   options.forget_dropped_history = true;
@@ -164,7 +168,9 @@ ChatTurnStats ChatSession::reply(std::string_view user_message, const std::funct
   stats.stop_reason = stop_reason(generate(generation, sequence_, options));
   show(parser.finish());
   stats.reply_tokens = generation.n_tokens();
-  turns_.back().assistant = parser.content();
+  // Harmony's past replies are their answers (the cache is rewritten to match, below); every
+  // other format's conversation holds the reply as generated, think tags and all, as its cache.
+  turns_.back().assistant = template_.has_channels() ? parser.content() : std::move(reply);
   stats.reply_ms = ms_since(t0);
   pending_text_ = template_.reply_end();
   if (template_.has_channels()) {

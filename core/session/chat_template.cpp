@@ -207,6 +207,7 @@ std::optional<ChatTemplate> ChatTemplate::detect(std::string_view template_sourc
 }
 
 void ChatTemplate::read_variants(std::string_view source) {
+  think_tags_ = format_ != ChatFormat::kHarmony && contains(source, "</think>");
   switch (format_) {
     case ChatFormat::kChatMl:
       default_system_ = literal_default_system(source);

@@ -74,6 +74,10 @@ class ChatTemplate {
   // with its final channel only (assistant_reply()), so the reasoning of earlier turns is not
   // part of the conversation.
   bool has_channels() const { return format_ == ChatFormat::kHarmony; }
+  // Whether the model thinks in <think>...</think> before its answer: a template that handles
+  // those tags (Qwen3's, its MoE's and QwQ's ChatML). ReplyParser then hands the thinking out as
+  // reasoning, as llama-server does; the conversation keeps the reply as generated.
+  bool has_think_tags() const { return think_tags_; }
 
   // Text before the first user message: the system message in formats that give it a block of
   // its own (ChatML, Llama-3, Phi-3, Zephyr); "" in those that fold it into the first user
@@ -118,6 +122,7 @@ class ChatTemplate {
   std::string date_;  // harmony's "Current date"; "": today() at each rendering
   // Variants read from the template's markers.
   bool llama3_dated_header_ = false;      // Llama-3.1: "Cutting Knowledge Date: ..." system header
+  bool think_tags_ = false;               // the template handles <think>...</think> (Qwen3)
   bool mistral_space_after_inst_ = true;  // "[INST] text" (v1, v3) or "[INST]text" (Nemo/tekken)
   bool mistral_space_before_end_ = true;  // "text [/INST]" (v1) or "text[/INST]" (v3, Nemo)
   // Mistral-7B-Instruct-v0.1/v0.2 as shipped since 2024: " [INST] text [/INST] reply</s>", a

@@ -39,9 +39,75 @@ std::string_view name_after(std::string_view header, size_t key_end) {
 
 constexpr std::string_view kRecipient = " to=";  // a recipient right after the role
 
+constexpr std::string_view kThinkOpen = "<think>", kThinkClose = "</think>";
+constexpr std::string_view kSpace = " \t\r\n";
+
+// How many bytes at the end of `text` could still become `tag` with more text: the longest
+// suffix that is a proper prefix of it.
+size_t tag_start_at_end(std::string_view text, std::string_view tag) {
+  for (size_t n = std::min(text.size(), tag.size() - 1); n > 0; --n) {
+    if (text.substr(text.size() - n) == tag.substr(0, n)) return n;
+  }
+  return 0;
+}
+
 }  // namespace
 
+ReplyDelta ReplyParser::push_think(std::string_view text) {
+  ReplyDelta out;
+  held_ += text;
+  for (;;) {
+    switch (think_) {
+      case Think::kStart: {
+        const size_t first = held_.find_first_not_of(kSpace);
+        if (first == std::string::npos) return out;  // only whitespace yet
+        const std::string_view rest = std::string_view(held_).substr(first);
+        if (rest.substr(0, kThinkOpen.size()) == kThinkOpen) {
+          held_.erase(0, first + kThinkOpen.size());
+          think_ = Think::kReasoningStart;
+          continue;
+        }
+        if (kThinkOpen.substr(0, rest.size()) == rest) return out;  // may still be <think>
+        think_ = Think::kAnswer;  // no thinking: the reply as it came
+        continue;
+      }
+      case Think::kReasoningStart:
+      case Think::kAnswerStart: {
+        const size_t first = held_.find_first_not_of(kSpace);
+        held_.erase(0, first == std::string::npos ? held_.size() : first);
+        if (held_.empty()) return out;
+        think_ = think_ == Think::kReasoningStart ? Think::kReasoning : Think::kAnswer;
+        continue;
+      }
+      case Think::kReasoning: {
+        const size_t close = held_.find(kThinkClose);
+        std::string_view reasoning = std::string_view(held_).substr(0, std::min(close, held_.size()));
+        // Held back: what may still become </think>, and the whitespace before it (trimmed
+        // when the tag comes).
+        if (close == std::string::npos) reasoning.remove_suffix(tag_start_at_end(reasoning, kThinkClose));
+        const size_t end = reasoning.find_last_not_of(kSpace);
+        reasoning = reasoning.substr(0, end == std::string_view::npos ? 0 : end + 1);
+        reasoning_ += reasoning;
+        out.reasoning += reasoning;
+        if (close == std::string::npos) {
+          held_.erase(0, reasoning.size());
+          return out;
+        }
+        held_.erase(0, close + kThinkClose.size());
+        think_ = Think::kAnswerStart;
+        continue;
+      }
+      case Think::kAnswer:
+        content_ += held_;
+        out.content += held_;
+        held_.clear();
+        return out;
+    }
+  }
+}
+
 ReplyDelta ReplyParser::push(std::string_view text) {
+  if (think_tags_) return push_think(text);
   ReplyDelta out;
   if (!channels_) {
     content_ += text;
@@ -72,6 +138,20 @@ ReplyDelta ReplyParser::push(std::string_view text) {
 
 ReplyDelta ReplyParser::finish() {
   ReplyDelta out;
+  if (think_tags_) {
+    // What was held back: the start of a reply that never became <think> is the answer; the end
+    // of reasoning that was never closed (a reply cut short) is reasoning, trimmed.
+    if (think_ == Think::kStart) {
+      content_ += held_;
+      out.content = held_;
+    } else if (think_ == Think::kReasoning) {
+      const size_t end = held_.find_last_not_of(kSpace);
+      out.reasoning = held_.substr(0, end == std::string::npos ? 0 : end + 1);
+      reasoning_ += out.reasoning;
+    }
+    held_.clear();
+    return out;
+  }
   if (!channels_) return out;
   std::string rest = std::move(held_);
   held_.clear();

@@ -17,6 +17,14 @@
 // A marker in the middle of a message is read as the format means it even where the model left
 // out the one before it (a <|channel|> without <|end|><|start|>assistant starts a new message).
 //
+// A format whose model thinks in tags first (ChatTemplate::has_think_tags(): Qwen3) writes
+//
+//   <think>\n...reasoning...\n</think>\n\n...answer...
+//
+// and the text between the tags is the reasoning, the rest the answer, each without the
+// whitespace around it, as llama-server's reasoning_content and content. A reply that does not
+// begin with <think> (after whitespace) is all content, as it came.
+//
 // Every other format's reply is all content, handed out as it comes.
 #pragma once
 
@@ -35,7 +43,8 @@ struct ReplyDelta {
 
 class ReplyParser {
  public:
-  explicit ReplyParser(const ChatTemplate& chat_template) : channels_(chat_template.has_channels()) {}
+  explicit ReplyParser(const ChatTemplate& chat_template)
+      : channels_(chat_template.has_channels()), think_tags_(chat_template.has_think_tags()) {}
 
   // What the next piece of the reply's text (any cut: a marker or a UTF-8 character may be
   // split between pieces) adds to each part.
@@ -55,12 +64,19 @@ class ReplyParser {
   enum class Route { kContent, kReasoning, kNone };
   enum class Marker { kStart, kChannel, kConstrain, kMessage, kEnd, kReturn, kCall };
 
+  // Where a think-tag reply is: before its first text, in the reasoning (nothing of it handed
+  // out yet, or some), between the tags and the answer, in the answer.
+  enum class Think { kStart, kReasoningStart, kReasoning, kAnswerStart, kAnswer };
+  ReplyDelta push_think(std::string_view text);
+
   void on_text(std::string_view text, ReplyDelta& out);
   void on_marker(Marker marker);
   void route(std::string_view text, ReplyDelta& out);
   static Route route_of(std::string_view header);
 
   bool channels_;
+  bool think_tags_;
+  Think think_ = Think::kStart;
   std::string held_;            // the end of the text, which may be the start of a marker
   bool in_message_ = false;     // reading a message's text (else a header)
   bool at_reply_start_ = true;  // no header nor marker read yet

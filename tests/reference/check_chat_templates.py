@@ -102,6 +102,8 @@ TEMPLATES = {
     # gpt-oss (harmony): a system block with the date, the system message as the developer's,
     # past replies as their final channel. bos/eos: o200k_harmony's (the template writes neither).
     "openai-gpt-oss-120b.jinja": dict(format="harmony", bos="<|startoftext|>", eos="<|return|>"),
+    # Qwen3 (and Qwen3-MoE): ChatML whose replies think in <think> tags (ReplyParser's reasoning).
+    "Qwen-Qwen3-0.6B.jinja": dict(format="chatml", bos="", eos="<|im_end|>"),
 }
 
 

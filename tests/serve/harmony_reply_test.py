@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`ringlm serve` with gpt-oss's harmony format, driven by the `openai` package: a chat reply comes
 back as `content` (the final channel) and `reasoning_content` (the analysis channel), whole and
-streamed, as llama-server sends them, and no marker of the format reaches either.
+streamed, as llama-server sends them, and no marker of the format reaches either. The same with
+Qwen3's think tags (SPEC tests/data/scripted_think.json): the text in <think> is the reasoning.
 
   harmony_reply_test.py RINGLM MODEL SPEC
 
@@ -122,7 +123,7 @@ class HarmonyReplies(unittest.TestCase):
             for c in chunk.choices:
                 piece, thought = c.delta.content or "", extra(c.delta, "reasoning_content") or ""
                 for text in (piece, thought):
-                    self.assertFalse(any(m in text for m in MARKERS), text)
+                    self.assertFalse(any(m in text for m in MARKERS + ["<think>", "</think>"]), text)
                     self.assertNotIn("<|", text)  # not even a piece of one
                 contents[c.index] = contents.get(c.index, "") + piece
                 reasonings[c.index] = reasonings.get(c.index, "") + thought
