@@ -32,6 +32,7 @@ struct ChatOptions {
   std::string system;
   bool system_given = false;
   std::string chat_template;  // "" : from the model
+  std::string reasoning_effort = "medium";  // harmony's (gpt-oss)
   int n_predict = -1;
   SpeculativeOptions speculative;
 };
@@ -80,6 +81,7 @@ ChatTemplate choose_template(const ChatOptions& o, const LoadedModel& m) {
   std::string notice;
   ChatTemplate t = chat_template_for(*m.gguf, *m.tokenizer, o.chat_template, notice);
   if (!notice.empty()) std::fprintf(stderr, "ringlm: %s\n", notice.c_str());
+  t.set_reasoning_effort(o.reasoning_effort);
   return t;
 }
 
@@ -382,6 +384,10 @@ void add_chat_command(CLI::App& app) {
   for (std::string_view n : ChatTemplate::names()) names.emplace_back(n);
   cmd->add_option("--chat-template", opts->chat_template, "chat format, instead of the one recognised from the model")
       ->check(CLI::IsMember(names));
+  cmd->add_option("--reasoning-effort", opts->reasoning_effort,
+                  "how long gpt-oss thinks before it answers (its harmony system message's 'Reasoning:')")
+      ->check(CLI::IsMember({"low", "medium", "high"}))
+      ->capture_default_str();
   cmd->add_option("-n,--n-predict", opts->n_predict, "most tokens per reply (-1: until the end of the turn)")
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();

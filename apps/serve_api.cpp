@@ -140,6 +140,22 @@ void refuse_unsupported(const json& body) {
   }
 }
 
+// "reasoning_effort" (OpenAI, vLLM) or "chat_template_kwargs": {"reasoning_effort"} (llama-server).
+std::optional<std::string> read_reasoning_effort(const json& body) {
+  const json* where = &body;
+  std::string name = "reasoning_effort";
+  if (const json* kwargs = field(body, "chat_template_kwargs"); kwargs != nullptr && field(body, "reasoning_effort") == nullptr) {
+    if (!kwargs->is_object()) throw bad_field("chat_template_kwargs", "must be an object");
+    where = kwargs;
+    name = "chat_template_kwargs.reasoning_effort";
+  }
+  const json* effort = field(*where, "reasoning_effort");
+  if (effort == nullptr) return std::nullopt;
+  const std::string value = effort->is_string() ? effort->get<std::string>() : "";
+  if (value != "low" && value != "medium" && value != "high") throw bad_field(name, "must be \"low\", \"medium\" or \"high\"");
+  return value;
+}
+
 void read_sampling(const json& body, SamplingParams& s) {
   if (auto v = number(body, "temperature", 0.0, 100.0)) s.temperature = static_cast<float>(*v);
   if (auto v = number(body, "top_p", 0.0, 1.0)) s.top_p = static_cast<float>(*v);
@@ -200,6 +216,7 @@ CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, 
     r.top_logprobs = static_cast<int>(*v);
   }
   if (auto v = integer(body, "speculative.n_max", 0, 64)) r.draft_max = static_cast<int>(*v);
+  if (endpoint == Endpoint::kChat) r.reasoning_effort = read_reasoning_effort(body);
   return r;
 }
 

@@ -57,6 +57,9 @@ struct CompletionRequest {
   // llama-server's "speculative.n_max": drafts of at most this many tokens for this request
   // (0: none), when the server decodes speculatively.
   std::optional<int> draft_max;
+  // chat: how long a harmony model (gpt-oss) thinks, "low", "medium" or "high": OpenAI's and
+  // vLLM's "reasoning_effort", or llama-server's "chat_template_kwargs": {"reasoning_effort"}.
+  std::optional<std::string> reasoning_effort;
 };
 
 // Reads a request body. `defaults` are the server's sampling settings, which the request's

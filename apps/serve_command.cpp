@@ -220,7 +220,13 @@ GenerationRequest Server::generation_request(const CompletionRequest& request) c
   GenerationRequest g;
   const Tokenizer& tokenizer = *model_->tokenizer;
   if (request.endpoint == Endpoint::kChat) {
-    g.prompt = conversation_prompt(*template_, tokenizer, request.messages);
+    if (request.reasoning_effort && *request.reasoning_effort != template_->reasoning_effort()) {
+      ChatTemplate chat_template = *template_;
+      chat_template.set_reasoning_effort(*request.reasoning_effort);
+      g.prompt = conversation_prompt(chat_template, tokenizer, request.messages);
+    } else {
+      g.prompt = conversation_prompt(*template_, tokenizer, request.messages);
+    }
     g.end_tokens = end_of_turn_;
   } else {
     g.prompt = tokenizer.encode(request.prompt, tokenizer.add_bos_by_default(), /*parse_special=*/true);

@@ -404,6 +404,19 @@ TEST(ChatTemplate, HarmonyDateIsTodaysUnlessSet) {
   EXPECT_THAT(fixed.conversation_start(""), HasSubstr("\nCurrent date: 1999-12-31\n"));
 }
 
+TEST(ChatTemplate, HarmonyReasoningEffortIsItsSystemBlocksReasoningLine) {
+  ChatTemplate harmony = ChatTemplate::from_name("harmony");
+  harmony.set_date("2025-08-05");
+  const std::vector<ChatMessage> messages = {{"system", "S"}, {"user", "U"}};
+  std::string want = harmony.render(messages);
+  ASSERT_NE(want.find("Reasoning: medium\n"), std::string::npos);
+  want.replace(want.find("Reasoning: medium"), 17, "Reasoning: high");
+  harmony.set_reasoning_effort("high");
+  EXPECT_EQ(harmony.render(messages), want);
+  EXPECT_THROW(harmony.set_reasoning_effort("max"), std::invalid_argument);
+  EXPECT_EQ(harmony.reasoning_effort(), "high");
+}
+
 TEST(ChatTemplate, HarmonyIsRecognisedByItsChannelMarkers) {
   EXPECT_EQ(ChatTemplate::detect("{{ '<|start|>assistant<|channel|>final<|message|>' }}")->name(), "harmony");
   // Neither marker alone is harmony: Phi-3's <|end|> and <|assistant|> are not either.

@@ -185,14 +185,14 @@ std::string llama3_header(std::string_view role) {
   return concat({"<|start_header_id|>", role, "<|end_header_id|>\n\n"});
 }
 
-// gpt-oss's template writes this system message before every conversation, with the defaults of
-// its model_identity and reasoning_effort variables and no tools; the caller's system message
-// becomes the developer message after it.
-std::string harmony_system_block(std::string_view date) {
+// gpt-oss's template writes this system message before every conversation, with the default of
+// its model_identity variable, its reasoning_effort (default "medium") and no tools; the caller's
+// system message becomes the developer message after it.
+std::string harmony_system_block(std::string_view date, std::string_view reasoning_effort) {
   return concat({"<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
                  "Knowledge cutoff: 2024-06\nCurrent date: ",
-                 date,
-                 "\n\nReasoning: medium\n\n"
+                 date, "\n\nReasoning: ", reasoning_effort,
+                 "\n\n"
                  "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"});
 }
 
@@ -204,6 +204,13 @@ std::optional<ChatTemplate> ChatTemplate::detect(std::string_view template_sourc
   ChatTemplate chat_template(*format, special);
   chat_template.read_variants(template_source);
   return chat_template;
+}
+
+void ChatTemplate::set_reasoning_effort(std::string effort) {
+  if (effort != "low" && effort != "medium" && effort != "high") {
+    throw std::invalid_argument("reasoning effort '" + effort + "': expected low, medium or high");
+  }
+  reasoning_effort_ = std::move(effort);
 }
 
 void ChatTemplate::read_variants(std::string_view source) {
@@ -277,7 +284,7 @@ std::string ChatTemplate::conversation_start(std::string_view system) const {
     case ChatFormat::kZephyr:
       return system.empty() ? "" : concat({"<|system|>\n", system, special_.eos, "\n"});
     case ChatFormat::kHarmony: {
-      const std::string system_block = harmony_system_block(date_.empty() ? today() : date_);
+      const std::string system_block = harmony_system_block(date_.empty() ? today() : date_, reasoning_effort_);
       if (system.empty()) return system_block;
       return concat({system_block, "<|start|>developer<|message|># Instructions\n\n", system, "\n\n<|end|>"});
     }

@@ -68,6 +68,12 @@ class ChatTemplate {
   // Other formats do not write it.
   void set_date(std::string yyyy_mm_dd) { date_ = std::move(yyyy_mm_dd); }
   const std::string& date() const { return date_; }
+  // How long harmony's model thinks: "low", "medium" (the template's default) or "high", its
+  // system block's "Reasoning: ..." (the template's reasoning_effort variable; OpenAI's and
+  // vLLM's request field of that name). std::invalid_argument for anything else. Other formats
+  // do not write it.
+  void set_reasoning_effort(std::string effort);
+  const std::string& reasoning_effort() const { return reasoning_effort_; }
 
   // Whether replies come as messages on channels (harmony: the analysis channel's reasoning,
   // then the final channel's answer), which ReplyParser splits. The template writes a past reply
@@ -120,6 +126,7 @@ class ChatTemplate {
   ChatSpecialTokens special_;
   std::string default_system_;
   std::string date_;  // harmony's "Current date"; "": today() at each rendering
+  std::string reasoning_effort_ = "medium";  // harmony's "Reasoning: ..."
   // Variants read from the template's markers.
   bool llama3_dated_header_ = false;      // Llama-3.1: "Cutting Knowledge Date: ..." system header
   bool think_tags_ = false;               // the template handles <think>...</think> (Qwen3)

@@ -64,15 +64,15 @@ class Server:
         return self.proc.wait(timeout=60)
 
 
-def template_prompt(messages):
+def template_prompt(messages, **kwargs):
     """The model's own template (its GGUF's tokenizer.chat_template) rendered by jinja2, as
-    transformers does, with today's date."""
+    transformers does, with today's date (and the template variables in kwargs)."""
     reader = GGUFReader(MODEL)
     field = reader.fields["tokenizer.chat_template"]
     source = bytes(field.parts[field.data[0]]).decode()
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source).render(messages=messages, add_generation_prompt=True)
+    return env.from_string(source).render(messages=messages, add_generation_prompt=True, **kwargs)
 
 
 def extra(obj, name):
@@ -114,6 +114,24 @@ class HarmonyReplies(unittest.TestCase):
         self.assertEqual(raw.usage.prompt_tokens, chat.usage.prompt_tokens)
         self.assertEqual(raw.choices[0].text, SPEC["generated"])
         self.assertEqual(raw.choices[0].finish_reason, "stop")
+
+    def test_reasoning_effort_is_the_templates_variable(self):
+        # OpenAI's field and llama-server's chat_template_kwargs both set the template's
+        # reasoning_effort (harmony's "Reasoning: high"; a template without it ignores it): the
+        # prompt is the template's with it, token for token, as the completions endpoint shows.
+        raw = self.client.completions.create(model="m", prompt=template_prompt(MESSAGES, reasoning_effort="high"),
+                                             temperature=0, max_tokens=1, logprobs=0)
+        plain = self.client.completions.create(model="m", prompt=template_prompt(MESSAGES), temperature=0,
+                                               max_tokens=1)
+        for body in ({"reasoning_effort": "high"}, {"chat_template_kwargs": {"reasoning_effort": "high"}}):
+            chat = self.client.chat.completions.create(model="m", messages=MESSAGES, temperature=0, max_tokens=1,
+                                                       extra_body=body)
+            self.assertEqual(chat.usage.prompt_tokens, raw.usage.prompt_tokens, body)
+        if "Reasoning: high" in template_prompt(MESSAGES, reasoning_effort="high"):  # (harmony) the check can fail
+            self.assertNotEqual(raw.usage.prompt_tokens, plain.usage.prompt_tokens)
+        with self.assertRaises(openai.BadRequestError) as bad:
+            self.client.chat.completions.create(model="m", messages=MESSAGES, extra_body={"reasoning_effort": "max"})
+        self.assertIn("reasoning_effort", str(bad.exception))
 
     def test_streamed_reply_is_the_whole_one_and_never_shows_a_marker(self):
         # Two samples at once: each choice's text is read apart.
