@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -25,6 +26,7 @@
 #include "core/model/loader.h"
 #include "core/scheduler/batch_scheduler.h"
 #include "core/session/chat_session.h"
+#include "core/session/reply_parser.h"
 
 namespace ringlm {
 
@@ -50,6 +52,9 @@ struct InputLine {
   json id;                 // the line's "id" (null when unreadable), or the line number for plain text
   std::string error;       // non-empty: an error record instead of a run
   GenerationRequest request;
+  // A "messages" line whose format keeps the reasoning apart (harmony, think tags): its reply is
+  // written as "text" (the answer) and "reasoning", as serve's content and reasoning_content.
+  std::shared_ptr<const ChatTemplate> reply_format;
 };
 
 std::atomic<bool> g_stop{false};
@@ -121,6 +126,7 @@ class InputReader {
       if (j.contains("prompt") == j.contains("messages")) throw std::runtime_error("needs exactly one of \"prompt\" and \"messages\"");
       l.request.prompt = j.contains("prompt") ? encode(field_or<std::string>(j, "prompt", "", "a string"))
                                               : encode_messages(j["messages"]);
+      if (j.contains("messages") && (template_->has_channels() || template_->has_think_tags())) l.reply_format = template_;
       GenerationRequest& r = l.request;
       r.max_tokens = field_or<int>(j, "max_tokens", r.max_tokens, "an integer");
       r.sampling.temperature = field_or<float>(j, "temperature", r.sampling.temperature, "a number");
@@ -168,7 +174,8 @@ class InputReader {
   const ChatTemplate& chat_template() {
     if (!template_) {
       std::string notice;
-      template_ = chat_template_for(*model_.gguf, *model_.tokenizer, options_.chat_template, notice);
+      template_ = std::make_shared<const ChatTemplate>(
+          chat_template_for(*model_.gguf, *model_.tokenizer, options_.chat_template, notice));
       if (!notice.empty()) std::fprintf(stderr, "ringlm: %s\n", notice.c_str());
     }
     return *template_;
@@ -176,7 +183,7 @@ class InputReader {
 
   const BatchCommandOptions& options_;
   const LoadedModel& model_;
-  std::optional<ChatTemplate> template_;
+  std::shared_ptr<const ChatTemplate> template_;
 };
 
 // What an earlier run already wrote: result lines per id (by sample) and error lines.
@@ -305,16 +312,22 @@ class BatchRun {
     if (++samples_done_[r.index] == l.request.n_samples) ++finished_;  // samples finish in any order
     const auto already = already_.find(r.index);
     if (already != already_.end() && already->second.count(r.sample) != 0) return;  // written by an earlier run
-    nlohmann::ordered_json j = {{"id", l.id},
-              {"text", r.text},
-              {"tokens", r.n_tokens},
-              {"finish_reason", r.finish_reason},
-              {"prompt_tokens", r.prompt_tokens},
-              {"timings",
-               {{"queue_ms", r.queue_ms},
-                {"prefill_ms", r.prefill_ms},
-                {"decode_ms", r.decode_ms},
-                {"tokens_per_second", r.decode_ms > 0 ? 1000.0 * r.n_tokens / r.decode_ms : 0.0}}}};
+    nlohmann::ordered_json j;
+    j["id"] = l.id;
+    if (l.reply_format) {
+      const ReplyDelta parts = ReplyParser::parse(*l.reply_format, r.text);
+      j["text"] = parts.content;
+      if (!parts.reasoning.empty()) j["reasoning"] = parts.reasoning;
+    } else {
+      j["text"] = r.text;
+    }
+    j["tokens"] = r.n_tokens;
+    j["finish_reason"] = r.finish_reason;
+    j["prompt_tokens"] = r.prompt_tokens;
+    j["timings"] = {{"queue_ms", r.queue_ms},
+                    {"prefill_ms", r.prefill_ms},
+                    {"decode_ms", r.decode_ms},
+                    {"tokens_per_second", r.decode_ms > 0 ? 1000.0 * r.n_tokens / r.decode_ms : 0.0}};
     if (l.request.n_samples > 1) j["sample"] = r.sample;
     write_line(j);
     generated_ += r.n_tokens;

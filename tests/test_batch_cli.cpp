@@ -290,6 +290,28 @@ TEST(BatchCli, ThreeSamplesShareOnePromptPrefill) {
   EXPECT_NEAR(held_alone, would_hold_alone, 0.05);
 }
 
+// A "messages" line of a model whose format keeps its reasoning apart (the scripted harmony and
+// think-tag models): "text" is the answer and "reasoning" the reasoning, as serve splits them; a
+// "prompt" line of the same model keeps the text as generated.
+TEST(BatchCli, ChatRepliesOfReasoningModelsAreSplit) {
+  for (const std::string name : {"harmony", "think"}) {
+    SCOPED_TRACE(name);
+    const json spec = json::parse(slurp(std::string(RINGLM_SOURCE_DIR) + "/tests/data/scripted_" + name + ".json"));
+    const std::string model = std::string(RINGLM_TEST_WORK_DIR) + "/scripted_" + name + ".gguf";
+    const std::string input = R"({"id": "chat", "messages": [{"role": "user", "content": "Hi"}]})"
+                              "\n" R"({"id": "raw", "prompt": "<|start|>assistant", "max_tokens": 5})" "\n";
+    const BatchRunResult r = run_batch("reasoning_" + name, input, "", true, model);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const std::vector<json> recs = records(work_dir() + "/reasoning_" + name + ".out");
+    ASSERT_EQ(recs.size(), 2u);
+    const json& chat = recs[0]["id"] == "chat" ? recs[0] : recs[1];
+    const json& raw = recs[0]["id"] == "raw" ? recs[0] : recs[1];
+    EXPECT_EQ(chat["text"], spec["content"]);
+    EXPECT_EQ(chat["reasoning"], spec["reasoning"]);
+    EXPECT_FALSE(raw.contains("reasoning"));
+  }
+}
+
 TEST(BatchCli, PlainTextLinesAreNumbered) {
   const BatchRunResult r = run_batch("plain", "The capital of France is\n\nOnce upon a time\n", "-n 6");
   ASSERT_EQ(r.exit_code, 0) << r.err;
