@@ -100,20 +100,35 @@ void F16KvRowsToF32(const uint16_t* k, const uint16_t* v, int64_t stride, int ro
   for (int j = 0; v_out != nullptr && j < rows; ++j) F16RowToF32(v + j * stride, n, v_out + static_cast<int64_t>(j) * n);
 }
 
+// A vector of a cache row's elements as fp32: loaded (fp32) or loaded and widened (fp16, exact).
+template <class D>
+HWY_INLINE hn::Vec<D> LoadKv(D d, const float* p) {
+  return hn::LoadU(d, p);
+}
+template <class D>
+HWY_INLINE hn::Vec<D> LoadKv(D d, const uint16_t* p) {
+  const hn::Rebind<hwy::float16_t, D> dh;
+  return hn::PromoteTo(d, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(p)));
+}
+HWY_INLINE float KvValue(float x) { return x; }
+HWY_INLINE float KvValue(uint16_t x) { return fp16_to_fp32(x); }
+
 // scores[r][j] = q[r] · k[j] for rows r < n_rows of q ([n_rows][hd]) and keys j < n_keys (fp32,
-// k_ld elements apart): the score block of a few query rows (decode), too few to fill the lanes
-// of the tile path's row vectors. Eight keys at a time, each with its own
-// accumulator: one dot product is a chain of hd / lanes dependent FMAs, eight of them keep the
-// FMA units busy. A key's sum is the same whichever group of eight it falls in.
-void ScoreRows(const float* q, int n_rows, int hd, const float* k, int64_t k_ld, int n_keys, float* scores,
-               int scores_ld) {
+// or fp16 read in place: the widening is exact, so the sums are the same; k_ld elements apart):
+// the score block of a few query rows (decode), too few to fill the lanes of the tile path's row
+// vectors. Eight keys at a time, each with its own accumulator: one dot product is a chain of
+// hd / lanes dependent FMAs, eight of them keep the FMA units busy. A key's sum is the same
+// whichever group of eight it falls in.
+template <class T>
+HWY_INLINE void ScoreRowsOf(const float* q, int n_rows, int hd, const T* k, int64_t k_ld, int n_keys, float* scores,
+                            int scores_ld) {
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
   const int vec_end = hd / lanes * lanes;
   for (int j0 = 0; j0 < n_keys; j0 += 8) {
     const int nk = std::min(8, n_keys - j0);
     // Past the last key, the group repeats it: the work is thrown away, the loads stay valid.
-    const float* kr[8];
+    const T* kr[8];
     for (int i = 0; i < 8; ++i) kr[i] = k + (j0 + std::min(i, nk - 1)) * k_ld;
     for (int r = 0; r < n_rows; ++r) {
       const float* qr = q + r * hd;
@@ -121,40 +136,49 @@ void ScoreRows(const float* q, int n_rows, int hd, const float* k, int64_t k_ld,
       auto a4 = hn::Zero(d), a5 = hn::Zero(d), a6 = hn::Zero(d), a7 = hn::Zero(d);
       for (int c = 0; c < vec_end; c += lanes) {
         const auto qv = hn::LoadU(d, qr + c);
-        a0 = hn::MulAdd(qv, hn::LoadU(d, kr[0] + c), a0);
-        a1 = hn::MulAdd(qv, hn::LoadU(d, kr[1] + c), a1);
-        a2 = hn::MulAdd(qv, hn::LoadU(d, kr[2] + c), a2);
-        a3 = hn::MulAdd(qv, hn::LoadU(d, kr[3] + c), a3);
-        a4 = hn::MulAdd(qv, hn::LoadU(d, kr[4] + c), a4);
-        a5 = hn::MulAdd(qv, hn::LoadU(d, kr[5] + c), a5);
-        a6 = hn::MulAdd(qv, hn::LoadU(d, kr[6] + c), a6);
-        a7 = hn::MulAdd(qv, hn::LoadU(d, kr[7] + c), a7);
+        a0 = hn::MulAdd(qv, LoadKv(d, kr[0] + c), a0);
+        a1 = hn::MulAdd(qv, LoadKv(d, kr[1] + c), a1);
+        a2 = hn::MulAdd(qv, LoadKv(d, kr[2] + c), a2);
+        a3 = hn::MulAdd(qv, LoadKv(d, kr[3] + c), a3);
+        a4 = hn::MulAdd(qv, LoadKv(d, kr[4] + c), a4);
+        a5 = hn::MulAdd(qv, LoadKv(d, kr[5] + c), a5);
+        a6 = hn::MulAdd(qv, LoadKv(d, kr[6] + c), a6);
+        a7 = hn::MulAdd(qv, LoadKv(d, kr[7] + c), a7);
       }
       const auto sum = [d](auto v) { return hn::GetLane(hn::SumOfLanes(d, v)); };
       float dots[8] = {sum(a0), sum(a1), sum(a2), sum(a3), sum(a4), sum(a5), sum(a6), sum(a7)};
       for (int c = vec_end; c < hd; ++c) {
-        for (int i = 0; i < 8; ++i) dots[i] += qr[c] * kr[i][c];
+        for (int i = 0; i < 8; ++i) dots[i] += qr[c] * KvValue(kr[i][c]);
       }
       std::copy_n(dots, nk, scores + r * scores_ld + j0);
     }
   }
 }
 
+void ScoreRows(const float* q, int n_rows, int hd, const float* k, int64_t k_ld, int n_keys, float* scores,
+               int scores_ld) {
+  ScoreRowsOf(q, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
+}
+void ScoreRowsF16(const float* q, int n_rows, int hd, const uint16_t* k, int64_t k_ld, int n_keys, float* scores,
+                  int scores_ld) {
+  ScoreRowsOf(q, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
+}
+
 // acc[r][c0 .. c0 + 4 lanes) += sum_j p[r][j] * v[j][c0 ..) over the keys j < n_keys with a
 // non-zero weight: four columns of vectors held in registers across all the keys.
-template <class D>
-HWY_INLINE void AccumulateColumns4(D d, const float* pr, int n_keys, const float* v, int64_t v_ld, float* ar) {
+template <class D, class T>
+HWY_INLINE void AccumulateColumns4(D d, const float* pr, int n_keys, const T* v, int64_t v_ld, float* ar) {
   const int lanes = static_cast<int>(hn::Lanes(d));
   auto a0 = hn::LoadU(d, ar), a1 = hn::LoadU(d, ar + lanes), a2 = hn::LoadU(d, ar + 2 * lanes),
        a3 = hn::LoadU(d, ar + 3 * lanes);
   for (int j = 0; j < n_keys; ++j) {
     if (pr[j] == 0.0f) continue;  // masked keys
     const auto w = hn::Set(d, pr[j]);
-    const float* vj = v + j * v_ld;
-    a0 = hn::MulAdd(w, hn::LoadU(d, vj), a0);
-    a1 = hn::MulAdd(w, hn::LoadU(d, vj + lanes), a1);
-    a2 = hn::MulAdd(w, hn::LoadU(d, vj + 2 * lanes), a2);
-    a3 = hn::MulAdd(w, hn::LoadU(d, vj + 3 * lanes), a3);
+    const T* vj = v + j * v_ld;
+    a0 = hn::MulAdd(w, LoadKv(d, vj), a0);
+    a1 = hn::MulAdd(w, LoadKv(d, vj + lanes), a1);
+    a2 = hn::MulAdd(w, LoadKv(d, vj + 2 * lanes), a2);
+    a3 = hn::MulAdd(w, LoadKv(d, vj + 3 * lanes), a3);
   }
   hn::StoreU(a0, d, ar);
   hn::StoreU(a1, d, ar + lanes);
@@ -162,11 +186,12 @@ HWY_INLINE void AccumulateColumns4(D d, const float* pr, int n_keys, const float
   hn::StoreU(a3, d, ar + 3 * lanes);
 }
 
-// acc[r] += sum_j p[r][j] * v[j] for rows r < n_rows (fp32 values, v_ld apart): the value side
-// of ScoreRows. Every element sums its keys in key order, so the result is the same for any cut
-// of the keys into calls.
-void AccumulateRows(const float* p, int n_rows, int p_ld, const float* v, int64_t v_ld, int n_keys, int hd,
-                    float* acc) {
+// acc[r] += sum_j p[r][j] * v[j] for rows r < n_rows (fp32 values, or fp16 read in place; v_ld
+// apart): the value side of ScoreRows. Every element sums its keys in key order, so the result
+// is the same for any cut of the keys into calls.
+template <class T>
+HWY_INLINE void AccumulateRowsOf(const float* p, int n_rows, int p_ld, const T* v, int64_t v_ld, int n_keys, int hd,
+                                 float* acc) {
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
   for (int r = 0; r < n_rows; ++r) {
@@ -177,16 +202,25 @@ void AccumulateRows(const float* p, int n_rows, int p_ld, const float* v, int64_
     for (; c + lanes <= hd; c += lanes) {
       auto a = hn::LoadU(d, ar + c);
       for (int j = 0; j < n_keys; ++j) {
-        if (pr[j] != 0.0f) a = hn::MulAdd(hn::Set(d, pr[j]), hn::LoadU(d, v + j * v_ld + c), a);
+        if (pr[j] != 0.0f) a = hn::MulAdd(hn::Set(d, pr[j]), LoadKv(d, v + j * v_ld + c), a);
       }
       hn::StoreU(a, d, ar + c);
     }
     for (; c < hd; ++c) {
       for (int j = 0; j < n_keys; ++j) {
-        if (pr[j] != 0.0f) ar[c] += pr[j] * v[j * v_ld + c];
+        if (pr[j] != 0.0f) ar[c] += pr[j] * KvValue(v[j * v_ld + c]);
       }
     }
   }
+}
+
+void AccumulateRows(const float* p, int n_rows, int p_ld, const float* v, int64_t v_ld, int n_keys, int hd,
+                    float* acc) {
+  AccumulateRowsOf(p, n_rows, p_ld, v, v_ld, n_keys, hd, acc);
+}
+void AccumulateRowsF16(const float* p, int n_rows, int p_ld, const uint16_t* v, int64_t v_ld, int n_keys, int hd,
+                       float* acc) {
+  AccumulateRowsOf(p, n_rows, p_ld, v, v_ld, n_keys, hd, acc);
 }
 
 // The tile path of prefill attention: a tile's query rows sit in the lanes of vectors, so that
@@ -342,7 +376,9 @@ HWY_EXPORT(SoftmaxBlockRow);
 HWY_EXPORT(F16KvRowsToF32);
 HWY_EXPORT(ExpBlockRow);
 HWY_EXPORT(ScoreRows);
+HWY_EXPORT(ScoreRowsF16);
 HWY_EXPORT(AccumulateRows);
+HWY_EXPORT(AccumulateRowsF16);
 HWY_EXPORT(TileMeetBlock);
 HWY_EXPORT(TileRowWidth);
 
@@ -424,6 +460,9 @@ enum class KvSides { kBoth, kKeys, kValues };
 struct BlockView {
   const float* k = nullptr;
   const float* v = nullptr;
+  // An fp16 cache's rows read in place (the row path; f16_in_place): k and v are then null.
+  const uint16_t* k16 = nullptr;
+  const uint16_t* v16 = nullptr;
   int64_t ldk = 0, ldv = 0;
   int nb = 0;                    // keys, trimmed after the last one some row of the unit may see
   const int64_t* pos = nullptr;  // [nb]: each key's position, -1 for an empty slot
@@ -437,9 +476,11 @@ struct BlockView {
 // the same slots in one cache. Keys after the last one a row can see are dropped (in an
 // in-order cache, the future of a prefill's diagonal block): they would only add zeros.
 // Returns false when no row of the unit (positions first_pos .. last_pos) sees any key.
+// With f16_in_place, a block of an fp16 cache in one run is given as its rows (k16, v16) for the
+// row path's kernels to widen as they read, instead of converted into the buffers.
 bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t first_pos, int64_t last_pos,
                 int64_t window, const UnitBuffers& buf, int64_t* pos_buf, BlockView* view,
-                KvSides sides = KvSides::kBoth) {
+                KvSides sides = KvSides::kBoth, bool f16_in_place = false) {
   const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
   // The block's pieces: at most one per run, each its run, first slot, length and column.
   struct Piece {
@@ -473,11 +514,16 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   view->nb = nb;
   view->pos = pos;
   view->all_visible = all_visible;
-  if (n_pieces == 1 && !pieces[0].run->f16) {
+  if (n_pieces == 1 && (!pieces[0].run->f16 || f16_in_place)) {
     const KvLayer& run = *pieces[0].run;
     const int64_t offset = pieces[0].slot * run.row_stride + static_cast<int64_t>(kv_head) * hd;
-    view->k = static_cast<const float*>(run.keys) + offset;
-    view->v = static_cast<const float*>(run.values) + offset;
+    if (run.f16) {
+      view->k16 = static_cast<const uint16_t*>(run.keys) + offset;
+      view->v16 = static_cast<const uint16_t*>(run.values) + offset;
+    } else {
+      view->k = static_cast<const float*>(run.keys) + offset;
+      view->v = static_cast<const float*>(run.values) + offset;
+    }
     view->ldk = view->ldv = run.row_stride;
     return true;
   }
@@ -532,12 +578,14 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
   const auto meet_block = [&](int j0, int nb) {
     BlockView b;
     if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, window, buf, pos_buf, &b,
-                    pre != nullptr ? KvSides::kValues : KvSides::kBoth)) {
+                    pre != nullptr ? KvSides::kValues : KvSides::kBoth, /*f16_in_place=*/true)) {
       return true;
     }
     // scores[rows][nb] = qt · Kᵀ (a checking pass took them already: the same sums)
     if (pre != nullptr) {
       for (int r = 0; r < rows; ++r) std::copy_n(pre->scores + r * pre->scores_ld + j0, b.nb, scores + r * kKeyBlock);
+    } else if (b.k16 != nullptr) {
+      HWY_DYNAMIC_DISPATCH(ScoreRowsF16)(qt, rows, hd, b.k16, b.ldk, b.nb, scores, kKeyBlock);
     } else {
       HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, b.k, b.ldk, b.nb, scores, kKeyBlock);
     }
@@ -569,7 +617,11 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
       }
     }
     // acc[rows][hd] += P · V
-    HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores, rows, kKeyBlock, b.v, b.ldv, b.nb, hd, st.acc);
+    if (b.v16 != nullptr) {
+      HWY_DYNAMIC_DISPATCH(AccumulateRowsF16)(scores, rows, kKeyBlock, b.v16, b.ldv, b.nb, hd, st.acc);
+    } else {
+      HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores, rows, kKeyBlock, b.v, b.ldv, b.nb, hd, st.acc);
+    }
     return true;
   };
   for (int j0 = u.key_begin; j0 < u.key_end; j0 += kKeyBlock) {
