@@ -15,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <span>
 #include <vector>
 
 #include "core/session/chat_template.h"
@@ -444,39 +445,39 @@ TEST(ReplyParser, HarmonySplitsReasoningFromTheAnswer) {
   EXPECT_EQ(parts.content, "2 + 2 = **4** <|b|> a<|x\n");
 }
 
+// A reply pushed in `pieces` hands out, piece by piece, the start of what it gives whole, and
+// all of it by the end: nothing handed out is ever taken back (no piece of a marker or a tag, no
+// whitespace that is trimmed later).
+void expect_pieces_give_the_whole(const ChatTemplate& chat_template, std::span<const std::string_view> pieces,
+                                  const ReplyDelta& whole) {
+  ReplyParser parser(chat_template);
+  std::string content, reasoning;
+  for (std::string_view piece : pieces) {
+    const ReplyDelta delta = parser.push(piece);
+    content += delta.content;
+    reasoning += delta.reasoning;
+    ASSERT_EQ(whole.content.substr(0, content.size()), content);
+    ASSERT_EQ(whole.reasoning.substr(0, reasoning.size()), reasoning);
+  }
+  const ReplyDelta rest = parser.finish();
+  EXPECT_EQ(content + rest.content, whole.content);
+  EXPECT_EQ(reasoning + rest.reasoning, whole.reasoning);
+  EXPECT_EQ(parser.content(), whole.content);
+  EXPECT_EQ(parser.reasoning(), whole.reasoning);
+}
+
 TEST(ReplyParser, HarmonyStreamedInPiecesCutAnywhereIsTheWholeReply) {
   const ChatTemplate harmony = ChatTemplate::from_name("harmony");
   const ReplyDelta whole = ReplyParser::parse(harmony, kHarmonyReply);
   // Two pieces cut at every byte, and every byte a piece of its own.
   for (size_t cut = 0; cut <= kHarmonyReply.size(); ++cut) {
     SCOPED_TRACE("cut at " + std::to_string(cut));
-    ReplyParser parser(harmony);
-    std::string content, reasoning;
-    for (std::string_view piece : {kHarmonyReply.substr(0, cut), kHarmonyReply.substr(cut)}) {
-      const ReplyDelta delta = parser.push(piece);
-      content += delta.content;
-      reasoning += delta.reasoning;
-      // Nothing handed out is taken back later: no piece of a marker ever went out.
-      EXPECT_EQ(whole.content.substr(0, content.size()), content);
-      EXPECT_EQ(whole.reasoning.substr(0, reasoning.size()), reasoning);
-    }
-    const ReplyDelta rest = parser.finish();
-    EXPECT_EQ(content + rest.content, whole.content);
-    EXPECT_EQ(reasoning + rest.reasoning, whole.reasoning);
-    EXPECT_EQ(parser.content(), whole.content);
-    EXPECT_EQ(parser.reasoning(), whole.reasoning);
+    const std::string_view pieces[] = {kHarmonyReply.substr(0, cut), kHarmonyReply.substr(cut)};
+    expect_pieces_give_the_whole(harmony, pieces, whole);
   }
-  ReplyParser parser(harmony);
-  std::string content, reasoning;
-  for (char byte : kHarmonyReply) {
-    const ReplyDelta delta = parser.push(std::string_view(&byte, 1));
-    content += delta.content;
-    reasoning += delta.reasoning;
-    EXPECT_EQ(whole.content.substr(0, content.size()), content);
-  }
-  const ReplyDelta rest = parser.finish();
-  EXPECT_EQ(content + rest.content, whole.content);
-  EXPECT_EQ(reasoning + rest.reasoning, whole.reasoning);
+  std::vector<std::string_view> bytes;
+  for (size_t i = 0; i < kHarmonyReply.size(); ++i) bytes.push_back(kHarmonyReply.substr(i, 1));
+  expect_pieces_give_the_whole(harmony, bytes, whole);
 }
 
 TEST(ReplyParser, HarmonyHoldsBackOnlyWhatCouldStillBeAMarker) {
@@ -584,19 +585,8 @@ TEST(ReplyParser, ThinkTagsStreamedInPiecesCutAnywhereAreTheWholeReply) {
     for (size_t cut = 0; cut <= reply.size(); ++cut) {
       for (size_t cut2 = cut; cut2 <= reply.size(); cut2 += 3) {
         SCOPED_TRACE("cuts at " + std::to_string(cut) + ", " + std::to_string(cut2));
-        ReplyParser parser(thinking);
-        std::string content, reasoning;
-        for (std::string_view piece : {reply.substr(0, cut), reply.substr(cut, cut2 - cut), reply.substr(cut2)}) {
-          const ReplyDelta delta = parser.push(piece);
-          content += delta.content;
-          reasoning += delta.reasoning;
-          // Nothing handed out is taken back: no piece of a tag, no whitespace that is trimmed.
-          ASSERT_EQ(whole.content.substr(0, content.size()), content);
-          ASSERT_EQ(whole.reasoning.substr(0, reasoning.size()), reasoning);
-        }
-        const ReplyDelta rest = parser.finish();
-        ASSERT_EQ(content + rest.content, whole.content);
-        ASSERT_EQ(reasoning + rest.reasoning, whole.reasoning);
+        const std::string_view pieces[] = {reply.substr(0, cut), reply.substr(cut, cut2 - cut), reply.substr(cut2)};
+        expect_pieces_give_the_whole(thinking, pieces, whole);
       }
     }
   }
