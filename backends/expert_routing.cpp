@@ -9,6 +9,19 @@
 
 namespace ringlm {
 
+namespace {
+
+// A row's route from its chosen experts, with the softmax's max and denominator given.
+void weigh(std::span<const TopLogit> top, float max, double sum, std::span<int32_t> experts, std::span<float> weights) {
+  for (size_t j = 0; j < top.size(); ++j) {
+    const bool chosen = top[j].id >= 0;
+    experts[j] = chosen ? top[j].id : 0;
+    weights[j] = chosen ? static_cast<float>(std::exp(static_cast<double>(top[j].logit - max)) / sum) : 0.0f;
+  }
+}
+
+}  // namespace
+
 void route_experts(std::span<const float> logits, int n_expert, int k, bool normalize, std::span<int32_t> experts,
                    std::span<float> weights) {
   if (n_expert < 1 || k < 1 || k > n_expert || logits.size() % static_cast<size_t>(n_expert) != 0) {
@@ -45,13 +58,6 @@ void weigh_chosen(std::span<const TopLogit> top, std::span<int32_t> experts, std
   weigh(top, max, sum, experts, weights);
 }
 
-void weigh(std::span<const TopLogit> top, float max, double sum, std::span<int32_t> experts, std::span<float> weights) {
-  for (size_t j = 0; j < top.size(); ++j) {
-    const bool chosen = top[j].id >= 0;
-    experts[j] = chosen ? top[j].id : 0;
-    weights[j] = chosen ? static_cast<float>(std::exp(static_cast<double>(top[j].logit - max)) / sum) : 0.0f;
-  }
-}
 
 ExpertGroups group_by_expert(const ExpertRoutes& routes, int n_expert) {
   ExpertGroups g;

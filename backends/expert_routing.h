@@ -53,8 +53,6 @@ void route_experts(std::span<const float> logits, int n_expert, int k, bool norm
 // each weighted by the softmax over the chosen logits, the largest subtracted first. A pick
 // that is none stands in as expert 0 with weight 0 (the block adds nothing for it).
 void weigh_chosen(std::span<const TopLogit> top, std::span<int32_t> experts, std::span<float> weights);
-// ... with the softmax's max and denominator given (a softmax over all the logits).
-void weigh(std::span<const TopLogit> top, float max, double sum, std::span<int32_t> experts, std::span<float> weights);
 
 // The rows each expert serves: what a product grouped by expert runs, with each row's weight.
 struct ExpertGroups {
