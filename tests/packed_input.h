@@ -32,8 +32,8 @@ inline std::vector<float> random_acts(int64_t m, int64_t k, std::mt19937& rng) {
 // quantized value dx * q, or the float itself).
 struct Input {
   std::vector<float> x;
-  std::vector<int8_t> q32, q256;
-  std::vector<float> d32, s32, d256;
+  std::vector<int8_t> q32, q256, pass_q;
+  std::vector<float> d32, s32, d256, pass_d, pass_s;  // pass_*: q32, d32, s32 laid out for the passes
   std::vector<int32_t> sum16, sum32;
   int64_t m = 0, k = 0;
 
@@ -43,6 +43,10 @@ struct Input {
     d32.resize(n / kActBlock);
     s32.resize(n / kActBlock);
     cpu::quantize_acts(x.data(), 0, m, block());
+    pass_q.resize(n);
+    pass_d.resize(n / kActBlock);
+    pass_s.resize(n / kActBlock);
+    for (int64_t t = 0; t < m; ++t) cpu::lay_out_for_passes(block(), t, m, passes());
     if (k % kSuperBlock == 0) {
       q256.resize(n);
       d256.resize(n / kSuperBlock);
@@ -53,7 +57,9 @@ struct Input {
   }
   cpu::QuantizedActs block() { return {q32.data(), d32.data(), s32.data(), k}; }
   cpu::SuperActs super() { return {q256.data(), d256.data(), sum16.data(), sum32.data(), k}; }
-  cpu::PackedInput packed() { return {block(), super(), x.data()}; }
+  cpu::QuantizedActs passes() { return {pass_q.data(), pass_d.data(), pass_s.data(), k}; }
+  // Every form, the block formats' also laid out for the passes, as the CPU backend makes them.
+  cpu::PackedInput packed() { return {block(), super(), x.data(), passes()}; }
   // Token t's input row as a one-token input.
   cpu::PackedInput row(int64_t t) {
     cpu::PackedInput p = packed();
@@ -63,6 +69,7 @@ struct Input {
                  sum32.data() + t * (k / 32), k};
     }
     p.f32 = x.data() + t * k;
+    p.passes = {};
     return p;
   }
   double seen(Acts acts, int64_t t, int64_t i) const {

@@ -120,8 +120,9 @@ TEST_P(Packed, MatchesExactProductOfTheOperandsItSees) {
   }
 }
 
-// Rows split over 1, 2 or 3 OpenMP threads on 16-row boundaries, and any token count (each token
-// alone), give the bits of one call over everything: each output's sum has a fixed order.
+// Rows split over 1, 2 or 3 OpenMP threads on 16-row boundaries, any token count (each token
+// alone), and an input the kernels lay out for their passes themselves give the bits of one call
+// over everything: each output's sum has a fixed order.
 TEST_P(Packed, SameBitsForAnyRowSplitAndTokenCount) {
   const TensorType t = GetParam().type;
   std::mt19937 rng(23);
@@ -143,6 +144,13 @@ TEST_P(Packed, SameBitsForAnyRowSplitAndTokenCount) {
         if (n0 < n1) cpu::gemm_packed(p, n0, n1, in, m, y.data(), n);
       }
       ASSERT_EQ(0, std::memcmp(whole.data(), y.data(), y.size() * sizeof(float))) << threads << " threads";
+    }
+    {
+      std::vector<float> y(whole.size(), NAN);
+      cpu::PackedInput rows_only = x.packed();
+      rows_only.passes = {};
+      cpu::gemm_packed(p, 0, n, rows_only, m, y.data(), n);
+      ASSERT_EQ(0, std::memcmp(whole.data(), y.data(), y.size() * sizeof(float))) << "passes laid out by the kernels";
     }
     for (int64_t mi = 0; mi < m; ++mi) {  // token mi alone, one 16-row group per call
       std::vector<float> y(static_cast<size_t>(n), NAN);

@@ -257,13 +257,13 @@ class CpuBackend final : public Backend {
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < n_routes; ++i) {
         const float* x = in.x + moe_groups_.row[static_cast<size_t>(i)] * d;
-        prepare_gathered_row(x, in, i, d, up_needs, scratch);
+        prepare_gathered_row(x, in, i, d, up_needs, moe_groups_, scratch);
       }
 #pragma omp for schedule(guided)
       for (size_t c = 0; c < moe_up_pieces_.size(); ++c) {
         const ExpertPiece& p = moe_up_pieces_[c];
         const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
-        const cpu::PackedInput x = gathered_input(d, m0);
+        const cpu::PackedInput x = gathered_input(d, m0, m);
         const auto& gate = static_cast<const CpuWeight&>(*experts.gate[static_cast<size_t>(p.expert)]);
         const auto& up = static_cast<const CpuWeight&>(*experts.up[static_cast<size_t>(p.expert)]);
         gemm_packed_rows(gate, p.n0, p.n1, x, tile_terms_, m, hidden + m0 * ff);
@@ -274,14 +274,14 @@ class CpuBackend final : public Backend {
       }
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < n_routes; ++i) {
-        prepare_gathered_row(hidden + i * ff, MatmulInput{}, i, ff, down_needs, scratch);
+        prepare_gathered_row(hidden + i * ff, MatmulInput{}, i, ff, down_needs, moe_groups_, scratch);
       }
 #pragma omp for schedule(guided)
       for (size_t c = 0; c < moe_down_pieces_.size(); ++c) {
         const ExpertPiece& p = moe_down_pieces_[c];
         const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
         const auto& down = static_cast<const CpuWeight&>(*experts.down[static_cast<size_t>(p.expert)]);
-        gemm_packed_rows(down, p.n0, p.n1, gathered_input(ff, m0), tile_terms_, m, products + m0 * d);
+        gemm_packed_rows(down, p.n0, p.n1, gathered_input(ff, m0, m), tile_terms_, m, products + m0 * d);
         add_expert_bias(experts.down_bias, p, d, m0, m, products);
       }
       const Range r = share(in.n_tokens, omp_get_thread_num(), omp_get_num_threads());
@@ -460,23 +460,30 @@ class CpuBackend final : public Backend {
   }
 
   // `src` (one row of `cols`, normalised as `in` asks) into slot `slot` of the prepared inputs,
-  // in the forms `needs` asks for: prepare_row's bits, for a row gathered from elsewhere.
+  // in the forms `needs` asks for: prepare_row's bits, for a row gathered from elsewhere. The
+  // slot belongs to its expert's run of slots in `groups`, for which it is laid out.
   void prepare_gathered_row(const float* src, const MatmulInput& in, int64_t slot, int64_t cols, const Needs& needs,
-                            float* scratch) {
+                            const ExpertGroups& groups, float* scratch) {
     const MatmulInput one{src, 1, in.rms_weight, in.rms_eps};
     float* const dst = needs.f32 ? normed_.data() + slot * cols : scratch;
     const float* row = normalized_input_row(one, 0, cols, dst);
     if (needs.f32 && row != dst) std::copy_n(row, cols, dst);
-    if (needs.block) cpu::quantize_acts(row, 0, 1, block_acts(cols, slot));
+    if (needs.block) {
+      cpu::quantize_acts(row, 0, 1, block_acts(cols, slot));
+      const auto run = std::upper_bound(groups.start.begin(), groups.start.end(), slot) - 1;  // its expert's
+      const int64_t m0 = *run, count = *(run + 1) - m0;
+      if (count > 1) cpu::lay_out_for_passes(block_acts(cols, m0), slot - m0, count, pass_acts(cols, m0));
+    }
     if (needs.super) cpu::quantize_acts_super(row, 0, 1, super_acts(cols, slot));
   }
 
-  // The prepared inputs of rows `cols` wide from slot m0 on.
-  cpu::PackedInput gathered_input(int64_t cols, int64_t m0) {
+  // The prepared inputs of the `count` rows `cols` wide from slot m0 on.
+  cpu::PackedInput gathered_input(int64_t cols, int64_t m0, int64_t count) {
     cpu::PackedInput x;
     x.block = block_acts(cols, m0);
     x.super = super_acts(cols, m0);
     x.f32 = normed_.data() + m0 * cols;
+    if (count > 1) x.passes = pass_acts(cols, m0);
     return x;
   }
 
@@ -492,6 +499,9 @@ class CpuBackend final : public Backend {
     grow(act_q_, tokens * cols);
     grow(act_d_, tokens * cols / cpu::kActBlock);
     grow(act_s_, tokens * cols / cpu::kActBlock);
+    grow(pass_q_, tokens * cols);
+    grow(pass_d_, tokens * cols / cpu::kActBlock);
+    grow(pass_s_, tokens * cols / cpu::kActBlock);
     grow(super_q_, tokens * cols);
     grow(super_d_, tokens * cols / cpu::kSuperBlock);
     grow(super_sum16_, tokens * cols / 16);
@@ -507,6 +517,11 @@ class CpuBackend final : public Backend {
   cpu::QuantizedActs block_acts(int64_t cols, int64_t m = 0) {
     const int64_t blocks = cols / cpu::kActBlock;
     return {act_q_.data() + m * cols, act_d_.data() + m * blocks, act_s_.data() + m * blocks, cols};
+  }
+  // The same values laid out for the kernels' passes (cpu::lay_out_for_passes), from row m on.
+  cpu::QuantizedActs pass_acts(int64_t cols, int64_t m = 0) {
+    const int64_t blocks = cols / cpu::kActBlock;
+    return {pass_q_.data() + m * cols, pass_d_.data() + m * blocks, pass_s_.data() + m * blocks, cols};
   }
   cpu::SuperActs super_acts(int64_t cols, int64_t m = 0) {
     return {super_q_.data() + m * cols, super_d_.data() + m * (cols / cpu::kSuperBlock),
@@ -530,7 +545,10 @@ class CpuBackend final : public Backend {
   void prepare_row(const MatmulInput& in, int64_t m, int64_t cols, const Needs& needs, float* scratch) {
     float* dst = needs.f32 && in.rms_weight != nullptr ? normed_.data() + m * cols : scratch;
     const float* row = normalized_input_row(in, m, cols, dst);
-    if (needs.block) cpu::quantize_acts(row, 0, 1, block_acts(cols, m));
+    if (needs.block) {
+      cpu::quantize_acts(row, 0, 1, block_acts(cols, m));
+      if (in.n_tokens > 1) cpu::lay_out_for_passes(block_acts(cols), m, in.n_tokens, pass_acts(cols));
+    }
     if (needs.tile_terms) tile_terms_.fill(block_acts(cols), m);
     if (needs.super) cpu::quantize_acts_super(row, 0, 1, super_acts(cols, m));
   }
@@ -556,6 +574,7 @@ class CpuBackend final : public Backend {
     x.block = block_acts(cols);
     x.super = super_acts(cols);
     x.f32 = in.rms_weight != nullptr ? normed_.data() : in.x;
+    if (in.n_tokens > 1) x.passes = pass_acts(cols);
 #pragma omp parallel num_threads(n_threads_)
     {
       if (shared) {  // the same for every thread: all or none meet the barrier
@@ -657,6 +676,8 @@ class CpuBackend final : public Backend {
   KernelTable table_;
   std::vector<int8_t> act_q_;  // the input quantized per 32 (block formats)
   std::vector<float> act_d_, act_s_;
+  std::vector<int8_t> pass_q_;  // ... the same laid out for the kernels' passes
+  std::vector<float> pass_d_, pass_s_;
   std::vector<int8_t> super_q_;  // ... per 256 (super formats)
   std::vector<float> super_d_;
   std::vector<int32_t> super_sum16_, super_sum32_;

@@ -22,6 +22,7 @@
 #include <bit>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "backends/cpu/kernel_packed.h"
 #include "backends/cpu/packed_format.h"
@@ -48,6 +49,15 @@ struct Prefetch {
   const uint8_t* end = nullptr;
   int lines_per_sub = 0;
   const uint8_t** ahead = nullptr;
+};
+
+// The block formats' activations of one pass (quantize_acts.h, pass_block): token t's block b at
+// q + (b * width + t) * 32, its scale and sum at d and s[b * width + t].
+struct PassActs {
+  const int8_t* q = nullptr;
+  const float* d = nullptr;
+  const float* s = nullptr;
+  int64_t width = 1;
 };
 
 // A format as a kernel instantiation.
@@ -377,12 +387,12 @@ HWY_INLINE VI AddDots(VI a, VI b) {
 #endif
 }
 
-// The integer dots of one sub-block of 32 weights (16 rows) with MT tokens (q[t]: token t's 32
-// activations). idot[t][h]: the dot of half h (weights 16h..16h+15) for formats whose sub-block
-// scales cover 16 weights, else idot[t][0] over all 32. Quads outside, tokens inside: each code
+// The integer dots of one sub-block of 32 weights (16 rows) with MT tokens (token t's 32
+// activations at q + t * stride). idot[t][h]: the dot of half h (weights 16h..16h+15) for
+// formats whose sub-block scales cover 16 weights, else idot[t][0] over all 32. Quads outside, tokens inside: each code
 // vector is decoded once for all the tokens.
 template <class Fm, int MT>
-HWY_INLINE void SubDots(const uint8_t* sub, const int8_t* const* q, VI table, VI (*idot)[2]) {
+HWY_INLINE void SubDots(const uint8_t* sub, const int8_t* q, int64_t stride, VI table, VI (*idot)[2]) {
   constexpr int kWiden = kWidenEvery<Fm>;
   constexpr int kC = kChains<MT>;
   VI acc[kC][MT];
@@ -397,9 +407,9 @@ HWY_INLINE void SubDots(const uint8_t* sub, const int8_t* const* q, VI table, VI
     constexpr int c = P % kC;
     for (int t = 0; t < MT; ++t) {
       if constexpr (kSignTrick<Fm>) {
-        acc[c][t] = DotS(DotS(acc[c][t], c0, Bcast4(q[t] + 8 * P)), c1, Bcast4(q[t] + 8 * P + 4));
+        acc[c][t] = DotS(DotS(acc[c][t], c0, Bcast4(q + t * stride + 8 * P)), c1, Bcast4(q + t * stride + 8 * P + 4));
       } else {
-        acc[c][t] = DotUQuad(DotUQuad(acc[c][t], c0, q[t] + 8 * P), c1, q[t] + 8 * P + 4);
+        acc[c][t] = DotUQuad(DotUQuad(acc[c][t], c0, q + t * stride + 8 * P), c1, q + t * stride + 8 * P + 4);
       }
       if constexpr (MT > 1) KeepChain(acc[c][t]);
     }
@@ -451,48 +461,54 @@ HWY_INLINE void StoreTile(const VF* acc, float* y, int64_t ldy, int64_t stored) 
   for (int t = 0; t < MT; ++t) StoreF(y + t * ldy, acc[t], stored);
 }
 
-// One 16-row group of a block format against tokens [m0, m0 + MT): per sub-block of 32,
-// acc += dw * (dx * dot + offset term), the term -offset * s (symmetric) or min * s.
+// One 16-row group of a block format against the MT tokens of a pass: per sub-block of 32,
+// acc += dw * (dx * dot + offset term), the term -offset * s (symmetric) or min * s. One loop
+// over the blocks (a K-block's header holds one or two blocks' scales, a short last K-block a
+// full header): GCC allocates registers worse across the nested loops of K-blocks and blocks.
 template <class Fm, int MT>
-HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const QuantizedActs& x, int64_t m0, float* y,
-                            int64_t ldy, int64_t stored, const Prefetch& pf) {
+HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const PassActs& x, float* y, int64_t ldy,
+                            int64_t stored, const Prefetch& pf) {
   constexpr PackedFormat F = Fm::F;
   constexpr int kOff = kOffset<Fm>;
-  const int64_t nb = x.blocks();
+  constexpr int kSubs = F.group / static_cast<int>(kSubWeights);  // sub-blocks per block
+  constexpr int kPerK = F.kblock / F.group;                         // blocks per K-block: 1 or 2
+  constexpr size_t kBlockCodes = static_cast<size_t>(kSubs) * F.sub_code_bytes();
+  constexpr size_t kKStride = F.header_bytes + kPerK * kBlockCodes;
+  static_assert(F.header_bytes_for(F.group) == F.header_bytes, "a short last K-block has a full header");
+  static_assert(!F.min || kPerK == 1, "the mins follow the one block's scales");
+  const int64_t n_blocks = cols / F.group;
   const VI table = CodeTable<Fm>();
   VF acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = ZeroF();
   Prefetcher prefetch(pf, group);
-  const uint8_t* p = group;
-  for (int64_t k0 = 0; k0 < cols; k0 += F.kblock) {
-    const int64_t n = std::min<int64_t>(F.kblock, cols - k0);
-    const uint8_t* header = p;
-    p += F.header_bytes_for(n);
-    const int blocks = static_cast<int>(n / F.group);
-    for (int b = 0; b < blocks; ++b) {
-      const VF dw = LoadScales<F.scale>(header + static_cast<size_t>(b) * kPackRows * F.value_bytes());
-      VF mv = dw;
-      if constexpr (F.min) mv = LoadScales<F.scale>(header + static_cast<size_t>(blocks + b) * kPackRows * F.value_bytes());
-      for (int s = 0; s < F.group / static_cast<int>(kSubWeights); ++s, p += F.sub_code_bytes()) {
-        prefetch.Advance(p + F.sub_code_bytes());
-        const int64_t ab = (k0 + b * F.group) / kActBlock + s;  // activation block
-        const int8_t* q[MT];
-        for (int t = 0; t < MT; ++t) q[t] = x.q + (m0 + t) * x.k + ab * kActBlock;
-        VI idot[MT][2];
-        SubDots<Fm, MT>(p, q, table, idot);
-        for (int t = 0; t < MT; ++t) {
-          const float dx = x.d[(m0 + t) * nb + ab], sx = x.s[(m0 + t) * nb + ab];
-          const VF dot = Cvt(idot[t][0]);
-          if constexpr (F.min) {
-            acc[t] = Fma(dw, Mul(dot, Set1F(dx)), acc[t]);
-            acc[t] = Fma(mv, Set1F(sx), acc[t]);
-          } else if constexpr (kOff != 0) {
-            acc[t] = Fma(dw, Fma(dot, Set1F(dx), Set1F(-static_cast<float>(kOff) * sx)), acc[t]);
-          } else {
-            acc[t] = Fma(dw, Mul(dot, Set1F(dx)), acc[t]);
-          }
+  const int8_t* q = x.q;
+  const float *d = x.d, *sums = x.s;
+  for (int64_t j = 0; j < n_blocks; ++j) {
+    const int b = kPerK == 1 ? 0 : static_cast<int>(j % kPerK);
+    const uint8_t* header = group + static_cast<size_t>(j / kPerK) * kKStride;
+    const uint8_t* p = header + F.header_bytes + static_cast<size_t>(b) * kBlockCodes;
+    const VF dw = LoadScales<F.scale>(header + static_cast<size_t>(b) * kPackRows * F.value_bytes());
+    VF mv = dw;
+    if constexpr (F.min) mv = LoadScales<F.scale>(header + kPackRows * F.value_bytes());
+    for (int s = 0; s < kSubs; ++s, p += F.sub_code_bytes()) {
+      prefetch.Advance(p + F.sub_code_bytes());
+      VI idot[MT][2];
+      SubDots<Fm, MT>(p, q, kActBlock, table, idot);
+      for (int t = 0; t < MT; ++t) {
+        const float dx = d[t], sx = sums[t];
+        const VF dot = Cvt(idot[t][0]);
+        if constexpr (F.min) {
+          acc[t] = Fma(dw, Mul(dot, Set1F(dx)), acc[t]);
+          acc[t] = Fma(mv, Set1F(sx), acc[t]);
+        } else if constexpr (kOff != 0) {
+          acc[t] = Fma(dw, Fma(dot, Set1F(dx), Set1F(-static_cast<float>(kOff) * sx)), acc[t]);
+        } else {
+          acc[t] = Fma(dw, Mul(dot, Set1F(dx)), acc[t]);
         }
       }
+      q += x.width * kActBlock;
+      d += x.width;
+      sums += x.width;
     }
   }
   StoreTile<MT>(acc, y, ldy, stored);
@@ -522,10 +538,8 @@ HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs&
     for (int t = 0; t < MT; ++t) isum[t] = imin[t] = ZeroI();
     for (int s = 0; s < 8; ++s, p += F.sub_code_bytes()) {
       prefetch.Advance(p + F.sub_code_bytes());
-      const int8_t* q[MT];
-      for (int t = 0; t < MT; ++t) q[t] = x.q + (m0 + t) * x.k + kb * kSuperBlock + s * kSubWeights;
       VI idot[MT][2];
-      SubDots<Fm, MT>(p, q, table, idot);
+      SubDots<Fm, MT>(p, x.q + m0 * x.k + kb * kSuperBlock + s * kSubWeights, x.k, table, idot);
       for (int h = 0; h < kHalves; ++h) {
         const int j = s * kHalves + h;
         const uint8_t* sc_bytes = header + F.scales_offset() + static_cast<size_t>(j) * kPackRows;
@@ -652,10 +666,9 @@ HWY_INLINE int32_t Dot(const int8_t* w, const int8_t* q, int n) {
 // The group's sub-blocks are decoded one at a time into w, then met by every row and token;
 // each output sums its blocks in order, as the x86 kernels do.
 template <class Fm, int MT>
-HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const QuantizedActs& x, int64_t m0, float* y,
-                            int64_t ldy, int64_t stored, const Prefetch&) {
+HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const PassActs& x, float* y, int64_t ldy,
+                            int64_t stored, const Prefetch&) {
   constexpr PackedFormat F = Fm::F;
-  const int64_t nb = x.blocks();
   float acc[MT][kPackRows] = {};
   int8_t w[kPackRows][kSubWeights];
   const uint8_t* p = group;
@@ -673,10 +686,10 @@ HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const QuantizedA
           float mv = 0.0f;
           if constexpr (F.min) mv = ScaleAt<F.scale>(header + static_cast<size_t>(blocks + b) * kPackRows * F.value_bytes(), r);
           for (int t = 0; t < MT; ++t) {
-            const int32_t dot = Dot(w[r], x.q + (m0 + t) * x.k + ab * kActBlock, static_cast<int>(kSubWeights));
-            const float dx = x.d[(m0 + t) * nb + ab];
-            acc[t][r] += dw * (static_cast<float>(dot) * dx);
-            if constexpr (F.min) acc[t][r] += mv * x.s[(m0 + t) * nb + ab];
+            const int64_t at = ab * x.width + t;
+            const int32_t dot = Dot(w[r], x.q + at * kActBlock, static_cast<int>(kSubWeights));
+            acc[t][r] += dw * (static_cast<float>(dot) * x.d[at]);
+            if constexpr (F.min) acc[t][r] += mv * x.s[at];
           }
         }
       }
@@ -752,16 +765,20 @@ HWY_NOINLINE void FloatTile(const uint8_t* group, int64_t cols, const float* x, 
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Groups against every token, a tile of up to kMaxTile tokens per pass: a group's bytes (36 KiB
-// for Q4_0 at K = 4096) stay in L1/L2 while the tiles pass over them, so memory gives each
-// weight byte once per call. An output's sum depends on its row and token only, not on the tiling.
+// Groups against every token, a pass of up to 8 tokens at a time: a group's bytes (36 KiB for
+// Q4_0 at K = 4096) stay in L1/L2 while the passes go over them, so memory gives each weight
+// byte once per call. A block format's pass reads its tokens' activations laid out side by side
+// (PackedInput::passes): one stream instead of one per token, which measured 20-30% faster on
+// prompt products (bench/README.md). An output's sum depends on its row and token only, not on
+// the passes.
 
-// The tile function of a format: one pass over a group for tokens [m0, m0 + MT).
+// The tile function of a format: one pass over a group for tokens [m0, m0 + MT) (block formats:
+// the tokens of `pass`).
 template <class Fm, int MT>
-HWY_INLINE void Tile(const uint8_t* group, int64_t cols, const PackedInput& x, int64_t m0, float* y, int64_t ldy,
-                     int64_t stored, const Prefetch& pf) {
+HWY_INLINE void Tile(const uint8_t* group, int64_t cols, const PackedInput& x, const PassActs& pass, int64_t m0,
+                     float* y, int64_t ldy, int64_t stored, const Prefetch& pf) {
   if constexpr (Fm::F.acts == ActKind::kBlock32) {
-    BlockTile<Fm, MT>(group, cols, x.block, m0, y, ldy, stored, pf);
+    BlockTile<Fm, MT>(group, cols, pass, y, ldy, stored, pf);
   } else if constexpr (Fm::F.acts == ActKind::kSuper256) {
     SuperTile<Fm, MT>(group, cols, x.super, m0, y, ldy, stored, pf);
   } else {
@@ -780,53 +797,77 @@ constexpr int kTileFor =
     kMaxTile;
 #endif
 
+// The block formats' activations laid out for the passes: the input's own (one token's are its
+// row), else a copy this thread makes (callers that did not lay them out: tests, benchmarks).
+QuantizedActs PassLayout(const PackedInput& x, int64_t n_tokens) {
+  if (n_tokens == 1) return x.block;
+  if (x.passes.q != nullptr) return x.passes;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, s;
+  const auto size = static_cast<size_t>(n_tokens * x.block.k);
+  if (q.size() < size) q.resize(size);
+  if (d.size() < size / kActBlock) d.resize(size / kActBlock), s.resize(size / kActBlock);
+  const QuantizedActs out{q.data(), d.data(), s.data(), x.block.k};
+  for (int64_t m = 0; m < n_tokens; ++m) lay_out_for_passes(x.block, m, n_tokens, out);
+  return out;
+}
+
 template <class Fm>
 void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens, float* y,
              int64_t ldy) {
   constexpr int64_t kTile = kTileFor<Fm>;
-  const int64_t tiles = (n_tokens + kTile - 1) / kTile;
-  // Passes of 8-token tiles share the tokens evenly (9 as 5 + 4, not 8 + 1): a pass costs
-  // nearly the same for 1 token as for 8 (decoding the codes dominates), so a short last pass
-  // costs as much as a full one.
-  const int64_t per_tile = (n_tokens + tiles - 1) / tiles;
+  constexpr bool kBlock = Fm::F.acts == ActKind::kBlock32;
+  // Block formats: the passes of pass_size tokens (quantize_acts.h), each in calls of at most
+  // kTile; the others: calls of kTile tokens.
+  const int64_t size = kBlock ? pass_size(n_tokens) : kTile;
+  QuantizedActs passes;
+  if constexpr (kBlock) passes = PassLayout(x, n_tokens);
+  const int64_t nb = w.cols / kActBlock;
+  int64_t calls = 0;
+  for (int64_t m0 = 0; m0 < n_tokens; m0 += size) calls += (std::min(size, n_tokens - m0) + kTile - 1) / kTile;
   const size_t subs = static_cast<size_t>(std::max<int64_t>(1, w.cols / kSubWeights));
   const uint8_t* ahead = w.group(n_begin / kPackRows);  // single passes' prefetch cursor
   for (int64_t n = n_begin; n < n_end; n += kPackRows) {
     const uint8_t* group = w.group(n / kPackRows);
     const int64_t stored = std::min(kPackRows, n_end - n);
-    for (int64_t i = 0; i < tiles; ++i) {
-      const int64_t m0 = kTile == 8 ? i * per_tile : i * kTile;
-      Prefetch pf;
-      pf.ahead = &ahead;
+    int64_t i = 0;  // the call over this group
+    for (int64_t m0 = 0; m0 < n_tokens; m0 += size) {
+      const int64_t width = std::min(size, n_tokens - m0);
+      for (int64_t t0 = 0; t0 < width; t0 += kTile, ++i) {
+        PassActs pass;
+        if constexpr (kBlock) {
+          pass = {passes.q + (m0 * w.cols + t0 * kActBlock), passes.d + (m0 * nb + t0), passes.s + (m0 * nb + t0), width};
+        }
+        Prefetch pf;
+        pf.ahead = &ahead;
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-      if (tiles > 1) {  // the passes share the prefetching of the next group
-        const size_t share = (w.group_bytes + static_cast<size_t>(tiles) - 1) / static_cast<size_t>(tiles);
-        pf.begin = group + w.group_bytes + share * static_cast<size_t>(i);
-        pf.end = pf.begin + share;
-        pf.lines_per_sub = static_cast<int>((share / 64 + subs) / subs);
-      }
+        if (calls > 1) {  // the calls share the prefetching of the next group
+          const size_t share = (w.group_bytes + static_cast<size_t>(calls) - 1) / static_cast<size_t>(calls);
+          pf.begin = group + w.group_bytes + share * static_cast<size_t>(i);
+          pf.end = pf.begin + share;
+          pf.lines_per_sub = static_cast<int>((share / 64 + subs) / subs);
+        }
 #else
-      (void)subs;
+        (void)subs;
 #endif
-      const auto pass = [&](int64_t m, int64_t count, const Prefetch& p) {
+        const int64_t m = m0 + t0;
         float* out = y + m * ldy + n;
-        switch (count) {
-          case 1: return Tile<Fm, 1>(group, w.cols, x, m, out, ldy, stored, p);
-          case 2: return Tile<Fm, 2>(group, w.cols, x, m, out, ldy, stored, p);
-          case 3: return Tile<Fm, 3>(group, w.cols, x, m, out, ldy, stored, p);
-          case 4: return Tile<Fm, 4>(group, w.cols, x, m, out, ldy, stored, p);
+        switch (std::min(kTile, width - t0)) {
+          case 1: Tile<Fm, 1>(group, w.cols, x, pass, m, out, ldy, stored, pf); break;
+          case 2: Tile<Fm, 2>(group, w.cols, x, pass, m, out, ldy, stored, pf); break;
+          case 3: Tile<Fm, 3>(group, w.cols, x, pass, m, out, ldy, stored, pf); break;
+          case 4: Tile<Fm, 4>(group, w.cols, x, pass, m, out, ldy, stored, pf); break;
           default:
             if constexpr (kTile == 8) {
-              switch (count) {
-                case 5: return Tile<Fm, 5>(group, w.cols, x, m, out, ldy, stored, p);
-                case 6: return Tile<Fm, 6>(group, w.cols, x, m, out, ldy, stored, p);
-                case 7: return Tile<Fm, 7>(group, w.cols, x, m, out, ldy, stored, p);
-                default: return Tile<Fm, 8>(group, w.cols, x, m, out, ldy, stored, p);
+              switch (width - t0) {
+                case 5: Tile<Fm, 5>(group, w.cols, x, pass, m, out, ldy, stored, pf); break;
+                case 6: Tile<Fm, 6>(group, w.cols, x, pass, m, out, ldy, stored, pf); break;
+                case 7: Tile<Fm, 7>(group, w.cols, x, pass, m, out, ldy, stored, pf); break;
+                default: Tile<Fm, 8>(group, w.cols, x, pass, m, out, ldy, stored, pf); break;
               }
             }
         }
-      };
-      pass(m0, std::min(kTile == 8 ? per_tile : kTile, n_tokens - m0), pf);
+      }
     }
   }
 }

@@ -11,6 +11,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include <cstdint>
+#include <cstring>
 
 #include "backends/cpu/quantize_acts.h"
 #include "hwy/highway.h"
@@ -86,6 +87,16 @@ namespace ringlm::cpu {
 
 HWY_EXPORT(QuantizeActs);
 HWY_EXPORT(QuantizeActsSuper);
+
+void lay_out_for_passes(const QuantizedActs& rows, int64_t m, int64_t n_tokens, const QuantizedActs& passes) {
+  const int64_t nb = rows.blocks();
+  const PassBlock at = pass_block(m, n_tokens, rows.k);
+  for (int64_t b = 0; b < nb; ++b) {
+    std::memcpy(passes.q + at.q + b * at.stride * kActBlock, rows.q + m * rows.k + b * kActBlock, kActBlock);
+    passes.d[at.d + b * at.stride] = rows.d[m * nb + b];
+    passes.s[at.d + b * at.stride] = rows.s[m * nb + b];
+  }
+}
 
 void quantize_acts(const float* x, int64_t m_begin, int64_t m_end, const QuantizedActs& out) {
   HWY_DYNAMIC_DISPATCH(QuantizeActs)(x, m_begin, m_end, out);

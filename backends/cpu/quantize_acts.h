@@ -13,6 +13,7 @@
 //     and offsets. This is llama.cpp's Q8_K, so K-quant files compute as they do there.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -40,6 +41,32 @@ struct SuperActs {
   int64_t k = 0;
   int64_t blocks() const { return k / kSuperBlock; }
 };
+
+// How the packed products cut n tokens into passes over a weight group: ceil(n / 8) passes of
+// near equal size, the first ones the larger (9 tokens: 5 + 4; a pass costs about the same for 1
+// token as for 8, so a short last one would cost a full one). Pass i covers [i * size, ...).
+inline int64_t pass_size(int64_t n_tokens) {
+  const int64_t passes = (n_tokens + 7) / 8;
+  return passes > 0 ? (n_tokens + passes - 1) / passes : 0;
+}
+
+// QuantizedActs of n tokens laid out for those passes: in the pass of W tokens from m0, block b
+// of token m0 + t lies at q[m0 * K + (b * W + t) * 32] and its scale and sum at
+// d, s[m0 * K / 32 + b * W + t], so that a pass reads its tokens' blocks as one stream. For one
+// token this is the row-major layout itself.
+struct PassBlock {
+  int64_t q = 0, d = 0;  // offsets of a token's block 0 in q and in d, s
+  int64_t stride = 1;    // tokens in its pass: the block stride, in blocks
+};
+inline PassBlock pass_block(int64_t m, int64_t n_tokens, int64_t k) {
+  const int64_t size = pass_size(n_tokens), m0 = m / size * size;
+  const int64_t width = std::min(size, n_tokens - m0), blocks = k / kActBlock;
+  return {m0 * k + (m - m0) * kActBlock, m0 * blocks + (m - m0), width};
+}
+
+// Copies token m's blocks (of rows, row-major) to their places in `passes` (laid out for
+// n_tokens, as pass_block says); both start at the same token.
+void lay_out_for_passes(const QuantizedActs& rows, int64_t m, int64_t n_tokens, const QuantizedActs& passes);
 
 // Quantizes rows [m_begin, m_end) of x ([M][K] fp32) into `out` (sized for them):
 // per block d = max|x| / 127, q = round-to-nearest-even(x * 127 / max|x|).
