@@ -35,6 +35,9 @@ struct Input {
   std::vector<int8_t> q32, q256, pass_q;
   std::vector<float> d32, s32, d256, pass_d, pass_s;  // pass_*: q32, d32, s32 laid out for the passes
   std::vector<int32_t> sum16, sum32;
+  std::vector<int8_t> super_pass_q;  // q256, d256, sum16, sum32 laid out for the passes
+  std::vector<float> super_pass_d;
+  std::vector<int32_t> super_pass_sum16, super_pass_sum32;
   int64_t m = 0, k = 0;
 
   Input(std::vector<float> values, int64_t m_, int64_t k_) : x(std::move(values)), m(m_), k(k_) {
@@ -53,13 +56,21 @@ struct Input {
       sum16.resize(n / 16);
       sum32.resize(n / 32);
       cpu::quantize_acts_super(x.data(), 0, m, super());
+      super_pass_q.resize(n);
+      super_pass_d.resize(n / kSuperBlock);
+      super_pass_sum16.resize(n / 16);
+      super_pass_sum32.resize(n / 32);
+      for (int64_t t = 0; t < m; ++t) cpu::lay_out_for_passes(super(), t, m, super_passes());
     }
   }
   cpu::QuantizedActs block() { return {q32.data(), d32.data(), s32.data(), k}; }
   cpu::SuperActs super() { return {q256.data(), d256.data(), sum16.data(), sum32.data(), k}; }
   cpu::QuantizedActs passes() { return {pass_q.data(), pass_d.data(), pass_s.data(), k}; }
   // Every form, the block formats' also laid out for the passes, as the CPU backend makes them.
-  cpu::PackedInput packed() { return {block(), super(), x.data(), passes()}; }
+  cpu::SuperActs super_passes() {
+    return {super_pass_q.data(), super_pass_d.data(), super_pass_sum16.data(), super_pass_sum32.data(), k};
+  }
+  cpu::PackedInput packed() { return {block(), super(), x.data(), passes(), super_passes()}; }
   // Token t's input row as a one-token input.
   cpu::PackedInput row(int64_t t) {
     cpu::PackedInput p = packed();
@@ -70,6 +81,7 @@ struct Input {
     }
     p.f32 = x.data() + t * k;
     p.passes = {};
+    p.super_passes = {};
     return p;
   }
   double seen(Acts acts, int64_t t, int64_t i) const {

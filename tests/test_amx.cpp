@@ -209,7 +209,7 @@ TEST(TileProduct, OnlyInt8TypesRunOnTheTiles) {
   std::vector<float> acts(16 * 32, 0.0f);
   EmulatedTiles tiles;
   tiles.load_config(tile_product_config());
-  EXPECT_THROW(tile_gemm_packed(tiles, w, 0, 16, PackedInput{{}, {}, acts.data(), {}}, 16, y.data(), 16), std::invalid_argument);
+  EXPECT_THROW(tile_gemm_packed(tiles, w, 0, 16, PackedInput{{}, {}, acts.data(), {}, {}}, 16, y.data(), 16), std::invalid_argument);
 }
 
 // Models' prompts through the tiles, emulated so that this runs on any CPU: the backend sends

@@ -149,6 +149,7 @@ TEST_P(Packed, SameBitsForAnyRowSplitAndTokenCount) {
       std::vector<float> y(whole.size(), NAN);
       cpu::PackedInput rows_only = x.packed();
       rows_only.passes = {};
+      rows_only.super_passes = {};
       cpu::gemm_packed(p, 0, n, rows_only, m, y.data(), n);
       ASSERT_EQ(0, std::memcmp(whole.data(), y.data(), y.size() * sizeof(float))) << "passes laid out by the kernels";
     }

@@ -468,13 +468,16 @@ class CpuBackend final : public Backend {
     float* const dst = needs.f32 ? normed_.data() + slot * cols : scratch;
     const float* row = normalized_input_row(one, 0, cols, dst);
     if (needs.f32 && row != dst) std::copy_n(row, cols, dst);
+    const auto run = std::upper_bound(groups.start.begin(), groups.start.end(), slot) - 1;  // its expert's
+    const int64_t m0 = *run, count = *(run + 1) - m0;
     if (needs.block) {
       cpu::quantize_acts(row, 0, 1, block_acts(cols, slot));
-      const auto run = std::upper_bound(groups.start.begin(), groups.start.end(), slot) - 1;  // its expert's
-      const int64_t m0 = *run, count = *(run + 1) - m0;
       if (count > 1) cpu::lay_out_for_passes(block_acts(cols, m0), slot - m0, count, pass_acts(cols, m0));
     }
-    if (needs.super) cpu::quantize_acts_super(row, 0, 1, super_acts(cols, slot));
+    if (needs.super) {
+      cpu::quantize_acts_super(row, 0, 1, super_acts(cols, slot));
+      if (count > 1) cpu::lay_out_for_passes(super_acts(cols, m0), slot - m0, count, super_pass_acts(cols, m0));
+    }
   }
 
   // The prepared inputs of the `count` rows `cols` wide from slot m0 on.
@@ -484,6 +487,7 @@ class CpuBackend final : public Backend {
     x.super = super_acts(cols, m0);
     x.f32 = normed_.data() + m0 * cols;
     if (count > 1) x.passes = pass_acts(cols, m0);
+    if (count > 1 && cols % cpu::kSuperBlock == 0) x.super_passes = super_pass_acts(cols, m0);
     return x;
   }
 
@@ -506,6 +510,10 @@ class CpuBackend final : public Backend {
     grow(super_d_, tokens * cols / cpu::kSuperBlock);
     grow(super_sum16_, tokens * cols / 16);
     grow(super_sum32_, tokens * cols / 32);
+    grow(super_pass_q_, tokens * cols);
+    grow(super_pass_d_, tokens * cols / cpu::kSuperBlock);
+    grow(super_pass_sum16_, tokens * cols / 16);
+    grow(super_pass_sum32_, tokens * cols / 32);
     grow(normed_, tokens * cols);
     for (ThreadBuffers& b : per_thread_) {
       grow(b.row, cols);
@@ -522,6 +530,10 @@ class CpuBackend final : public Backend {
   cpu::QuantizedActs pass_acts(int64_t cols, int64_t m = 0) {
     const int64_t blocks = cols / cpu::kActBlock;
     return {pass_q_.data() + m * cols, pass_d_.data() + m * blocks, pass_s_.data() + m * blocks, cols};
+  }
+  cpu::SuperActs super_pass_acts(int64_t cols, int64_t m = 0) {
+    return {super_pass_q_.data() + m * cols, super_pass_d_.data() + m * (cols / cpu::kSuperBlock),
+            super_pass_sum16_.data() + m * (cols / 16), super_pass_sum32_.data() + m * (cols / 32), cols};
   }
   cpu::SuperActs super_acts(int64_t cols, int64_t m = 0) {
     return {super_q_.data() + m * cols, super_d_.data() + m * (cols / cpu::kSuperBlock),
@@ -550,7 +562,10 @@ class CpuBackend final : public Backend {
       if (in.n_tokens > 1) cpu::lay_out_for_passes(block_acts(cols), m, in.n_tokens, pass_acts(cols));
     }
     if (needs.tile_terms) tile_terms_.fill(block_acts(cols), m);
-    if (needs.super) cpu::quantize_acts_super(row, 0, 1, super_acts(cols, m));
+    if (needs.super) {
+      cpu::quantize_acts_super(row, 0, 1, super_acts(cols, m));
+      if (in.n_tokens > 1) cpu::lay_out_for_passes(super_acts(cols), m, in.n_tokens, super_pass_acts(cols));
+    }
   }
 
   // Normalises (when asked) and prepares the input rows in the forms the weights need, then runs
@@ -575,6 +590,7 @@ class CpuBackend final : public Backend {
     x.super = super_acts(cols);
     x.f32 = in.rms_weight != nullptr ? normed_.data() : in.x;
     if (in.n_tokens > 1) x.passes = pass_acts(cols);
+    if (in.n_tokens > 1 && super) x.super_passes = super_pass_acts(cols);
 #pragma omp parallel num_threads(n_threads_)
     {
       if (shared) {  // the same for every thread: all or none meet the barrier
@@ -681,6 +697,9 @@ class CpuBackend final : public Backend {
   std::vector<int8_t> super_q_;  // ... per 256 (super formats)
   std::vector<float> super_d_;
   std::vector<int32_t> super_sum16_, super_sum32_;
+  std::vector<int8_t> super_pass_q_;  // ... the same laid out for the kernels' passes
+  std::vector<float> super_pass_d_;
+  std::vector<int32_t> super_pass_sum16_, super_pass_sum32_;
   cpu::TileTokenTerms tile_terms_;  // the tokens' terms of the products on the AMX tiles
   std::vector<float> normed_;  // normalised fp32 input rows (float formats and fp32 paths with RMSNorm)
   std::vector<float> up_out_;  // the up projection's outputs inside matmul_glu

@@ -51,12 +51,15 @@ struct Prefetch {
   const uint8_t** ahead = nullptr;
 };
 
-// The block formats' activations of one pass (quantize_acts.h, pass_block): token t's block b at
-// q + (b * width + t) * 32, its scale and sum at d and s[b * width + t].
+// The activations of one pass (quantize_acts.h, PassPlace), from its token t0 on: token t's
+// unit u of 32 values at q + (u * width + t) * 32; block formats: the block's scale and sum at
+// d, s[u * width + t]; super formats: d[b * width + t] for 256-block b, the sums of unit u of 16
+// or 32 values at sum16, sum32[u * width + t].
 struct PassActs {
   const int8_t* q = nullptr;
   const float* d = nullptr;
   const float* s = nullptr;
+  const int32_t *sum16 = nullptr, *sum32 = nullptr;
   int64_t width = 1;
 };
 
@@ -519,13 +522,13 @@ HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const PassActs& 
 // offset times the scales) meet the activations' integer sums, imin = sum_j m_j * sum_j(x);
 // then acc += d * dx * isum - dmin * dx * imin (offset formats: d * dx * (isum - offset * imin)).
 template <class Fm, int MT>
-HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs& x, int64_t m0, float* y,
-                            int64_t ldy, int64_t stored, const Prefetch& pf) {
+HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const PassActs& x, float* y, int64_t ldy,
+                            int64_t stored, const Prefetch& pf) {
   constexpr PackedFormat F = Fm::F;
   constexpr int kOff = kOffset<Fm>;
   constexpr int kHalves = static_cast<int>(kSubWeights) / F.sub;  // sub-block scales per 32 weights
   constexpr bool kSums = F.min || kOff != 0;                      // imin needed
-  const int64_t nb = x.blocks();
+  const int64_t nb = cols / kSuperBlock;
   const VI table = CodeTable<Fm>();
   VF acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = ZeroF();
@@ -539,7 +542,7 @@ HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs&
     for (int s = 0; s < 8; ++s, p += F.sub_code_bytes()) {
       prefetch.Advance(p + F.sub_code_bytes());
       VI idot[MT][2];
-      SubDots<Fm, MT>(p, x.q + m0 * x.k + kb * kSuperBlock + s * kSubWeights, x.k, table, idot);
+      SubDots<Fm, MT>(p, x.q + (kb * 8 + s) * x.width * kSubWeights, kSubWeights, table, idot);
       for (int h = 0; h < kHalves; ++h) {
         const int j = s * kHalves + h;
         const uint8_t* sc_bytes = header + F.scales_offset() + static_cast<size_t>(j) * kPackRows;
@@ -554,15 +557,15 @@ HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs&
         for (int t = 0; t < MT; ++t) {
           isum[t] = Add32(isum[t], MulLo32(sc, idot[t][h]));
           if constexpr (kSums) {
-            const int32_t* sums = F.sub == 16 ? x.sum16 + (m0 + t) * (x.k / 16) : x.sum32 + (m0 + t) * (x.k / 32);
-            imin[t] = Add32(imin[t], MulLo32(m, Set32(sums[kb * kHalves * 8 + j])));
+            const int32_t* sums = F.sub == 16 ? x.sum16 : x.sum32;
+            imin[t] = Add32(imin[t], MulLo32(m, Set32(sums[(kb * kHalves * 8 + j) * x.width + t])));
           }
         }
       }
     }
     const VF d = LoadHalf(header);
     for (int t = 0; t < MT; ++t) {
-      const float dx = x.d[(m0 + t) * nb + kb];
+      const float dx = x.d[kb * x.width + t];
       if constexpr (F.min) {
         const VF dmin = LoadHalf(header + 32);
         acc[t] = Fma(Mul(d, Set1F(dx)), Cvt(isum[t]), acc[t]);
@@ -699,12 +702,11 @@ HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const PassActs& 
 }
 
 template <class Fm, int MT>
-HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs& x, int64_t m0, float* y,
-                            int64_t ldy, int64_t stored, const Prefetch&) {
+HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const PassActs& x, float* y, int64_t ldy,
+                            int64_t stored, const Prefetch&) {
   constexpr PackedFormat F = Fm::F;
   constexpr int kHalves = static_cast<int>(kSubWeights) / F.sub;  // sub-block scales per 32 weights
-  (void)cols;
-  const int64_t nb = x.blocks();
+  const int64_t nb = cols / kSuperBlock;
   float acc[MT][kPackRows] = {};
   int8_t w[kPackRows][kSubWeights];
   const uint8_t* p = group;
@@ -716,13 +718,12 @@ HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs&
       DecodeSub<Fm>(p, stored, w);
       for (int r = 0; r < stored; ++r) {
         for (int t = 0; t < MT; ++t) {
-          const int8_t* q = x.q + (m0 + t) * x.k + kb * kSuperBlock + s * kSubWeights;
+          const int8_t* q = x.q + ((kb * 8 + s) * x.width + t) * kSubWeights;
           for (int h = 0; h < kHalves; ++h) {
             const int j = s * kHalves + h;
             const SubScale sm = sub_scale_at(F, header, j, r);
             isum[t][r] += sm.scale * Dot(w[r] + h * F.sub, q + h * F.sub, F.sub);
-            const int32_t sum = F.sub == 16 ? x.sum16[(m0 + t) * (x.k / 16) + kb * 16 + j]
-                                            : x.sum32[(m0 + t) * (x.k / 32) + kb * 8 + j];
+            const int32_t sum = F.sub == 16 ? x.sum16[(kb * 16 + j) * x.width + t] : x.sum32[(kb * 8 + j) * x.width + t];
             imin[t][r] += sm.min * sum;
           }
         }
@@ -733,7 +734,7 @@ HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const SuperActs&
       std::memcpy(&d, header + 2 * r, 2);
       if (F.min) std::memcpy(&dmin, header + 32 + 2 * r, 2);
       for (int t = 0; t < MT; ++t) {
-        const float dx = x.d[(m0 + t) * nb + kb];
+        const float dx = x.d[kb * x.width + t];
         acc[t][r] += fp16_to_fp32(d) * dx * static_cast<float>(isum[t][r]) -
                      fp16_to_fp32(dmin) * dx * static_cast<float>(imin[t][r]);
       }
@@ -772,15 +773,15 @@ HWY_NOINLINE void FloatTile(const uint8_t* group, int64_t cols, const float* x, 
 // prompt products (bench/README.md). An output's sum depends on its row and token only, not on
 // the passes.
 
-// The tile function of a format: one pass over a group for tokens [m0, m0 + MT) (block formats:
-// the tokens of `pass`).
+// The tile function of a format: one pass over a group for tokens [m0, m0 + MT) (block and
+// super formats: the tokens of `pass`).
 template <class Fm, int MT>
 HWY_INLINE void Tile(const uint8_t* group, int64_t cols, const PackedInput& x, const PassActs& pass, int64_t m0,
                      float* y, int64_t ldy, int64_t stored, const Prefetch& pf) {
   if constexpr (Fm::F.acts == ActKind::kBlock32) {
     BlockTile<Fm, MT>(group, cols, pass, y, ldy, stored, pf);
   } else if constexpr (Fm::F.acts == ActKind::kSuper256) {
-    SuperTile<Fm, MT>(group, cols, x.super, m0, y, ldy, stored, pf);
+    SuperTile<Fm, MT>(group, cols, pass, y, ldy, stored, pf);
   } else {
     FloatTile<Fm, MT>(group, cols, x.f32, m0, y, ldy, stored, pf);
   }
@@ -797,8 +798,8 @@ constexpr int kTileFor =
     kMaxTile;
 #endif
 
-// The block formats' activations laid out for the passes: the input's own (one token's are its
-// row), else a copy this thread makes (callers that did not lay them out: tests, benchmarks).
+// The activations laid out for the passes: the input's own (one token's are its rows), else a
+// copy this thread makes (callers that did not lay them out: tests, benchmarks).
 QuantizedActs PassLayout(const PackedInput& x, int64_t n_tokens) {
   if (n_tokens == 1) return x.block;
   if (x.passes.q != nullptr) return x.passes;
@@ -811,18 +812,34 @@ QuantizedActs PassLayout(const PackedInput& x, int64_t n_tokens) {
   for (int64_t m = 0; m < n_tokens; ++m) lay_out_for_passes(x.block, m, n_tokens, out);
   return out;
 }
+SuperActs SuperPassLayout(const PackedInput& x, int64_t n_tokens) {
+  if (n_tokens == 1) return x.super;
+  if (x.super_passes.q != nullptr) return x.super_passes;
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> sum16, sum32;
+  const auto size = static_cast<size_t>(n_tokens * x.super.k);
+  if (q.size() < size) q.resize(size);
+  if (d.size() < size / kSuperBlock) d.resize(size / kSuperBlock);
+  if (sum16.size() < size / 16) sum16.resize(size / 16), sum32.resize(size / 32);
+  const SuperActs out{q.data(), d.data(), sum16.data(), sum32.data(), x.super.k};
+  for (int64_t m = 0; m < n_tokens; ++m) lay_out_for_passes(x.super, m, n_tokens, out);
+  return out;
+}
 
 template <class Fm>
 void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const PackedInput& x, int64_t n_tokens, float* y,
              int64_t ldy) {
   constexpr int64_t kTile = kTileFor<Fm>;
-  constexpr bool kBlock = Fm::F.acts == ActKind::kBlock32;
-  // Block formats: the passes of pass_size tokens (quantize_acts.h), each in calls of at most
-  // kTile; the others: calls of kTile tokens.
-  const int64_t size = kBlock ? pass_size(n_tokens) : kTile;
+  constexpr bool kBlock = Fm::F.acts == ActKind::kBlock32, kSuper = Fm::F.acts == ActKind::kSuper256;
+  // Block and super formats: the passes of pass_size tokens (quantize_acts.h), each in calls of
+  // at most kTile; the float formats: calls of kTile tokens.
+  const int64_t size = kBlock || kSuper ? pass_size(n_tokens) : kTile;
   QuantizedActs passes;
+  SuperActs super_passes;
   if constexpr (kBlock) passes = PassLayout(x, n_tokens);
-  const int64_t nb = w.cols / kActBlock;
+  if constexpr (kSuper) super_passes = SuperPassLayout(x, n_tokens);
+  const int64_t n32 = w.cols / kActBlock;
   int64_t calls = 0;
   for (int64_t m0 = 0; m0 < n_tokens; m0 += size) calls += (std::min(size, n_tokens - m0) + kTile - 1) / kTile;
   const size_t subs = static_cast<size_t>(std::max<int64_t>(1, w.cols / kSubWeights));
@@ -835,8 +852,17 @@ void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const Packed
       const int64_t width = std::min(size, n_tokens - m0);
       for (int64_t t0 = 0; t0 < width; t0 += kTile, ++i) {
         PassActs pass;
+        pass.width = width;
         if constexpr (kBlock) {
-          pass = {passes.q + (m0 * w.cols + t0 * kActBlock), passes.d + (m0 * nb + t0), passes.s + (m0 * nb + t0), width};
+          pass.q = passes.q + (m0 * w.cols + t0 * kActBlock);
+          pass.d = passes.d + (m0 * n32 + t0);
+          pass.s = passes.s + (m0 * n32 + t0);
+        }
+        if constexpr (kSuper) {
+          pass.q = super_passes.q + (m0 * w.cols + t0 * kActBlock);
+          pass.d = super_passes.d + (m0 * (w.cols / kSuperBlock) + t0);
+          pass.sum16 = super_passes.sum16 + (m0 * (w.cols / 16) + t0);
+          pass.sum32 = super_passes.sum32 + (m0 * n32 + t0);
         }
         Prefetch pf;
         pf.ahead = &ahead;

@@ -64,15 +64,16 @@ void dequantize_packed(const PackedWeight& w, int64_t n0, int64_t n1, float* out
 
 // The inputs of a product, in every form some weight may want: quantized per 32 (block
 // formats), per 256 (super formats), or as fp32 rows (float formats; `f32` rows `cols` apart).
-// Only the form the weight's format reads must be filled. `passes` holds block's values laid
-// out for the kernels' passes (quantize_acts.h: lay_out_for_passes), which the block formats'
-// products of several tokens read: each pass then reads its tokens as one stream. Without it
-// (q null) gemm_packed lays them out itself, on every call.
+// Only the form the weight's format reads must be filled. `passes` and `super_passes` hold
+// block's and super's values laid out for the kernels' passes (quantize_acts.h:
+// lay_out_for_passes), which the products of several tokens read: each pass then reads its
+// tokens as one stream. Without them (q null) gemm_packed lays them out itself, on every call.
 struct PackedInput {
   QuantizedActs block;
   SuperActs super;
   const float* f32 = nullptr;
   QuantizedActs passes;
+  SuperActs super_passes;
 };
 
 // y[m][n] = sum_k W[n][k] * x[m][k] for n in [n_begin, n_end), m in [0, n_tokens), y with row

@@ -90,12 +90,23 @@ HWY_EXPORT(QuantizeActsSuper);
 
 void lay_out_for_passes(const QuantizedActs& rows, int64_t m, int64_t n_tokens, const QuantizedActs& passes) {
   const int64_t nb = rows.blocks();
-  const PassBlock at = pass_block(m, n_tokens, rows.k);
+  const PassPlace at = pass_place(m, n_tokens);
   for (int64_t b = 0; b < nb; ++b) {
-    std::memcpy(passes.q + at.q + b * at.stride * kActBlock, rows.q + m * rows.k + b * kActBlock, kActBlock);
-    passes.d[at.d + b * at.stride] = rows.d[m * nb + b];
-    passes.s[at.d + b * at.stride] = rows.s[m * nb + b];
+    std::memcpy(passes.q + at.at(nb, b) * kActBlock, rows.q + m * rows.k + b * kActBlock, kActBlock);
+    passes.d[at.at(nb, b)] = rows.d[m * nb + b];
+    passes.s[at.at(nb, b)] = rows.s[m * nb + b];
   }
+}
+
+void lay_out_for_passes(const SuperActs& rows, int64_t m, int64_t n_tokens, const SuperActs& passes) {
+  const int64_t n32 = rows.k / 32, n16 = rows.k / 16, nb = rows.blocks();
+  const PassPlace at = pass_place(m, n_tokens);
+  for (int64_t u = 0; u < n32; ++u) {
+    std::memcpy(passes.q + at.at(n32, u) * 32, rows.q + m * rows.k + u * 32, 32);
+    passes.sum32[at.at(n32, u)] = rows.sum32[m * n32 + u];
+  }
+  for (int64_t u = 0; u < n16; ++u) passes.sum16[at.at(n16, u)] = rows.sum16[m * n16 + u];
+  for (int64_t b = 0; b < nb; ++b) passes.d[at.at(nb, b)] = rows.d[m * nb + b];
 }
 
 void quantize_acts(const float* x, int64_t m_begin, int64_t m_end, const QuantizedActs& out) {

@@ -50,23 +50,23 @@ inline int64_t pass_size(int64_t n_tokens) {
   return passes > 0 ? (n_tokens + passes - 1) / passes : 0;
 }
 
-// QuantizedActs of n tokens laid out for those passes: in the pass of W tokens from m0, block b
-// of token m0 + t lies at q[m0 * K + (b * W + t) * 32] and its scale and sum at
-// d, s[m0 * K / 32 + b * W + t], so that a pass reads its tokens' blocks as one stream. For one
-// token this is the row-major layout itself.
-struct PassBlock {
-  int64_t q = 0, d = 0;  // offsets of a token's block 0 in q and in d, s
-  int64_t stride = 1;    // tokens in its pass: the block stride, in blocks
+// The activations of n tokens laid out for those passes: in the pass of W tokens from m0, every
+// per-token array (the int8 values as units of 32, the scales, the sums) holds unit u of token
+// m0 + t at m0 * units + u * W + t, units being its units per token; so a pass reads its tokens'
+// units as one stream. For one token this is the row-major layout itself.
+struct PassPlace {
+  int64_t m0 = 0, t = 0, width = 1;  // token m is token t of the pass of `width` tokens from m0
+  int64_t at(int64_t units, int64_t u) const { return m0 * units + u * width + t; }
 };
-inline PassBlock pass_block(int64_t m, int64_t n_tokens, int64_t k) {
+inline PassPlace pass_place(int64_t m, int64_t n_tokens) {
   const int64_t size = pass_size(n_tokens), m0 = m / size * size;
-  const int64_t width = std::min(size, n_tokens - m0), blocks = k / kActBlock;
-  return {m0 * k + (m - m0) * kActBlock, m0 * blocks + (m - m0), width};
+  return {m0, m - m0, std::min(size, n_tokens - m0)};
 }
 
-// Copies token m's blocks (of rows, row-major) to their places in `passes` (laid out for
-// n_tokens, as pass_block says); both start at the same token.
+// Copies token m's values (of rows, row-major) to their places in `passes`, laid out for
+// n_tokens; both start at the same token.
 void lay_out_for_passes(const QuantizedActs& rows, int64_t m, int64_t n_tokens, const QuantizedActs& passes);
+void lay_out_for_passes(const SuperActs& rows, int64_t m, int64_t n_tokens, const SuperActs& passes);
 
 // Quantizes rows [m_begin, m_end) of x ([M][K] fp32) into `out` (sized for them):
 // per block d = max|x| / 127, q = round-to-nearest-even(x * 127 / max|x|).
