@@ -2,7 +2,7 @@
  *
  * A plugin exports one function, RINGLM_PLUGIN_ENTRY ("ringlm_plugin_entry"), that returns a
  * pointer to a static, immutable table (ringlm_plugin). ringlm loads a table whose abi_version
- * is any of RINGLM_PLUGIN_ABI_MIN_VERSION .. RINGLM_PLUGIN_ABI_VERSION (1 to 3) and uses only
+ * is any of RINGLM_PLUGIN_ABI_MIN_VERSION .. RINGLM_PLUGIN_ABI_VERSION (1 to 4) and uses only
  * that version's entries: each version adds entries at the end, so an older table is a prefix
  * of a newer one. It refuses any other version, and a table whose struct_size is smaller than
  * its version needs. New entries bump RINGLM_PLUGIN_ABI_VERSION; changing an existing struct
@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define RINGLM_PLUGIN_ABI_VERSION 3u
+#define RINGLM_PLUGIN_ABI_VERSION 4u
 #define RINGLM_PLUGIN_ABI_MIN_VERSION 1u
 #define RINGLM_PLUGIN_ENTRY "ringlm_plugin_entry"
 
@@ -193,6 +193,10 @@ typedef struct ringlm_add_args {
 enum ringlm_activation {
   RINGLM_ACT_SILU = 0,       /* x / (1 + exp(-x)) */
   RINGLM_ACT_GELU_TANH = 1,  /* x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))) */
+  /* Version 4 (gpt-oss; only glu and matmul2 take it, and only from a version-4 table): the
+   * product of the clamped gate and up, a = min(gate, 7), b = clamp(up, -7, 7),
+   * a / (1 + exp(-1.702 a)) * (b + 1), as ggml's swiglu_oai. */
+  RINGLM_ACT_SWIGLU_OAI = 2,
 };
 
 /* gate[i] = act(gate[i]) * up[i] for i < n. */
@@ -329,6 +333,18 @@ typedef struct ringlm_top_k_args {
   size_t out_offset;
 } ringlm_top_k_args;
 
+/* --- Version 4 ------------------------------------------------------------------------------ */
+
+/* Attention as ringlm_attention2_args with a learned sink per query head (gpt-oss): sinks is fp32
+ * [n_head] from sinks_offset (NULL: none, attention2 itself), and head h's softmax denominator
+ * gains exp(sinks[h] - m), m the largest score the query's row saw (a row that saw no slot is
+ * zeros, as without sinks). The sink takes weight from the slots and gives the output nothing. */
+typedef struct ringlm_attention3_args {
+  ringlm_attention2_args base;
+  const ringlm_buffer* sinks;
+  size_t sinks_offset;
+} ringlm_attention3_args;
+
 typedef struct ringlm_counters {
   uint64_t launches;
   uint64_t upload_bytes;
@@ -390,12 +406,17 @@ typedef struct ringlm_plugin {
 
   /* --- Version 3 --- */
   int32_t (*top_k)(ringlm_context* ctx, const ringlm_top_k_args* args);
+
+  /* --- Version 4 --- */
+  int32_t (*attention3)(ringlm_context* ctx, const ringlm_attention3_args* args);
 } ringlm_plugin;
 
 /* The size of a version-1 table: a version-1 plugin's struct_size is at least this. */
 #define RINGLM_PLUGIN_V1_SIZE (offsetof(ringlm_plugin, rope_shift) + sizeof(void*))
 /* ... and of a version-2 table. */
 #define RINGLM_PLUGIN_V2_SIZE (offsetof(ringlm_plugin, counters) + sizeof(void*))
+/* ... and of a version-3 table. */
+#define RINGLM_PLUGIN_V3_SIZE (offsetof(ringlm_plugin, top_k) + sizeof(void*))
 
 typedef const ringlm_plugin* (*ringlm_plugin_entry_fn)(void);
 

@@ -95,7 +95,8 @@ void check_table(const ringlm_plugin* api, const fs::path& library) {
                                        ", this ringlm speaks " + std::to_string(RINGLM_PLUGIN_ABI_MIN_VERSION) +
                                        " to " + std::to_string(RINGLM_PLUGIN_ABI_VERSION));
   }
-  const size_t needed = api->abi_version >= 3   ? sizeof(ringlm_plugin)
+  const size_t needed = api->abi_version >= 4   ? sizeof(ringlm_plugin)
+                        : api->abi_version == 3 ? RINGLM_PLUGIN_V3_SIZE
                         : api->abi_version == 2 ? RINGLM_PLUGIN_V2_SIZE
                                                 : RINGLM_PLUGIN_V1_SIZE;
   if (api->struct_size < needed) {
@@ -107,6 +108,9 @@ void check_table(const ringlm_plugin* api, const fs::path& library) {
   if (api->abi_version >= 2) check_v2_fields(*api, library);
   if (api->abi_version >= 3 && api->top_k == nullptr) {
     throw PluginLoadError(library, "plugin table (ABI 3) has no 'top_k' function");
+  }
+  if (api->abi_version >= 4 && api->attention3 == nullptr) {
+    throw PluginLoadError(library, "plugin table (ABI 4) has no 'attention3' function");
   }
 }
 

@@ -415,8 +415,8 @@ TEST(DeviceFallback, WeightsArePlacedByTheirLayerNotTheirName) {
   EXPECT_EQ(device->layer_device(1), "opencl:0");
 }
 
-// A mixture of experts (the tiny Mixtral-style model; gpt-oss's, whose sinks and clamped SwiGLU
-// the plugin leaves to the CPU and whose expert biases take the seam's biased path) on the
+// A mixture of experts (the tiny Mixtral-style model; gpt-oss's, whose attention sinks and
+// clamped SwiGLU take plugin ABI 4 and whose expert biases take the seam's biased path) on the
 // device, op by op through the seam's default, with every layer's experts on the CPU (--cpu-moe)
 // and with the first layer's (--n-cpu-moe 1): the logits of a prompt and of each decode step are
 // the CPU's (fp32).
@@ -477,7 +477,8 @@ TEST(DeviceCli, GreedyTextOnOpenclEqualsTheCpuWithPluginsOfEveryAbi) {
   ASSERT_EQ(devices.exit_code, 0) << devices.err;
   EXPECT_THAT(devices.out, HasSubstr("plugin ABI 1"));  // openclv1
   EXPECT_THAT(devices.out, HasSubstr("plugin ABI 2"));  // openclv2
-  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 3"));  // the OpenCL plugin beside ringlm
+  EXPECT_THAT(devices.out, HasSubstr("plugin ABI 3"));  // openclsmall
+  EXPECT_THAT(run_ringlm("devices").out, HasSubstr("plugin ABI 4"));  // the OpenCL plugin beside ringlm
   EXPECT_THAT(devices.out + devices.err, HasSubstr("plugin table (ABI 3) has no 'top_k' function"));
   const Output cpu = run_ringlm(run_args("cpu", "--compute fp32"));
   const Output device = run_ringlm(run_args("opencl", "--stats json"));
@@ -608,6 +609,26 @@ TEST(DeviceCli, GemmaQ4KMRunsWholeOnTheDeviceAndWritesTheCpusText) {
   EXPECT_THAT(device.err, HasSubstr("\"download_bytes\":[8,8,8"));  // the greedy pick, not 262,144 logits
   EXPECT_THAT(cpu.out, HasSubstr("France"));
   EXPECT_EQ(device.out, cpu.out);
+}
+
+// gpt-oss's attention sinks and clamped SwiGLU run on the device from plugin ABI 4: the tiny
+// gpt-oss model (MXFP4 experts) writes the CPU's greedy text through the OpenCL plugin with no op
+// left to the CPU, and the same text through the plugin seen as ABI 3
+// (tests/plugins/version_shim.c), which leaves the sinks' attention to the CPU and says so.
+TEST(DeviceCli, GptOssSinksRunOnTheDeviceFromAbi4) {
+  const std::string args = "run -m " + std::string(RINGLM_TEST_WORK_DIR) +
+                           "/tiny_gpt_oss_mxfp4.gguf -t 1 --temp 0 --ignore-eos -n 16 -p 'one two three four' ";
+  const Output cpu = run_ringlm(args + "--device cpu --compute fp32");
+  const Output device = run_ringlm(args + "--device opencl --plugin-dir " + plugin_dir());
+  const Output v3 = run_ringlm(args + "--device openclv3 --plugin-dir " + std::string(RINGLM_SHIM_PLUGIN_DIR));
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  ASSERT_EQ(device.exit_code, 0) << device.err;
+  ASSERT_EQ(v3.exit_code, 0) << v3.err;
+  EXPECT_THAT(device.err, Not(HasSubstr("on the CPU")));
+  EXPECT_THAT(v3.err, HasSubstr("attention with sinks (gpt-oss) runs on the CPU"));
+  EXPECT_FALSE(cpu.out.empty());
+  EXPECT_EQ(device.out, cpu.out);
+  EXPECT_EQ(v3.out, cpu.out);
 }
 
 TEST(DeviceCli, MissingDeviceIndexIsAClearError) {

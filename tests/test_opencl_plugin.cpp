@@ -251,10 +251,10 @@ uint32_t device_compute_units() {
 TEST(OpenclPlugin, TableAndDeviceInfo) {
   REQUIRE_PLUGIN();
   EXPECT_EQ(api().abi_version, RINGLM_PLUGIN_ABI_VERSION);
-  EXPECT_EQ(api().abi_version, 3u);
+  EXPECT_EQ(api().abi_version, 4u);
   EXPECT_EQ(api().struct_size, sizeof(ringlm_plugin));
   EXPECT_STREQ(api().name, "opencl");
-  // Every entry of the table is filled, versions 2's and 3's included.
+  // Every entry of the table is filled, versions 2 to 4 included.
   const auto* entries = reinterpret_cast<const unsigned char*>(&api());
   for (size_t at = offsetof(ringlm_plugin, last_error); at < sizeof(ringlm_plugin); at += sizeof(void*)) {
     void* entry = nullptr;
@@ -1350,15 +1350,17 @@ TEST(OpenclPlugin, ScaleMultipliesEveryElement) {
   EXPECT_EQ(xd.download<float>(x.size(), 12), want);
 }
 
-TEST(OpenclPlugin, GluBothActivations) {
+TEST(OpenclPlugin, GluEveryActivation) {
   REQUIRE_PLUGIN();
   std::mt19937 rng(14);
   const size_t n = 1000;
   std::vector<float> gate = random_floats(n, rng, 8.0f);
   gate[0] = -8.0f, gate[1] = 8.0f, gate[2] = 0.0f, gate[3] = -1e-3f;
-  const std::vector<float> up = random_floats(n, rng, 2.0f);
-  for (const uint32_t act : {static_cast<uint32_t>(RINGLM_ACT_SILU), static_cast<uint32_t>(RINGLM_ACT_GELU_TANH)}) {
-    SCOPED_TRACE(act == RINGLM_ACT_SILU ? "silu" : "gelu_tanh");
+  std::vector<float> up = random_floats(n, rng, 2.0f);
+  up[4] = 9.0f, up[5] = -9.0f;  // past swiglu_oai's clamp
+  for (const uint32_t act : {static_cast<uint32_t>(RINGLM_ACT_SILU), static_cast<uint32_t>(RINGLM_ACT_GELU_TANH),
+                             static_cast<uint32_t>(RINGLM_ACT_SWIGLU_OAI)}) {
+    SCOPED_TRACE(act == RINGLM_ACT_SILU ? "silu" : act == RINGLM_ACT_GELU_TANH ? "gelu_tanh" : "swiglu_oai");
     DeviceBuffer gd(gate, 16);
     DeviceBuffer ud(up, 4);
     const ringlm_glu_args args{.gate = gd.get(),
@@ -1372,6 +1374,11 @@ TEST(OpenclPlugin, GluBothActivations) {
     const double sqrt_2_over_pi = std::sqrt(2.0 / 3.14159265358979323846);
     for (size_t i = 0; i < n; ++i) {
       const double g = gate[i];
+      if (act == RINGLM_ACT_SWIGLU_OAI) {  // ggml's swiglu_oai: gate clamped above at 7, up to [-7, 7]
+        const double a = std::min(g, 7.0), b = std::clamp(static_cast<double>(up[i]), -7.0, 7.0);
+        want[i] = a / (1.0 + std::exp(-1.702 * a)) * (b + 1.0);
+        continue;
+      }
       const double a = act == RINGLM_ACT_SILU
                            ? g / (1.0 + std::exp(-g))
                            : g / 2.0 * (1.0 + std::tanh(sqrt_2_over_pi * (g + 0.044715 * g * g * g)));
@@ -1714,6 +1721,78 @@ TEST(OpenclPlugin, Attention2WindowMatchesReference) {
         v1.out = od_v1.get();
         ASSERT_EQ(api().attention(ctx(), &v1), RINGLM_OK) << last_error();
         EXPECT_EQ(od_v1.download<float>(q.size()), got);
+      }
+    }
+  }
+}
+
+// Attention with sinks (version 4, gpt-oss) against a reference written here: each head's
+// denominator gains exp(sink - max score), for a prompt chunk (the tiled kernel in GPU shapes)
+// and a decode row over many slots (split into flash-decoding parts where the device has the
+// cores), with and without a window; a sink far below every score changes nothing, one far above
+// drives the output to zero.
+TEST(OpenclPlugin, Attention3SinksMatchReference) {
+  REQUIRE_PLUGIN();
+  std::mt19937 rng(29);
+  // Two heads: a decode row is then too few groups for the device's cores.
+  const int n_head = 2, n_head_kv = 1, hd = 32, n_slots = 1100;  // past 2 x 512: the decode row splits
+  const int kv_width = n_head_kv * hd, q_width = n_head * hd;
+  std::vector<int32_t> positions(n_slots);
+  std::iota(positions.begin(), positions.end(), 0);
+  const size_t cache = static_cast<size_t>(n_slots * kv_width);
+  const std::vector<float> k = random_floats(cache, rng, 1.5f), v = random_floats(cache, rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  DeviceBuffer kd(k), vd(v), pd(positions);
+  for (const int n_tokens : {12, 1}) {
+    const std::vector<float> q = random_floats(static_cast<size_t>(n_tokens * q_width), rng, 1.5f);
+    const int64_t q_pos0 = n_slots - n_tokens;
+    DeviceBuffer qd(q), od(q.size() * sizeof(float));
+    const std::vector<std::vector<float>> sink_sets = {{0.5f, 2.5f}, {-1e4f, -1e4f}, {1e4f, 1e4f}};
+    for (const int window : {0, 8}) {
+      for (const std::vector<float>& sinks : sink_sets) {
+        SCOPED_TRACE("tokens " + std::to_string(n_tokens) + " window " + std::to_string(window) + " sink " +
+                     std::to_string(sinks[0]));
+        DeviceBuffer sd(sinks, 8);
+        ringlm_attention3_args args{};
+        args.base.base = {.q = qd.get(), .q_offset = 0, .out = od.get(), .out_offset = 0, .keys = kd.get(),
+                          .keys_offset = 0, .values = vd.get(), .values_offset = 0, .kv_format = RINGLM_FORMAT_F32,
+                          .row_stride = kv_width, .positions = pd.get(), .n_slots = n_slots, .n_tokens = n_tokens,
+                          .q_pos0 = q_pos0, .n_head = n_head, .n_head_kv = n_head_kv, .head_dim = hd, .scale = scale};
+        args.base.window = window;
+        args.sinks = sd.get();
+        args.sinks_offset = 8;  // bytes: DeviceBuffer(sinks, 8) puts them there
+        ASSERT_EQ(api().attention3(ctx(), &args), RINGLM_OK) << last_error();
+        const std::vector<float> got = od.download<float>(q.size());
+        std::vector<double> want(q.size(), 0.0);
+        for (int i = 0; i < n_tokens; ++i) {
+          const int64_t p = q_pos0 + i;
+          for (int h = 0; h < n_head; ++h) {
+            const size_t q_row = static_cast<size_t>(i * q_width + h * hd);
+            const size_t kv_col = static_cast<size_t>((h / (n_head / n_head_kv)) * hd);
+            std::vector<std::pair<size_t, double>> scores;
+            for (size_t j = 0; j < static_cast<size_t>(n_slots); ++j) {
+              if (positions[j] > p || (window > 0 && positions[j] <= p - window)) continue;
+              double dot = 0.0;
+              for (int d = 0; d < hd; ++d) dot += static_cast<double>(q[q_row + d]) * k[j * kv_width + kv_col + d];
+              scores.emplace_back(j, dot * scale);
+            }
+            double max_score = -INFINITY, denominator = 0.0;
+            for (const auto& [j, sc] : scores) max_score = std::max(max_score, sc);
+            for (const auto& [j, sc] : scores) denominator += std::exp(sc - max_score);
+            denominator += std::exp(static_cast<double>(sinks[static_cast<size_t>(h)]) - max_score);
+            for (const auto& [j, sc] : scores) {
+              const double weight = std::exp(sc - max_score) / denominator;
+              for (int d = 0; d < hd; ++d) want[q_row + d] += weight * v[j * kv_width + kv_col + d];
+            }
+          }
+        }
+        expect_close(got, want, 0.0, 1e-4, "attention3");
+        if (sinks[0] > 1e3f) {
+          for (const float x : got) ASSERT_EQ(x, 0.0f);  // the sink takes every weight, and gives nothing
+        }
+        ringlm_attention3_args past_end = args;
+        past_end.sinks_offset = 16;  // the two sinks would end 8 bytes past the buffer
+        expect_error(api().attention3(ctx(), &past_end), RINGLM_ERROR_INVALID_ARGUMENT, "attention sinks");
       }
     }
   }

@@ -152,7 +152,7 @@ TEST(LoadPlugin, MissingFileIsNamedAsNotFound) {
 
 TEST(LoadPlugin, WrongAbiVersionSaysBothVersions) {
   const fs::path library = broken_dir() / "libringlm-badabi.so";
-  EXPECT_EQ(load_error(library), library.string() + ": built for plugin ABI 7, this ringlm speaks 1 to 3");
+  EXPECT_EQ(load_error(library), library.string() + ": built for plugin ABI 7, this ringlm speaks 1 to 4");
 }
 
 TEST(LoadPlugin, MissingEntrySymbolIsNamed) {
@@ -214,7 +214,7 @@ TEST(ScanPlugins, CollectsLoadedAndFailedWithTheirCauses) {
   EXPECT_THAT(names_of(scan), ElementsAre("exploding"));
   const auto failed = failures_by_file(scan);
   ASSERT_EQ(failed.size(), 6u) << ::testing::PrintToString(failed);
-  EXPECT_EQ(failed.at("libringlm-badabi.so"), "built for plugin ABI 7, this ringlm speaks 1 to 3");
+  EXPECT_EQ(failed.at("libringlm-badabi.so"), "built for plugin ABI 7, this ringlm speaks 1 to 4");
   EXPECT_THAT(failed.at("libringlm-garbage.so"), AllOf(StartsWith("cannot load: "), HasSubstr("invalid ELF header")));
   EXPECT_THAT(failed.at("libringlm-noentry.so"), HasSubstr("entry symbol 'ringlm_plugin_entry' missing"));
   EXPECT_EQ(failed.at("libringlm-nullentry.so"), "ringlm_plugin_entry returned NULL");
@@ -363,7 +363,7 @@ TEST(OpenPluginDevice, UnknownNameListsWhatWasFoundAndWhatFailed) {
   EXPECT_THAT(message, HasSubstr(std::string("found: fake (") + fake.string() + ")"));
   EXPECT_THAT(message, HasSubstr("found: exploding ("));
   EXPECT_THAT(message, HasSubstr(std::string("could not load: ") + (broken_dir() / "libringlm-badabi.so").string() +
-                                 ": built for plugin ABI 7, this ringlm speaks 1 to 3"));
+                                 ": built for plugin ABI 7, this ringlm speaks 1 to 4"));
   EXPECT_THAT(message, HasSubstr(std::string("could not load: ") + (broken_dir() / "libringlm-garbage.so").string()));
 }
 
@@ -443,7 +443,7 @@ TEST(OpenAutoDevice, BrokenPluginsAreReasonsToo) {
   EXPECT_EQ(open_auto_device({broken_dir()}, "", why), nullptr);
   EXPECT_THAT(why, StartsWith("no GPU found ("));
   EXPECT_THAT(why, HasSubstr("exploding: cannot list devices: driver exploded"));
-  EXPECT_THAT(why, HasSubstr("libringlm-badabi.so did not load: built for plugin ABI 7, this ringlm speaks 1 to 3"));
+  EXPECT_THAT(why, HasSubstr("libringlm-badabi.so did not load: built for plugin ABI 7, this ringlm speaks 1 to 4"));
   EXPECT_THAT(why, Not(HasSubstr("\n")));
 }
 
@@ -553,7 +553,7 @@ TEST(DevicesCommand, ReportsTheCpuAndEveryBrokenPluginAndExitsZero) {
   const auto failure_line = [&](const std::string& file, const std::string& cause) {
     return HasSubstr(std::string("\n  ") + (dir / file).string() + ": " + cause);
   };
-  EXPECT_THAT(r.out, failure_line("libringlm-badabi.so", "built for plugin ABI 7, this ringlm speaks 1 to 3\n"));
+  EXPECT_THAT(r.out, failure_line("libringlm-badabi.so", "built for plugin ABI 7, this ringlm speaks 1 to 4\n"));
   EXPECT_THAT(r.out, failure_line("libringlm-garbage.so", "cannot load: invalid ELF header\n"));
   EXPECT_THAT(r.out, failure_line("libringlm-noentry.so", "entry symbol 'ringlm_plugin_entry' missing"));
   EXPECT_THAT(r.out, failure_line("libringlm-nullentry.so", "ringlm_plugin_entry returned NULL\n"));

@@ -190,7 +190,7 @@ void DeviceKv::after_host_store(const KvView& kv, int layer, int first_slot, int
 
 // The device must run the geometry (asked once per geometry and cache type), and the cache must
 // read no shared prefix unless it can copy the prefix's rows on the device; a sliding window
-// needs ABI v2.
+// needs ABI v2, attention sinks ABI v4.
 const char* DeviceKv::why_not_on_device(const KvView& kv, const AttentionShape& shape) {
   if (kv.prefix != nullptr && !link_.v2()) {
     return "attention over a shared prompt segment runs on the CPU (the plugin cannot copy on the device: plugin ABI 1)";
@@ -198,7 +198,9 @@ const char* DeviceKv::why_not_on_device(const KvView& kv, const AttentionShape& 
   if (shape.window != 0 && !link_.v2()) {
     return "sliding-window attention runs on the CPU (the plugin's attention has no window: plugin ABI 1)";
   }
-  if (shape.sinks != nullptr) return "attention with sinks (gpt-oss) runs on the CPU (the plugin's attention has none)";
+  if (shape.sinks != nullptr && !link_.v4()) {
+    return "attention with sinks (gpt-oss) runs on the CPU (the plugin's attention has none: plugin ABI 3 or older)";
+  }
   if (kv.state == nullptr) return "attention over a read-only cache runs on the CPU";
   if (const PluginKvCache* copy = copy_of(kv); copy != nullptr && copy->host_only) {
     return "attention of this head geometry runs on the CPU (the plugin does not take it)";
@@ -313,7 +315,14 @@ void DeviceKv::launch_attention(const PluginKvCache& c, int layer, const Attenti
   a.head_dim = shape.head_dim;
   a.scale = shape.score_scale();
   args.window = shape.window;
-  if (link_.v2()) {
+  if (shape.sinks != nullptr) {  // ABI v4 (why_not_on_device)
+    const DeviceSpan sinks = residency_.device_read(shape.sinks, static_cast<size_t>(shape.n_head));
+    ringlm_attention3_args with_sinks{};
+    with_sinks.base = args;
+    with_sinks.sinks = sinks.buffer;
+    with_sinks.sinks_offset = sinks.offset;
+    link_.check(link_.api().attention3(link_.context(), &with_sinks), "attention3");
+  } else if (link_.v2()) {
     link_.check(link_.api().attention2(link_.context(), &args), "attention");
   } else {
     link_.check(link_.api().attention(link_.context(), &a), "attention");

@@ -47,7 +47,8 @@ DeviceLink::DeviceLink(std::shared_ptr<OpenedDevice> device)
     : device_(std::move(device)),
       api_(device_->plugin->api()),
       v2_(device_->plugin->abi_version() >= 2),
-      v3_(device_->plugin->abi_version() >= 3) {}
+      v3_(device_->plugin->abi_version() >= 3),
+      v4_(device_->plugin->abi_version() >= 4) {}
 
 std::string DeviceLink::short_name() const { return device_->plugin->name() + ":" + std::to_string(device_->index); }
 

@@ -53,6 +53,7 @@ class DeviceLink {
   ringlm_context* context() const { return device_->context; }
   bool v2() const { return v2_; }  // ABI v2: activations and the row-wise ops on the device
   bool v3() const { return v3_; }  // ABI v3: GEMM of a whole chunk, top_k
+  bool v4() const { return v4_; }  // ABI v4: attention sinks, gpt-oss's clamped SwiGLU
   std::string label() const { return device_label(*device_); }
   // "opencl:0": where a layer runs, for --stats.
   std::string short_name() const;
@@ -71,6 +72,7 @@ class DeviceLink {
   const ringlm_plugin& api_;
   bool v2_;
   bool v3_;
+  bool v4_;
 };
 
 }  // namespace ringlm

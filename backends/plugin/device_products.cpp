@@ -36,9 +36,15 @@ bool nameable_format(TensorType type) {
   }
 }
 
-bool device_activation(Activation act) { return act != Activation::kSwigluOai; }
+bool device_activation(Activation act, const DeviceLink& link) { return act != Activation::kSwigluOai || link.v4(); }
 
-uint32_t activation_code(Activation act) { return act == Activation::kGeluTanh ? RINGLM_ACT_GELU_TANH : RINGLM_ACT_SILU; }
+uint32_t activation_code(Activation act) {
+  switch (act) {
+    case Activation::kGeluTanh: return RINGLM_ACT_GELU_TANH;
+    case Activation::kSwigluOai: return RINGLM_ACT_SWIGLU_OAI;
+    default: return RINGLM_ACT_SILU;
+  }
+}
 
 int64_t DeviceProducts::device_rows_for(TensorType type, int64_t rows, int64_t cols) const {
   if (!nameable_format(type)) return 0;

@@ -30,9 +30,9 @@ inline const PluginWeight& as_plugin_weight(const PreparedWeight& w) { return st
 
 // The weight formats the ABI can name (plugin_api.h's ringlm_format = the GGUF type id).
 bool nameable_format(TensorType type);
-// Whether the plugin ABI names the activation (gpt-oss's clamped SwiGLU it does not: it runs on
-// the CPU), and its code there (plugin_api.h's ringlm_activation).
-bool device_activation(Activation act);
+// Whether the device's plugin ABI names the activation (gpt-oss's clamped SwiGLU from ABI 4;
+// with an older plugin it runs on the CPU), and its code there (plugin_api.h's ringlm_activation).
+bool device_activation(Activation act, const DeviceLink& link);
 uint32_t activation_code(Activation act);
 
 // The RMSNorm fused into a product's input: its weight on the device, and epsilon.

@@ -603,7 +603,7 @@ class PluginBackend final : public Backend {
           link_.check(link_.api().glu(link_.context(), &args), "glu");
         },
         [&](const std::array<float*, 2>& host) { cpu::glu(act, host[1], host[0], static_cast<int64_t>(n)); },
-        device_activation(act));
+        device_activation(act, link_));
   }
 
   void many_on_cpu(std::span<const PreparedWeight* const> weights, const MatmulInput& input,
@@ -659,7 +659,7 @@ class PluginBackend final : public Backend {
                          Activation act, float* out_rows) {
     const size_t nx = static_cast<size_t>(input.n_tokens * g.cols());
     const std::vector<const PluginWeight*> pair = {&g, &u};
-    if (!device_activation(act) || !products_.can_fuse(pair, {out_rows}, input.n_tokens) || !residency_.on_device(input.x, nx) ||
+    if (!device_activation(act, link_) || !products_.can_fuse(pair, {out_rows}, input.n_tokens) || !residency_.on_device(input.x, nx) ||
         (input.rms_weight != nullptr && !residency_.on_device(input.rms_weight, static_cast<size_t>(g.cols())))) {
       return false;
     }

@@ -331,12 +331,23 @@ __kernel void matmul_other(__global const uchar* W, const int N, const int K, __
 
 #define NORM_PARTS 64  // partial sums of squares per row in the GEMV's fused norm
 
-float activation_of(const int activation, const float g) {
-  if (activation == 1) {  // GELU, tanh form
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+#define ACT_SWIGLU_OAI 2
+
+// act(g) * u for a GLU's gate g and up u: SiLU, x / (1 + exp(-x)); GELU's tanh form,
+// x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))); or gpt-oss's clamped SwiGLU, which also
+// clamps the up: a = min(g, 7), b = clamp(u, -7, 7), a / (1 + exp(-1.702 a)) * (b + 1).
+float glu_of(const int activation, const float g, const float u) {
+  if (activation == ACT_GELU_TANH) {
     const float sqrt_2_over_pi = 0.79788456080286535588f;
-    return 0.5f * g * (1.0f + tanh(sqrt_2_over_pi * (g + 0.044715f * g * g * g)));
+    return 0.5f * g * (1.0f + tanh(sqrt_2_over_pi * (g + 0.044715f * g * g * g))) * u;
   }
-  return g / (1.0f + exp(-g));  // SiLU
+  if (activation == ACT_SWIGLU_OAI) {
+    const float a = fmin(g, 7.0f), b = clamp(u, -7.0f, 7.0f);
+    return a / (1.0f + exp(-1.702f * a)) * (b + 1.0f);
+  }
+  return g / (1.0f + exp(-g)) * u;  // ACT_SILU
 }
 
 // The weight rows a work-item multiplies: its row n of the parts' rows laid end to end (W0's N0
@@ -467,7 +478,7 @@ void gemv_rows(const int format, const int block_bytes, __global const uchar* W0
         sum *= linv[m];
         sum_up *= linv[m];
       }
-      if (glu) sum = activation_of(activation, sum) * sum_up;
+      if (glu) sum = glu_of(activation, sum, sum_up);
       __global float* out = g.y + (ulong)m * g.n_out + g.row;
       *out = accumulate ? *out + sum : sum;
     }
@@ -542,7 +553,7 @@ void gemm_store(float acc[4][4], float acc_up[4][4], const int m0, const int n0,
       GemvRow g = gemv_row(n, format, block_bytes, K, glu, W0, W1, W2, N0, N1, y0, y1, y2);
       if (g.n_out < 0) g.n_out = N2;
       float sum = acc[i][j];
-      if (glu) sum = activation_of(activation, sum) * acc_up[i][j];
+      if (glu) sum = glu_of(activation, sum, acc_up[i][j]);
       __global float* out = g.y + (ulong)m * g.n_out + g.row;
       *out = accumulate ? *out + sum : sum;
     }
@@ -822,11 +833,18 @@ float4 load_kv4(const int f16, __global const void* base, const ulong i) {
 // keys, get_group_id(2) of n_splits) and leaves its share unnormalised, as a record of head_dim + 2
 // floats: its running max, its denominator, then its output sums (attention_merge adds the
 // splits up). Without, j_begin .. j_end is every slot and out gets the normalised result.
+//
+// A head's learned sink (gpt-oss; sinks not null) adds exp(sink - m) to the denominator of the
+// normalised result, m the row's final max (sink_term; attention_merge adds it to the splits').
+float sink_term(__global const float* sinks, const int h, const float m) {
+  return sinks != 0 && m != -INFINITY ? exp(sinks[h] - m) : 0.0f;
+}
+
 void attention_one(const int f16, __global const float* q, __global float* out, __global const void* keys,
                    __global const void* values, const long row_stride, __global const int* positions, const int j_begin,
                    const int j_end, const long q_pos0, const int n_head, const int n_head_kv, const int head_dim,
-                   const float scale, const int window, __global float* partial, const int n_splits,
-                   __local float* lq, __local float* ls, __local float* lp) {
+                   const float scale, const int window, __global const float* sinks, __global float* partial,
+                   const int n_splits, __local float* lq, __local float* ls, __local float* lp) {
   const int h = get_group_id(0), i = get_group_id(1);
   const int tid = get_local_id(0), B = get_local_size(0);
   const int g = h / (n_head / n_head_kv);
@@ -898,21 +916,26 @@ void attention_one(const int f16, __global const float* q, __global float* out, 
     }
     return;
   }
+  l += sink_term(sinks, h, m_run);
   for (int t = 0; t < HD_PER_ITEM; ++t) {
     const int d = tid + t * B;
     if (d < head_dim) out[q_row + d] = l > 0.0f ? acc[t] / l : 0.0f;
   }
 }
 
-// q_off, out_off, k_off, v_off are in elements of their buffers' types.
+// q_off, out_off, k_off, v_off, sinks_off are in elements of their buffers' types; the sinks
+// are read only when has_sinks (the host passes some buffer either way).
+#define SINKS(sinks, sinks_off, has_sinks) ((has_sinks) ? (sinks) + (sinks_off) : (__global const float*)0)
 #define ATTENTION_KERNEL(name, f16, kv_type)                                                                           \
   __kernel void name(__global const float* q, const ulong q_off, __global float* out, const ulong out_off,             \
                      __global const kv_type* keys, const ulong k_off, __global const kv_type* values,                  \
                      const ulong v_off, const long row_stride, __global const int* positions, const int n_slots,       \
                      const long q_pos0, const int n_head, const int n_head_kv, const int head_dim, const float scale,  \
-                     const int window, __local float* lq, __local float* ls, __local float* lp) {                      \
+                     const int window, __global const float* sinks, const ulong sinks_off, const int has_sinks,       \
+                     __local float* lq, __local float* ls, __local float* lp) {                                        \
     attention_one(f16, q + q_off, out + out_off, keys + k_off, values + v_off, row_stride, positions, 0, n_slots,     \
-                  q_pos0, n_head, n_head_kv, head_dim, scale, window, (__global float*)0, 1, lq, ls, lp);              \
+                  q_pos0, n_head, n_head_kv, head_dim, scale, window, SINKS(sinks, sinks_off, has_sinks),             \
+                  (__global float*)0, 1, lq, ls, lp);                                                                  \
   }
 
 ATTENTION_KERNEL(attention_f32, 0, float)
@@ -936,8 +959,8 @@ ATTENTION_KERNEL(attention_f16, 1, half)
 void attention_tile(const int f16, __global const float* q, __global float* out, __global const void* keys,
                     __global const void* values, const long row_stride, __global const int* positions,
                     const int n_slots, const int n_tokens, const long q_pos0, const int n_head, const int n_head_kv,
-                    const int head_dim, const float scale, const int window, __local float* lq, __local float* lk,
-                    __local float* lv, __local float* ls, __local int* lpos) {
+                    const int head_dim, const float scale, const int window, __global const float* sinks,
+                    __local float* lq, __local float* lk, __local float* lv, __local float* ls, __local int* lpos) {
   const int h = get_group_id(0), t = get_local_id(0), r = get_local_id(1);
   const int TQ = get_local_size(1), tid = r * TILE_KEYS + t, G = TILE_KEYS * TQ;
   const int i = get_group_id(1) * TQ + r;  // this work-item's query token
@@ -1008,6 +1031,7 @@ void attention_tile(const int f16, __global const float* q, __global float* out,
     }
   }
   if (!live) return;
+  l += sink_term(sinks, h, m_run);
   const ulong q_row = ((ulong)i * n_head + h) * head_dim;
   for (int u = 0; u < TILE_HD_MAX / TILE_KEYS; ++u) {
     const int d = t + u * TILE_KEYS;
@@ -1020,10 +1044,12 @@ void attention_tile(const int f16, __global const float* q, __global float* out,
                      __global const kv_type* keys, const ulong k_off, __global const kv_type* values,                 \
                      const ulong v_off, const long row_stride, __global const int* positions, const int n_slots,      \
                      const int n_tokens, const long q_pos0, const int n_head, const int n_head_kv,                     \
-                     const int head_dim, const float scale, const int window, __local float* lq, __local float* lk,  \
+                     const int head_dim, const float scale, const int window, __global const float* sinks,           \
+                     const ulong sinks_off, const int has_sinks, __local float* lq, __local float* lk,                 \
                      __local float* lv, __local float* ls, __local int* lpos) {                                        \
     attention_tile(f16, q + q_off, out + out_off, keys + k_off, values + v_off, row_stride, positions, n_slots,      \
-                   n_tokens, q_pos0, n_head, n_head_kv, head_dim, scale, window, lq, lk, lv, ls, lpos);               \
+                   n_tokens, q_pos0, n_head, n_head_kv, head_dim, scale, window, SINKS(sinks, sinks_off, has_sinks), \
+                   lq, lk, lv, ls, lpos);                                                                               \
   }
 
 ATTENTION_TILE_KERNEL(attention_tile_f32, 0, float)
@@ -1040,8 +1066,8 @@ ATTENTION_TILE_KERNEL(attention_tile_f16, 1, half)
                      __local float* ls, __local float* lp) {                                                           \
     const int j_begin = get_group_id(2) * split_len;                                                                   \
     attention_one(f16, q + q_off, partial, keys + k_off, values + v_off, row_stride, positions, j_begin,              \
-                  min(n_slots, j_begin + split_len), q_pos0, n_head, n_head_kv, head_dim, scale, window, partial,     \
-                  n_splits, lq, ls, lp);                                                                               \
+                  min(n_slots, j_begin + split_len), q_pos0, n_head, n_head_kv, head_dim, scale, window,              \
+                  (__global const float*)0, partial, n_splits, lq, ls, lp);                                           \
   }
 
 ATTENTION_SPLIT_KERNEL(attention_split_f32, 0, float)
@@ -1050,9 +1076,11 @@ ATTENTION_SPLIT_KERNEL(attention_split_f16, 1, half)
 // The splits of flash-decoding added up: output dimension d = get_global_id(0) of head
 // get_global_id(1) of query token get_global_id(2). Each split's sums and denominator are
 // relative to its own max; rescaled to the largest of them they add up exactly as one pass's
-// online softmax would have them. A split that saw no slot (max -inf) adds nothing.
+// online softmax would have them. A split that saw no slot (max -inf) adds nothing. A head's sink
+// adds its term relative to the largest max.
 __kernel void attention_merge(__global const float* partial, const int n_splits, const int n_head, const int head_dim,
-                              __global float* out, const ulong out_off) {
+                              __global float* out, const ulong out_off, __global const float* sinks,
+                              const ulong sinks_off, const int has_sinks) {
   const int d = get_global_id(0), h = get_global_id(1), i = get_global_id(2);
   if (d >= head_dim) return;
   const int stride = head_dim + 2;
@@ -1069,6 +1097,7 @@ __kernel void attention_merge(__global const float* partial, const int n_splits,
       denominator += w * records[s * stride + 1];
     }
   }
+  denominator += sink_term(SINKS(sinks, sinks_off, has_sinks), h, m_max);
   out[out_off + ((ulong)i * n_head + h) * head_dim + d] = denominator > 0.0f ? sum / denominator : 0.0f;
 }
 
@@ -1080,7 +1109,7 @@ __kernel void attention_merge(__global const float* partial, const int n_splits,
 void attention_serial_one(const int f16, __global const float* q, __global float* out, __global const void* keys,
                           __global const void* values, const long row_stride, __global const int* positions,
                           const int n_slots, const long q_pos0, const int n_head, const int n_head_kv,
-                          const int head_dim, const float scale, const int window) {
+                          const int head_dim, const float scale, const int window, __global const float* sinks) {
   const int h = get_global_id(0), i = get_global_id(1);
   const int g = h / (n_head / n_head_kv);
   const long pos = q_pos0 + i;
@@ -1103,6 +1132,7 @@ void attention_serial_one(const int f16, __global const float* q, __global float
     for (int c = 0; c < head_dim / 4; ++c) acc[c] = acc[c] * rescale + weight * load_kv4(f16, values, row + 4 * c);
     running_max = new_max;
   }
+  denominator += sink_term(sinks, h, running_max);
   __global float* oh = out + ((ulong)i * n_head + h) * head_dim;
   const float inv = denominator > 0.0f ? 1.0f / denominator : 0.0f;
   for (int c = 0; c < head_dim / 4; ++c) vstore4(acc[c] * inv, 0, oh + 4 * c);
@@ -1113,9 +1143,9 @@ void attention_serial_one(const int f16, __global const float* q, __global float
                      __global const kv_type* keys, const ulong k_off, __global const kv_type* values,               \
                      const ulong v_off, const long row_stride, __global const int* positions, const int n_slots,    \
                      const long q_pos0, const int n_head, const int n_head_kv, const int head_dim, const float scale, \
-                     const int window) {                                                                            \
+                     const int window, __global const float* sinks, const ulong sinks_off, const int has_sinks) {    \
     attention_serial_one(f16, q + q_off, out + out_off, keys + k_off, values + v_off, row_stride, positions, n_slots, \
-                         q_pos0, n_head, n_head_kv, head_dim, scale, window);                                       \
+                         q_pos0, n_head, n_head_kv, head_dim, scale, window, SINKS(sinks, sinks_off, has_sinks));   \
   }
 
 ATTENTION_SERIAL_KERNEL(attention_serial_f32, 0, float)
@@ -1167,9 +1197,6 @@ ROPE_SHIFT_KERNEL(rope_shift_f16, 1, half)
 // Every offset below (x_off, ...) is in elements of its buffer's type. The element-wise kernels
 // run on a grid rounded up to whole work-groups: the work-items past n do nothing.
 
-#define ACT_SILU 0
-#define ACT_GELU_TANH 1
-
 // out[r][c] = x[r][c] / sqrt(mean_c(x[r][c]^2) + eps) * weight[c]: one work-group per row r =
 // get_group_id(0), its get_local_size(0) work-items (a power of two) each summing the squares of
 // columns tid, tid + G, ... in float, then a tree reduction in local memory (`partial`, G
@@ -1213,21 +1240,12 @@ __kernel void scale_rows(__global float* x, const ulong x_off, const ulong n, co
   x[x_off + i] *= factor;
 }
 
-// gate[i] = act(gate[i]) * up[i] for i < n, act being SiLU, x / (1 + exp(-x)), or GELU's tanh
-// form, x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))).
+// gate[i] = act(gate[i]) * up[i] for i < n (glu_of).
 __kernel void glu(__global float* gate, const ulong g_off, __global const float* up, const ulong u_off,
                   const ulong n, const int activation) {
   const ulong i = get_global_id(0);
   if (i >= n) return;
-  const float g = gate[g_off + i];
-  float a;
-  if (activation == ACT_GELU_TANH) {
-    const float sqrt_2_over_pi = 0.79788456080286535588f;
-    a = 0.5f * g * (1.0f + tanh(sqrt_2_over_pi * (g + 0.044715f * g * g * g)));
-  } else {  // ACT_SILU
-    a = g / (1.0f + exp(-g));
-  }
-  gate[g_off + i] = a * up[u_off + i];
+  gate[g_off + i] = glu_of(activation, gate[g_off + i], up[u_off + i]);
 }
 
 // RoPE in place: pair i = get_global_id(0) (< n_rot / 2) of head get_global_id(1) of row

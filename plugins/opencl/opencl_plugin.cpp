@@ -742,10 +742,19 @@ size_t attention_splits(const ringlm_context& ctx, const ringlm_attention_args& 
   return ceil_div(slots, split_length(slots, splits, group));
 }
 
+// The attention kernels' sink arguments: the buffer, the offset in floats, whether to read them
+// (without sinks, some buffer of the call that the kernel never reads).
+struct SinkArgs {
+  cl_mem buffer = nullptr;
+  cl_ulong offset = 0;
+  cl_int present = 0;
+};
+
 // The splits' launch (a group per head, token and split, each leaving a partial record in the
-// scratch memory) and the merge's.
+// scratch memory) and the merge's, which adds the sinks.
 void run_attention_split(ringlm_context& ctx, const ringlm_attention_args& a, int32_t window, size_t group,
-                         size_t splits, cl_mem q, cl_mem out, cl_mem keys, cl_mem values, cl_mem positions) {
+                         size_t splits, cl_mem q, cl_mem out, cl_mem keys, cl_mem values, cl_mem positions,
+                         const SinkArgs& sinks) {
   const size_t elem = kv_element_bytes(a.kv_format);
   const size_t head_dim = static_cast<size_t>(a.head_dim);
   const size_t split_len = split_length(static_cast<size_t>(a.n_slots), splits, group);
@@ -765,7 +774,8 @@ void run_attention_split(ringlm_context& ctx, const ringlm_attention_args& a, in
          as_int(static_cast<int64_t>(splits)), LocalFloats{head_dim}, LocalFloats{group}, LocalFloats{group});
   const size_t merge_global[3] = {head_dim, static_cast<size_t>(a.n_head), static_cast<size_t>(a.n_tokens)};
   launch(ctx, kAttentionMerge, 3, merge_global, nullptr, partial, as_int(static_cast<int64_t>(splits)),
-         cl_int{a.n_head}, cl_int{a.head_dim}, out, cl_ulong{a.out_offset / sizeof(float)});
+         cl_int{a.n_head}, cl_int{a.head_dim}, out, cl_ulong{a.out_offset / sizeof(float)}, sinks.buffer, sinks.offset,
+         sinks.present);
 }
 
 // Prompt chunks of at least this many tokens take the tiled attention on a GPU: each block of keys
@@ -785,9 +795,11 @@ size_t attention_tile_queries(const ringlm_context& ctx, const Kernel& k, size_t
   return 0;
 }
 
-// Attention (v1: window 0) and attention2: one kernel, a key at position pos being visible to the
-// query at position p iff 0 <= pos <= p and (window == 0 || pos > p - window).
-void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, int32_t window) {
+// Attention (v1: window 0), attention2 and attention3: one kernel, a key at position pos being
+// visible to the query at position p iff 0 <= pos <= p and (window == 0 || pos > p - window), and
+// with sinks (attention3) each head's sink in its denominator.
+void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, int32_t window,
+                          const ringlm_buffer* sinks_buffer = nullptr, size_t sinks_offset = 0) {
   require(window >= 0, RINGLM_ERROR_INVALID_ARGUMENT, "attention2: window = " + std::to_string(window));
   const std::string why = attention_unsupported(ctx, a.kv_format, a.n_head, a.n_head_kv, a.head_dim);
   if (!why.empty()) throw Error(RINGLM_ERROR_UNSUPPORTED, why);
@@ -814,6 +826,12 @@ void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, i
   const cl_mem values = buffer_range(ctx, a.values, a.values_offset, kv_bytes, elem, "attention values");
   const cl_mem positions =
       buffer_range(ctx, a.positions, 0, static_cast<size_t>(a.n_slots) * sizeof(int32_t), 1, "attention positions");
+  SinkArgs sinks{q, 0, 0};
+  if (sinks_buffer != nullptr) {
+    sinks = {buffer_range(ctx, sinks_buffer, sinks_offset, static_cast<size_t>(a.n_head) * sizeof(float), sizeof(float),
+                          "attention sinks"),
+             cl_ulong{sinks_offset / sizeof(float)}, 1};
+  }
 
   // On a CPU device, a work-item per (query head, token), the online softmax run serially.
   if (ctx.cpu_device && a.head_dim <= kSerialMaxHeadDim) {
@@ -822,7 +840,8 @@ void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, i
     launch(ctx, serial, 2, grid, nullptr, q, cl_ulong{a.q_offset / sizeof(float)}, out,
            cl_ulong{a.out_offset / sizeof(float)}, keys, cl_ulong{a.keys_offset / elem}, values,
            cl_ulong{a.values_offset / elem}, cl_long{a.row_stride}, positions, cl_int{a.n_slots}, cl_long{a.q_pos0},
-           cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim}, cl_float{a.scale}, cl_int{window});
+           cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim}, cl_float{a.scale}, cl_int{window}, sinks.buffer,
+           sinks.offset, sinks.present);
     return;
   }
   // A group of B work-items per (query head, token): B slots per block of keys, and B * 4 >= head_dim
@@ -845,14 +864,15 @@ void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, i
              cl_ulong{a.out_offset / sizeof(float)}, keys, cl_ulong{a.keys_offset / elem}, values,
              cl_ulong{a.values_offset / elem}, cl_long{a.row_stride}, positions, cl_int{a.n_slots},
              as_int(a.n_tokens), cl_long{a.q_pos0}, cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim},
-             cl_float{a.scale}, cl_int{window}, LocalFloats{tq * head_dim}, LocalFloats{kTileKeys * head_dim},
+             cl_float{a.scale}, cl_int{window}, sinks.buffer, sinks.offset, sinks.present,
+             LocalFloats{tq * head_dim}, LocalFloats{kTileKeys * head_dim},
              LocalFloats{kTileKeys * head_dim}, LocalFloats{tq * kTileKeys}, LocalInts{kTileKeys});
       return;
     }
   }
   const size_t splits = attention_splits(ctx, a, group);
   if (splits > 1) {
-    run_attention_split(ctx, a, window, group, splits, q, out, keys, values, positions);
+    run_attention_split(ctx, a, window, group, splits, q, out, keys, values, positions, sinks);
     return;
   }
   const size_t global[2] = {static_cast<size_t>(a.n_head) * group, static_cast<size_t>(a.n_tokens)};
@@ -860,13 +880,16 @@ void run_attention_window(ringlm_context& ctx, const ringlm_attention_args& a, i
   launch(ctx, id, 2, global, local, q, cl_ulong{a.q_offset / sizeof(float)}, out,
          cl_ulong{a.out_offset / sizeof(float)}, keys, cl_ulong{a.keys_offset / elem}, values,
          cl_ulong{a.values_offset / elem}, cl_long{a.row_stride}, positions, cl_int{a.n_slots}, cl_long{a.q_pos0},
-         cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim}, cl_float{a.scale}, cl_int{window},
-         LocalFloats{head_dim}, LocalFloats{group}, LocalFloats{group});
+         cl_int{a.n_head}, cl_int{a.n_head_kv}, cl_int{a.head_dim}, cl_float{a.scale}, cl_int{window}, sinks.buffer,
+         sinks.offset, sinks.present, LocalFloats{head_dim}, LocalFloats{group}, LocalFloats{group});
 }
 
 void run_attention(ringlm_context& ctx, const ringlm_attention_args& a) { run_attention_window(ctx, a, 0); }
 void run_attention2(ringlm_context& ctx, const ringlm_attention2_args& a) {
   run_attention_window(ctx, a.base, a.window);
+}
+void run_attention3(ringlm_context& ctx, const ringlm_attention3_args& a) {
+  run_attention_window(ctx, a.base.base, a.base.window, a.sinks, a.sinks_offset);
 }
 
 // --- Shift-RoPE -------------------------------------------------------------------------------
@@ -975,9 +998,14 @@ void run_scale(ringlm_context& ctx, ringlm_buffer* x_buffer, size_t x_offset, in
             cl_float{factor});
 }
 
+// The activations glu_of (kernels.cl) computes.
+bool known_activation(uint32_t activation) {
+  return activation == RINGLM_ACT_SILU || activation == RINGLM_ACT_GELU_TANH || activation == RINGLM_ACT_SWIGLU_OAI;
+}
+
 void run_glu(ringlm_context& ctx, const ringlm_glu_args& a) {
-  require(a.activation == RINGLM_ACT_SILU || a.activation == RINGLM_ACT_GELU_TANH, RINGLM_ERROR_UNSUPPORTED,
-          "glu: activation " + std::to_string(a.activation) + " (SILU or GELU_TANH)");
+  require(known_activation(a.activation), RINGLM_ERROR_UNSUPPORTED,
+          "glu: activation " + std::to_string(a.activation) + " (SILU, GELU_TANH or SWIGLU_OAI)");
   require(a.n >= 1, RINGLM_ERROR_INVALID_ARGUMENT, "glu: n = " + std::to_string(a.n));
   const size_t bytes = float_bytes(a.n, "glu: size");
   const cl_mem gate = buffer_range(ctx, a.gate, a.gate_offset, bytes, sizeof(float), "glu gate");
@@ -1163,7 +1191,7 @@ void check_matmul2_args(const ringlm_context& ctx, const ringlm_matmul2_args& a2
   const bool glu = a2.glu != 0;
   require(!glu || (a2.n_more == 1 && a2.more[0].n == a.n), RINGLM_ERROR_INVALID_ARGUMENT,
           "matmul2: glu takes one more weight of the same rows");
-  require(!glu || a2.activation == RINGLM_ACT_SILU || a2.activation == RINGLM_ACT_GELU_TANH, RINGLM_ERROR_UNSUPPORTED,
+  require(!glu || known_activation(a2.activation), RINGLM_ERROR_UNSUPPORTED,
           "matmul2: activation " + std::to_string(a2.activation));
   require(a2.accumulate == 0 || a2.n_more == 0, RINGLM_ERROR_INVALID_ARGUMENT,
           "matmul2: accumulate takes a single weight");
@@ -1543,6 +1571,9 @@ int32_t api_rope_store(ringlm_context* ctx, const ringlm_rope_store_args* args) 
 int32_t api_get_rows(ringlm_context* ctx, const ringlm_get_rows_args* args) {
   return op(ctx, args, "get_rows", run_get_rows);
 }
+int32_t api_attention3(ringlm_context* ctx, const ringlm_attention3_args* args) {
+  return op(ctx, args, "attention3", run_attention3);
+}
 int32_t api_attention2(ringlm_context* ctx, const ringlm_attention2_args* args) {
   return op(ctx, args, "attention2", run_attention2);
 }
@@ -1604,6 +1635,7 @@ constexpr ringlm_plugin kPlugin = {
     .rope_store = api_rope_store,
     .counters = api_counters,
     .top_k = api_top_k,
+    .attention3 = api_attention3,
 };
 
 }  // namespace

@@ -19,6 +19,8 @@
 #define SHIM_SIZE RINGLM_PLUGIN_V1_SIZE
 #elif SHIM_ABI == 2
 #define SHIM_SIZE RINGLM_PLUGIN_V2_SIZE
+#elif SHIM_ABI == 3
+#define SHIM_SIZE RINGLM_PLUGIN_V3_SIZE
 #else
 #define SHIM_SIZE sizeof(ringlm_plugin)
 #endif
