@@ -244,7 +244,7 @@ class CpuBackend final : public Backend {
     if (!experts_fuse(experts, moe_groups_)) return experts_apart(experts, routes, in, act, out);
     moe_pieces(experts.gate, moe_up_pieces_);
     moe_pieces(experts.down, moe_down_pieces_);
-    reserve(n_routes, std::max(d, ff), 0);
+    reserve(n_routes + in.n_tokens, std::max(d, ff), 0);  // the routes' slots, then each token's row
     grow(up_out_, n_routes * ff);
     const Needs up_needs = expert_needs(experts.gate, experts.up, d), down_needs = expert_needs(experts.down, {}, ff);
     float* const hidden = moe_hidden_.data();
@@ -254,10 +254,14 @@ class CpuBackend final : public Backend {
 #pragma omp parallel num_threads(n_threads_)
     {
       float* const scratch = per_thread_[static_cast<size_t>(omp_get_thread_num())].row.data();
+      // Each token's row prepared once (in the slots after the routes'), then copied to the slot
+      // of each expert it is routed to.
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < in.n_tokens; ++r) prepare_row_at(in.x + r * d, in, n_routes + r, d, up_needs, scratch);
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < n_routes; ++i) {
-        const float* x = in.x + moe_groups_.row[static_cast<size_t>(i)] * d;
-        prepare_gathered_row(x, in, i, d, up_needs, moe_groups_, scratch);
+        copy_prepared_row(n_routes + moe_groups_.row[static_cast<size_t>(i)], i, d, up_needs);
+        lay_out_gathered_row(i, d, up_needs, moe_groups_);
       }
 #pragma omp for schedule(guided)
       for (size_t c = 0; c < moe_up_pieces_.size(); ++c) {
@@ -274,7 +278,8 @@ class CpuBackend final : public Backend {
       }
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < n_routes; ++i) {
-        prepare_gathered_row(hidden + i * ff, MatmulInput{}, i, ff, down_needs, moe_groups_, scratch);
+        prepare_row_at(hidden + i * ff, MatmulInput{}, i, ff, down_needs, scratch);
+        lay_out_gathered_row(i, ff, down_needs, moe_groups_);
       }
 #pragma omp for schedule(guided)
       for (size_t c = 0; c < moe_down_pieces_.size(); ++c) {
@@ -460,24 +465,42 @@ class CpuBackend final : public Backend {
   }
 
   // `src` (one row of `cols`, normalised as `in` asks) into slot `slot` of the prepared inputs,
-  // in the forms `needs` asks for: prepare_row's bits, for a row gathered from elsewhere. The
-  // slot belongs to its expert's run of slots in `groups`, for which it is laid out.
-  void prepare_gathered_row(const float* src, const MatmulInput& in, int64_t slot, int64_t cols, const Needs& needs,
-                            const ExpertGroups& groups, float* scratch) {
+  // in the forms `needs` asks for: prepare_row's bits, for a row gathered from elsewhere.
+  void prepare_row_at(const float* src, const MatmulInput& in, int64_t slot, int64_t cols, const Needs& needs,
+                      float* scratch) {
     const MatmulInput one{src, 1, in.rms_weight, in.rms_eps};
     float* const dst = needs.f32 ? normed_.data() + slot * cols : scratch;
     const float* row = normalized_input_row(one, 0, cols, dst);
     if (needs.f32 && row != dst) std::copy_n(row, cols, dst);
-    const auto run = std::upper_bound(groups.start.begin(), groups.start.end(), slot) - 1;  // its expert's
-    const int64_t m0 = *run, count = *(run + 1) - m0;
+    if (needs.block) cpu::quantize_acts(row, 0, 1, block_acts(cols, slot));
+    if (needs.super) cpu::quantize_acts_super(row, 0, 1, super_acts(cols, slot));
+  }
+
+  // The prepared slot `from` copied to slot `to`, in the forms `needs` asks for.
+  void copy_prepared_row(int64_t from, int64_t to, int64_t cols, const Needs& needs) {
+    if (needs.f32) std::copy_n(normed_.data() + from * cols, cols, normed_.data() + to * cols);
     if (needs.block) {
-      cpu::quantize_acts(row, 0, 1, block_acts(cols, slot));
-      if (count > 1) cpu::lay_out_for_passes(block_acts(cols, m0), slot - m0, count, pass_acts(cols, m0));
+      const cpu::QuantizedActs a = block_acts(cols, from), b = block_acts(cols, to);
+      std::copy_n(a.q, cols, b.q);
+      std::copy_n(a.d, a.blocks(), b.d);
+      std::copy_n(a.s, a.blocks(), b.s);
     }
     if (needs.super) {
-      cpu::quantize_acts_super(row, 0, 1, super_acts(cols, slot));
-      if (count > 1) cpu::lay_out_for_passes(super_acts(cols, m0), slot - m0, count, super_pass_acts(cols, m0));
+      const cpu::SuperActs a = super_acts(cols, from), b = super_acts(cols, to);
+      std::copy_n(a.q, cols, b.q);
+      std::copy_n(a.d, a.blocks(), b.d);
+      std::copy_n(a.sum16, cols / 16, b.sum16);
+      std::copy_n(a.sum32, cols / 32, b.sum32);
     }
+  }
+
+  // Prepared slot `slot` laid out for the passes of its expert's run of slots in `groups`.
+  void lay_out_gathered_row(int64_t slot, int64_t cols, const Needs& needs, const ExpertGroups& groups) {
+    const auto run = std::upper_bound(groups.start.begin(), groups.start.end(), slot) - 1;  // its expert's
+    const int64_t m0 = *run, count = *(run + 1) - m0;
+    if (count <= 1) return;
+    if (needs.block) cpu::lay_out_for_passes(block_acts(cols, m0), slot - m0, count, pass_acts(cols, m0));
+    if (needs.super) cpu::lay_out_for_passes(super_acts(cols, m0), slot - m0, count, super_pass_acts(cols, m0));
   }
 
   // The prepared inputs of the `count` rows `cols` wide from slot m0 on.
