@@ -1626,6 +1626,45 @@ INSTANTIATE_TEST_SUITE_P(Formats, GetRows,
                            return std::string(type_traits(static_cast<uint32_t>(info.param))->name);
                          });
 
+// The attention the plugin computes, in double: the n_tokens queries of q (from position q_pos0)
+// over the slots whose positions they see (0 <= pos <= p, and pos > p - window when window > 0),
+// reading element `at` of the cache's keys and values as key(at) and value(at) (the cache as the
+// device holds it; slot j's KV head g at j * row_stride + g * hd), with each head's sink, when
+// `sinks` has them, in its denominator.
+template <class Key, class Value>
+std::vector<double> reference_attention(const std::vector<float>& q, const std::vector<int32_t>& positions,
+                                        int n_tokens, int64_t q_pos0, int n_head, int n_head_kv, int hd,
+                                        int row_stride, float scale, int window, Key key, Value value,
+                                        const std::vector<float>& sinks = {}) {
+  const int q_width = n_head * hd;
+  std::vector<double> want(static_cast<size_t>(n_tokens * q_width), 0.0);
+  for (int i = 0; i < n_tokens; ++i) {
+    const int64_t p = q_pos0 + i;
+    for (int h = 0; h < n_head; ++h) {
+      const size_t q_row = static_cast<size_t>(i * q_width + h * hd);
+      const size_t kv_col = static_cast<size_t>((h / (n_head / n_head_kv)) * hd);
+      std::vector<std::pair<size_t, double>> scores;  // (slot, score)
+      for (size_t j = 0; j < positions.size(); ++j) {
+        const int64_t pos = positions[j];
+        if (pos < 0 || pos > p || (window > 0 && pos <= p - window)) continue;
+        double dot = 0.0;
+        for (int d = 0; d < hd; ++d) dot += static_cast<double>(q[q_row + d]) * key(j * row_stride + kv_col + d);
+        scores.emplace_back(j, dot * scale);
+      }
+      if (scores.empty()) continue;
+      double max_score = -INFINITY, denominator = 0.0;
+      for (const auto& [j, sc] : scores) max_score = std::max(max_score, sc);
+      for (const auto& [j, sc] : scores) denominator += std::exp(sc - max_score);
+      if (!sinks.empty()) denominator += std::exp(static_cast<double>(sinks[static_cast<size_t>(h)]) - max_score);
+      for (const auto& [j, sc] : scores) {
+        const double weight = std::exp(sc - max_score) / denominator;
+        for (int d = 0; d < hd; ++d) want[q_row + d] += weight * value(j * row_stride + kv_col + d);
+      }
+    }
+  }
+  return want;
+}
+
 // Sliding-window attention against a reference written here (cpu::attention_causal has no window):
 // a ring of slots in random order with empty ones (NaN on the device), a prefill chunk of queries,
 // windows from 1 (each query sees only its own key) to wider than the cache (no window).
@@ -1684,31 +1723,8 @@ TEST(OpenclPlugin, Attention2WindowMatchesReference) {
       const ringlm_attention2_args args{.base = base, .window = window};
       ASSERT_EQ(api().attention2(ctx(), &args), RINGLM_OK) << last_error();
       const std::vector<float> got = od.download<float>(q.size());
-
-      std::vector<double> want(q.size(), 0.0);
-      for (int i = 0; i < n_tokens; ++i) {
-        const int64_t p = q_pos0 + i;
-        for (int h = 0; h < n_head; ++h) {
-          const size_t q_row = static_cast<size_t>(i * q_width + h * hd);
-          const size_t kv_col = static_cast<size_t>((h / (n_head / n_head_kv)) * hd);
-          std::vector<std::pair<size_t, double>> scores;  // (slot, score)
-          for (size_t j = 0; j < static_cast<size_t>(n_slots); ++j) {
-            const int64_t pos = positions[j];
-            if (pos < 0 || pos > p || (window > 0 && pos <= p - window)) continue;
-            double dot = 0.0;
-            for (int d = 0; d < hd; ++d) dot += static_cast<double>(q[q_row + d]) * key(j * row_stride + kv_col + d);
-            scores.emplace_back(j, dot * scale);
-          }
-          ASSERT_FALSE(scores.empty());
-          double max_score = -INFINITY, denominator = 0.0;
-          for (const auto& [j, sc] : scores) max_score = std::max(max_score, sc);
-          for (const auto& [j, sc] : scores) denominator += std::exp(sc - max_score);
-          for (const auto& [j, sc] : scores) {
-            const double weight = std::exp(sc - max_score) / denominator;
-            for (int d = 0; d < hd; ++d) want[q_row + d] += weight * value(j * row_stride + kv_col + d);
-          }
-        }
-      }
+      const std::vector<double> want = reference_attention(q, positions, n_tokens, q_pos0, n_head, n_head_kv, hd,
+                                                           row_stride, scale, window, key, value);
       expect_close(got, want, 0.0, 1e-4, "attention2");
       if (window == 1) {  // each query sees its own key only: its value row, exactly
         for (int i = 0; i < n_tokens; ++i) {
@@ -1763,29 +1779,9 @@ TEST(OpenclPlugin, Attention3SinksMatchReference) {
         args.sinks_offset = 8;  // bytes: DeviceBuffer(sinks, 8) puts them there
         ASSERT_EQ(api().attention3(ctx(), &args), RINGLM_OK) << last_error();
         const std::vector<float> got = od.download<float>(q.size());
-        std::vector<double> want(q.size(), 0.0);
-        for (int i = 0; i < n_tokens; ++i) {
-          const int64_t p = q_pos0 + i;
-          for (int h = 0; h < n_head; ++h) {
-            const size_t q_row = static_cast<size_t>(i * q_width + h * hd);
-            const size_t kv_col = static_cast<size_t>((h / (n_head / n_head_kv)) * hd);
-            std::vector<std::pair<size_t, double>> scores;
-            for (size_t j = 0; j < static_cast<size_t>(n_slots); ++j) {
-              if (positions[j] > p || (window > 0 && positions[j] <= p - window)) continue;
-              double dot = 0.0;
-              for (int d = 0; d < hd; ++d) dot += static_cast<double>(q[q_row + d]) * k[j * kv_width + kv_col + d];
-              scores.emplace_back(j, dot * scale);
-            }
-            double max_score = -INFINITY, denominator = 0.0;
-            for (const auto& [j, sc] : scores) max_score = std::max(max_score, sc);
-            for (const auto& [j, sc] : scores) denominator += std::exp(sc - max_score);
-            denominator += std::exp(static_cast<double>(sinks[static_cast<size_t>(h)]) - max_score);
-            for (const auto& [j, sc] : scores) {
-              const double weight = std::exp(sc - max_score) / denominator;
-              for (int d = 0; d < hd; ++d) want[q_row + d] += weight * v[j * kv_width + kv_col + d];
-            }
-          }
-        }
+        const std::vector<double> want =
+            reference_attention(q, positions, n_tokens, q_pos0, n_head, n_head_kv, hd, kv_width, scale, window,
+                                [&](size_t at) { return k[at]; }, [&](size_t at) { return v[at]; }, sinks);
         expect_close(got, want, 0.0, 1e-4, "attention3");
         if (sinks[0] > 1e3f) {
           for (const float x : got) ASSERT_EQ(x, 0.0f);  // the sink takes every weight, and gives nothing
