@@ -78,8 +78,8 @@ struct Fmt {
                                                                  : 15;
 };
 
-// Up to this many tokens share one pass over a group's codes (block formats on AVX-512: 8,
-// see kTileFor).
+// Up to this many tokens share one pass over a group's codes (on AVX-512 the block formats and
+// the super formats with a scale per 32: 8, see kTileFor).
 constexpr int kMaxTile = 4;
 
 #if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
