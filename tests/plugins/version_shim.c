@@ -1,9 +1,10 @@
-/* The OpenCL plugin as a plugin of an older ABI: what a plugin built before ABI 3 (or 2) offers
- * ringlm. It loads the real plugin (SHIM_TARGET, its path), copies the part of its table that
- * ABI SHIM_ABI has and says it speaks that version, under the name SHIM_NAME; the later entries
- * stay NULL. The tests run the model through it to check that ringlm still runs such a plugin:
- * version 1, products and attention on the device and every other op on the CPU; version 2,
- * the whole step on the device but the top-k picked on the host. With SHIM_NO_TOP_K it claims
+/* The OpenCL plugin as a plugin of an older ABI: what a plugin built before ABI 4 (or 3, or 2)
+ * offers ringlm. It loads the real plugin (SHIM_TARGET, its path), copies the part of its table
+ * that ABI SHIM_ABI has and says it speaks that version, under the name SHIM_NAME; the later
+ * entries stay NULL. The tests run the model through it to check that ringlm still runs such a
+ * plugin: version 1, products and attention on the device and every other op on the CPU;
+ * version 2, the whole step on the device but the top-k picked on the host; version 3, gpt-oss's
+ * sink attention and clamped SwiGLU on the CPU. With SHIM_NO_TOP_K it claims
  * version 3 without the version-3 entry, a table the loader must refuse; with SHIM_ALLOC_LIMIT
  * (bytes) its device memory is that small. (Freed buffers are not given back to the limit.) */
 #include <dlfcn.h>
