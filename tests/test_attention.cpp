@@ -215,14 +215,22 @@ TEST_P(AsyncSoftmax, MatchesTheDefinitionAndFallsBack) {
                      phi.data());  // learns phi
     for (float x : phi) ASSERT_TRUE(std::isfinite(x));
     const std::vector<float> learned = phi;
-    for (float offset : {0.0f, -100.0f, 100.0f, 3.0f}) {
-      for (size_t h = 0; h < phi.size(); ++h) phi[h] = learned[h] + offset;
-      std::fill(out.begin(), out.end(), NAN);
-      attention_causal(shape_of(c, sinks), q.data(), kv, c.n_past, 1, out.data(), scratch, threads, phi.data());
-      for (size_t i = 0; i < out.size(); ++i) {
-        ASSERT_NEAR(out[i], expected[i], 1e-5) << "threads " << threads << " phi offset " << offset << " index " << i;
+    // Every head's max off, or only the last head's (a decode unit of several heads then redoes
+    // that one head alone).
+    for (const bool last_head_only : {false, true}) {
+      for (float offset : {0.0f, -100.0f, 100.0f, 3.0f}) {
+        for (size_t h = 0; h < phi.size(); ++h) {
+          phi[h] = learned[h] + (!last_head_only || h + 1 == phi.size() ? offset : 0.0f);
+        }
+        std::fill(out.begin(), out.end(), NAN);
+        attention_causal(shape_of(c, sinks), q.data(), kv, c.n_past, 1, out.data(), scratch, threads, phi.data());
+        for (size_t i = 0; i < out.size(); ++i) {
+          ASSERT_NEAR(out[i], expected[i], 1e-5)
+              << "threads " << threads << " phi offset " << offset << (last_head_only ? " (last head)" : "")
+              << " index " << i;
+        }
+        for (size_t h = 0; h < phi.size(); ++h) ASSERT_FLOAT_EQ(phi[h], learned[h]) << "the observed max is returned";
       }
-      for (size_t h = 0; h < phi.size(); ++h) ASSERT_FLOAT_EQ(phi[h], learned[h]) << "the observed max is returned";
     }
   }
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "backends/cpu/attention.h"
 #include "quant/formats.h"
@@ -62,8 +63,13 @@ float SoftmaxBlockRow(float* s, int64_t n, float* m) {
 // the scores by exp(s - phi), masked (-inf) ones by 0, and returns their sum. *block_max gets the
 // largest score, for the caller's range check.
 float ExpBlockRow(float* s, int64_t n, float phi, float* block_max) {
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  const hn::ScalableTag<float> d;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d));
+  auto vmax = hn::Set(d, -INFINITY);
+  int64_t j = 0;
+  for (; j + lanes <= n; j += lanes) vmax = hn::Max(vmax, hn::LoadU(d, s + j));
+  float mx = hn::GetLane(hn::MaxOfLanes(d, vmax));
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
   *block_max = mx;
   return ExpShiftedRow(s, n, phi);
 }
@@ -113,44 +119,168 @@ HWY_INLINE hn::Vec<D> LoadKv(D d, const uint16_t* p) {
 HWY_INLINE float KvValue(float x) { return x; }
 HWY_INLINE float KvValue(uint16_t x) { return fp16_to_fp32(x); }
 
+// The lanes of a float vector of this target, known when compiling (x86 and the emulated
+// targets: 1 to 16).
+constexpr int kFloatLanes = static_cast<int>(HWY_LANES(float));
+
+// Lane i of SumLanesOfEach's result holds the sum of vector BitReversed(i)'s lanes: the bits
+// of i reversed (each level below puts one vector's sums in the lower, the other's in the upper
+// part of the part it halves).
+constexpr int BitReversed(int i, int lanes) {
+  int r = 0;
+  for (int bit = 1; bit < lanes; bit <<= 1) r = (r << 1) | ((i & bit) != 0 ? 1 : 0);
+  return r;
+}
+
+// SetTableIndices' table that puts SumLanesOfEach's sums back in the vectors' order.
+struct BitReversedLanes {
+  int32_t lane[kFloatLanes] = {};
+  constexpr BitReversedLanes() {
+    for (int i = 0; i < kFloatLanes; ++i) lane[i] = BitReversed(i, kFloatLanes);
+  }
+};
+
+// The sums of the lanes of kFloatLanes vectors v[i] at once (an AVX-512 register's 16 dot
+// products finished together), in lane BitReversed(i) of the result. Each level adds two
+// vectors' halves (then 128-bit blocks, pairs, lanes) into one: a blend and a shuffle per pair
+// of vectors, about one shuffle per sum, against four for a sum of one vector's lanes. Each sum
+// adds only its own vector's lanes, in a fixed order: a vector's sum is the same whatever the
+// other vectors.
+template <class D>
+HWY_INLINE hn::Vec<D> SumLanesOfEach(D d, hn::Vec<D>* v) {
+#if HWY_TARGET != HWY_SCALAR
+  const hn::Repartition<uint64_t, D> d64;
+  // [a.lo + a.hi | b.hi + b.lo]
+  const auto halves = [d](hn::Vec<D> a, hn::Vec<D> b) {
+    return hn::Add(hn::ConcatUpperLower(d, b, a), hn::ConcatLowerUpper(d, b, a));
+  };
+  // per 128-bit block pair: [u.b0 + u.b1, w.b1 + w.b0]
+  const auto blocks = [](hn::Vec<D> u, hn::Vec<D> w) {
+    return hn::Add(hn::OddEvenBlocks(w, u), hn::SwapAdjacentBlocks(hn::OddEvenBlocks(u, w)));
+  };
+  // per block: [x.q0 + x.q1, y.q1 + y.q0] (q: 64-bit pairs of lanes)
+  const auto pairs = [d, d64](hn::Vec<D> x, hn::Vec<D> y) {
+    const auto x64 = hn::BitCast(d64, x), y64 = hn::BitCast(d64, y);
+    return hn::Add(hn::BitCast(d, hn::OddEven(y64, x64)), hn::BitCast(d, hn::Shuffle01(hn::OddEven(x64, y64))));
+  };
+  // [s0 + s1, t1 + t0, ...]
+  const auto lanes = [](hn::Vec<D> s, hn::Vec<D> t) {
+    return hn::Add(hn::OddEven(t, s), hn::Shuffle2301(hn::OddEven(s, t)));
+  };
+  // Each level with a constant count (unrolled: the vectors stay in registers).
+  const auto level = [v](auto n, auto combine) {
+    for (int i = 0; i < decltype(n)::value / 2; ++i) v[i] = combine(v[2 * i], v[2 * i + 1]);
+  };
+  using N16 = std::integral_constant<int, 16>;
+  using N8 = std::integral_constant<int, 8>;
+  using N4 = std::integral_constant<int, 4>;
+  using N2 = std::integral_constant<int, 2>;
+  if constexpr (kFloatLanes == 16) {
+    level(N16{}, halves);
+    level(N8{}, blocks);
+    level(N4{}, pairs);
+    level(N2{}, lanes);
+  } else if constexpr (kFloatLanes == 8) {
+    level(N8{}, halves);
+    level(N4{}, pairs);
+    level(N2{}, lanes);
+  } else if constexpr (kFloatLanes == 4) {
+    level(N4{}, pairs);
+    level(N2{}, lanes);
+  }
+#endif
+  (void)d;
+  return v[0];
+}
+
+// scores[r][j] = q[r] · k[j] for rows r < R of q and NK keys (pointers kr; nk of them kept):
+// each key vector is loaded (and widened) once for all the rows, each (row, key) pair its own
+// accumulator, a chain of hd / lanes dependent FMAs, whose lanes SumLanesOfEach adds together
+// with up to lanes - 1 other pairs'. A pair's sum is the same whatever the other rows and keys
+// of the call.
+template <int R, int NK, class D, class T>
+HWY_INLINE void ScoreRowsKeys(D d, const float* q, int hd, int vec_end, const T* const* kr, int nk, float* scores,
+                              int scores_ld) {
+  static_assert(R * NK <= kFloatLanes, "one SumLanesOfEach per call");
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  hn::Vec<D> acc[kFloatLanes];
+  for (int i = 0; i < kFloatLanes; ++i) acc[i] = hn::Zero(d);
+  // Past the nk-th key, the call repeats the last: the work is thrown away, the loads stay valid.
+  const T* keys[NK];
+  for (int i = 0; i < NK; ++i) keys[i] = kr[std::min(i, nk - 1)];
+  for (int c = 0; c < vec_end; c += lanes) {
+    hn::Vec<D> qv[R];
+    for (int r = 0; r < R; ++r) qv[r] = hn::LoadU(d, q + r * hd + c);
+    for (int i = 0; i < NK; ++i) {
+      const auto kv = LoadKv(d, keys[i] + c);
+      for (int r = 0; r < R; ++r) acc[r * NK + i] = hn::MulAdd(qv[r], kv, acc[r * NK + i]);
+    }
+  }
+  // Back in the accumulators' order: lane r * NK + i holds row r's score of key i.
+  HWY_ALIGN float sums[kFloatLanes];
+  HWY_ALIGN static constexpr BitReversedLanes kOrder{};
+  hn::Store(hn::TableLookupLanes(SumLanesOfEach(d, acc), hn::SetTableIndices(d, kOrder.lane)), d, sums);
+  for (int r = 0; r < R; ++r) {
+    float* out = scores + r * scores_ld;
+    if (nk == NK && vec_end == hd) {
+      const hn::CappedTag<float, NK> dk;
+      hn::StoreU(hn::LoadU(dk, sums + r * NK), dk, out);
+      continue;
+    }
+    for (int i = 0; i < nk; ++i) {
+      float dot = sums[r * NK + i];
+      for (int c = vec_end; c < hd; ++c) dot += q[r * hd + c] * KvValue(keys[i][c]);
+      out[i] = dot;
+    }
+  }
+}
+
+// The rows of a chunk rounded up to a power of two: each takes lanes / that many keys of a
+// SumLanesOfEach.
+constexpr int RowSlots(int rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8; }
+
+// Up to 4 rows of a call of ScoreRowsOf against keys kr[0 .. nk) (nk <= kFloatLanes / R, so
+// that the rows x keys sums fill one SumLanesOfEach).
+template <int R, class D, class T>
+HWY_INLINE void ScoreRowChunk(D d, const float* q, int hd, int vec_end, const T* const* kr, int nk, float* scores,
+                              int scores_ld) {
+  constexpr int kKeys = kFloatLanes / RowSlots(R) > 0 ? kFloatLanes / RowSlots(R) : 1;
+  if constexpr (R * kKeys <= kFloatLanes) {
+    for (int i = 0; i < nk; i += kKeys) {
+      ScoreRowsKeys<R, kKeys>(d, q, hd, vec_end, kr + i, std::min(kKeys, nk - i), scores + i, scores_ld);
+    }
+  } else {  // (a 1-lane target: one row at a time)
+    for (int r = 0; r < R; ++r) ScoreRowChunk<1>(d, q + r * hd, hd, vec_end, kr, nk, scores + r * scores_ld, scores_ld);
+  }
+}
+
 // scores[r][j] = q[r] · k[j] for rows r < n_rows of q ([n_rows][hd]) and keys j < n_keys (fp32,
 // or fp16 read in place: the widening is exact, so the sums are the same; k_ld elements apart):
 // the score block of a few query rows (decode), too few to fill the lanes of the tile path's row
-// vectors. Eight keys at a time, each with its own accumulator: one dot product is a chain of
-// hd / lanes dependent FMAs, eight of them keep the FMA units busy. A key's sum is the same
-// whichever group of eight it falls in.
+// vectors. A group of keys (a vector's lanes of them) meets up to 4 rows at a time, lanes / rows
+// keys per call of ScoreRowsKeys. A key's sum is the same whichever group it falls in, and
+// whichever chunk its row.
 template <class T>
 HWY_INLINE void ScoreRowsOf(const float* q, int n_rows, int hd, const T* k, int64_t k_ld, int n_keys, float* scores,
                             int scores_ld) {
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
   const int vec_end = hd / lanes * lanes;
-  for (int j0 = 0; j0 < n_keys; j0 += 8) {
-    const int nk = std::min(8, n_keys - j0);
+  constexpr int kGroup = kFloatLanes;
+  for (int j0 = 0; j0 < n_keys; j0 += kGroup) {
+    const int nk = std::min(kGroup, n_keys - j0);
     // Past the last key, the group repeats it: the work is thrown away, the loads stay valid.
-    const T* kr[8];
-    for (int i = 0; i < 8; ++i) kr[i] = k + (j0 + std::min(i, nk - 1)) * k_ld;
-    for (int r = 0; r < n_rows; ++r) {
-      const float* qr = q + r * hd;
-      auto a0 = hn::Zero(d), a1 = hn::Zero(d), a2 = hn::Zero(d), a3 = hn::Zero(d);
-      auto a4 = hn::Zero(d), a5 = hn::Zero(d), a6 = hn::Zero(d), a7 = hn::Zero(d);
-      for (int c = 0; c < vec_end; c += lanes) {
-        const auto qv = hn::LoadU(d, qr + c);
-        a0 = hn::MulAdd(qv, LoadKv(d, kr[0] + c), a0);
-        a1 = hn::MulAdd(qv, LoadKv(d, kr[1] + c), a1);
-        a2 = hn::MulAdd(qv, LoadKv(d, kr[2] + c), a2);
-        a3 = hn::MulAdd(qv, LoadKv(d, kr[3] + c), a3);
-        a4 = hn::MulAdd(qv, LoadKv(d, kr[4] + c), a4);
-        a5 = hn::MulAdd(qv, LoadKv(d, kr[5] + c), a5);
-        a6 = hn::MulAdd(qv, LoadKv(d, kr[6] + c), a6);
-        a7 = hn::MulAdd(qv, LoadKv(d, kr[7] + c), a7);
+    const T* kr[kGroup];
+    for (int i = 0; i < kGroup; ++i) kr[i] = k + (j0 + std::min(i, nk - 1)) * k_ld;
+    for (int r0 = 0; r0 < n_rows;) {
+      const float* qr = q + r0 * hd;
+      float* sr = scores + r0 * scores_ld + j0;
+      switch (std::min(n_rows - r0, 4)) {
+        case 1: ScoreRowChunk<1>(d, qr, hd, vec_end, kr, nk, sr, scores_ld); r0 += 1; break;
+        case 2: ScoreRowChunk<2>(d, qr, hd, vec_end, kr, nk, sr, scores_ld); r0 += 2; break;
+        case 3: ScoreRowChunk<3>(d, qr, hd, vec_end, kr, nk, sr, scores_ld); r0 += 3; break;
+        default: ScoreRowChunk<4>(d, qr, hd, vec_end, kr, nk, sr, scores_ld); r0 += 4; break;
       }
-      const auto sum = [d](auto v) { return hn::GetLane(hn::SumOfLanes(d, v)); };
-      float dots[8] = {sum(a0), sum(a1), sum(a2), sum(a3), sum(a4), sum(a5), sum(a6), sum(a7)};
-      for (int c = vec_end; c < hd; ++c) {
-        for (int i = 0; i < 8; ++i) dots[i] += qr[c] * KvValue(kr[i][c]);
-      }
-      std::copy_n(dots, nk, scores + r * scores_ld + j0);
     }
   }
 }
@@ -164,51 +294,71 @@ void ScoreRowsF16(const float* q, int n_rows, int hd, const uint16_t* k, int64_t
   ScoreRowsOf(q, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
 }
 
-// acc[r][c0 .. c0 + 4 lanes) += sum_j p[r][j] * v[j][c0 ..) over the keys j < n_keys with a
-// non-zero weight: four columns of vectors held in registers across all the keys.
-template <class D, class T>
-HWY_INLINE void AccumulateColumns4(D d, const float* pr, int n_keys, const T* v, int64_t v_ld, float* ar) {
+// acc[r][c0 .. c0 + NC vectors) += sum_j p[r][j] * v[j][c0 ..) for R rows, over the keys with a
+// non-zero weight in some row: each value vector loaded (and widened) once for all the rows, the
+// rows' columns held in R x NC registers across all the keys. Every element sums its keys in key
+// order (a zero weight adds +0, which changes no sum of finite products).
+template <int R, int NC, class D, class T>
+HWY_INLINE void AccumulateRowsColumns(D d, const float* p, int p_ld, int n_keys, const T* v, int64_t v_ld, int hd,
+                                      float* acc) {
   const int lanes = static_cast<int>(hn::Lanes(d));
-  auto a0 = hn::LoadU(d, ar), a1 = hn::LoadU(d, ar + lanes), a2 = hn::LoadU(d, ar + 2 * lanes),
-       a3 = hn::LoadU(d, ar + 3 * lanes);
-  for (int j = 0; j < n_keys; ++j) {
-    if (pr[j] == 0.0f) continue;  // masked keys
-    const auto w = hn::Set(d, pr[j]);
-    const T* vj = v + j * v_ld;
-    a0 = hn::MulAdd(w, LoadKv(d, vj), a0);
-    a1 = hn::MulAdd(w, LoadKv(d, vj + lanes), a1);
-    a2 = hn::MulAdd(w, LoadKv(d, vj + 2 * lanes), a2);
-    a3 = hn::MulAdd(w, LoadKv(d, vj + 3 * lanes), a3);
+  hn::Vec<D> a[R][NC];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < NC; ++c) a[r][c] = hn::LoadU(d, acc + r * hd + c * lanes);
   }
-  hn::StoreU(a0, d, ar);
-  hn::StoreU(a1, d, ar + lanes);
-  hn::StoreU(a2, d, ar + 2 * lanes);
-  hn::StoreU(a3, d, ar + 3 * lanes);
+  for (int j = 0; j < n_keys; ++j) {
+    bool any = false;
+    for (int r = 0; r < R; ++r) any |= p[r * p_ld + j] != 0.0f;
+    if (!any) continue;  // masked keys (empty slots may hold anything)
+    const T* vj = v + j * v_ld;
+    for (int c = 0; c < NC; ++c) {
+      const auto vv = LoadKv(d, vj + c * lanes);
+      for (int r = 0; r < R; ++r) a[r][c] = hn::MulAdd(hn::Set(d, p[r * p_ld + j]), vv, a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < NC; ++c) hn::StoreU(a[r][c], d, acc + r * hd + c * lanes);
+  }
 }
 
 // acc[r] += sum_j p[r][j] * v[j] for rows r < n_rows (fp32 values, or fp16 read in place; v_ld
 // apart): the value side of ScoreRows. Every element sums its keys in key order, so the result
-// is the same for any cut of the keys into calls.
+// is the same for any cut of the keys into calls, and of the rows into chunks.
 template <class T>
 HWY_INLINE void AccumulateRowsOf(const float* p, int n_rows, int p_ld, const T* v, int64_t v_ld, int n_keys, int hd,
                                  float* acc) {
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
-  for (int r = 0; r < n_rows; ++r) {
-    const float* pr = p + r * p_ld;
-    float* ar = acc + r * hd;
-    int c = 0;
-    for (; c + 4 * lanes <= hd; c += 4 * lanes) AccumulateColumns4(d, pr, n_keys, v + c, v_ld, ar + c);
-    for (; c + lanes <= hd; c += lanes) {
-      auto a = hn::LoadU(d, ar + c);
-      for (int j = 0; j < n_keys; ++j) {
-        if (pr[j] != 0.0f) a = hn::MulAdd(hn::Set(d, pr[j]), LoadKv(d, v + j * v_ld + c), a);
+  // Stretches of keys whose values the first chunk of rows and columns brings into L1 for the
+  // others.
+  constexpr int kKeysPerStretch = 32;
+  for (int j0 = 0; j0 < n_keys; j0 += kKeysPerStretch) {
+    const int nk = std::min(kKeysPerStretch, n_keys - j0);
+    const T* vs = v + j0 * v_ld;
+    const float* ps = p + j0;
+    for (int r0 = 0; r0 < n_rows; r0 += 4) {
+      const int rn = std::min(4, n_rows - r0);
+      const float* pr = ps + r0 * p_ld;
+      float* ar = acc + r0 * hd;
+      int c = 0;
+      // Four vectors of columns beside up to 4 rows: 16 accumulators.
+      for (; c + 4 * lanes <= hd; c += 4 * lanes) {
+        switch (rn) {
+          case 1: AccumulateRowsColumns<1, 4>(d, pr, p_ld, nk, vs + c, v_ld, hd, ar + c); break;
+          case 2: AccumulateRowsColumns<2, 4>(d, pr, p_ld, nk, vs + c, v_ld, hd, ar + c); break;
+          case 3: AccumulateRowsColumns<3, 4>(d, pr, p_ld, nk, vs + c, v_ld, hd, ar + c); break;
+          default: AccumulateRowsColumns<4, 4>(d, pr, p_ld, nk, vs + c, v_ld, hd, ar + c); break;
+        }
       }
-      hn::StoreU(a, d, ar + c);
-    }
-    for (; c < hd; ++c) {
-      for (int j = 0; j < n_keys; ++j) {
-        if (pr[j] != 0.0f) ar[c] += pr[j] * KvValue(v[j * v_ld + c]);
+      for (; c + lanes <= hd; c += lanes) {
+        for (int r = 0; r < rn; ++r) AccumulateRowsColumns<1, 1>(d, pr + r * p_ld, p_ld, nk, vs + c, v_ld, hd, ar + r * hd + c);
+      }
+      for (; c < hd; ++c) {
+        for (int r = 0; r < rn; ++r) {
+          for (int j = 0; j < nk; ++j) {
+            if (pr[r * p_ld + j] != 0.0f) ar[r * hd + c] += pr[r * p_ld + j] * KvValue(vs[j * v_ld + c]);
+          }
+        }
       }
     }
   }
@@ -404,12 +554,30 @@ struct TileState {
   float* acc;  // [rows][head_dim]
 };
 
-// Which rows, tokens and keys one unit of work covers.
+// Which rows, tokens and keys one unit of work covers: KV heads kv_head .. kv_head + n_kv_heads
+// (a decode unit takes every head of its keys; others one), their query heads' rows for tokens
+// token_begin .. token_end.
 struct Unit {
   int kv_head;
   int token_begin, token_end;  // queries of the chunk
   int key_begin, key_end;      // cache indices (keys beyond a row's causal limit are masked)
+  int n_kv_heads = 1;
+
+  // Rows per KV head: the query heads of its group, for each token.
+  int rows_per_head(int group) const { return (token_end - token_begin) * group; }
+  // Row r's query head and token: the rows of each KV head in turn, token by token, each
+  // token's query heads of the group.
+  int head_of_row(int group, int r) const { return (kv_head + r / rows_per_head(group)) * group + r % group; }
+  int token_of_row(int group, int r) const { return token_begin + r % rows_per_head(group) / group; }
 };
+
+// Decode units take at most this many KV heads (bits of a mask of the heads to redo).
+constexpr int kMaxUnitHeads = 64;
+
+// State rows [first, first + n) of a unit's state (one KV head's rows).
+TileState state_rows(const TileState& st, int first, int hd) {
+  return TileState{st.m + first, st.l + first, st.acc + static_cast<int64_t>(first) * hd};
+}
 
 // Per-thread buffers of a unit: its query rows, a score block, (fp16 caches) one block of keys
 // and one of values in fp32, and the tile path's transposed state. The row path uses qt and
@@ -538,33 +706,63 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   return true;
 }
 
-// Query row r of a unit: token token_begin + r / group (position q_pos0 + that), query head
-// kv_head * group + r % group.
+// Query row r of a unit (Unit::head_of_row, Unit::token_of_row).
 const float* query_row(const AttentionShape& sh, const float* q, const Unit& u, int r) {
   const int group = sh.n_head / sh.n_head_kv;
   const int64_t q_stride = static_cast<int64_t>(sh.n_head) * sh.head_dim;
-  return q + (u.token_begin + r / group) * q_stride + (u.kv_head * group + r % group) * sh.head_dim;
+  return q + u.token_of_row(group, r) * q_stride + static_cast<int64_t>(u.head_of_row(group, r)) * sh.head_dim;
 }
+
+// Reads a byte of every cache line of the whole rows (every KV head's) of the values, and keys, of
+// the unit's keys [from, to), bringing them into the caches: returns their sum, for keep_loaded.
+// (Loads, not prefetch instructions: on the Zen 5 machines measured, prefetches of these rows
+// changed nothing.)
+uint32_t pull_rows(const KvLayer& kv, int from, int to, bool keys) {
+  const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
+  uint32_t sum = 0;
+  for (int j = from; j < to; ++j) {
+    const KvLayer& run = j < n_prefix ? *kv.prefix : kv;
+    const int slot = j < n_prefix ? j : j - n_prefix;
+    if (slot >= run.n_slots) break;
+    const size_t bytes = static_cast<size_t>(run.row_stride) * (run.f16 ? sizeof(uint16_t) : sizeof(float));
+    const auto* k = static_cast<const uint8_t*>(run.keys) + slot * bytes;
+    const auto* v = static_cast<const uint8_t*>(run.values) + slot * bytes;
+    for (size_t line = 0; line < bytes; line += 64) {
+      if (keys) sum += k[line];
+      sum += v[line];
+    }
+  }
+  return sum;
+}
+
+// Makes the loads that gave `sum` count (the compiler may not drop them).
+void keep_loaded(uint32_t sum) { asm volatile("" : : "r"(sum)); }
+
+// The heads of a unit (bit h: KV head kv_head + h) whose asynchronized softmax gave up.
+using HeadMask = uint64_t;
 
 // The row path of a unit (decode, and tiles of a few rows): gathers its query rows (pre-scaled by
 // the score scale), then meets the slots a block at a time, a row of scores per query row. Scores of
-// slots a row may not see are -inf.
+// slots a row may not see are -inf. A unit of several KV heads meets each block with every head
+// in turn, so that its keys' and values' rows are read whole, in memory order (a head's share of
+// a row is a strided stream that wastes most of what the memory sends).
 // With `phi` (decode: one unified max per row, [rows]), each block's exponentials are taken
 // against phi and nothing is ever rescaled; the unit's state then carries m = phi, so the merge
-// of split parts is a plain sum. Returns false, leaving the state to be discarded, when a score
-// leaves [phi + kAsyncLow, phi + kAsyncHigh]. seen_max[r] gets row r's largest visible score.
-bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
-                   const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max,
-                   const StepsInput* pre = nullptr) {
+// of split parts is a plain sum. A head whose score leaves [phi + kAsyncLow, phi + kAsyncHigh]
+// stops there: its bit in the returned mask says that its rows of the state are to be discarded
+// (and the head redone exactly: redo_exact). seen_max[r] gets row r's largest visible score.
+HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
+                       const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max,
+                       const StepsInput* pre = nullptr) {
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
-  const int rows = (u.token_end - u.token_begin) * group;
+  const int head_rows = u.rows_per_head(group);
+  const int rows = head_rows * u.n_kv_heads;
   const float scale = sh.score_scale();
-  float* qt = buf.qt;
   float* scores = buf.scores;
   for (int r = 0; r < rows; ++r) {
     if (pre == nullptr) {  // (a checking pass took the scores already)
       const float* src = query_row(sh, q, u, r);
-      for (int c = 0; c < hd; ++c) qt[r * hd + c] = src[c] * scale;
+      for (int c = 0; c < hd; ++c) buf.qt[r * hd + c] = src[c] * scale;
     }
     st.m[r] = phi != nullptr ? phi[r] : -INFINITY;
     st.l[r] = 0.0f;
@@ -574,23 +772,34 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
   const int64_t first_pos = q_pos0 + u.token_begin, last_pos = q_pos0 + u.token_end - 1;
   const int64_t window = window_of(sh);
   int64_t pos_buf[kKeyBlock];
-  // Meets keys [j0, j0 + nb); false when the asynchronized softmax must give up (see above).
-  const auto meet_block = [&](int j0, int nb) {
-    BlockView b;
-    if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, window, buf, pos_buf, &b,
-                    pre != nullptr ? KvSides::kValues : KvSides::kBoth, /*f16_in_place=*/true)) {
-      return true;
-    }
-    // scores[rows][nb] = qt · Kᵀ (a checking pass took them already: the same sums)
+  HeadMask gave_up = 0;
+  uint32_t pulled = 0;
+  const auto gives_up = [&](int h) { return (gave_up >> h & 1) != 0; };
+  // Head h's rows and their state.
+  const auto scores_of = [&](int h) { return scores + h * head_rows * kKeyBlock; };
+  const auto qt_of = [&](int h) { return buf.qt + h * head_rows * hd; };
+  // scores[rows][j_begin .. j_end) of head h = qt · Kᵀ (a checking pass took them already: the
+  // same sums).
+  const auto score_keys = [&](int h, const BlockView& b, int j0, int j_begin, int j_end) {
+    float* s = scores_of(h) + j_begin;
     if (pre != nullptr) {
-      for (int r = 0; r < rows; ++r) std::copy_n(pre->scores + r * pre->scores_ld + j0, b.nb, scores + r * kKeyBlock);
+      for (int r = 0; r < head_rows; ++r) {
+        std::copy_n(pre->scores + (h * head_rows + r) * pre->scores_ld + j0 + j_begin, j_end - j_begin, s + r * kKeyBlock);
+      }
     } else if (b.k16 != nullptr) {
-      HWY_DYNAMIC_DISPATCH(ScoreRowsF16)(qt, rows, hd, b.k16, b.ldk, b.nb, scores, kKeyBlock);
+      HWY_DYNAMIC_DISPATCH(ScoreRowsF16)(qt_of(h), head_rows, hd, b.k16 + j_begin * b.ldk, b.ldk, j_end - j_begin, s,
+                                         kKeyBlock);
     } else {
-      HWY_DYNAMIC_DISPATCH(ScoreRows)(qt, rows, hd, b.k, b.ldk, b.nb, scores, kKeyBlock);
+      HWY_DYNAMIC_DISPATCH(ScoreRows)(qt_of(h), head_rows, hd, b.k + j_begin * b.ldk, b.ldk, j_end - j_begin, s,
+                                      kKeyBlock);
     }
-    for (int r = 0; r < rows; ++r) {
-      float* s = scores + r * kKeyBlock;
+  };
+  // Head h's scores of the block masked and turned into weights, its state brought up to them;
+  // false when its asynchronized softmax must give up (see above).
+  const auto soften = [&](int h, const BlockView& b) {
+    const int r0 = h * head_rows;
+    for (int r = 0; r < head_rows; ++r) {
+      float* s = scores_of(h) + r * kKeyBlock;
       if (!b.all_visible) {
         const int64_t row_pos = q_pos0 + u.token_begin + r / group;
         for (int j = 0; j < b.nb; ++j) {
@@ -599,44 +808,124 @@ bool run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& kv, 
       }
       if (phi != nullptr) {
         float block_max = -INFINITY;
-        st.l[r] += HWY_DYNAMIC_DISPATCH(ExpBlockRow)(s, b.nb, phi[r], &block_max);
-        seen_max[r] = std::max(seen_max[r], block_max);
-        if (block_max > phi[r] + kAsyncHigh) return false;
+        st.l[r0 + r] += HWY_DYNAMIC_DISPATCH(ExpBlockRow)(s, b.nb, phi[r0 + r], &block_max);
+        seen_max[r0 + r] = std::max(seen_max[r0 + r], block_max);
+        if (block_max > phi[r0 + r] + kAsyncHigh) return false;
         continue;
       }
-      const float m_old = st.m[r];
+      const float m_old = st.m[r0 + r];
       float m_new = m_old;
       const float sum = HWY_DYNAMIC_DISPATCH(SoftmaxBlockRow)(s, b.nb, &m_new);
-      seen_max[r] = m_new;
+      seen_max[r0 + r] = m_new;
       // Rescale what the row has gathered so far to the new max (exp(-inf) = 0 on the first block).
       const float alpha = m_old == m_new ? 1.0f : std::exp(m_old - m_new);
-      st.m[r] = m_new;
-      st.l[r] = st.l[r] * alpha + sum;
+      st.m[r0 + r] = m_new;
+      st.l[r0 + r] = st.l[r0 + r] * alpha + sum;
       if (alpha != 1.0f) {
-        for (int c = 0; c < hd; ++c) st.acc[r * hd + c] *= alpha;
+        for (int c = 0; c < hd; ++c) st.acc[(r0 + r) * hd + c] *= alpha;
       }
-    }
-    // acc[rows][hd] += P · V
-    if (b.v16 != nullptr) {
-      HWY_DYNAMIC_DISPATCH(AccumulateRowsF16)(scores, rows, kKeyBlock, b.v16, b.ldv, b.nb, hd, st.acc);
-    } else {
-      HWY_DYNAMIC_DISPATCH(AccumulateRows)(scores, rows, kKeyBlock, b.v, b.ldv, b.nb, hd, st.acc);
     }
     return true;
   };
-  for (int j0 = u.key_begin; j0 < u.key_end; j0 += kKeyBlock) {
-    if (!meet_block(j0, std::min(kKeyBlock, u.key_end - j0))) return false;
-  }
+  // acc[rows of head h][hd] += P · V over keys [j_begin, j_end) of the block.
+  const auto accumulate_values = [&](int h, const BlockView& b, int j_begin, int j_end) {
+    const float* p = scores_of(h) + j_begin;
+    float* acc = st.acc + h * head_rows * hd;
+    if (b.v16 != nullptr) {
+      HWY_DYNAMIC_DISPATCH(AccumulateRowsF16)(p, head_rows, kKeyBlock, b.v16 + j_begin * b.ldv, b.ldv, j_end - j_begin,
+                                              hd, acc);
+    } else {
+      HWY_DYNAMIC_DISPATCH(AccumulateRows)(p, head_rows, kKeyBlock, b.v + j_begin * b.ldv, b.ldv, j_end - j_begin, hd,
+                                           acc);
+    }
+  };
+  // Head h's view of a block read in place, from head 0's: h KV heads (h * hd elements) on.
+  const auto view_of_head = [&](BlockView b, int h) {
+    const int64_t at = static_cast<int64_t>(h) * hd;
+    if (b.k16 != nullptr) b.k16 += at;
+    if (b.v16 != nullptr) b.v16 += at;
+    if (b.k != nullptr) b.k += at;
+    if (b.v != nullptr) b.v += at;
+    return b;
+  };
+  // Every head of the unit meets keys [j0, j0 + nb). Read in place, the block's rows are read in
+  // memory order, every head's share of a few keys' rows at a time: the keys for the scores,
+  // then the values for the sums (each key's sum, and each output's sum over the keys in key
+  // order, is the same whatever the cut). Gathered (a block across two runs), head by head.
+  const auto meet_block = [&](int j0, int nb) {
+    BlockView b0;
+    const KvSides sides = pre != nullptr ? KvSides::kValues : KvSides::kBoth;
+    if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, window, buf, pos_buf, &b0, sides,
+                    /*f16_in_place=*/true)) {
+      return;  // (the same slots for every head)
+    }
+    const bool in_place = b0.k16 != nullptr || b0.v16 != nullptr ||
+                          (b0.v != nullptr && b0.v != buf.vbuf);
+    if (!in_place || u.n_kv_heads == 1) {
+      for (int h = 0; h < u.n_kv_heads; ++h) {
+        if (gives_up(h)) continue;
+        BlockView b = b0;
+        if (h > 0) view_block(kv, u.kv_head + h, hd, j0, nb, first_pos, last_pos, window, buf, pos_buf, &b, sides, true);
+        score_keys(h, b, j0, 0, b.nb);
+        if (!soften(h, b)) {
+          gave_up |= HeadMask{1} << h;
+          continue;
+        }
+        accumulate_values(h, b, 0, b.nb);
+      }
+      return;
+    }
+    constexpr int kScoreKeys = 16, kValueKeys = 32;
+    // The next block's rows are read ahead, all at once: at depth the cache comes from memory,
+    // and a burst of loads keeps many more lines on their way than the prefetchers do on this
+    // access (about 1.4-1.8x the decode attention's speed on a Zen 5 pair; see bench/README.md).
+    pulled += pull_rows(kv, std::min(j0 + kKeyBlock, u.key_end), std::min(j0 + 2 * kKeyBlock, u.key_end), pre == nullptr);
+    for (int j = 0; j < b0.nb; j += kScoreKeys) {
+      for (int h = 0; h < u.n_kv_heads; ++h) {
+        if (!gives_up(h)) score_keys(h, view_of_head(b0, h), j0, j, std::min(b0.nb, j + kScoreKeys));
+      }
+    }
+    for (int h = 0; h < u.n_kv_heads; ++h) {
+      if (!gives_up(h) && !soften(h, b0)) gave_up |= HeadMask{1} << h;
+    }
+    for (int j = 0; j < b0.nb; j += kValueKeys) {
+      for (int h = 0; h < u.n_kv_heads; ++h) {
+        if (!gives_up(h)) accumulate_values(h, view_of_head(b0, h), j, std::min(b0.nb, j + kValueKeys));
+      }
+    }
+  };
+  for (int j0 = u.key_begin; j0 < u.key_end; j0 += kKeyBlock) meet_block(j0, std::min(kKeyBlock, u.key_end - j0));
+  keep_loaded(pulled);
   if (phi != nullptr) {
     for (int r = 0; r < rows; ++r) {
+      const int h = r / head_rows;
+      if (gave_up >> h & 1) continue;
       // A row that saw keys, all far below phi: its exponentials lost precision.
-      if (seen_max[r] != -INFINITY && seen_max[r] < phi[r] + kAsyncLow) return false;
+      if (seen_max[r] != -INFINITY && seen_max[r] < phi[r] + kAsyncLow) gave_up |= HeadMask{1} << h;
       // A row that saw no key (a split part all empty slots or out of the window) holds nothing:
       // its max is none, not phi, so that a merge with exact parts does not scale to phi.
       if (seen_max[r] == -INFINITY) st.m[r] = -INFINITY;
     }
   }
-  return true;
+  return gave_up;
+}
+
+// Runs again, with the exact online softmax, the heads of unit u that its asynchronized run gave
+// up on (run_unit_rows' mask), each alone into its rows of the state.
+void redo_exact(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
+                const UnitBuffers& buf, const TileState& st, float* seen_max, HeadMask gave_up,
+                const StepsInput* pre = nullptr) {
+  const int head_rows = u.rows_per_head(sh.n_head / sh.n_head_kv);
+  for (int h = 0; h < u.n_kv_heads; ++h) {
+    if ((gave_up >> h & 1) == 0) continue;
+    Unit one = u;
+    one.kv_head = u.kv_head + h;
+    one.n_kv_heads = 1;
+    StepsInput head_pre;
+    if (pre != nullptr) head_pre = StepsInput{pre->scores + h * head_rows * pre->scores_ld, pre->scores_ld};
+    run_unit_rows(sh, q, kv, q_pos0, one, buf, state_rows(st, h * head_rows, sh.head_dim), nullptr,
+                  seen_max + h * head_rows, pre != nullptr ? &head_pre : nullptr);
+  }
 }
 
 // The tile path of a unit (prefill): the same online softmax with the query rows in vector
@@ -686,14 +975,14 @@ void run_unit_tile(const AttentionShape& sh, const float* q, const KvLayer& kv, 
   }
 }
 
-// Runs one unit into `st` (see run_unit_rows): tiles of more than kDirectRows rows take the
-// tile path, unless the asynchronized softmax (decode) asks for the row path's fixed max.
-bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
-              const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max) {
-  const int rows = (u.token_end - u.token_begin) * (sh.n_head / sh.n_head_kv);
-  if (phi == nullptr && rows > kDirectRows) {
+// Runs one unit into `st` (see run_unit_rows): tiles of more than kDirectRows rows (per KV head)
+// take the tile path, unless the asynchronized softmax (decode) asks for the row path's fixed
+// max. Returns the heads the asynchronized softmax gave up on.
+HeadMask run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64_t q_pos0, const Unit& u,
+                  const UnitBuffers& buf, const TileState& st, const float* phi, float* seen_max) {
+  if (phi == nullptr && u.rows_per_head(sh.n_head / sh.n_head_kv) > kDirectRows) {
     run_unit_tile(sh, q, kv, q_pos0, u, buf, st, seen_max);
-    return true;
+    return 0;
   }
   return run_unit_rows(sh, q, kv, q_pos0, u, buf, st, phi, seen_max);
 }
@@ -702,10 +991,10 @@ bool run_unit(const AttentionShape& sh, const float* q, const KvLayer& kv, int64
 // the denominator, exp(sink - m) in the row's own scale (m: the max its sums are relative to).
 void store_unit(const AttentionShape& sh, const Unit& u, const TileState& st, float* out) {
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
-  const int rows = (u.token_end - u.token_begin) * group;
+  const int rows = u.rows_per_head(group) * u.n_kv_heads;
   for (int r = 0; r < rows; ++r) {
-    const int head = u.kv_head * group + r % group;
-    float* dst = out + (u.token_begin + r / group) * static_cast<int64_t>(sh.n_head) * hd + head * hd;
+    const int head = u.head_of_row(group, r);
+    float* dst = out + u.token_of_row(group, r) * static_cast<int64_t>(sh.n_head) * hd + head * hd;
     float l = st.l[r];
     if (sh.sinks != nullptr && st.m[r] != -INFINITY) l += std::exp(sh.sinks[head] - st.m[r]);
     const float inv = l > 0 ? 1.0f / l : 0.0f;
@@ -762,9 +1051,15 @@ AttentionPlan plan_job(const AttentionShape& sh, const AttentionJob& job, int to
   p.n_keys = job.kv.n_slots + (job.kv.prefix != nullptr ? job.kv.prefix->n_slots : 0);
   // Decode: split the keys so that every thread has work even with few KV heads. The split
   // depends on this job alone (never on the others of a batch): its result does too.
-  if (job.n_tokens == 1 && sh.n_head_kv < 2 * n_threads) {
-    p.splits = std::clamp((2 * n_threads + sh.n_head_kv - 1) / sh.n_head_kv, 1,
-                          std::clamp(p.n_keys / kMinKeysPerSplit, 1, kMaxSplits));
+  // With keys enough for every thread, each split is a unit of all the KV heads (reading the
+  // cache's rows whole), two per thread; otherwise a unit is one head's split.
+  const int most_splits = std::clamp(p.n_keys / kMinKeysPerSplit, 1, kMaxSplits);
+  const int group = sh.n_head / sh.n_head_kv;
+  if (job.n_tokens == 1 && group <= kDirectRows && sh.n_head_kv <= kMaxUnitHeads && most_splits >= n_threads) {
+    p.whole_heads = true;
+    p.splits = std::min(2 * n_threads, most_splits);
+  } else if (job.n_tokens == 1 && sh.n_head_kv < 2 * n_threads) {
+    p.splits = std::clamp((2 * n_threads + sh.n_head_kv - 1) / sh.n_head_kv, 1, most_splits);
   }
   // Asynchronized softmax for decode, once the previous step has given every head its max.
   p.async = job.softmax_phi != nullptr && job.n_tokens == 1;
@@ -784,7 +1079,8 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
                      int n_threads) {
   const int group = sh.n_head / sh.n_head_kv, hd = sh.head_dim;
   const int tokens_per_tile = std::max(1, kQueryRows / group);
-  const int rows_max = tokens_per_tile * group;
+  // A unit's rows: a prefill tile's, or a decode unit's of every head.
+  const int rows_max = std::max(tokens_per_tile * group, sh.n_head);
   // Room for a tile's rows rounded up to whole vectors of any target (TileRowWidth).
   const int rows_cap = (rows_max + 63) / 64 * 64;
   const size_t state_floats = static_cast<size_t>(rows_max) * (2 + hd);
@@ -800,7 +1096,7 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
     plans[i] = plan_job(sh, jobs[i], tokens_per_tile, n_threads);
     plans[i].first_unit = static_cast<int>(job_of_unit.size());
     plans[i].first_partial = n_split_units;
-    const int units = sh.n_head_kv * plans[i].token_tiles * plans[i].splits;
+    const int units = (plans[i].whole_heads ? 1 : sh.n_head_kv) * plans[i].token_tiles * plans[i].splits;
     job_of_unit.insert(job_of_unit.end(), static_cast<size_t>(units), static_cast<int>(i));
     if (plans[i].splits > 1) n_split_units += static_cast<size_t>(units);
   }
@@ -818,9 +1114,11 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
   const auto unit_at = [&](const AttentionPlan& p, const AttentionJob& job, int index) {
     // The last tokens of a prefill see the most keys: their tiles (of every KV head) come first,
     // so that the dynamic schedule ends on the cheapest units.
-    const int split = index % p.splits, g = (index / p.splits) % sh.n_head_kv;
-    const int tile = p.token_tiles - 1 - index / p.splits / sh.n_head_kv;
+    const int heads = p.whole_heads ? 1 : sh.n_head_kv;
+    const int split = index % p.splits, g = (index / p.splits) % heads;
+    const int tile = p.token_tiles - 1 - index / p.splits / heads;
     Unit u{g, tile * tokens_per_tile, std::min(job.n_tokens, (tile + 1) * tokens_per_tile), 0, p.n_keys};
+    if (p.whole_heads) u.n_kv_heads = sh.n_head_kv;
     if (p.splits > 1) {
       const int per = (p.n_keys + p.splits - 1) / p.splits;
       u.key_begin = std::min(p.n_keys, split * per);
@@ -859,12 +1157,17 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
       const TileState st = state_at(p.splits > 1 ? partials + split_index * state_floats : own_state);
       float* seen = p.splits > 1 ? unit_max + split_index * rows_max : own_max;
       const float* phi = p.async ? job.softmax_phi + u.kv_head * group : nullptr;
-      if (!run_unit(sh, job.q, job.kv, job.q_pos0, u, ub, st, phi, seen)) {
+      const HeadMask gave_up = run_unit(sh, job.q, job.kv, job.q_pos0, u, ub, st, phi, seen);
+      if (gave_up != 0 && u.n_kv_heads == 1) {
         run_unit(sh, job.q, job.kv, job.q_pos0, u, ub, st, nullptr, seen);
+      } else if (gave_up != 0) {
+        redo_exact(sh, job.q, job.kv, job.q_pos0, u, ub, st, seen, gave_up);
       }
       if (p.splits == 1) {
         store_unit(sh, u, st, job.out);
-        if (job.softmax_phi != nullptr && job.n_tokens == 1) std::copy_n(seen, group, job.softmax_phi + u.kv_head * group);
+        if (job.softmax_phi != nullptr && job.n_tokens == 1) {
+          std::copy_n(seen, group * u.n_kv_heads, job.softmax_phi + u.kv_head * group);
+        }
       }
     }
     if (!merges.empty()) {
@@ -873,15 +1176,17 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
         const auto [ji, g] = merges[m];
         const AttentionJob& job = jobs[static_cast<size_t>(ji)];
         const AttentionPlan& p = plans[static_cast<size_t>(ji)];
-        const size_t first = p.first_partial + static_cast<size_t>(g * p.splits);
+        // Head g's split parts: units of their own, or rows of every split's whole-heads unit.
+        const size_t first = p.first_partial + static_cast<size_t>(p.whole_heads ? 0 : g * p.splits);
+        const int row0 = p.whole_heads ? g * group : 0;
         TileState parts[kMaxSplits];
-        for (int s = 0; s < p.splits; ++s) parts[s] = state_at(partials + (first + s) * state_floats);
+        for (int s = 0; s < p.splits; ++s) parts[s] = state_rows(state_at(partials + (first + s) * state_floats), row0, hd);
         merge_splits(parts, p.splits, group, hd);
-        store_unit(sh, unit_at(p, job, g * p.splits), parts[0], job.out);
+        store_unit(sh, Unit{g, 0, 1, 0, p.n_keys}, parts[0], job.out);
         if (job.softmax_phi != nullptr) {  // the next step's unified max: this step's, over every part
           for (int r = 0; r < group; ++r) {
             float mx = -INFINITY;
-            for (int s = 0; s < p.splits; ++s) mx = std::max(mx, unit_max[(first + s) * rows_max + r]);
+            for (int s = 0; s < p.splits; ++s) mx = std::max(mx, unit_max[(first + s) * rows_max + row0 + r]);
             job.softmax_phi[g * group + r] = mx;
           }
         }
@@ -1039,7 +1344,7 @@ struct StepsPass {
     const float* q_row = job.q + row * q_stride;
     const int64_t row_pos = job.q_pos0 + row;
     const bool async = row_async[static_cast<size_t>(row)] != 0;
-    if (!run_unit_rows(sh, q_row, job.kv, row_pos, u, ub, st, async ? phi + g * group : nullptr, seen, &pre)) {
+    if (run_unit_rows(sh, q_row, job.kv, row_pos, u, ub, st, async ? phi + g * group : nullptr, seen, &pre) != 0) {
       run_unit_rows(sh, q_row, job.kv, row_pos, u, ub, st, nullptr, seen, &pre);
     }
     if (splits == 1) store_unit(sh, u, st, job.out + row * q_stride);

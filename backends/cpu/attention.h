@@ -44,6 +44,7 @@ struct AttentionPlan {
   int splits = 1;
   int n_keys = 0;
   bool async = false;        // the asynchronized softmax, every head's phi being known
+  bool whole_heads = false;  // decode: a unit is a split of the keys with every KV head
   int first_unit = 0;        // in the batch's numbering
   size_t first_partial = 0;  // split jobs: index of its first unit among all split units
 };
