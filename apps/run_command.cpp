@@ -53,6 +53,8 @@ struct RunStats {
   int64_t n_shifts = 0;        // context shifts done
   int64_t n_discarded = 0;     // tokens they dropped
   std::string stop_reason;
+  size_t kv_bytes = 0;         // the KV cache's keys and values at the context size (KvCache::bytes)
+  std::string kv_type;         // their element type (--cache-type)
   // On a device backend, what each of those passes did there: kernels launched, bytes up and
   // down, host waits (Backend::counters()).
   bool device = false;
@@ -87,6 +89,7 @@ void print_stats(const RunStats& s, const std::string& format) {
         {"gen_tokens", s.gen_tokens},       {"gen_ms", s.decode_ms},    {"gen_tps", per_second(s.decode_evals, s.decode_ms)},
         {"n_shifts", s.n_shifts},           {"n_discarded", s.n_discarded},     {"token_ms", s.token_ms},
         {"load_ms", s.load_ms},             {"n_threads", s.n_threads}, {"stop_reason", s.stop_reason},
+        {"kv_bytes", s.kv_bytes},           {"kv_type", s.kv_type},
     };
     if (s.device) {
       nlohmann::json launches = nlohmann::json::array(), up = nlohmann::json::array(), down = nlohmann::json::array(),
@@ -210,6 +213,8 @@ void run(const RunOptions& o) {
   if (finish == FinishReason::kContextFull) {
     std::fprintf(stderr, "\nringlm: context of %d tokens is full; stopping (raise -c, or drop --no-context-shift)\n", n_ctx);
   }
+  stats.kv_bytes = sequence.cache().bytes();
+  stats.kv_type = sequence.cache().type() == KvType::kF16 ? "f16" : "f32";
   stats.n_shifts = sequence.cache().shifts();
   stats.n_discarded = sequence.cache().discarded();
   m.model->close_pipeline();

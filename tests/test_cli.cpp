@@ -351,14 +351,20 @@ TEST(CliContextShift, GenerationGoesOnPastTheContext) {
   EXPECT_EQ(stats["n_discarded"].get<int>(), 30 * stats["n_shifts"].get<int>());
   // One time per decode step (the first generated token comes from the prompt's logits).
   EXPECT_EQ(stats["token_ms"].size(), 149u);
+  // SmolLM2-135M: 30 layers of keys and values, 3 KV heads of 64, fp16, for the 64 slots.
+  EXPECT_EQ(stats["kv_type"], "f16");
+  EXPECT_EQ(stats["kv_bytes"].get<size_t>(), size_t{30} * 2 * 64 * 3 * 64 * 2);
 }
 
 TEST(CliContextShift, NoContextShiftStopsAtAFullContext) {
   const RunResult r = run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "Once upon a time", "-c", "32",
-                                  "--no-context-shift", "-n", "100", "--ignore-eos", "--temp", "0", "--stats", "json"},
+                                  "--no-context-shift", "-n", "100", "--ignore-eos", "--temp", "0", "--stats", "json",
+                                  "--cache-type", "f32"},
                                  120s);
   ASSERT_EQ(r.exit_code, 0) << describe(r);
   const nlohmann::json stats = last_stats(r);
+  EXPECT_EQ(stats["kv_type"], "f32");
+  EXPECT_EQ(stats["kv_bytes"].get<size_t>(), size_t{30} * 2 * 32 * 3 * 64 * 4);  // 32 slots of fp32
   EXPECT_EQ(stats["stop_reason"], "context");
   EXPECT_EQ(stats["n_shifts"], 0);
   EXPECT_LT(stats["gen_tokens"].get<int>(), 32);
