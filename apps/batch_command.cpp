@@ -44,6 +44,7 @@ struct BatchCommandOptions {
   bool share_prompt = true;
   std::string chat_template;
   SpeculativeOptions speculative;
+  KvType cache_type = KvType::kF16;
 };
 
 // One line of the input, ready to run (or the reason it cannot).
@@ -240,6 +241,7 @@ class BatchRun {
 
     BatchOptions bo;
     bo.n_parallel = options_.n_parallel;
+    bo.cache_type = options_.cache_type;
     bo.n_ctx = options_.model.n_ctx > 0 ? options_.model.n_ctx : model_.model->hparams().n_ctx_train;
     bo.prefill_chunk = options_.prefill_chunk;
     bo.share_prompt = options_.share_prompt;
@@ -391,6 +393,7 @@ void add_batch_command(CLI::App& app) {
   cmd->add_option("-i,--input", opts->input, "prompts: JSON lines {\"id\", \"prompt\" | \"messages\", ...} or plain text, one per line")
       ->required();
   cmd->add_option("-o,--output", opts->output, "results (JSON lines); an existing file is resumed")->required();
+  add_cache_type_options(*cmd, opts->cache_type);
   cmd->add_option("--parallel", opts->n_parallel, "sequences decoded together")->check(CLI::Range(1, 256))->capture_default_str();
   cmd->add_option("-n,--max-tokens", opts->max_tokens, "most tokens per result (a line's \"max_tokens\" overrides)")
       ->check(CLI::Range(0, 1 << 24))

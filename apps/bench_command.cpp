@@ -49,6 +49,7 @@ struct BenchOptions {
   DevicePlacement placement;  // --gpu-layers, --cpu-moe, --n-cpu-moe
   std::string softmax = "async";  // decode attention: async (FlashDecoding++) or online
   std::string layer_split;         // --layer-split under mpirun ("": balanced by bytes)
+  KvType cache_type = KvType::kF16;  // --cache-type, -ctk/-ctv
 };
 
 // One row of the result: a (p, n, threads) combination and its timed samples.
@@ -193,7 +194,7 @@ class Runner {
 void run_test(LoadedModel& m, const BenchOptions& o, BenchTest& t) {
   Runner runner(m, o.n_batch);
   // The warm-up of a combined test runs its prompt and then one token without a clear between.
-  KvCache cache = m.model->make_cache(t.n_depth + t.n_prompt + std::max(t.n_gen, 1));
+  KvCache cache = m.model->make_cache(t.n_depth + t.n_prompt + std::max(t.n_gen, 1), KvCacheOptions{o.cache_type});
   if (!o.no_warmup) {
     if (t.n_prompt > 0) runner.prompt(cache, t.n_prompt);
     if (t.n_gen > 0) runner.generate(cache, 1);
@@ -254,26 +255,35 @@ std::string params_text(uint64_t n) {
   return n < 1000ull * 1000 * 1000 ? format("%.2f M", d / 1e6) : format("%.2f B", d / 1e9);
 }
 
-void print_markdown_header() {
-  std::printf("| %-30s | %10s | %10s | %-10s | %7s | %15s | %20s |\n", "model", "size", "params", "backend", "threads",
-              "test", "t/s");
-  std::printf("| %s | %s: | %s: | %s | %s: | %s: | %s: |\n", std::string(30, '-').c_str(), std::string(9, '-').c_str(),
+// The KV cache's type columns, as llama-bench shows them: only for a type other than f16.
+bool shows_cache_type(KvType type) { return type != KvType::kF16; }
+
+void print_markdown_header(KvType cache_type) {
+  const bool types = shows_cache_type(cache_type);
+  std::printf("| %-30s | %10s | %10s | %-10s | %7s |%s %15s | %20s |\n", "model", "size", "params", "backend", "threads",
+              types ? " type_k | type_v |" : "", "test", "t/s");
+  std::printf("| %s | %s: | %s: | %s | %s: |%s %s: | %s: |\n", std::string(30, '-').c_str(), std::string(9, '-').c_str(),
               std::string(9, '-').c_str(), std::string(10, '-').c_str(), std::string(6, '-').c_str(),
-              std::string(14, '-').c_str(), std::string(19, '-').c_str());
+              types ? " -----: | -----: |" : "", std::string(14, '-').c_str(), std::string(19, '-').c_str());
 }
 
-void print_markdown_row(const ModelInfo& info, const BenchTest& t) {
+void print_markdown_row(const ModelInfo& info, const BenchTest& t, KvType cache_type) {
   const std::vector<double> ts = rates(t);
   const std::string tps = format("%.2f", mean(ts)) + " ± " + format("%.2f", stdev(ts));
+  char types[32] = "";
+  if (shows_cache_type(cache_type)) {
+    std::snprintf(types, sizeof(types), " %6s | %6s |", kv_type_name(cache_type), kv_type_name(cache_type));
+  }
   // "±" is two bytes but one column: pad by one more so the columns still line up.
-  std::printf("| %-30s | %10s | %10s | %-10s | %7d | %15s | %21s |\n", info.type.c_str(), size_text(info.size).c_str(),
-              params_text(info.n_params).c_str(), info.backend.c_str(), t.n_threads, test_name(t).c_str(), tps.c_str());
+  std::printf("| %-30s | %10s | %10s | %-10s | %7d |%s %15s | %21s |\n", info.type.c_str(), size_text(info.size).c_str(),
+              params_text(info.n_params).c_str(), info.backend.c_str(), t.n_threads, types, test_name(t).c_str(),
+              tps.c_str());
   std::fflush(stdout);
 }
 
 // llama-bench's field names; values it has and ringlm does not (split mode) are given as
 // llama-bench would report them for a CPU-only run.
-nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_batch) {
+nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_batch, KvType cache_type) {
   const std::vector<double> ts = rates(t);
   nlohmann::ordered_json j;
   j["build_commit"] = "ringlm";
@@ -288,8 +298,8 @@ nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_
   j["n_batch"] = n_batch;
   j["n_ubatch"] = info.n_ubatch;
   j["n_threads"] = t.n_threads;
-  j["type_k"] = "f32";
-  j["type_v"] = "f32";
+  j["type_k"] = kv_type_name(cache_type);
+  j["type_v"] = kv_type_name(cache_type);
   j["n_gpu_layers"] = info.n_gpu_layers;
   j["n_prompt"] = t.n_prompt;
   j["n_gen"] = t.n_gen;
@@ -329,7 +339,7 @@ void bench(const BenchOptions& o) {
   const bool prints = process.rank() == 0;
   const bool md = o.output == "md";
   nlohmann::ordered_json all = nlohmann::ordered_json::array();
-  if (md && prints) print_markdown_header();
+  if (md && prints) print_markdown_header(o.cache_type);
   for (const int t_flag : thread_counts) {
     const int threads = resolve_threads(t_flag);
     omp_set_num_threads(threads);
@@ -342,8 +352,8 @@ void bench(const BenchOptions& o) {
     for (BenchTest& t : plan(o, threads)) {
       t.test_time = utc_now();
       run_test(m, o, t);
-      if (md) print_markdown_row(info, t);
-      else all.push_back(to_json(info, t, o.n_batch));
+      if (md) print_markdown_row(info, t, o.cache_type);
+      else all.push_back(to_json(info, t, o.n_batch, o.cache_type));
     }
     m.model->close_pipeline();
   }
@@ -360,6 +370,7 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("-m,--model", o->model_path, "GGUF model file (default: $RINGLM_MODEL, else the model setup installed)");
   cmd->add_option("-p,--n-prompt", o->n_prompt, "prompt lengths, comma-separated (0: no pp test)")->capture_default_str();
   cmd->add_option("-n,--n-gen", o->n_gen, "generated lengths, comma-separated (0: no tg test)")->capture_default_str();
+  add_cache_type_options(*cmd, o->cache_type);
   cmd->add_option("-t,--threads", o->n_threads, "thread counts, comma-separated (0: all cores)")->capture_default_str();
   cmd->add_option("--softmax", o->softmax, "decode attention softmax: async (FlashDecoding++'s unified max) or online")
       ->check(CLI::IsMember({"async", "online"}))

@@ -3,7 +3,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <array>
 #include <map>
+#include <memory>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -91,13 +94,33 @@ void add_compute_option(CLI::App& cmd, ComputeType& compute) {
       ->default_str("int8");
 }
 
+void add_cache_type_options(CLI::App& cmd, KvType& type) {
+  const std::map<std::string, KvType> types{{"f16", KvType::kF16}, {"f32", KvType::kF32}, {"q8_0", KvType::kQ8_0}};
+  cmd.add_option("--cache-type", type, "KV cache element type, keys and values: f16, f32 or q8_0")
+      ->transform(CLI::CheckedTransformer(types, CLI::ignore_case))
+      ->default_str("f16");
+  // The per-side flags of llama.cpp, held until parsing ends to be checked together.
+  auto sides = std::make_shared<std::array<std::optional<KvType>, 2>>();
+  cmd.add_option("--cache-type-k", (*sides)[0], "keys' type (-ctk, as llama.cpp; -ctv must agree)")
+      ->transform(CLI::CheckedTransformer(types, CLI::ignore_case));
+  cmd.add_option("--cache-type-v", (*sides)[1], "values' type (-ctv, as llama.cpp; -ctk must agree)")
+      ->transform(CLI::CheckedTransformer(types, CLI::ignore_case));
+  cmd.parse_complete_callback([sides, &type] {
+    const auto& [k, v] = *sides;
+    if (!k && !v) return;
+    if (!k || !v || *k != *v) {
+      throw CLI::ValidationError("--cache-type-k/--cache-type-v",
+                                 "ringlm stores keys and values in one type: give -ctk and -ctv the same type "
+                                 "(or --cache-type)");
+    }
+    type = *k;
+  });
+}
+
 void add_kv_cache_options(CLI::App& cmd, KvCacheOptions& opts) {
   opts.n_keep = 4;
   opts.context_shift = true;
-  const std::map<std::string, KvType> types{{"f16", KvType::kF16}, {"f32", KvType::kF32}};
-  cmd.add_option("--cache-type", opts.type, "KV cache element type: f16 or f32")
-      ->transform(CLI::CheckedTransformer(types, CLI::ignore_case))
-      ->default_str("f16");
+  add_cache_type_options(cmd, opts.type);
   cmd.add_option("--keep", opts.n_keep, "tokens at the start kept when the context shifts (attention sinks)")
       ->check(CLI::Range(0, 1 << 24))
       ->capture_default_str();

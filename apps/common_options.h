@@ -44,7 +44,11 @@ void add_sampling_options(CLI::App& cmd, SamplingParams& params);
 // block on the fly, the fast default; fp32: weights dequantized, the reference path).
 void add_compute_option(CLI::App& cmd, ComputeType& compute);
 
-// The KV cache and StreamingLLM: --cache-type f16|f32, --keep N (attention sinks, default 4),
+// --cache-type f16|f32|q8_0, and llama.cpp's -ctk/--cache-type-k and -ctv/--cache-type-v (which
+// must agree: ringlm stores keys and values in one type).
+void add_cache_type_options(CLI::App& cmd, KvType& type);
+
+// The KV cache and StreamingLLM: the cache type options, --keep N (attention sinks, default 4),
 // --discard N (tokens a context shift drops, default half of those after the sinks),
 // --no-context-shift (stop at a full context instead). Sets context_shift = true unless told not to.
 void add_kv_cache_options(CLI::App& cmd, KvCacheOptions& opts);

@@ -25,8 +25,13 @@ namespace {
 // its long name, so that a llama.cpp command line works as it is.
 void translate_llama_cpp_short_flags(int argc, char** argv) {
   static char model_draft[] = "--model-draft";
+  static char cache_type_k[] = "--cache-type-k";
+  static char cache_type_v[] = "--cache-type-v";
   for (int i = 1; i < argc; ++i) {
-    if (std::string_view(argv[i]) == "-md") argv[i] = model_draft;
+    const std::string_view arg(argv[i]);
+    if (arg == "-md") argv[i] = model_draft;
+    if (arg == "-ctk") argv[i] = cache_type_k;
+    if (arg == "-ctv") argv[i] = cache_type_v;
   }
 }
 

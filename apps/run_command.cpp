@@ -214,7 +214,7 @@ void run(const RunOptions& o) {
     std::fprintf(stderr, "\nringlm: context of %d tokens is full; stopping (raise -c, or drop --no-context-shift)\n", n_ctx);
   }
   stats.kv_bytes = sequence.cache().bytes();
-  stats.kv_type = sequence.cache().type() == KvType::kF16 ? "f16" : "f32";
+  stats.kv_type = kv_type_name(sequence.cache().type());
   stats.n_shifts = sequence.cache().shifts();
   stats.n_discarded = sequence.cache().discarded();
   m.model->close_pipeline();

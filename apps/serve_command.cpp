@@ -666,9 +666,7 @@ void add_serve_command(CLI::App& app) {
   add_speculative_options(*cmd, opts->speculative, "each prompt and its text so far");
   cmd->add_option("--alias", opts->alias, "the model's name in the API (default: the file name)");
   cmd->add_option("--chat-template", opts->chat_template, "chat format, instead of the model's");
-  cmd->add_option("--cache-type", opts->cache_type, "KV cache type: f16 or f32")
-      ->transform(CLI::CheckedTransformer(std::map<std::string, KvType>{{"f16", KvType::kF16}, {"f32", KvType::kF32}}))
-      ->default_str("f16");
+  add_cache_type_options(*cmd, opts->cache_type);
   opts->model.n_ctx = 4096;
   cmd->callback([opts, key] {
     if (key->count() == 0) {

@@ -7,6 +7,15 @@
 
 namespace ringlm {
 
+const char* kv_type_name(KvType type) {
+  switch (type) {
+    case KvType::kF16: return "f16";
+    case KvType::kF32: return "f32";
+    case KvType::kQ8_0: return "q8_0";
+  }
+  return "?";
+}
+
 const float* normalized_input_row(const MatmulInput& in, int64_t m, int64_t cols, float* out) {
   const float* x = in.x + m * cols;
   if (in.rms_weight == nullptr) return x;

@@ -89,8 +89,21 @@ class BackendKvState {
   virtual ~BackendKvState() = default;
 };
 
+// How a KV cache stores its rows' elements (--cache-type): fp16, fp32, or llama.cpp's q8_0
+// blocks (an fp16 scale and 32 int8 codes: 34 bytes per 32 elements, 53% of fp16's).
+enum class KvType { kF16, kF32, kQ8_0 };
+
+// The name --cache-type gives a type ("f16", "f32", "q8_0").
+const char* kv_type_name(KvType type);
+
+// Bytes of `elements` consecutive elements of a row (q8_0: a multiple of 32).
+constexpr size_t kv_bytes_of(KvType type, int64_t elements) {
+  const auto n = static_cast<size_t>(elements);
+  return type == KvType::kQ8_0 ? n / 32 * 34 : n * (type == KvType::kF16 ? 2 : 4);
+}
+
 // One sequence's KV cache (core/kv's KvCache) as the backend's ops see it: its rows in host
-// memory (slot s of layer l at key(l, s) and value(l, s): row_width values, fp16 or fp32), the
+// memory (slot s of layer l at key(l, s) and value(l, s): row_width values of `type`), the
 // position of every slot that ever held a token (-1: empty), the shared segment read before it
 // (the prompt that batch samples share; read-only, no state), and the cache's place for the
 // backend's own state.
@@ -99,7 +112,7 @@ struct KvView {
   int n_layer = 0;
   int capacity = 0;
   int row_width = 0;
-  bool f16 = false;
+  KvType type = KvType::kF32;
   std::span<const int64_t> positions;
   uint64_t cache_id = 0;  // the viewed cache's KvCache::id(): what names a prefix (its rows' address may be reused)
   const KvView* prefix = nullptr;
@@ -109,7 +122,7 @@ struct KvView {
   // from it before the host reads them.
   std::unique_ptr<BackendKvState>* source_state = nullptr;
 
-  size_t row_bytes() const { return static_cast<size_t>(row_width) * (f16 ? 2 : 4); }
+  size_t row_bytes() const { return kv_bytes_of(type, row_width); }
   uint8_t* key(int layer, int slot) const { return rows + row_index(layer, false, slot) * row_bytes(); }
   uint8_t* value(int layer, int slot) const { return rows + row_index(layer, true, slot) * row_bytes(); }
 

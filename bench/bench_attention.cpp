@@ -11,11 +11,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "backends/cpu/attention.h"
 #include "quant/formats.h"
+#include "quant/quantize.h"
 
 namespace {
 
@@ -42,7 +44,7 @@ void BM_CheckingAttention(benchmark::State& state, bool steps) {
   for (float& x : q) x = normal(rng);
   std::vector<int64_t> positions(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) positions[static_cast<size_t>(i)] = i;
-  const KvLayer kv{k.data(), v.data(), kv_width, true, positions.data(), n, nullptr};
+  const KvLayer kv{k.data(), v.data(), kv_width, ringlm::KvType::kF16, positions.data(), n, nullptr};
   AttentionScratch scratch;
   const int threads = bench_threads();
   std::vector<float> phi(static_cast<size_t>(shape.n_head));
@@ -72,11 +74,12 @@ void Passes(benchmark::internal::Benchmark* b) {
 
 // One decode step's attention at depth, every layer of a model in turn (the caches together far
 // larger than the last-level cache, as in a real step): SmolLM2-135M (9 query heads, 3 KV heads,
-// 64 wide, 30 layers) or Llama-3.2-1B (32, 8, 64; 16 layers), an fp16 cache of `depth` tokens.
-// Time per step; bytes/s counts the keys and values read once.
+// 64 wide, 30 layers) or Llama-3.2-1B (32, 8, 64; 16 layers), an fp16 or q8_0 cache of `depth`
+// tokens. Time per step; bytes/s counts the keys and values read once, in the cache's type.
 void BM_DecodeAttention(benchmark::State& state) {
   const int depth = static_cast<int>(state.range(0));
   const bool llama_1b = state.range(1) != 0;
+  const ringlm::KvType type = state.range(2) != 0 ? ringlm::KvType::kQ8_0 : ringlm::KvType::kF16;
   const ringlm::AttentionShape shape = llama_1b ? ringlm::AttentionShape{32, 8, 64} : ringlm::AttentionShape{9, 3, 64};
   // RINGLM_BENCH_LAYERS: fewer layers, e.g. 1 or 2, whose caches stay in the last-level cache
   // (the kernels' own speed, without the memory's).
@@ -86,11 +89,24 @@ void BM_DecodeAttention(benchmark::State& state) {
   const int64_t q_width = static_cast<int64_t>(shape.n_head) * shape.head_dim;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
-  std::vector<uint16_t> kv_pool(static_cast<size_t>(n) * kv_width);
-  for (auto& x : kv_pool) x = static_cast<uint16_t>(ringlm::fp32_to_fp16(normal(rng)));
+  std::vector<float> values(static_cast<size_t>(kv_width));
+  const size_t row_bytes = ringlm::kv_bytes_of(type, kv_width);
+  std::vector<uint8_t> kv_pool(static_cast<size_t>(n) * row_bytes);
+  for (int j = 0; j < n; ++j) {
+    for (float& x : values) x = normal(rng);
+    uint8_t* row = kv_pool.data() + static_cast<size_t>(j) * row_bytes;
+    if (type == ringlm::KvType::kQ8_0) {
+      ringlm::quantize_row(ringlm::TensorType::Q8_0, values.data(), row, kv_width);
+    } else {
+      for (int e = 0; e < kv_width; ++e) {
+        const uint16_t h = ringlm::fp32_to_fp16(values[static_cast<size_t>(e)]);
+        std::memcpy(row + 2 * e, &h, 2);
+      }
+    }
+  }
   // Every layer's keys and values: copies of one random pool (filling each with fresh numbers
   // would take longer than the benchmark).
-  std::vector<std::vector<uint16_t>> k(static_cast<size_t>(layers)), v(static_cast<size_t>(layers));
+  std::vector<std::vector<uint8_t>> k(static_cast<size_t>(layers)), v(static_cast<size_t>(layers));
   for (auto* side : {&k, &v}) {
     for (auto& layer : *side) layer = kv_pool;
   }
@@ -103,19 +119,19 @@ void BM_DecodeAttention(benchmark::State& state) {
   std::vector<std::vector<float>> phi(static_cast<size_t>(layers), std::vector<float>(static_cast<size_t>(shape.n_head), NAN));
   for (auto _ : state) {
     for (int l = 0; l < layers; ++l) {
-      const KvLayer kv{k[static_cast<size_t>(l)].data(), v[static_cast<size_t>(l)].data(), kv_width, true,
+      const KvLayer kv{k[static_cast<size_t>(l)].data(), v[static_cast<size_t>(l)].data(), kv_width, type,
                        positions.data(), n, nullptr};
       ringlm::cpu::attention_causal(shape, q.data(), kv, depth, 1, out.data(), scratch, threads,
                                     phi[static_cast<size_t>(l)].data());
     }
     benchmark::DoNotOptimize(out.data());
   }
-  state.SetBytesProcessed(state.iterations() * int64_t{layers} * 2 * n * kv_width * int64_t{sizeof(uint16_t)});
+  state.SetBytesProcessed(state.iterations() * int64_t{layers} * 2 * n * static_cast<int64_t>(row_bytes));
 }
 
 BENCHMARK(BM_DecodeAttention)
-    ->ArgsProduct({{256, 4096, 8000, 16384}, {0, 1}})
-    ->ArgNames({"depth", "llama_1b"})
+    ->ArgsProduct({{256, 4096, 8000, 16384}, {0, 1}, {0, 1}})
+    ->ArgNames({"depth", "llama_1b", "q8_0"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

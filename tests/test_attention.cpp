@@ -19,6 +19,7 @@
 
 #include "backends/cpu/attention.h"
 #include "quant/formats.h"
+#include "quant/quantize.h"
 #include "hwy/targets.h"
 #include "tests/only_target.h"
 
@@ -32,7 +33,39 @@ struct Case {
   int prefix = 0;     // slots [0, prefix) live in a separate prefix run (a shared prompt segment)
   int window = 0;     // sliding window: a query sees the last `window` positions (0: all)
   bool sinks = false;  // attention sinks (gpt-oss): a logit per head in every softmax's denominator
+  bool q8 = false;     // keys and values stored as q8_0 blocks (instead of f16 / f32)
 };
+
+KvType type_of(const Case& c) { return c.q8 ? KvType::kQ8_0 : c.f16 ? KvType::kF16 : KvType::kF32; }
+
+// Rows of `width` fp32 values as a cache of `type` holds them.
+std::vector<uint8_t> encode_rows(KvType type, const std::vector<float>& rows, int width) {
+  const size_t n_rows = rows.size() / static_cast<size_t>(width), row_bytes = kv_bytes_of(type, width);
+  std::vector<uint8_t> out(n_rows * row_bytes);
+  for (size_t r = 0; r < n_rows; ++r) {
+    const float* in = rows.data() + r * static_cast<size_t>(width);
+    uint8_t* dst = out.data() + r * row_bytes;
+    if (type == KvType::kF32) std::memcpy(dst, in, row_bytes);
+    if (type == KvType::kF16) {
+      for (int e = 0; e < width; ++e) {
+        const uint16_t h = fp32_to_fp16(in[e]);
+        std::memcpy(dst + 2 * e, &h, 2);
+      }
+    }
+    if (type == KvType::kQ8_0) quantize_row(TensorType::Q8_0, in, dst, width);
+  }
+  return out;
+}
+
+// The values a cache of `type` gives back for rows (the reference sees what the cache holds).
+void round_through(KvType type, std::vector<float>& rows, int width) {
+  const std::vector<uint8_t> bytes = encode_rows(type, rows, width);
+  const size_t row_bytes = kv_bytes_of(type, width);
+  for (size_t r = 0; r < rows.size() / static_cast<size_t>(width); ++r) {
+    dequantize_row(type == KvType::kQ8_0 ? TensorType::Q8_0 : type == KvType::kF16 ? TensorType::F16 : TensorType::F32,
+                   bytes.data() + r * row_bytes, rows.data() + r * static_cast<size_t>(width), width);
+  }
+}
 
 // The sinks of a case's heads: around the scores' range, some above the largest score.
 std::vector<float> sinks_of(const Case& c) {
@@ -119,10 +152,8 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
   for (float& x : q) x = normal(rng) * 0.8f;
   for (float& x : k) x = normal(rng);
   for (float& x : v) x = normal(rng);
-  if (c.f16) {  // the reference sees what the cache holds
-    for (float& x : k) x = fp16_to_fp32(fp32_to_fp16(x));
-    for (float& x : v) x = fp16_to_fp32(fp32_to_fp16(x));
-  }
+  round_through(type_of(c), k, kv_w);  // the reference sees what the cache holds
+  round_through(type_of(c), v, kv_w);
   const std::vector<double> expected = reference(c, q, k, v);
   const std::vector<float> sinks = sinks_of(c);
 
@@ -135,21 +166,18 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     std::copy_n(&k[static_cast<size_t>(j) * kv_w], kv_w, &k_slots[slot * kv_w]);
     std::copy_n(&v[static_cast<size_t>(j) * kv_w], kv_w, &v_slots[slot * kv_w]);
   }
-  std::vector<uint16_t> k16(k_slots.size()), v16(v_slots.size());
-  for (size_t i = 0; i < k_slots.size(); ++i) {
-    k16[i] = fp32_to_fp16(k_slots[i]);
-    v16[i] = fp32_to_fp16(v_slots[i]);
-  }
+  const std::vector<uint8_t> k_bytes = encode_rows(type_of(c), k_slots, kv_w);
+  const std::vector<uint8_t> v_bytes = encode_rows(type_of(c), v_slots, kv_w);
   KvLayer kv;
-  kv.keys = c.f16 ? static_cast<const void*>(k16.data()) : k_slots.data();
-  kv.values = c.f16 ? static_cast<const void*>(v16.data()) : v_slots.data();
+  kv.keys = k_bytes.data();
+  kv.values = v_bytes.data();
   kv.row_stride = kv_w;
-  kv.f16 = c.f16;
+  kv.type = type_of(c);
   kv.positions = layout.positions.data();
   kv.n_slots = static_cast<int>(n_slots);
   // With a prefix, slots [0, prefix) move to memory of their own (copies), and kv keeps the rest.
-  const size_t pre = static_cast<size_t>(c.prefix), elem = c.f16 ? 2 : 4;
-  std::vector<uint8_t> k_pre(pre * kv_w * elem), v_pre(k_pre.size());
+  const size_t pre_bytes = kv_bytes_of(type_of(c), int64_t{c.prefix} * kv_w);
+  std::vector<uint8_t> k_pre(pre_bytes), v_pre(k_pre.size());
   const KvLayer whole = kv;
   KvLayer prefix = kv;
   if (c.prefix > 0) {
@@ -158,9 +186,9 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     prefix.keys = k_pre.data();
     prefix.values = v_pre.data();
     prefix.n_slots = c.prefix;
-    kv.keys = static_cast<const uint8_t*>(kv.keys) + pre * kv_w * elem;
-    kv.values = static_cast<const uint8_t*>(kv.values) + pre * kv_w * elem;
-    kv.positions += pre;
+    kv.keys = static_cast<const uint8_t*>(kv.keys) + pre_bytes;
+    kv.values = static_cast<const uint8_t*>(kv.values) + pre_bytes;
+    kv.positions += c.prefix;
     kv.n_slots -= c.prefix;
     kv.prefix = &prefix;
   }
@@ -260,11 +288,11 @@ void fill_sequence(Sequence& s, const AttentionShape& sh, std::mt19937& rng) {
   }
   s.positions.resize(static_cast<size_t>(n_keys));
   for (int j = 0; j < n_keys; ++j) s.positions[static_cast<size_t>(j)] = j;
-  s.kv = KvLayer{s.k.data(), s.v.data(), kv_w, false, s.positions.data(), n_keys, nullptr};
+  s.kv = KvLayer{s.k.data(), s.v.data(), kv_w, KvType::kF32, s.positions.data(), n_keys, nullptr};
   if (s.prefix > 0) {  // the first slots as a run of their own (same memory: reads only)
-    s.prefix_layer = KvLayer{s.k.data(), s.v.data(), kv_w, false, s.positions.data(), s.prefix, nullptr};
+    s.prefix_layer = KvLayer{s.k.data(), s.v.data(), kv_w, KvType::kF32, s.positions.data(), s.prefix, nullptr};
     s.kv = KvLayer{s.k.data() + static_cast<size_t>(s.prefix) * kv_w, s.v.data() + static_cast<size_t>(s.prefix) * kv_w,
-                   kv_w,  false, s.positions.data() + s.prefix, n_keys - s.prefix, &s.prefix_layer};
+                   kv_w,  KvType::kF32, s.positions.data() + s.prefix, n_keys - s.prefix, &s.prefix_layer};
   }
   s.out_alone.assign(s.q.size(), NAN);
   s.out_batched.assign(s.q.size(), NAN);
@@ -335,14 +363,13 @@ TEST_P(AttentionSteps, EveryRowIsItsDecodeStepBitForBit) {
   for (auto* vec : {&q, &k, &v}) {
     for (float& x : *vec) x = normal(rng) * 1.5f;
   }
-  std::vector<uint16_t> k16(k.size()), v16(v.size());
-  for (size_t i = 0; i < k.size(); ++i) k16[i] = static_cast<uint16_t>(fp32_to_fp16(k[i])), v16[i] = static_cast<uint16_t>(fp32_to_fp16(v[i]));
-  const void* keys = c.f16 ? static_cast<const void*>(k16.data()) : k.data();
-  const void* values = c.f16 ? static_cast<const void*>(v16.data()) : v.data();
-  const size_t elem = c.f16 ? 2 : 4;
-  KvLayer prefix{keys, values, kv_w, c.f16, l.positions.data(), c.prefix, nullptr};
-  KvLayer kv{static_cast<const char*>(keys) + c.prefix * kv_w * elem, static_cast<const char*>(values) + c.prefix * kv_w * elem,
-             kv_w, c.f16, l.positions.data() + c.prefix, n_slots - c.prefix, c.prefix > 0 ? &prefix : nullptr};
+  const std::vector<uint8_t> k_bytes = encode_rows(type_of(c), k, kv_w), v_bytes = encode_rows(type_of(c), v, kv_w);
+  const uint8_t* keys = k_bytes.data();
+  const uint8_t* values = v_bytes.data();
+  const size_t pre_bytes = kv_bytes_of(type_of(c), int64_t{c.prefix} * kv_w);
+  KvLayer prefix{keys, values, kv_w, type_of(c), l.positions.data(), c.prefix, nullptr};
+  KvLayer kv{keys + pre_bytes, values + pre_bytes, kv_w, type_of(c), l.positions.data() + c.prefix, n_slots - c.prefix,
+             c.prefix > 0 ? &prefix : nullptr};
   const int64_t pos0 = c.n_past;
   for (int threads : {1, 2}) {
     // The decode steps, one call per row.
@@ -389,12 +416,15 @@ INSTANTIATE_TEST_SUITE_P(
                       StepsCase{{9, 3, 64}, Case{9, 3, 64, 600, 4, true, false, 200}, true, 100.0f},  // phi too high: exact
                       StepsCase{{8, 2, 32, 64}, Case{8, 2, 32, 300, 6, false, true}, true, 2.0f},    // a window
                       StepsCase{{4, 1, 16}, Case{4, 1, 16, 127, 3}, true, 2.0f},                      // across a block's end
-                      StepsCase{{16, 1, 64}, Case{16, 1, 64, 200, 4, false, true}, true, NAN}),       // row by row
+                      StepsCase{{16, 1, 64}, Case{16, 1, 64, 200, 4, false, true}, true, NAN},       // row by row
+                      // q8_0 caches: split keys, a ring with a prefix
+                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 600, 9, false, false, 0, 0, false, true}, true, 3.0f},
+                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 600, 4, true, false, 200, 0, false, true}, true, NAN}),
     [](const auto& info) {
       const StepsCase& s = info.param;
       std::ostringstream name;
       name << "H" << s.shape.n_head << "_KV" << s.shape.n_head_kv << "_past" << s.layout.n_past << "_rows" << s.layout.n_tokens
-           << (s.layout.ring ? "_ring" : "") << (s.layout.f16 ? "_f16" : "");
+           << (s.layout.ring ? "_ring" : "") << (s.layout.f16 ? "_f16" : "") << (s.layout.q8 ? "_q8_0" : "");
       if (s.layout.prefix > 0) name << "_prefix" << s.layout.prefix;
       if (s.shape.window > 0) name << "_window" << s.shape.window;
       name << (s.async ? (std::isnan(s.phi0) ? "_phi_learned" : "_phi") : "_exact") << "_" << info.index;
@@ -433,12 +463,22 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                                            Case{9, 3, 64, 200, 33, false, false, 0, 0, true},
                                            Case{8, 1, 32, 1000, 1, false, false, 0, 0, true},
                                            Case{6, 3, 8, 129, 70, true, true, 0, 40, true},
-                                           Case{9, 3, 64, 600, 1, false, true, 300, 128, true}),
+                                           Case{9, 3, 64, 600, 1, false, true, 300, 128, true},
+                                           // q8_0 caches: decode with split keys (in place), a
+                                           // prefill tile (gathered), a ring with a prefix, a
+                                           // window, sinks, MQA
+                                           Case{9, 3, 64, 600, 1, false, false, 0, 0, false, true},
+                                           Case{9, 3, 64, 200, 33, false, false, 0, 0, false, true},
+                                           Case{9, 3, 64, 600, 1, true, false, 300, 0, false, true},
+                                           Case{8, 2, 32, 700, 1, false, false, 0, 300, false, true},
+                                           Case{9, 3, 64, 200, 33, true, false, 77, 120, true, true},
+                                           Case{8, 1, 32, 1000, 1, false, false, 0, 0, false, true}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;  // (not operator+: GCC 12 reports a false -Wrestrict on it)
                            name << "H" << c.n_head << "_KV" << c.n_head_kv << "_D" << c.head_dim << "_past" << c.n_past
-                                << "_n" << c.n_tokens << (c.ring ? "_ring" : "") << (c.f16 ? "_f16" : "");
+                                << "_n" << c.n_tokens << (c.ring ? "_ring" : "") << (c.f16 ? "_f16" : "")
+                                << (c.q8 ? "_q8_0" : "");
                            if (c.prefix > 0) name << "_prefix" << c.prefix;
                            if (c.window > 0) name << "_window" << c.window;
                            if (c.sinks) name << "_sinks";

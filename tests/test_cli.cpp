@@ -370,12 +370,30 @@ TEST(CliContextShift, NoContextShiftStopsAtAFullContext) {
   EXPECT_LT(stats["gen_tokens"].get<int>(), 32);
 }
 
+// A q8_0 cache through several shifts (its keys rotated and quantized again each time): the
+// generation goes on, and the cache takes q8_0's bytes: 34 per 32 elements.
+TEST(CliContextShift, Q8_0CacheShiftsAndTakesItsBytes) {
+  const RunResult r = run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "Once upon a time", "-c", "64", "--keep", "4",
+                                  "-n", "120", "--ignore-eos", "--temp", "0", "--stats", "json", "-t", "2", "-ctk", "q8_0",
+                                  "-ctv", "q8_0"},
+                                 120s);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  const nlohmann::json stats = last_stats(r);
+  EXPECT_EQ(stats["gen_tokens"], 120);
+  EXPECT_GE(stats["n_shifts"].get<int>(), 2);
+  EXPECT_EQ(stats["kv_type"], "q8_0");
+  EXPECT_EQ(stats["kv_bytes"].get<size_t>(), size_t{30} * 2 * 64 * (3 * 64 / 32 * 34));
+}
+
 TEST(CliContextShift, BadCacheFlags) {
   expect_clean_failure(run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "hi", "-c", "64", "--keep", "64"}),
                        HasSubstr("--keep"));
   expect_clean_failure(run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "hi", "-c", "64", "--discard", "61"}),
                        HasSubstr("--discard"));
   expect_clean_failure(run_ringlm({"run", "-p", "hi", "--cache-type", "q8"}), HasSubstr("--cache-type"));
+  // llama.cpp's per-side flags must agree: ringlm keeps keys and values in one type.
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "-ctk", "q8_0"}), HasSubstr("-ctv"));
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "-ctk", "q8_0", "-ctv", "f16"}), HasSubstr("-ctv"));
   expect_clean_failure(run_ringlm({"run", "-p", "hi", "--keep", "-2"}), HasSubstr("--keep"));
 }
 

@@ -646,6 +646,16 @@ TEST(DeviceCli, UnknownPluginIsAClearError) {
   EXPECT_THAT(o.err, HasSubstr("opencl"));  // what was found instead
 }
 
+// A plugin's caches hold fp16 or fp32 rows: a q8_0 cache is refused by name, with the advice,
+// before any text.
+TEST(DeviceCli, QuantizedCacheOnADeviceIsAClearError) {
+  const Output o = run_ringlm(run_args("opencl", "--cache-type q8_0"));
+  EXPECT_TRUE(test::exited_with_error(o));
+  EXPECT_THAT(o.err, HasSubstr("--cache-type q8_0"));
+  EXPECT_THAT(o.err, HasSubstr("--cache-type f16"));
+  EXPECT_EQ(o.out, "");
+}
+
 TEST(DeviceCli, MalformedDeviceIsAClearError) {
   const Output o = run_ringlm(run_args("opencl:x"));
   EXPECT_TRUE(test::exited_with_error(o));

@@ -4,7 +4,9 @@
 // share the rows from a few on).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <vector>
@@ -12,6 +14,7 @@
 #include "backends/backend.h"
 #include "backends/cpu/cpu_backend.h"
 #include "quant/formats.h"
+#include "quant/quantize.h"
 
 namespace ringlm {
 namespace {
@@ -38,8 +41,8 @@ void make_angles(int rows, std::vector<float>& cos, std::vector<float>& sin) {
 }
 
 // The rotation of one head by the pairs' angles, in double: pair i is (2i, 2i + 1) or (i, i + n_rot / 2).
-std::vector<double> rotated(const float* head, const float* cos, const float* sin, bool adjacent) {
-  std::vector<double> out(head, head + kHeadDim);
+std::vector<double> rotated(const float* head, const float* cos, const float* sin, bool adjacent, int dim = kHeadDim) {
+  std::vector<double> out(head, head + dim);
   for (int i = 0; i < kRot / 2; ++i) {
     const int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + kRot / 2;
     out[a] = static_cast<double>(head[a]) * cos[i] - static_cast<double>(head[b]) * sin[i];
@@ -74,17 +77,20 @@ TEST_P(LayerOps, RopeRotatesEveryHeadOfEveryRowByItsRowsAngles) {
 
 // A cache of 2 layers and 6 slots, as core/kv lays it out.
 struct Cache {
-  Cache(bool f16, int row_width) : rows(2 * 2 * 6 * static_cast<size_t>(row_width) * (f16 ? 2 : 4)) {
+  Cache(KvType type, int row_width) : rows(2 * 2 * 6 * kv_bytes_of(type, row_width)) {
     view.rows = rows.data();
     view.n_layer = 2;
     view.capacity = 6;
     view.row_width = row_width;
-    view.f16 = f16;
+    view.type = type;
   }
   float read(int layer, int slot, bool value, int e) const {
     const uint8_t* row = value ? view.value(layer, slot) : view.key(layer, slot);
-    if (!view.f16) return reinterpret_cast<const float*>(row)[e];
-    return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[e]);
+    if (view.type == KvType::kF32) return reinterpret_cast<const float*>(row)[e];
+    if (view.type == KvType::kF16) return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[e]);
+    std::vector<float> all(static_cast<size_t>(view.row_width));
+    dequantize_row(TensorType::Q8_0, row, all.data(), view.row_width);
+    return all[static_cast<size_t>(e)];
   }
   std::vector<uint8_t> rows;
   KvView view;
@@ -92,7 +98,7 @@ struct Cache {
 
 TEST_P(LayerOps, StoreKvWritesRowsIntoTheirSlotsInTheCachesType) {
   for (const bool f16 : {false, true}) {
-    Cache cache(f16, kHeads * kHeadDim);
+    Cache cache(f16 ? KvType::kF16 : KvType::kF32, kHeads * kHeadDim);
     const int n = 4, first_slot = 1, layer = 1;
     const std::vector<float> k = random_values(static_cast<size_t>(n) * cache.view.row_width, rng);
     const std::vector<float> v = random_values(k.size(), rng);
@@ -113,7 +119,7 @@ TEST_P(LayerOps, StoreKvWritesRowsIntoTheirSlotsInTheCachesType) {
 }
 
 TEST_P(LayerOps, ShiftKeysRotatesTheKeysOfTheSlotsInTheLayersAndNothingElse) {
-  Cache cache(false, kHeads * kHeadDim);
+  Cache cache(KvType::kF32, kHeads * kHeadDim);
   const std::vector<float> k = random_values(6 * static_cast<size_t>(cache.view.row_width), rng);
   for (int layer = 0; layer < 2; ++layer) backend->store_kv(cache.view, layer, 0, 6, k.data(), k.data());
   std::vector<float> cos, sin;
@@ -131,6 +137,55 @@ TEST_P(LayerOps, ShiftKeysRotatesTheKeysOfTheSlotsInTheLayersAndNothingElse) {
           EXPECT_NEAR(cache.read(layer, slot, false, h * kHeadDim + e), want[e], 1e-6) << layer << " " << slot;
           EXPECT_EQ(cache.read(layer, slot, true, h * kHeadDim + e), head[e]);  // values never turn
         }
+      }
+    }
+  }
+}
+
+// A q8_0 cache (heads of 32: a block each): rows are stored as GGML's q8_0 blocks, each element
+// within half a step (step: the block's largest magnitude / 127, stored in fp16) of what was
+// stored; a shift rotates the keys it held in fp32 and stores them again, within half a step
+// of the exact rotation.
+TEST_P(LayerOps, Q8_0CacheStoresBlocksAndShiftsWithinHalfAStep) {
+  constexpr int kDim = 32, kWidth = kHeads * kDim;
+  Cache cache(KvType::kQ8_0, kWidth);
+  const std::vector<float> k = random_values(6 * static_cast<size_t>(kWidth), rng), v = random_values(k.size(), rng);
+  for (int layer = 0; layer < 2; ++layer) backend->store_kv(cache.view, layer, 0, 6, k.data(), v.data());
+  const auto half_step = [](const auto* x) {
+    double amax = 0;
+    for (int e = 0; e < kDim; ++e) amax = std::max(amax, std::abs(static_cast<double>(x[e])));
+    // Half a step, and the step's rounding to fp16 (2^-11 of it) times the largest code, 127.
+    return amax / 127 * (0.5 + 127.0 / 2048) + 1e-7;
+  };
+  std::vector<uint8_t> blocks(kv_bytes_of(KvType::kQ8_0, kWidth));
+  std::vector<float> held(6 * static_cast<size_t>(kWidth));  // the keys as stored
+  for (int slot = 0; slot < 6; ++slot) {
+    const float* row = &k[static_cast<size_t>(slot) * kWidth];
+    quantize_row(TensorType::Q8_0, row, blocks.data(), kWidth);
+    ASSERT_EQ(std::memcmp(cache.view.key(1, slot), blocks.data(), blocks.size()), 0) << slot;
+    for (int h = 0; h < kHeads; ++h) {
+      for (int e = 0; e < kDim; ++e) {
+        const int at = h * kDim + e;
+        held[static_cast<size_t>(slot) * kWidth + at] = cache.read(1, slot, false, at);
+        ASSERT_LE(std::abs(cache.read(1, slot, false, at) - row[at]), half_step(row + h * kDim));
+        ASSERT_LE(std::abs(cache.read(1, slot, true, at) - v[static_cast<size_t>(slot) * kWidth + at]),
+                  half_step(&v[static_cast<size_t>(slot) * kWidth + h * kDim]));
+      }
+    }
+  }
+  std::vector<float> cos, sin;
+  make_angles(1, cos, sin);
+  const std::vector<int> slots = {4, 2}, layers = {1};
+  backend->shift_keys(cache.view, layers, slots, RopeAngles{cos.data(), sin.data(), kRot, false}, kHeads, kDim);
+  for (int slot = 0; slot < 6; ++slot) {
+    const bool moved = slot == 2 || slot == 4;
+    for (int h = 0; h < kHeads; ++h) {
+      const float* head = &held[(static_cast<size_t>(slot) * kHeads + h) * kDim];
+      const std::vector<double> want = moved ? rotated(head, cos.data(), sin.data(), false, kDim)
+                                             : std::vector<double>(head, head + kDim);
+      for (int e = 0; e < kDim; ++e) {
+        EXPECT_LE(std::abs(cache.read(1, slot, false, h * kDim + e) - want[static_cast<size_t>(e)]), half_step(want.data()))
+            << slot << " " << h << " " << e;
       }
     }
   }

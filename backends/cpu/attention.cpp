@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "backends/cpu/attention.h"
@@ -119,6 +120,37 @@ HWY_INLINE hn::Vec<D> LoadKv(D d, const uint16_t* p) {
 HWY_INLINE float KvValue(float x) { return x; }
 HWY_INLINE float KvValue(uint16_t x) { return fp16_to_fp32(x); }
 
+// Rows of a q8_0 cache (blocks of 34 bytes: an fp16 scale, 32 int8 codes) as the kernels read
+// them, like a pointer to elements: `blocks` at a block's start (a head's slice of a row is one:
+// head sizes are multiples of 32), `at` elements on. Vectors of up to 16 lanes at multiples of
+// the lanes stay within a block.
+struct Q8Elements {
+  const uint8_t* blocks = nullptr;
+  int64_t at = 0;
+
+  Q8Elements operator+(int64_t n) const { return {blocks, at + n}; }
+  const uint8_t* block() const { return blocks + at / 32 * 34; }
+  // The block's scale, widened by the hardware where it can (F16C).
+  float scale() const {
+    const hn::CappedTag<hwy::float16_t, 1> dh;
+    const hn::CappedTag<float, 1> df;
+    return hn::GetLane(hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(block()))));
+  }
+  float operator[](int64_t n) const {
+    const Q8Elements e = *this + n;
+    return e.scale() * static_cast<float>(static_cast<int8_t>(e.block()[2 + e.at % 32]));
+  }
+};
+// A vector of q8_0 elements as fp32: the codes widened, times their block's scale (exact for the
+// products: code * scale is what the cache holds).
+template <class D>
+HWY_INLINE hn::Vec<D> LoadKv(D d, Q8Elements p) {
+  const hn::Rebind<int8_t, D> d8;
+  const hn::Rebind<int32_t, D> d32;
+  const auto* codes = reinterpret_cast<const int8_t*>(p.block() + 2 + p.at % 32);
+  return hn::Mul(hn::ConvertTo(d, hn::PromoteTo(d32, hn::LoadU(d8, codes))), hn::Set(d, p.scale()));
+}
+
 // The lanes of a float vector of this target, known when compiling (x86 and the emulated
 // targets: 1 to 16).
 constexpr int kFloatLanes = static_cast<int>(HWY_LANES(float));
@@ -198,15 +230,15 @@ HWY_INLINE hn::Vec<D> SumLanesOfEach(D d, hn::Vec<D>* v) {
 // accumulator, a chain of hd / lanes dependent FMAs, whose lanes SumLanesOfEach adds together
 // with up to lanes - 1 other pairs'. A pair's sum is the same whatever the other rows and keys
 // of the call.
-template <int R, int NK, class D, class T>
-HWY_INLINE void ScoreRowsKeys(D d, const float* q, int hd, int vec_end, const T* const* kr, int nk, float* scores,
+template <int R, int NK, class D, class P>
+HWY_INLINE void ScoreRowsKeys(D d, const float* q, int hd, int vec_end, const P* kr, int nk, float* scores,
                               int scores_ld) {
   static_assert(R * NK <= kFloatLanes, "one SumLanesOfEach per call");
   const int lanes = static_cast<int>(hn::Lanes(d));
   hn::Vec<D> acc[kFloatLanes];
   for (int i = 0; i < kFloatLanes; ++i) acc[i] = hn::Zero(d);
   // Past the nk-th key, the call repeats the last: the work is thrown away, the loads stay valid.
-  const T* keys[NK];
+  P keys[NK];
   for (int i = 0; i < NK; ++i) keys[i] = kr[std::min(i, nk - 1)];
   for (int c = 0; c < vec_end; c += lanes) {
     hn::Vec<D> qv[R];
@@ -241,8 +273,8 @@ constexpr int RowSlots(int rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <
 
 // Up to 4 rows of a call of ScoreRowsOf against keys kr[0 .. nk) (nk <= kFloatLanes / R, so
 // that the rows x keys sums fill one SumLanesOfEach).
-template <int R, class D, class T>
-HWY_INLINE void ScoreRowChunk(D d, const float* q, int hd, int vec_end, const T* const* kr, int nk, float* scores,
+template <int R, class D, class P>
+HWY_INLINE void ScoreRowChunk(D d, const float* q, int hd, int vec_end, const P* kr, int nk, float* scores,
                               int scores_ld) {
   constexpr int kKeys = kFloatLanes / RowSlots(R) > 0 ? kFloatLanes / RowSlots(R) : 1;
   if constexpr (R * kKeys <= kFloatLanes) {
@@ -260,8 +292,8 @@ HWY_INLINE void ScoreRowChunk(D d, const float* q, int hd, int vec_end, const T*
 // vectors. A group of keys (a vector's lanes of them) meets up to 4 rows at a time, lanes / rows
 // keys per call of ScoreRowsKeys. A key's sum is the same whichever group it falls in, and
 // whichever chunk its row.
-template <class T>
-HWY_INLINE void ScoreRowsOf(const float* q, int n_rows, int hd, const T* k, int64_t k_ld, int n_keys, float* scores,
+template <class P>
+HWY_INLINE void ScoreRowsOf(const float* q, int n_rows, int hd, P k, int64_t k_ld, int n_keys, float* scores,
                             int scores_ld) {
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
@@ -270,7 +302,7 @@ HWY_INLINE void ScoreRowsOf(const float* q, int n_rows, int hd, const T* k, int6
   for (int j0 = 0; j0 < n_keys; j0 += kGroup) {
     const int nk = std::min(kGroup, n_keys - j0);
     // Past the last key, the group repeats it: the work is thrown away, the loads stay valid.
-    const T* kr[kGroup];
+    P kr[kGroup];
     for (int i = 0; i < kGroup; ++i) kr[i] = k + (j0 + std::min(i, nk - 1)) * k_ld;
     for (int r0 = 0; r0 < n_rows;) {
       const float* qr = q + r0 * hd;
@@ -293,13 +325,18 @@ void ScoreRowsF16(const float* q, int n_rows, int hd, const uint16_t* k, int64_t
                   int scores_ld) {
   ScoreRowsOf(q, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
 }
+// (k: a head's slice of the first row, q8_0 blocks; k_ld in elements)
+void ScoreRowsQ8(const float* q, int n_rows, int hd, const uint8_t* k, int64_t k_ld, int n_keys, float* scores,
+                 int scores_ld) {
+  ScoreRowsOf(q, n_rows, hd, Q8Elements{k, 0}, k_ld, n_keys, scores, scores_ld);
+}
 
 // acc[r][c0 .. c0 + NC vectors) += sum_j p[r][j] * v[j][c0 ..) for R rows, over the keys with a
 // non-zero weight in some row: each value vector loaded (and widened) once for all the rows, the
 // rows' columns held in R x NC registers across all the keys. Every element sums its keys in key
 // order (a zero weight adds +0, which changes no sum of finite products).
-template <int R, int NC, class D, class T>
-HWY_INLINE void AccumulateRowsColumns(D d, const float* p, int p_ld, int n_keys, const T* v, int64_t v_ld, int hd,
+template <int R, int NC, class D, class P>
+HWY_INLINE void AccumulateRowsColumns(D d, const float* p, int p_ld, int n_keys, P v, int64_t v_ld, int hd,
                                       float* acc) {
   const int lanes = static_cast<int>(hn::Lanes(d));
   hn::Vec<D> a[R][NC];
@@ -310,7 +347,7 @@ HWY_INLINE void AccumulateRowsColumns(D d, const float* p, int p_ld, int n_keys,
     bool any = false;
     for (int r = 0; r < R; ++r) any |= p[r * p_ld + j] != 0.0f;
     if (!any) continue;  // masked keys (empty slots may hold anything)
-    const T* vj = v + j * v_ld;
+    const P vj = v + j * v_ld;
     for (int c = 0; c < NC; ++c) {
       const auto vv = LoadKv(d, vj + c * lanes);
       for (int r = 0; r < R; ++r) a[r][c] = hn::MulAdd(hn::Set(d, p[r * p_ld + j]), vv, a[r][c]);
@@ -324,8 +361,8 @@ HWY_INLINE void AccumulateRowsColumns(D d, const float* p, int p_ld, int n_keys,
 // acc[r] += sum_j p[r][j] * v[j] for rows r < n_rows (fp32 values, or fp16 read in place; v_ld
 // apart): the value side of ScoreRows. Every element sums its keys in key order, so the result
 // is the same for any cut of the keys into calls, and of the rows into chunks.
-template <class T>
-HWY_INLINE void AccumulateRowsOf(const float* p, int n_rows, int p_ld, const T* v, int64_t v_ld, int n_keys, int hd,
+template <class P>
+HWY_INLINE void AccumulateRowsOf(const float* p, int n_rows, int p_ld, P v, int64_t v_ld, int n_keys, int hd,
                                  float* acc) {
   const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
@@ -334,7 +371,7 @@ HWY_INLINE void AccumulateRowsOf(const float* p, int n_rows, int p_ld, const T* 
   constexpr int kKeysPerStretch = 32;
   for (int j0 = 0; j0 < n_keys; j0 += kKeysPerStretch) {
     const int nk = std::min(kKeysPerStretch, n_keys - j0);
-    const T* vs = v + j0 * v_ld;
+    const P vs = v + j0 * v_ld;
     const float* ps = p + j0;
     for (int r0 = 0; r0 < n_rows; r0 += 4) {
       const int rn = std::min(4, n_rows - r0);
@@ -371,6 +408,10 @@ void AccumulateRows(const float* p, int n_rows, int p_ld, const float* v, int64_
 void AccumulateRowsF16(const float* p, int n_rows, int p_ld, const uint16_t* v, int64_t v_ld, int n_keys, int hd,
                        float* acc) {
   AccumulateRowsOf(p, n_rows, p_ld, v, v_ld, n_keys, hd, acc);
+}
+void AccumulateRowsQ8(const float* p, int n_rows, int p_ld, const uint8_t* v, int64_t v_ld, int n_keys, int hd,
+                      float* acc) {
+  AccumulateRowsOf(p, n_rows, p_ld, Q8Elements{v, 0}, v_ld, n_keys, hd, acc);
 }
 
 // The tile path of prefill attention: a tile's query rows sit in the lanes of vectors, so that
@@ -527,8 +568,10 @@ HWY_EXPORT(F16KvRowsToF32);
 HWY_EXPORT(ExpBlockRow);
 HWY_EXPORT(ScoreRows);
 HWY_EXPORT(ScoreRowsF16);
+HWY_EXPORT(ScoreRowsQ8);
 HWY_EXPORT(AccumulateRows);
 HWY_EXPORT(AccumulateRowsF16);
+HWY_EXPORT(AccumulateRowsQ8);
 HWY_EXPORT(TileMeetBlock);
 HWY_EXPORT(TileRowWidth);
 
@@ -597,7 +640,17 @@ struct UnitBuffers {
 // come from two runs is gathered piece by piece).
 void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* kbuf, float* vbuf) {
   const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
-  if (kv.f16) {
+  if (kv.type == KvType::kQ8_0) {
+    const auto* keys = static_cast<const uint8_t*>(kv.keys);
+    const auto* values = static_cast<const uint8_t*>(kv.values);
+    for (int j = 0; j < nb; ++j) {
+      const size_t at = kv_bytes_of(KvType::kQ8_0, offset + j * kv.row_stride);
+      if (kbuf != nullptr) dequantize_row(TensorType::Q8_0, keys + at, kbuf + j * hd, hd);
+      if (vbuf != nullptr) dequantize_row(TensorType::Q8_0, values + at, vbuf + j * hd, hd);
+    }
+    return;
+  }
+  if (kv.type == KvType::kF16) {
     HWY_DYNAMIC_DISPATCH(F16KvRowsToF32)(static_cast<const uint16_t*>(kv.keys) + offset,
                                           static_cast<const uint16_t*>(kv.values) + offset, kv.row_stride, nb, hd,
                                           kbuf, vbuf);
@@ -628,9 +681,12 @@ enum class KvSides { kBoth, kKeys, kValues };
 struct BlockView {
   const float* k = nullptr;
   const float* v = nullptr;
-  // An fp16 cache's rows read in place (the row path; f16_in_place): k and v are then null.
+  // An fp16 or q8_0 cache's rows read in place (the row path; in_place): k and v are then null.
+  // q8_0: a head's slice of a row, in blocks, at element 0.
   const uint16_t* k16 = nullptr;
   const uint16_t* v16 = nullptr;
+  const uint8_t* kq8 = nullptr;
+  const uint8_t* vq8 = nullptr;
   int64_t ldk = 0, ldv = 0;
   int nb = 0;                    // keys, trimmed after the last one some row of the unit may see
   const int64_t* pos = nullptr;  // [nb]: each key's position, -1 for an empty slot
@@ -644,11 +700,12 @@ struct BlockView {
 // the same slots in one cache. Keys after the last one a row can see are dropped (in an
 // in-order cache, the future of a prefill's diagonal block): they would only add zeros.
 // Returns false when no row of the unit (positions first_pos .. last_pos) sees any key.
-// With f16_in_place, a block of an fp16 cache in one run is given as its rows (k16, v16) for the
-// row path's kernels to widen as they read, instead of converted into the buffers.
+// With in_place, a block of an fp16 or q8_0 cache in one run is given as its rows (k16, v16 or
+// kq8, vq8) for the row path's kernels to widen as they read, instead of converted into the
+// buffers.
 bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t first_pos, int64_t last_pos,
                 int64_t window, const UnitBuffers& buf, int64_t* pos_buf, BlockView* view,
-                KvSides sides = KvSides::kBoth, bool f16_in_place = false) {
+                KvSides sides = KvSides::kBoth, bool in_place = false) {
   const int n_prefix = kv.prefix != nullptr ? kv.prefix->n_slots : 0;
   // The block's pieces: at most one per run, each its run, first slot, length and column.
   struct Piece {
@@ -682,10 +739,13 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   view->nb = nb;
   view->pos = pos;
   view->all_visible = all_visible;
-  if (n_pieces == 1 && (!pieces[0].run->f16 || f16_in_place)) {
+  if (n_pieces == 1 && (pieces[0].run->type == KvType::kF32 || in_place)) {
     const KvLayer& run = *pieces[0].run;
     const int64_t offset = pieces[0].slot * run.row_stride + static_cast<int64_t>(kv_head) * hd;
-    if (run.f16) {
+    if (run.type == KvType::kQ8_0) {
+      view->kq8 = static_cast<const uint8_t*>(run.keys) + kv_bytes_of(run.type, offset);
+      view->vq8 = static_cast<const uint8_t*>(run.values) + kv_bytes_of(run.type, offset);
+    } else if (run.type == KvType::kF16) {
       view->k16 = static_cast<const uint16_t*>(run.keys) + offset;
       view->v16 = static_cast<const uint16_t*>(run.values) + offset;
     } else {
@@ -724,7 +784,7 @@ uint32_t pull_rows(const KvLayer& kv, int from, int to, bool keys) {
     const KvLayer& run = j < n_prefix ? *kv.prefix : kv;
     const int slot = j < n_prefix ? j : j - n_prefix;
     if (slot >= run.n_slots) break;
-    const size_t bytes = static_cast<size_t>(run.row_stride) * (run.f16 ? sizeof(uint16_t) : sizeof(float));
+    const size_t bytes = kv_bytes_of(run.type, run.row_stride);
     const auto* k = static_cast<const uint8_t*>(run.keys) + slot * bytes;
     const auto* v = static_cast<const uint8_t*>(run.values) + slot * bytes;
     for (size_t line = 0; line < bytes; line += 64) {
@@ -786,6 +846,9 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
       for (int r = 0; r < head_rows; ++r) {
         std::copy_n(pre->scores + (h * head_rows + r) * pre->scores_ld + j0 + j_begin, j_end - j_begin, s + r * kKeyBlock);
       }
+    } else if (b.kq8 != nullptr) {
+      HWY_DYNAMIC_DISPATCH(ScoreRowsQ8)(qt_of(h), head_rows, hd, b.kq8 + kv_bytes_of(KvType::kQ8_0, j_begin * b.ldk),
+                                        b.ldk, j_end - j_begin, s, kKeyBlock);
     } else if (b.k16 != nullptr) {
       HWY_DYNAMIC_DISPATCH(ScoreRowsF16)(qt_of(h), head_rows, hd, b.k16 + j_begin * b.ldk, b.ldk, j_end - j_begin, s,
                                          kKeyBlock);
@@ -831,7 +894,10 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
   const auto accumulate_values = [&](int h, const BlockView& b, int j_begin, int j_end) {
     const float* p = scores_of(h) + j_begin;
     float* acc = st.acc + h * head_rows * hd;
-    if (b.v16 != nullptr) {
+    if (b.vq8 != nullptr) {
+      HWY_DYNAMIC_DISPATCH(AccumulateRowsQ8)(p, head_rows, kKeyBlock, b.vq8 + kv_bytes_of(KvType::kQ8_0, j_begin * b.ldv),
+                                             b.ldv, j_end - j_begin, hd, acc);
+    } else if (b.v16 != nullptr) {
       HWY_DYNAMIC_DISPATCH(AccumulateRowsF16)(p, head_rows, kKeyBlock, b.v16 + j_begin * b.ldv, b.ldv, j_end - j_begin,
                                               hd, acc);
     } else {
@@ -844,6 +910,8 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
     const int64_t at = static_cast<int64_t>(h) * hd;
     if (b.k16 != nullptr) b.k16 += at;
     if (b.v16 != nullptr) b.v16 += at;
+    if (b.kq8 != nullptr) b.kq8 += kv_bytes_of(KvType::kQ8_0, at);
+    if (b.vq8 != nullptr) b.vq8 += kv_bytes_of(KvType::kQ8_0, at);
     if (b.k != nullptr) b.k += at;
     if (b.v != nullptr) b.v += at;
     return b;
@@ -856,10 +924,10 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
     BlockView b0;
     const KvSides sides = pre != nullptr ? KvSides::kValues : KvSides::kBoth;
     if (!view_block(kv, u.kv_head, hd, j0, nb, first_pos, last_pos, window, buf, pos_buf, &b0, sides,
-                    /*f16_in_place=*/true)) {
+                    /*in_place=*/true)) {
       return;  // (the same slots for every head)
     }
-    const bool in_place = b0.k16 != nullptr || b0.v16 != nullptr ||
+    const bool in_place = b0.k16 != nullptr || b0.v16 != nullptr || b0.vq8 != nullptr ||
                           (b0.v != nullptr && b0.v != buf.vbuf);
     if (!in_place || u.n_kv_heads == 1) {
       for (int h = 0; h < u.n_kv_heads; ++h) {

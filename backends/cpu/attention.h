@@ -20,18 +20,19 @@ namespace ringlm::cpu {
 using ringlm::AttentionShape;  // the backend interface's (backends/backend.h)
 
 // The keys and values of one layer, in the slots of a ring cache: slot j's KV head g starts at
-// element j * row_stride + g * head_dim of keys (values), fp32 or fp16. positions[j] is the
+// element j * row_stride + g * head_dim of keys (values), fp32, fp16 or q8_0 (kv_bytes_of gives
+// an element's byte offset: q8_0's blocks of 32 never straddle two heads). positions[j] is the
 // position of slot j's token, -1 for an empty slot. Slots may be in any order: a query at
 // position p sees exactly the slots with 0 <= position <= p.
 //
 // `prefix` (optional) is a second run of slots read before these ones: a prompt segment that
 // several sequences share (the segment KV cache of batch sampling), with its own memory. The
-// queries see both runs by the same rule; its f16 must match.
+// queries see both runs by the same rule; its type must match.
 struct KvLayer {
   const void* keys = nullptr;
   const void* values = nullptr;
   int64_t row_stride = 0;  // elements
-  bool f16 = false;
+  KvType type = KvType::kF32;
   const int64_t* positions = nullptr;
   int n_slots = 0;
   const KvLayer* prefix = nullptr;

@@ -5,6 +5,8 @@
 #include <algorithm>
 
 #include "backends/cpu/kv_rows.h"
+#include "quant/formats.h"
+#include "quant/quantize.h"
 
 namespace ringlm::cpu {
 namespace {
@@ -19,8 +21,25 @@ RopePairs pairs_of(const RopeAngles& angles) { return angles.adjacent_pairs ? Ro
 
 // One layer's slots of a cache as the attention kernel reads them.
 KvLayer layer_of(const KvView& kv, int layer, const KvLayer* prefix) {
-  return KvLayer{kv.key(layer, 0), kv.value(layer, 0), kv.row_width, kv.f16, kv.positions.data(),
+  return KvLayer{kv.key(layer, 0), kv.value(layer, 0), kv.row_width, kv.type, kv.positions.data(),
                  static_cast<int>(kv.positions.size()), prefix};
+}
+
+// A cache row of n elements of `type` from fp32 (q8_0: GGML's reference rounding, the blocks
+// llama.cpp would store), and back.
+void write_kv_row(KvType type, const float* in, int64_t n, uint8_t* row) {
+  switch (type) {
+    case KvType::kF16: return fp32_to_fp16_row(in, reinterpret_cast<uint16_t*>(row), n);
+    case KvType::kF32: std::copy_n(in, n, reinterpret_cast<float*>(row)); return;
+    case KvType::kQ8_0: return quantize_row(TensorType::Q8_0, in, row, n);
+  }
+}
+void read_kv_row(KvType type, const uint8_t* row, int64_t n, float* out) {
+  switch (type) {
+    case KvType::kF16: return fp16_to_fp32_row(reinterpret_cast<const uint16_t*>(row), out, n);
+    case KvType::kF32: std::copy_n(reinterpret_cast<const float*>(row), n, out); return;
+    case KvType::kQ8_0: return dequantize_row(TensorType::Q8_0, row, out, n);
+  }
 }
 
 }  // namespace
@@ -47,15 +66,8 @@ void LayerOps::rope(float* x, int64_t n_rows, int n_heads, int head_dim, const R
 void LayerOps::store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) {
 #pragma omp parallel for num_threads(n_threads_) schedule(static) if (n >= kParallelRows)
   for (int i = 0; i < n; ++i) {
-    const float* key = k + static_cast<int64_t>(i) * kv.row_width;
-    const float* value = v + static_cast<int64_t>(i) * kv.row_width;
-    if (kv.f16) {
-      fp32_to_fp16_row(key, reinterpret_cast<uint16_t*>(kv.key(layer, first_slot + i)), kv.row_width);
-      fp32_to_fp16_row(value, reinterpret_cast<uint16_t*>(kv.value(layer, first_slot + i)), kv.row_width);
-    } else {
-      std::copy_n(key, kv.row_width, reinterpret_cast<float*>(kv.key(layer, first_slot + i)));
-      std::copy_n(value, kv.row_width, reinterpret_cast<float*>(kv.value(layer, first_slot + i)));
-    }
+    write_kv_row(kv.type, k + static_cast<int64_t>(i) * kv.row_width, kv.row_width, kv.key(layer, first_slot + i));
+    write_kv_row(kv.type, v + static_cast<int64_t>(i) * kv.row_width, kv.row_width, kv.value(layer, first_slot + i));
   }
 }
 
@@ -95,18 +107,11 @@ void LayerOps::shift_keys(const KvView& kv, std::span<const int> layers, std::sp
 #pragma omp for collapse(2) schedule(static)
     for (int64_t l = 0; l < n_layers; ++l) {
       for (int64_t m = 0; m < n_slots; ++m) {
+        // Rotated in fp32 and stored again (q8_0: quantized again, per block).
         uint8_t* key = kv.key(layers[static_cast<size_t>(l)], slots[static_cast<size_t>(m)]);
-        if (kv.f16) {
-          fp16_to_fp32_row(reinterpret_cast<const uint16_t*>(key), row.data(), kv.row_width);
-        } else {
-          std::copy_n(reinterpret_cast<const float*>(key), kv.row_width, row.data());
-        }
+        read_kv_row(kv.type, key, kv.row_width, row.data());
         rotate_heads(row.data(), n_head_kv, head_dim, angles.n_rot, pairs_of(angles), cos_x.data(), sin_x.data());
-        if (kv.f16) {
-          fp32_to_fp16_row(row.data(), reinterpret_cast<uint16_t*>(key), kv.row_width);
-        } else {
-          std::copy_n(row.data(), kv.row_width, reinterpret_cast<float*>(key));
-        }
+        write_kv_row(kv.type, row.data(), kv.row_width, key);
       }
     }
   }

@@ -414,6 +414,7 @@ class PluginBackend final : public Backend {
 
   // --- The attention block (DeviceKv) -----------------------------------------------------
   void store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) override {
+    refuse_quantized_cache(kv);
     if (fuse_rope_store(kv, layer, first_slot, n, k, v)) return;
     run([&] {
       const size_t count = static_cast<size_t>(n) * static_cast<size_t>(kv.row_width);
@@ -432,6 +433,7 @@ class PluginBackend final : public Backend {
   }
 
   void attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) override {
+    for (const AttentionCall& call : calls) refuse_quantized_cache(*call.kv);
     run([&] {
       cpu_calls_.clear();
       const auto on_host = [&](const AttentionCall& call) {
@@ -465,6 +467,15 @@ class PluginBackend final : public Backend {
   }
 
  private:
+  // A plugin's caches hold fp16 or fp32 rows (its store, attention and shift kernels read no
+  // other): a quantized cache is refused by name, before a row is written.
+  void refuse_quantized_cache(const KvView& kv) const {
+    if (kv.type != KvType::kF16 && kv.type != KvType::kF32) {
+      throw std::runtime_error(std::string("--cache-type ") + kv_type_name(kv.type) + " is not supported on the plugin device " + name_ +
+                               ": a device's KV cache is f16 or f32 (use --cache-type f16, or run on the CPU)");
+    }
+  }
+
   // --- The dispatcher ---------------------------------------------------------------------
   // Every op of the seam runs through run(): a RoPE held back (rope()) runs first, as issued,
   // unless the op is the store that fuses it (store_kv()).

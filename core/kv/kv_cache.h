@@ -14,7 +14,8 @@
 // positions; a context shift drops the same tokens there and re-rotates the rest, as in the
 // full ring. At 8k tokens of Gemma 3 270M that is 24% of the memory of a full cache per layer.
 //
-// Keys and values are fp16 (half the memory and bandwidth) or fp32, in one buffer per ring
+// Keys and values are fp16 (half the memory and bandwidth), fp32, or q8_0 (an fp16 scale per 32
+// int8 codes: 53% of fp16's bytes; the head size must be a multiple of 32), in one buffer per ring
 // sized for all its slots, whose pages become resident as tokens are written (PageBuffer): a
 // cache costs the memory of the tokens it holds.
 //
@@ -35,8 +36,6 @@
 #include "core/kv/page_buffer.h"
 
 namespace ringlm {
-
-enum class KvType { kF16, kF32 };
 
 struct KvCacheOptions {
   KvType type = KvType::kF16;
@@ -181,7 +180,7 @@ class KvCache {
   void* value(int layer, int slot) { return rows_of(layer).row(place(layer).index, slot, true); }
   const void* key(int layer, int slot) const { return const_cast<KvCache*>(this)->key(layer, slot); }
   const void* value(int layer, int slot) const { return const_cast<KvCache*>(this)->value(layer, slot); }
-  size_t row_bytes() const { return static_cast<size_t>(row_width()) * (type_ == KvType::kF16 ? 2 : 4); }
+  size_t row_bytes() const { return kv_bytes_of(type_, row_width()); }
 
  private:
   // One ring's rows, [n_layer][keys, values][slots][row_width], and each slot's position.
