@@ -126,10 +126,13 @@ HWY_INLINE float KvValue(uint16_t x) { return fp16_to_fp32(x); }
 // the lanes stay within a block.
 struct Q8Elements {
   const uint8_t* blocks = nullptr;
-  int64_t at = 0;
+  int64_t at = 0;  // < 32: whole blocks are folded into `blocks`
 
-  Q8Elements operator+(int64_t n) const { return {blocks, at + n}; }
-  const uint8_t* block() const { return blocks + at / 32 * 34; }
+  Q8Elements operator+(int64_t n) const {
+    const auto total = static_cast<uint64_t>(at + n);
+    return {blocks + total / 32 * 34, static_cast<int64_t>(total % 32)};
+  }
+  const uint8_t* block() const { return blocks; }
   // The block's scale, widened by the hardware where it can (F16C).
   float scale() const {
     const hn::CappedTag<hwy::float16_t, 1> dh;
@@ -138,17 +141,29 @@ struct Q8Elements {
   }
   float operator[](int64_t n) const {
     const Q8Elements e = *this + n;
-    return e.scale() * static_cast<float>(static_cast<int8_t>(e.block()[2 + e.at % 32]));
+    return e.scale() * static_cast<float>(static_cast<int8_t>(e.block()[2 + e.at]));
   }
 };
+// Element c of a row on: the row's pointer moved by c (fp32, fp16), or for q8_0 rows the block
+// of c found by a shift, the row and c at multiples of the lanes.
+template <class D, class T>
+HWY_INLINE hn::Vec<D> LoadKvAt(D d, const T* row, int c) {
+  return LoadKv(d, row + c);
+}
+
 // A vector of q8_0 elements as fp32: the codes widened, times their block's scale (exact for the
 // products: code * scale is what the cache holds).
 template <class D>
 HWY_INLINE hn::Vec<D> LoadKv(D d, Q8Elements p) {
   const hn::Rebind<int8_t, D> d8;
   const hn::Rebind<int32_t, D> d32;
-  const auto* codes = reinterpret_cast<const int8_t*>(p.block() + 2 + p.at % 32);
+  const auto* codes = reinterpret_cast<const int8_t*>(p.block() + 2 + p.at);
   return hn::Mul(hn::ConvertTo(d, hn::PromoteTo(d32, hn::LoadU(d8, codes))), hn::Set(d, p.scale()));
+}
+template <class D>
+HWY_INLINE hn::Vec<D> LoadKvAt(D d, Q8Elements row, int c) {
+  const auto at = static_cast<unsigned>(row.at + c);
+  return LoadKv(d, Q8Elements{row.blocks + at / 32 * 34, static_cast<int64_t>(at % 32)});
 }
 
 // The lanes of a float vector of this target, known when compiling (x86 and the emulated
@@ -244,7 +259,7 @@ HWY_INLINE void ScoreRowsKeys(D d, const float* q, int hd, int vec_end, const P*
     hn::Vec<D> qv[R];
     for (int r = 0; r < R; ++r) qv[r] = hn::LoadU(d, q + r * hd + c);
     for (int i = 0; i < NK; ++i) {
-      const auto kv = LoadKv(d, keys[i] + c);
+      const auto kv = LoadKvAt(d, keys[i], c);
       for (int r = 0; r < R; ++r) acc[r * NK + i] = hn::MulAdd(qv[r], kv, acc[r * NK + i]);
     }
   }
@@ -349,7 +364,7 @@ HWY_INLINE void AccumulateRowsColumns(D d, const float* p, int p_ld, int n_keys,
     if (!any) continue;  // masked keys (empty slots may hold anything)
     const P vj = v + j * v_ld;
     for (int c = 0; c < NC; ++c) {
-      const auto vv = LoadKv(d, vj + c * lanes);
+      const auto vv = LoadKvAt(d, vj, c * lanes);
       for (int r = 0; r < R; ++r) a[r][c] = hn::MulAdd(hn::Set(d, p[r * p_ld + j]), vv, a[r][c]);
     }
   }
