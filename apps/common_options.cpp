@@ -95,8 +95,9 @@ void add_compute_option(CLI::App& cmd, ComputeType& compute) {
 }
 
 void add_cache_type_options(CLI::App& cmd, KvType& type) {
-  const std::map<std::string, KvType> types{{"f16", KvType::kF16}, {"f32", KvType::kF32}, {"q8_0", KvType::kQ8_0}};
-  cmd.add_option("--cache-type", type, "KV cache element type, keys and values: f16, f32 or q8_0")
+  const std::map<std::string, KvType> types{
+      {"f16", KvType::kF16}, {"f32", KvType::kF32}, {"q8_0", KvType::kQ8_0}, {"q4_0", KvType::kQ4_0}};
+  cmd.add_option("--cache-type", type, "KV cache element type, keys and values: f16, f32, q8_0 or q4_0")
       ->transform(CLI::CheckedTransformer(types, CLI::ignore_case))
       ->default_str("f16");
   // The per-side flags of llama.cpp, held until parsing ends to be checked together.

@@ -12,6 +12,7 @@ const char* kv_type_name(KvType type) {
     case KvType::kF16: return "f16";
     case KvType::kF32: return "f32";
     case KvType::kQ8_0: return "q8_0";
+    case KvType::kQ4_0: return "q4_0";
   }
   return "?";
 }

@@ -89,17 +89,35 @@ class BackendKvState {
   virtual ~BackendKvState() = default;
 };
 
-// How a KV cache stores its rows' elements (--cache-type): fp16, fp32, or llama.cpp's q8_0
-// blocks (an fp16 scale and 32 int8 codes: 34 bytes per 32 elements, 53% of fp16's).
-enum class KvType { kF16, kF32, kQ8_0 };
+// How a KV cache stores its rows' elements (--cache-type): fp16, fp32, or llama.cpp's q8_0 and
+// q4_0 blocks (an fp16 scale and 32 codes of 8 or 4 bits: 34 or 18 bytes per 32 elements, 53% or
+// 28% of fp16's).
+enum class KvType { kF16, kF32, kQ8_0, kQ4_0 };
+
+// Whether a type stores blocks of 32 elements (a head's size must then be a multiple of 32).
+constexpr bool kv_type_has_blocks(KvType type) { return type == KvType::kQ8_0 || type == KvType::kQ4_0; }
 
 // The name --cache-type gives a type ("f16", "f32", "q8_0").
 const char* kv_type_name(KvType type);
 
-// Bytes of `elements` consecutive elements of a row (q8_0: a multiple of 32).
+// Whether a cache keeps its heads turned by the Walsh-Hadamard matrix (the CPU backend's
+// hadamard_heads) before quantizing them: the block types, for head sizes that are powers of two
+// from 64 on (as llama.cpp does). The backend turns the keys and values it stores, the queries
+// it scores and the outputs back; the rows in the cache are the turned ones.
+constexpr bool kv_turns_heads(KvType type, int head_dim) {
+  return kv_type_has_blocks(type) && head_dim >= 64 && (head_dim & (head_dim - 1)) == 0;
+}
+
+// Bytes of `elements` consecutive elements of a row (blocks: a multiple of 32).
 constexpr size_t kv_bytes_of(KvType type, int64_t elements) {
   const auto n = static_cast<size_t>(elements);
-  return type == KvType::kQ8_0 ? n / 32 * 34 : n * (type == KvType::kF16 ? 2 : 4);
+  switch (type) {
+    case KvType::kQ8_0: return n / 32 * 34;
+    case KvType::kQ4_0: return n / 32 * 18;
+    case KvType::kF16: return n * 2;
+    case KvType::kF32: break;
+  }
+  return n * 4;
 }
 
 // One sequence's KV cache (core/kv's KvCache) as the backend's ops see it: its rows in host
@@ -112,6 +130,7 @@ struct KvView {
   int n_layer = 0;
   int capacity = 0;
   int row_width = 0;
+  int head_dim = 0;  // (row_width is the KV heads' of this size)
   KvType type = KvType::kF32;
   std::span<const int64_t> positions;
   uint64_t cache_id = 0;  // the viewed cache's KvCache::id(): what names a prefix (its rows' address may be reused)

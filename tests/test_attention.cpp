@@ -33,10 +33,13 @@ struct Case {
   int prefix = 0;     // slots [0, prefix) live in a separate prefix run (a shared prompt segment)
   int window = 0;     // sliding window: a query sees the last `window` positions (0: all)
   bool sinks = false;  // attention sinks (gpt-oss): a logit per head in every softmax's denominator
-  bool q8 = false;     // keys and values stored as q8_0 blocks (instead of f16 / f32)
+  int bits = 0;        // 8, 4: keys and values stored as q8_0, q4_0 blocks (instead of f16 / f32)
 };
 
-KvType type_of(const Case& c) { return c.q8 ? KvType::kQ8_0 : c.f16 ? KvType::kF16 : KvType::kF32; }
+KvType type_of(const Case& c) {
+  if (c.bits != 0) return c.bits == 8 ? KvType::kQ8_0 : KvType::kQ4_0;
+  return c.f16 ? KvType::kF16 : KvType::kF32;
+}
 
 // Rows of `width` fp32 values as a cache of `type` holds them.
 std::vector<uint8_t> encode_rows(KvType type, const std::vector<float>& rows, int width) {
@@ -53,6 +56,7 @@ std::vector<uint8_t> encode_rows(KvType type, const std::vector<float>& rows, in
       }
     }
     if (type == KvType::kQ8_0) quantize_row(TensorType::Q8_0, in, dst, width);
+    if (type == KvType::kQ4_0) quantize_row(TensorType::Q4_0, in, dst, width);
   }
   return out;
 }
@@ -62,7 +66,11 @@ void round_through(KvType type, std::vector<float>& rows, int width) {
   const std::vector<uint8_t> bytes = encode_rows(type, rows, width);
   const size_t row_bytes = kv_bytes_of(type, width);
   for (size_t r = 0; r < rows.size() / static_cast<size_t>(width); ++r) {
-    dequantize_row(type == KvType::kQ8_0 ? TensorType::Q8_0 : type == KvType::kF16 ? TensorType::F16 : TensorType::F32,
+    const TensorType stored = type == KvType::kQ8_0   ? TensorType::Q8_0
+                              : type == KvType::kQ4_0 ? TensorType::Q4_0
+                              : type == KvType::kF16  ? TensorType::F16
+                                                      : TensorType::F32;
+    dequantize_row(stored,
                    bytes.data() + r * row_bytes, rows.data() + r * static_cast<size_t>(width), width);
   }
 }
@@ -418,13 +426,14 @@ INSTANTIATE_TEST_SUITE_P(
                       StepsCase{{4, 1, 16}, Case{4, 1, 16, 127, 3}, true, 2.0f},                      // across a block's end
                       StepsCase{{16, 1, 64}, Case{16, 1, 64, 200, 4, false, true}, true, NAN},       // row by row
                       // q8_0 caches: split keys, a ring with a prefix
-                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 600, 9, false, false, 0, 0, false, true}, true, 3.0f},
-                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 600, 4, true, false, 200, 0, false, true}, true, NAN}),
+                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 600, 9, false, false, 0, 0, false, 8}, true, 3.0f},
+                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 600, 4, true, false, 200, 0, false, 8}, true, NAN},
+                      StepsCase{{9, 3, 64}, Case{9, 3, 64, 600, 9, false, false, 0, 0, false, 4}, true, 3.0f}),
     [](const auto& info) {
       const StepsCase& s = info.param;
       std::ostringstream name;
       name << "H" << s.shape.n_head << "_KV" << s.shape.n_head_kv << "_past" << s.layout.n_past << "_rows" << s.layout.n_tokens
-           << (s.layout.ring ? "_ring" : "") << (s.layout.f16 ? "_f16" : "") << (s.layout.q8 ? "_q8_0" : "");
+           << (s.layout.ring ? "_ring" : "") << (s.layout.f16 ? "_f16" : "") << (s.layout.bits == 8 ? "_q8_0" : s.layout.bits == 4 ? "_q4_0" : "");
       if (s.layout.prefix > 0) name << "_prefix" << s.layout.prefix;
       if (s.shape.window > 0) name << "_window" << s.shape.window;
       name << (s.async ? (std::isnan(s.phi0) ? "_phi_learned" : "_phi") : "_exact") << "_" << info.index;
@@ -464,21 +473,26 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                                            Case{8, 1, 32, 1000, 1, false, false, 0, 0, true},
                                            Case{6, 3, 8, 129, 70, true, true, 0, 40, true},
                                            Case{9, 3, 64, 600, 1, false, true, 300, 128, true},
-                                           // q8_0 caches: decode with split keys (in place), a
-                                           // prefill tile (gathered), a ring with a prefix, a
-                                           // window, sinks, MQA
-                                           Case{9, 3, 64, 600, 1, false, false, 0, 0, false, true},
-                                           Case{9, 3, 64, 200, 33, false, false, 0, 0, false, true},
-                                           Case{9, 3, 64, 600, 1, true, false, 300, 0, false, true},
-                                           Case{8, 2, 32, 700, 1, false, false, 0, 300, false, true},
-                                           Case{9, 3, 64, 200, 33, true, false, 77, 120, true, true},
-                                           Case{8, 1, 32, 1000, 1, false, false, 0, 0, false, true}),
+                                           // q8_0 and q4_0 caches: decode with split keys (in
+                                           // place), a prefill tile (gathered), a ring with a
+                                           // prefix, a window, sinks, MQA
+                                           Case{9, 3, 64, 600, 1, false, false, 0, 0, false, 8},
+                                           Case{9, 3, 64, 200, 33, false, false, 0, 0, false, 8},
+                                           Case{9, 3, 64, 600, 1, true, false, 300, 0, false, 8},
+                                           Case{8, 2, 32, 700, 1, false, false, 0, 300, false, 8},
+                                           Case{9, 3, 64, 200, 33, true, false, 77, 120, true, 8},
+                                           Case{8, 1, 32, 1000, 1, false, false, 0, 0, false, 8},
+                                           Case{9, 3, 64, 600, 1, false, false, 0, 0, false, 4},
+                                           Case{9, 3, 64, 200, 33, false, false, 0, 0, false, 4},
+                                           Case{9, 3, 64, 600, 1, true, false, 300, 0, false, 4},
+                                           Case{8, 2, 32, 700, 1, false, false, 0, 300, false, 4},
+                                           Case{8, 1, 32, 1000, 1, false, false, 0, 0, true, 4}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;  // (not operator+: GCC 12 reports a false -Wrestrict on it)
                            name << "H" << c.n_head << "_KV" << c.n_head_kv << "_D" << c.head_dim << "_past" << c.n_past
                                 << "_n" << c.n_tokens << (c.ring ? "_ring" : "") << (c.f16 ? "_f16" : "")
-                                << (c.q8 ? "_q8_0" : "");
+                                << (c.bits == 8 ? "_q8_0" : c.bits == 4 ? "_q4_0" : "");
                            if (c.prefix > 0) name << "_prefix" << c.prefix;
                            if (c.window > 0) name << "_window" << c.window;
                            if (c.sinks) name << "_sinks";

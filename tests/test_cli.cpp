@@ -372,7 +372,7 @@ TEST(CliContextShift, NoContextShiftStopsAtAFullContext) {
 
 // A q8_0 cache through several shifts (its keys rotated and quantized again each time): the
 // generation goes on, and the cache takes q8_0's bytes: 34 per 32 elements.
-TEST(CliContextShift, Q8_0CacheShiftsAndTakesItsBytes) {
+TEST(CliContextShift, QuantizedCachesShiftAndTakeTheirBytes) {
   const RunResult r = run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "Once upon a time", "-c", "64", "--keep", "4",
                                   "-n", "120", "--ignore-eos", "--temp", "0", "--stats", "json", "-t", "2", "-ctk", "q8_0",
                                   "-ctv", "q8_0"},
@@ -383,6 +383,13 @@ TEST(CliContextShift, Q8_0CacheShiftsAndTakesItsBytes) {
   EXPECT_GE(stats["n_shifts"].get<int>(), 2);
   EXPECT_EQ(stats["kv_type"], "q8_0");
   EXPECT_EQ(stats["kv_bytes"].get<size_t>(), size_t{30} * 2 * 64 * (3 * 64 / 32 * 34));
+  // q4_0: 18 bytes per 32 elements.
+  const RunResult q4 = run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "Once upon a time", "-c", "64", "-n", "4",
+                                   "--stats", "json", "--cache-type", "q4_0"},
+                                  120s);
+  ASSERT_EQ(q4.exit_code, 0) << describe(q4);
+  EXPECT_EQ(last_stats(q4)["kv_type"], "q4_0");
+  EXPECT_EQ(last_stats(q4)["kv_bytes"].get<size_t>(), size_t{30} * 2 * 64 * (3 * 64 / 32 * 18));
 }
 
 TEST(CliContextShift, BadCacheFlags) {

@@ -123,4 +123,31 @@ INSTANTIATE_TEST_SUITE_P(Layouts, Rope,
                                          RopeCase{RopePairs::kAdjacent, 64, 32, 5}, RopeCase{RopePairs::kHalves, 64, 32, 5},
                                          RopeCase{RopePairs::kAdjacent, 6, 6, 7}, RopeCase{RopePairs::kHalves, 10, 10, 2}));
 
+// The Walsh-Hadamard turn of a quantized cache's heads, against the matrix of Sylvester's
+// construction (H_1 = [1], H_2n = [[H, H], [H, -H]], over sqrt(n)) multiplied out in double: each
+// head alone, its own inverse, its norm kept.
+TEST(HadamardHeads, EachHeadTimesTheSylvesterMatrix) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  for (const int dim : {64, 128, 256}) {
+    const int heads = 3;
+    std::vector<float> x(static_cast<size_t>(heads) * dim);
+    for (float& e : x) e = normal(rng);
+    std::vector<float> turned = x;
+    ringlm::cpu::hadamard_heads(turned.data(), heads, dim);
+    const auto sign = [](int i, int j) { return std::popcount(static_cast<unsigned>(i & j)) % 2 == 0 ? 1.0 : -1.0; };
+    for (int h = 0; h < heads; ++h) {
+      const float* in = &x[static_cast<size_t>(h) * dim];
+      for (int i = 0; i < dim; ++i) {
+        double want = 0;
+        for (int j = 0; j < dim; ++j) want += sign(i, j) * in[j];
+        want /= std::sqrt(static_cast<double>(dim));
+        ASSERT_NEAR(turned[static_cast<size_t>(h) * dim + i], want, 1e-5) << dim << " " << h << " " << i;
+      }
+    }
+    ringlm::cpu::hadamard_heads(turned.data(), heads, dim);  // H H = I
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(turned[i], x[i], 1e-5) << dim << " " << i;
+  }
+}
+
 }  // namespace

@@ -9,10 +9,13 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/backend.h"
 #include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/kv_rows.h"
 #include "quant/formats.h"
 #include "quant/quantize.h"
 
@@ -89,7 +92,7 @@ struct Cache {
     if (view.type == KvType::kF32) return reinterpret_cast<const float*>(row)[e];
     if (view.type == KvType::kF16) return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[e]);
     std::vector<float> all(static_cast<size_t>(view.row_width));
-    dequantize_row(TensorType::Q8_0, row, all.data(), view.row_width);
+    dequantize_row(view.type == KvType::kQ8_0 ? TensorType::Q8_0 : TensorType::Q4_0, row, all.data(), view.row_width);
     return all[static_cast<size_t>(e)];
   }
   std::vector<uint8_t> rows;
@@ -142,26 +145,39 @@ TEST_P(LayerOps, ShiftKeysRotatesTheKeysOfTheSlotsInTheLayersAndNothingElse) {
   }
 }
 
-// A q8_0 cache (heads of 32: a block each): rows are stored as GGML's q8_0 blocks, each element
-// within half a step (step: the block's largest magnitude / 127, stored in fp16) of what was
-// stored; a shift rotates the keys it held in fp32 and stores them again, within half a step
-// of the exact rotation.
-TEST_P(LayerOps, Q8_0CacheStoresBlocksAndShiftsWithinHalfAStep) {
+// The largest error of GGML's rounding of a block whose largest magnitude is amax: q8_0 half a
+// step (amax / 127), q4_0 a step (amax / 8: the code 16 a value opposite the largest would take
+// is clamped to 15), and the step's own rounding to fp16 (2^-11 of it) times the largest code.
+double block_error(KvType type, double amax) {
+  return type == KvType::kQ8_0 ? amax / 127 * (0.5 + 127.0 / 2048) : amax / 8 * (1 + 8.0 / 2048);
+}
+
+// A q8_0 or q4_0 cache (heads of 32: a block each, not turned): rows are stored as GGML's blocks,
+// each element within the rounding's error of what was stored; a shift rotates the keys it held
+// in fp32 and stores them again, within that error of the exact rotation.
+class QuantizedCache : public ::testing::TestWithParam<KvType> {
+ protected:
+  std::unique_ptr<Backend> backend = make_cpu_backend(2, ComputeType::kInt8);
+  std::mt19937 rng{7};
+};
+
+TEST_P(QuantizedCache, StoresBlocksAndShiftsWithinTheRoundingsError) {
+  const KvType type = GetParam();
+  const TensorType blocks_type = type == KvType::kQ8_0 ? TensorType::Q8_0 : TensorType::Q4_0;
   constexpr int kDim = 32, kWidth = kHeads * kDim;
-  Cache cache(KvType::kQ8_0, kWidth);
+  Cache cache(type, kWidth);
   const std::vector<float> k = random_values(6 * static_cast<size_t>(kWidth), rng), v = random_values(k.size(), rng);
   for (int layer = 0; layer < 2; ++layer) backend->store_kv(cache.view, layer, 0, 6, k.data(), v.data());
-  const auto half_step = [](const auto* x) {
+  const auto half_step = [type](const auto* x) {
     double amax = 0;
     for (int e = 0; e < kDim; ++e) amax = std::max(amax, std::abs(static_cast<double>(x[e])));
-    // Half a step, and the step's rounding to fp16 (2^-11 of it) times the largest code, 127.
-    return amax / 127 * (0.5 + 127.0 / 2048) + 1e-7;
+    return block_error(type, amax) + 1e-7;
   };
-  std::vector<uint8_t> blocks(kv_bytes_of(KvType::kQ8_0, kWidth));
+  std::vector<uint8_t> blocks(kv_bytes_of(type, kWidth));
   std::vector<float> held(6 * static_cast<size_t>(kWidth));  // the keys as stored
   for (int slot = 0; slot < 6; ++slot) {
     const float* row = &k[static_cast<size_t>(slot) * kWidth];
-    quantize_row(TensorType::Q8_0, row, blocks.data(), kWidth);
+    quantize_row(blocks_type, row, blocks.data(), kWidth);
     ASSERT_EQ(std::memcmp(cache.view.key(1, slot), blocks.data(), blocks.size()), 0) << slot;
     for (int h = 0; h < kHeads; ++h) {
       for (int e = 0; e < kDim; ++e) {
@@ -189,6 +205,60 @@ TEST_P(LayerOps, Q8_0CacheStoresBlocksAndShiftsWithinHalfAStep) {
       }
     }
   }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, QuantizedCache, ::testing::Values(KvType::kQ8_0, KvType::kQ4_0),
+                         [](const auto& info) { return std::string(kv_type_name(info.param)); });
+
+// A quantized cache with heads of 64 keeps them turned by the Walsh-Hadamard matrix
+// (kv_turns_heads): the rows it holds are GGML's blocks of the turned keys and values, and
+// attention through the backend (queries turned alike, outputs turned back) gives what the
+// same keys and values give from an fp32 cache, within the rounding's reach; so does attention
+// after a shift, which turns the keys back for RoPE and again after.
+TEST_P(QuantizedCache, HeadsOf64AreTurnedAndAttentionMatchesAnFp32Cache) {
+  const KvType type = GetParam();
+  constexpr int kDim = 64, kKv = 2, kQueryHeads = 4, kWidth = kKv * kDim, kSlots = 6;
+  Cache turned(type, kWidth), plain(KvType::kF32, kWidth);
+  turned.view.head_dim = plain.view.head_dim = kDim;
+  ASSERT_TRUE(kv_turns_heads(type, kDim));
+  const std::vector<float> k = random_values(static_cast<size_t>(kSlots) * kWidth, rng), v = random_values(k.size(), rng);
+  for (Cache* c : {&turned, &plain}) backend->store_kv(c->view, 1, 0, kSlots, k.data(), v.data());
+  // What the cache holds: the blocks of the turned rows.
+  std::vector<float> row(k.begin(), k.begin() + kWidth);
+  cpu::hadamard_heads(row.data(), kKv, kDim);
+  std::vector<uint8_t> blocks(kv_bytes_of(type, kWidth));
+  quantize_row(type == KvType::kQ8_0 ? TensorType::Q8_0 : TensorType::Q4_0, row.data(), blocks.data(), kWidth);
+  ASSERT_EQ(std::memcmp(turned.view.key(1, 0), blocks.data(), blocks.size()), 0);
+
+  std::vector<int64_t> positions(kSlots);
+  for (int i = 0; i < kSlots; ++i) positions[static_cast<size_t>(i)] = i;
+  turned.view.positions = plain.view.positions = positions;
+  const AttentionShape shape{kQueryHeads, kKv, kDim};
+  const std::vector<float> q = random_values(static_cast<size_t>(kQueryHeads) * kDim, rng);
+  // q8_0 moves these outputs (averages of values of magnitude ~1) by about 0.01, q4_0 by about
+  // 0.1; an unturned query or output moves them by about 1.
+  const double tolerance = type == KvType::kQ8_0 ? 0.03 : 0.3;
+  const auto expect_same_attention = [&](const char* when) {
+    std::vector<float> out_turned(q.size()), out_plain(q.size());
+    for (auto [cache, out] : {std::pair{&turned, &out_turned}, std::pair{&plain, &out_plain}}) {
+      AttentionCall call;
+      call.q = q.data();
+      call.n_tokens = 1;
+      call.pos0 = kSlots - 1;
+      call.out = out->data();
+      call.kv = &cache->view;
+      backend->attention(1, shape, std::span<const AttentionCall>(&call, 1));
+    }
+    for (size_t i = 0; i < q.size(); ++i) EXPECT_NEAR(out_turned[i], out_plain[i], tolerance) << when << " " << i;
+  };
+  expect_same_attention("stored");
+  std::vector<float> cos, sin;
+  make_angles(1, cos, sin);
+  const std::vector<int> slots = {1, 3, 4}, layers = {1};
+  for (Cache* c : {&turned, &plain}) {
+    backend->shift_keys(c->view, layers, slots, RopeAngles{cos.data(), sin.data(), kRot, false}, kKv, kDim);
+  }
+  expect_same_attention("shifted");
 }
 
 TEST_P(LayerOps, ScaleAddAndAddRowAreElementwise) {

@@ -120,50 +120,70 @@ HWY_INLINE hn::Vec<D> LoadKv(D d, const uint16_t* p) {
 HWY_INLINE float KvValue(float x) { return x; }
 HWY_INLINE float KvValue(uint16_t x) { return fp16_to_fp32(x); }
 
-// Rows of a q8_0 cache (blocks of 34 bytes: an fp16 scale, 32 int8 codes) as the kernels read
-// them, like a pointer to elements: `blocks` at a block's start (a head's slice of a row is one:
-// head sizes are multiples of 32), `at` elements on. Vectors of up to 16 lanes at multiples of
-// the lanes stay within a block.
-struct Q8Elements {
+// Rows of a q8_0 or q4_0 cache (blocks of an fp16 scale and 32 codes of 8 or 4 bits: 34 or 18
+// bytes) as the kernels read them, like a pointer to elements: `blocks` at a block's start (a
+// head's slice of a row is one: head sizes are multiples of 32), `at` elements on. Vectors of up
+// to 16 lanes at multiples of the lanes stay within a block, and (q4_0) within one half of it:
+// element e of a q4_0 block is the low nibble of byte e, element e + 16 the high one.
+template <int kBits>
+struct BlockElements {
+  static constexpr int kBlockBytes = 2 + 32 * kBits / 8;
   const uint8_t* blocks = nullptr;
   int64_t at = 0;  // < 32: whole blocks are folded into `blocks`
 
-  Q8Elements operator+(int64_t n) const {
+  BlockElements operator+(int64_t n) const {
     const auto total = static_cast<uint64_t>(at + n);
-    return {blocks + total / 32 * 34, static_cast<int64_t>(total % 32)};
+    return {blocks + total / 32 * kBlockBytes, static_cast<int64_t>(total % 32)};
   }
   const uint8_t* block() const { return blocks; }
+  const uint8_t* codes() const { return blocks + 2; }
   // The block's scale, widened by the hardware where it can (F16C).
   float scale() const {
     const hn::CappedTag<hwy::float16_t, 1> dh;
     const hn::CappedTag<float, 1> df;
     return hn::GetLane(hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(block()))));
   }
+  int code(int64_t e) const {
+    if constexpr (kBits == 8) return static_cast<int8_t>(codes()[e]);
+    return (e < 16 ? codes()[e] & 15 : codes()[e - 16] >> 4) - 8;
+  }
   float operator[](int64_t n) const {
-    const Q8Elements e = *this + n;
-    return e.scale() * static_cast<float>(static_cast<int8_t>(e.block()[2 + e.at]));
+    const BlockElements e = *this + n;
+    return e.scale() * static_cast<float>(e.code(e.at));
   }
 };
-// Element c of a row on: the row's pointer moved by c (fp32, fp16), or for q8_0 rows the block
-// of c found by a shift, the row and c at multiples of the lanes.
+using Q8Elements = BlockElements<8>;
+using Q4Elements = BlockElements<4>;
+
+// Element c of a row on: the row's pointer moved by c (fp32, fp16), or for rows of blocks the
+// block of c found by a shift, the row and c at multiples of the lanes.
 template <class D, class T>
 HWY_INLINE hn::Vec<D> LoadKvAt(D d, const T* row, int c) {
   return LoadKv(d, row + c);
 }
 
-// A vector of q8_0 elements as fp32: the codes widened, times their block's scale (exact for the
-// products: code * scale is what the cache holds).
+// A vector of q8_0 or q4_0 elements as fp32: the codes widened, times their block's scale (exact
+// for the products: code * scale is what the cache holds).
 template <class D>
 HWY_INLINE hn::Vec<D> LoadKv(D d, Q8Elements p) {
   const hn::Rebind<int8_t, D> d8;
   const hn::Rebind<int32_t, D> d32;
-  const auto* codes = reinterpret_cast<const int8_t*>(p.block() + 2 + p.at);
+  const auto* codes = reinterpret_cast<const int8_t*>(p.codes() + p.at);
   return hn::Mul(hn::ConvertTo(d, hn::PromoteTo(d32, hn::LoadU(d8, codes))), hn::Set(d, p.scale()));
 }
 template <class D>
-HWY_INLINE hn::Vec<D> LoadKvAt(D d, Q8Elements row, int c) {
+HWY_INLINE hn::Vec<D> LoadKv(D d, Q4Elements p) {
+  const hn::Rebind<uint8_t, D> d8;
+  const hn::Rebind<int32_t, D> d32;
+  const auto bytes = hn::PromoteTo(d32, hn::LoadU(d8, p.codes() + p.at % 16));
+  const auto nibbles = p.at < 16 ? hn::And(bytes, hn::Set(d32, 15)) : hn::ShiftRight<4>(bytes);
+  return hn::Mul(hn::ConvertTo(d, hn::Sub(nibbles, hn::Set(d32, 8))), hn::Set(d, p.scale()));
+}
+template <class D, int kBits>
+HWY_INLINE hn::Vec<D> LoadKvAt(D d, BlockElements<kBits> row, int c) {
   const auto at = static_cast<unsigned>(row.at + c);
-  return LoadKv(d, Q8Elements{row.blocks + at / 32 * 34, static_cast<int64_t>(at % 32)});
+  return LoadKv(d, BlockElements<kBits>{row.blocks + at / 32 * BlockElements<kBits>::kBlockBytes,
+                                        static_cast<int64_t>(at % 32)});
 }
 
 // The lanes of a float vector of this target, known when compiling (x86 and the emulated
@@ -340,10 +360,14 @@ void ScoreRowsF16(const float* q, int n_rows, int hd, const uint16_t* k, int64_t
                   int scores_ld) {
   ScoreRowsOf(q, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
 }
-// (k: a head's slice of the first row, q8_0 blocks; k_ld in elements)
+// (k: a head's slice of the first row, q8_0 or q4_0 blocks; k_ld in elements)
 void ScoreRowsQ8(const float* q, int n_rows, int hd, const uint8_t* k, int64_t k_ld, int n_keys, float* scores,
                  int scores_ld) {
   ScoreRowsOf(q, n_rows, hd, Q8Elements{k, 0}, k_ld, n_keys, scores, scores_ld);
+}
+void ScoreRowsQ4(const float* q, int n_rows, int hd, const uint8_t* k, int64_t k_ld, int n_keys, float* scores,
+                 int scores_ld) {
+  ScoreRowsOf(q, n_rows, hd, Q4Elements{k, 0}, k_ld, n_keys, scores, scores_ld);
 }
 
 // acc[r][c0 .. c0 + NC vectors) += sum_j p[r][j] * v[j][c0 ..) for R rows, over the keys with a
@@ -427,6 +451,10 @@ void AccumulateRowsF16(const float* p, int n_rows, int p_ld, const uint16_t* v, 
 void AccumulateRowsQ8(const float* p, int n_rows, int p_ld, const uint8_t* v, int64_t v_ld, int n_keys, int hd,
                       float* acc) {
   AccumulateRowsOf(p, n_rows, p_ld, Q8Elements{v, 0}, v_ld, n_keys, hd, acc);
+}
+void AccumulateRowsQ4(const float* p, int n_rows, int p_ld, const uint8_t* v, int64_t v_ld, int n_keys, int hd,
+                      float* acc) {
+  AccumulateRowsOf(p, n_rows, p_ld, Q4Elements{v, 0}, v_ld, n_keys, hd, acc);
 }
 
 // The tile path of prefill attention: a tile's query rows sit in the lanes of vectors, so that
@@ -584,9 +612,11 @@ HWY_EXPORT(ExpBlockRow);
 HWY_EXPORT(ScoreRows);
 HWY_EXPORT(ScoreRowsF16);
 HWY_EXPORT(ScoreRowsQ8);
+HWY_EXPORT(ScoreRowsQ4);
 HWY_EXPORT(AccumulateRows);
 HWY_EXPORT(AccumulateRowsF16);
 HWY_EXPORT(AccumulateRowsQ8);
+HWY_EXPORT(AccumulateRowsQ4);
 HWY_EXPORT(TileMeetBlock);
 HWY_EXPORT(TileRowWidth);
 
@@ -655,13 +685,14 @@ struct UnitBuffers {
 // come from two runs is gathered piece by piece).
 void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* kbuf, float* vbuf) {
   const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
-  if (kv.type == KvType::kQ8_0) {
+  if (kv_type_has_blocks(kv.type)) {
     const auto* keys = static_cast<const uint8_t*>(kv.keys);
     const auto* values = static_cast<const uint8_t*>(kv.values);
+    const TensorType blocks = kv.type == KvType::kQ8_0 ? TensorType::Q8_0 : TensorType::Q4_0;
     for (int j = 0; j < nb; ++j) {
-      const size_t at = kv_bytes_of(KvType::kQ8_0, offset + j * kv.row_stride);
-      if (kbuf != nullptr) dequantize_row(TensorType::Q8_0, keys + at, kbuf + j * hd, hd);
-      if (vbuf != nullptr) dequantize_row(TensorType::Q8_0, values + at, vbuf + j * hd, hd);
+      const size_t at = kv_bytes_of(kv.type, offset + j * kv.row_stride);
+      if (kbuf != nullptr) dequantize_row(blocks, keys + at, kbuf + j * hd, hd);
+      if (vbuf != nullptr) dequantize_row(blocks, values + at, vbuf + j * hd, hd);
     }
     return;
   }
@@ -696,12 +727,13 @@ enum class KvSides { kBoth, kKeys, kValues };
 struct BlockView {
   const float* k = nullptr;
   const float* v = nullptr;
-  // An fp16 or q8_0 cache's rows read in place (the row path; in_place): k and v are then null.
-  // q8_0: a head's slice of a row, in blocks, at element 0.
+  // An fp16, q8_0 or q4_0 cache's rows read in place (the row path; in_place): k and v are then
+  // null. Blocks (q8_0, q4_0: blocks_type): a head's slice of a row, at element 0.
   const uint16_t* k16 = nullptr;
   const uint16_t* v16 = nullptr;
-  const uint8_t* kq8 = nullptr;
-  const uint8_t* vq8 = nullptr;
+  const uint8_t* kblocks = nullptr;
+  const uint8_t* vblocks = nullptr;
+  KvType blocks_type = KvType::kQ8_0;
   int64_t ldk = 0, ldv = 0;
   int nb = 0;                    // keys, trimmed after the last one some row of the unit may see
   const int64_t* pos = nullptr;  // [nb]: each key's position, -1 for an empty slot
@@ -715,9 +747,9 @@ struct BlockView {
 // the same slots in one cache. Keys after the last one a row can see are dropped (in an
 // in-order cache, the future of a prefill's diagonal block): they would only add zeros.
 // Returns false when no row of the unit (positions first_pos .. last_pos) sees any key.
-// With in_place, a block of an fp16 or q8_0 cache in one run is given as its rows (k16, v16 or
-// kq8, vq8) for the row path's kernels to widen as they read, instead of converted into the
-// buffers.
+// With in_place, a block of an fp16, q8_0 or q4_0 cache in one run is given as its rows (k16,
+// v16 or kblocks, vblocks) for the row path's kernels to widen as they read, instead of converted
+// into the buffers.
 bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t first_pos, int64_t last_pos,
                 int64_t window, const UnitBuffers& buf, int64_t* pos_buf, BlockView* view,
                 KvSides sides = KvSides::kBoth, bool in_place = false) {
@@ -757,9 +789,10 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   if (n_pieces == 1 && (pieces[0].run->type == KvType::kF32 || in_place)) {
     const KvLayer& run = *pieces[0].run;
     const int64_t offset = pieces[0].slot * run.row_stride + static_cast<int64_t>(kv_head) * hd;
-    if (run.type == KvType::kQ8_0) {
-      view->kq8 = static_cast<const uint8_t*>(run.keys) + kv_bytes_of(run.type, offset);
-      view->vq8 = static_cast<const uint8_t*>(run.values) + kv_bytes_of(run.type, offset);
+    if (kv_type_has_blocks(run.type)) {
+      view->kblocks = static_cast<const uint8_t*>(run.keys) + kv_bytes_of(run.type, offset);
+      view->vblocks = static_cast<const uint8_t*>(run.values) + kv_bytes_of(run.type, offset);
+      view->blocks_type = run.type;
     } else if (run.type == KvType::kF16) {
       view->k16 = static_cast<const uint16_t*>(run.keys) + offset;
       view->v16 = static_cast<const uint16_t*>(run.values) + offset;
@@ -861,9 +894,13 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
       for (int r = 0; r < head_rows; ++r) {
         std::copy_n(pre->scores + (h * head_rows + r) * pre->scores_ld + j0 + j_begin, j_end - j_begin, s + r * kKeyBlock);
       }
-    } else if (b.kq8 != nullptr) {
-      HWY_DYNAMIC_DISPATCH(ScoreRowsQ8)(qt_of(h), head_rows, hd, b.kq8 + kv_bytes_of(KvType::kQ8_0, j_begin * b.ldk),
-                                        b.ldk, j_end - j_begin, s, kKeyBlock);
+    } else if (b.kblocks != nullptr) {
+      const uint8_t* k = b.kblocks + kv_bytes_of(b.blocks_type, j_begin * b.ldk);
+      if (b.blocks_type == KvType::kQ8_0) {
+        HWY_DYNAMIC_DISPATCH(ScoreRowsQ8)(qt_of(h), head_rows, hd, k, b.ldk, j_end - j_begin, s, kKeyBlock);
+      } else {
+        HWY_DYNAMIC_DISPATCH(ScoreRowsQ4)(qt_of(h), head_rows, hd, k, b.ldk, j_end - j_begin, s, kKeyBlock);
+      }
     } else if (b.k16 != nullptr) {
       HWY_DYNAMIC_DISPATCH(ScoreRowsF16)(qt_of(h), head_rows, hd, b.k16 + j_begin * b.ldk, b.ldk, j_end - j_begin, s,
                                          kKeyBlock);
@@ -909,9 +946,13 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
   const auto accumulate_values = [&](int h, const BlockView& b, int j_begin, int j_end) {
     const float* p = scores_of(h) + j_begin;
     float* acc = st.acc + h * head_rows * hd;
-    if (b.vq8 != nullptr) {
-      HWY_DYNAMIC_DISPATCH(AccumulateRowsQ8)(p, head_rows, kKeyBlock, b.vq8 + kv_bytes_of(KvType::kQ8_0, j_begin * b.ldv),
-                                             b.ldv, j_end - j_begin, hd, acc);
+    if (b.vblocks != nullptr) {
+      const uint8_t* v = b.vblocks + kv_bytes_of(b.blocks_type, j_begin * b.ldv);
+      if (b.blocks_type == KvType::kQ8_0) {
+        HWY_DYNAMIC_DISPATCH(AccumulateRowsQ8)(p, head_rows, kKeyBlock, v, b.ldv, j_end - j_begin, hd, acc);
+      } else {
+        HWY_DYNAMIC_DISPATCH(AccumulateRowsQ4)(p, head_rows, kKeyBlock, v, b.ldv, j_end - j_begin, hd, acc);
+      }
     } else if (b.v16 != nullptr) {
       HWY_DYNAMIC_DISPATCH(AccumulateRowsF16)(p, head_rows, kKeyBlock, b.v16 + j_begin * b.ldv, b.ldv, j_end - j_begin,
                                               hd, acc);
@@ -925,8 +966,8 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
     const int64_t at = static_cast<int64_t>(h) * hd;
     if (b.k16 != nullptr) b.k16 += at;
     if (b.v16 != nullptr) b.v16 += at;
-    if (b.kq8 != nullptr) b.kq8 += kv_bytes_of(KvType::kQ8_0, at);
-    if (b.vq8 != nullptr) b.vq8 += kv_bytes_of(KvType::kQ8_0, at);
+    if (b.kblocks != nullptr) b.kblocks += kv_bytes_of(b.blocks_type, at);
+    if (b.vblocks != nullptr) b.vblocks += kv_bytes_of(b.blocks_type, at);
     if (b.k != nullptr) b.k += at;
     if (b.v != nullptr) b.v += at;
     return b;
@@ -942,7 +983,7 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
                     /*in_place=*/true)) {
       return;  // (the same slots for every head)
     }
-    const bool in_place = b0.k16 != nullptr || b0.v16 != nullptr || b0.vq8 != nullptr ||
+    const bool in_place = b0.k16 != nullptr || b0.v16 != nullptr || b0.vblocks != nullptr ||
                           (b0.v != nullptr && b0.v != buf.vbuf);
     if (!in_place || u.n_kv_heads == 1) {
       for (int h = 0; h < u.n_kv_heads; ++h) {

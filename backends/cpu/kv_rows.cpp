@@ -4,6 +4,8 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "backends/cpu/kv_rows.h"
+
+#include <cmath>
 #include "hwy/highway.h"
 #include "quant/formats.h"
 
@@ -107,6 +109,23 @@ void rotate_heads(float* vec, int n_heads, int head_dim, int n_rot, RopePairs pa
 }
 
 void fp32_to_fp16_row(const float* src, uint16_t* dst, int64_t n) { HWY_DYNAMIC_DISPATCH(Fp32ToFp16Row)(src, dst, n); }
+
+void hadamard_heads(float* x, int n_heads, int head_dim) {
+  const float norm = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  for (int h = 0; h < n_heads; ++h) {
+    float* v = x + static_cast<int64_t>(h) * head_dim;
+    for (int span = 1; span < head_dim; span *= 2) {
+      for (int i = 0; i < head_dim; i += 2 * span) {
+        for (int j = i; j < i + span; ++j) {
+          const float a = v[j], b = v[j + span];
+          v[j] = a + b;
+          v[j + span] = a - b;
+        }
+      }
+    }
+    for (int e = 0; e < head_dim; ++e) v[e] *= norm;
+  }
+}
 void fp16_to_fp32_row(const uint16_t* src, float* dst, int64_t n) { HWY_DYNAMIC_DISPATCH(Fp16ToFp32Row)(src, dst, n); }
 
 }  // namespace ringlm::cpu

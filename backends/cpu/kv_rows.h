@@ -22,6 +22,13 @@ void expand_rope_angles(const float* cos, const float* sin, int n_rot, RopePairs
 void rotate_heads(float* vec, int n_heads, int head_dim, int n_rot, RopePairs pairs, const float* cos_x,
                   const float* sin_x);
 
+// x <- H x for each of n_heads vectors of head_dim elements (a power of two), H the orthonormal
+// Walsh-Hadamard matrix of that size (H = H^T = H^-1), by the fast transform (log2(head_dim)
+// rounds of sums and differences, then 1/sqrt(head_dim)). It spreads a head's outlier channels
+// over all its elements before a cache quantizes them (QuaRot; llama.cpp's quantized caches do
+// the same), and leaves every dot product between two rotated vectors as it was.
+void hadamard_heads(float* x, int n_heads, int head_dim);
+
 // dst[i] = fp16(src[i]) (round to nearest even) and back, for i < n.
 void fp32_to_fp16_row(const float* src, uint16_t* dst, int64_t n);
 void fp16_to_fp32_row(const uint16_t* src, float* dst, int64_t n);

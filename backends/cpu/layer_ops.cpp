@@ -25,13 +25,14 @@ KvLayer layer_of(const KvView& kv, int layer, const KvLayer* prefix) {
                  static_cast<int>(kv.positions.size()), prefix};
 }
 
-// A cache row of n elements of `type` from fp32 (q8_0: GGML's reference rounding, the blocks
-// llama.cpp would store), and back.
+// A cache row of n elements of `type` from fp32 (q8_0, q4_0: GGML's reference rounding, the
+// blocks llama.cpp would store), and back.
 void write_kv_row(KvType type, const float* in, int64_t n, uint8_t* row) {
   switch (type) {
     case KvType::kF16: return fp32_to_fp16_row(in, reinterpret_cast<uint16_t*>(row), n);
     case KvType::kF32: std::copy_n(in, n, reinterpret_cast<float*>(row)); return;
     case KvType::kQ8_0: return quantize_row(TensorType::Q8_0, in, row, n);
+    case KvType::kQ4_0: return quantize_row(TensorType::Q4_0, in, row, n);
   }
 }
 void read_kv_row(KvType type, const uint8_t* row, int64_t n, float* out) {
@@ -39,6 +40,7 @@ void read_kv_row(KvType type, const uint8_t* row, int64_t n, float* out) {
     case KvType::kF16: return fp16_to_fp32_row(reinterpret_cast<const uint16_t*>(row), out, n);
     case KvType::kF32: std::copy_n(reinterpret_cast<const float*>(row), n, out); return;
     case KvType::kQ8_0: return dequantize_row(TensorType::Q8_0, row, out, n);
+    case KvType::kQ4_0: return dequantize_row(TensorType::Q4_0, row, out, n);
   }
 }
 
@@ -64,17 +66,37 @@ void LayerOps::rope(float* x, int64_t n_rows, int n_heads, int head_dim, const R
 }
 
 void LayerOps::store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) {
-#pragma omp parallel for num_threads(n_threads_) schedule(static) if (n >= kParallelRows)
-  for (int i = 0; i < n; ++i) {
-    write_kv_row(kv.type, k + static_cast<int64_t>(i) * kv.row_width, kv.row_width, kv.key(layer, first_slot + i));
-    write_kv_row(kv.type, v + static_cast<int64_t>(i) * kv.row_width, kv.row_width, kv.value(layer, first_slot + i));
+  const bool turns = kv_turns_heads(kv.type, kv.head_dim);
+  const auto width = static_cast<size_t>(kv.row_width);
+  if (turns && turned_.size() < 2 * width * static_cast<size_t>(n_threads_)) turned_.resize(2 * width * n_threads_);
+#pragma omp parallel num_threads(n_threads_) if (n >= kParallelRows)
+  {
+    float* row = turns ? turned_.data() + 2 * width * static_cast<size_t>(omp_get_thread_num()) : nullptr;
+    // A row as the cache keeps it: its heads turned first where the cache's type asks.
+    const auto store = [&](const float* src, uint8_t* dst) {
+      if (turns) {
+        std::copy_n(src, width, row);
+        hadamard_heads(row, kv.row_width / kv.head_dim, kv.head_dim);
+        src = row;
+      }
+      write_kv_row(kv.type, src, kv.row_width, dst);
+    };
+#pragma omp for schedule(static)
+    for (int i = 0; i < n; ++i) {
+      store(k + static_cast<int64_t>(i) * kv.row_width, kv.key(layer, first_slot + i));
+      store(v + static_cast<int64_t>(i) * kv.row_width, kv.value(layer, first_slot + i));
+    }
   }
 }
 
 void LayerOps::attention(int layer, const AttentionShape& shape, std::span<const AttentionCall> calls) {
-  // Sized before filling: jobs point into prefixes_.
+  // Sized before filling: jobs point into prefixes_ and turned_queries_.
   prefixes_.assign(calls.size(), KvLayer{});
+  turned_queries_.resize(calls.size());
   jobs_.clear();
+  // A cache that keeps its heads turned (kv_turns_heads) is scored with queries turned alike (the
+  // same dot products), and its outputs, sums of turned values, are turned back.
+  const auto turns = [&](const AttentionCall& c) { return kv_turns_heads(c.kv->type, shape.head_dim); };
   for (size_t i = 0; i < calls.size(); ++i) {
     const AttentionCall& c = calls[i];
     const KvLayer* prefix = nullptr;
@@ -82,7 +104,14 @@ void LayerOps::attention(int layer, const AttentionShape& shape, std::span<const
       prefixes_[i] = layer_of(*c.kv->prefix, layer, nullptr);
       prefix = &prefixes_[i];
     }
-    const AttentionJob job{c.q, layer_of(*c.kv, layer, prefix), c.pos0, c.n_tokens, c.out, c.softmax_phi, c.step_phi};
+    const float* q = c.q;
+    if (turns(c)) {
+      std::vector<float>& turned = turned_queries_[i];
+      turned.assign(c.q, c.q + static_cast<size_t>(c.n_tokens) * shape.n_head * shape.head_dim);
+      hadamard_heads(turned.data(), c.n_tokens * shape.n_head, shape.head_dim);
+      q = turned.data();
+    }
+    const AttentionJob job{q, layer_of(*c.kv, layer, prefix), c.pos0, c.n_tokens, c.out, c.softmax_phi, c.step_phi};
     // A checking pass on its own; the other calls together.
     if (c.steps) {
       attention_steps(shape, job, scratch_, n_threads_);
@@ -93,6 +122,9 @@ void LayerOps::attention(int layer, const AttentionShape& shape, std::span<const
   if (!jobs_.empty()) {
     attention_batch(shape, jobs_, scratch_, n_threads_);
   }
+  for (const AttentionCall& c : calls) {
+    if (turns(c)) hadamard_heads(c.out, c.n_tokens * shape.n_head, shape.head_dim);
+  }
 }
 
 void LayerOps::shift_keys(const KvView& kv, std::span<const int> layers, std::span<const int> slots,
@@ -101,16 +133,20 @@ void LayerOps::shift_keys(const KvView& kv, std::span<const int> layers, std::sp
   expand_rope_angles(angles.cos, angles.sin, angles.n_rot, pairs_of(angles), cos_x.data(), sin_x.data());
   const auto n_slots = static_cast<int64_t>(slots.size());
   const auto n_layers = static_cast<int64_t>(layers.size());
+  const bool turns = kv_turns_heads(kv.type, head_dim);
 #pragma omp parallel num_threads(n_threads_)
   {
     std::vector<float> row(static_cast<size_t>(kv.row_width));
 #pragma omp for collapse(2) schedule(static)
     for (int64_t l = 0; l < n_layers; ++l) {
       for (int64_t m = 0; m < n_slots; ++m) {
-        // Rotated in fp32 and stored again (q8_0: quantized again, per block).
+        // Rotated in fp32 and stored again (q8_0: quantized again, per block; a cache that keeps
+        // its heads turned turns them back for RoPE, and again after).
         uint8_t* key = kv.key(layers[static_cast<size_t>(l)], slots[static_cast<size_t>(m)]);
         read_kv_row(kv.type, key, kv.row_width, row.data());
+        if (turns) hadamard_heads(row.data(), n_head_kv, head_dim);
         rotate_heads(row.data(), n_head_kv, head_dim, angles.n_rot, pairs_of(angles), cos_x.data(), sin_x.data());
+        if (turns) hadamard_heads(row.data(), n_head_kv, head_dim);
         write_kv_row(kv.type, row.data(), kv.row_width, key);
       }
     }

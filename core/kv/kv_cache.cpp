@@ -60,9 +60,10 @@ KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const K
   if (n_layer <= 0 || capacity <= 0 || n_kv_head <= 0 || head_dim <= 0) {
     throw std::invalid_argument("KvCache: every dimension must be positive");
   }
-  if (type_ == KvType::kQ8_0 && head_dim % 32 != 0) {
-    throw std::invalid_argument("--cache-type q8_0 needs a head size that is a multiple of 32 (this model's is " +
-                                std::to_string(head_dim) + "): use f16");
+  if (kv_type_has_blocks(type_) && head_dim % 32 != 0) {
+    throw std::invalid_argument(std::string("--cache-type ") + kv_type_name(type_) +
+                                " needs a head size that is a multiple of 32 (this model's is " + std::to_string(head_dim) +
+                                "): use f16");
   }
   if (n_keep_ < 0 || n_keep_ >= capacity) {
     throw std::invalid_argument("--keep " + std::to_string(n_keep_) + " must be at least 0 and less than the context size " +
@@ -254,6 +255,7 @@ KvView KvCache::view(KvRing ring) {
   v.n_layer = r.n_layer;
   v.capacity = r.slots;
   v.row_width = row_width();
+  v.head_dim = head_dim_;
   v.type = type_;
   v.positions = r.used_positions();
   v.cache_id = id();

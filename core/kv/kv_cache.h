@@ -14,8 +14,9 @@
 // positions; a context shift drops the same tokens there and re-rotates the rest, as in the
 // full ring. At 8k tokens of Gemma 3 270M that is 24% of the memory of a full cache per layer.
 //
-// Keys and values are fp16 (half the memory and bandwidth), fp32, or q8_0 (an fp16 scale per 32
-// int8 codes: 53% of fp16's bytes; the head size must be a multiple of 32), in one buffer per ring
+// Keys and values are fp16 (half the memory and bandwidth), fp32, or q8_0 / q4_0 (an fp16 scale
+// per 32 codes of 8 or 4 bits: 53% / 28% of fp16's bytes; the head size must be a multiple of
+// 32), in one buffer per ring
 // sized for all its slots, whose pages become resident as tokens are written (PageBuffer): a
 // cache costs the memory of the tokens it holds.
 //
