@@ -121,16 +121,18 @@ TEST(Perplexity, FirstKjvChunkIsSaneAndMatchesTheNumpyReference) {
 }
 
 // Quantized caches score the first KJV chunk within their rounding's reach of an fp16 cache
-// (the fp32 path: only the cache differs). On these 128 tokens q8_0 moves it by about 0.6% and
-// q4_0 by about 8% (its heads turned by the Walsh-Hadamard matrix; not turned, by 81%); wrong
-// blocks or scales move it by far more.
+// (the fp32 path: only the cache differs). On these 128 tokens q8_0 moves it by 0.6-1.2% and
+// q4_0 by 8-16% (its heads turned by the Walsh-Hadamard matrix; not turned, by 81%): which codes
+// a key's rounding lands on, and so a short text's score, moves with the last bits of the keys,
+// which differ between the Release and sanitizer builds. Wrong blocks or scales move it by far
+// more.
 TEST(Perplexity, QuantizedCachesScoreNearTheF16Cache) {
   const std::string args = "-m " + std::string(RINGLM_TEST_MODEL) + " -f " + kText + " -c 128 --chunks 1 -t 2 --compute fp32";
   const Result f16 = run(ringlm(args + " --cache-type f16"));
   ASSERT_EQ(f16.exit_code, 0) << f16.err;
   const double base = final_ppl(f16.out);
   ASSERT_TRUE(std::isfinite(base)) << f16.out;
-  for (const auto& [type, bound] : {std::pair<std::string, double>{"q8_0", 0.02}, {"q4_0", 0.15}}) {
+  for (const auto& [type, bound] : {std::pair<std::string, double>{"q8_0", 0.03}, {"q4_0", 0.3}}) {
     const Result quantized = run(ringlm(args + " --cache-type " + type));
     ASSERT_EQ(quantized.exit_code, 0) << quantized.err;
     const double ppl = final_ppl(quantized.out);
