@@ -100,6 +100,18 @@ constexpr bool kv_type_has_blocks(KvType type) { return type == KvType::kQ8_0 ||
 // The name --cache-type gives a type ("f16", "f32", "q8_0").
 const char* kv_type_name(KvType type);
 
+// The tensor type whose rows a cache of `type` stores (quantize_row and dequantize_row write and
+// read them).
+constexpr TensorType kv_stored_type(KvType type) {
+  switch (type) {
+    case KvType::kQ8_0: return TensorType::Q8_0;
+    case KvType::kQ4_0: return TensorType::Q4_0;
+    case KvType::kF16: return TensorType::F16;
+    case KvType::kF32: break;
+  }
+  return TensorType::F32;
+}
+
 // Whether a cache keeps its heads turned by the Walsh-Hadamard matrix (the CPU backend's
 // hadamard_heads) before quantizing them: the block types, for head sizes that are powers of two
 // from 64 on (as llama.cpp does). The backend turns the keys and values it stores, the queries

@@ -55,8 +55,7 @@ std::vector<uint8_t> encode_rows(KvType type, const std::vector<float>& rows, in
         std::memcpy(dst + 2 * e, &h, 2);
       }
     }
-    if (type == KvType::kQ8_0) quantize_row(TensorType::Q8_0, in, dst, width);
-    if (type == KvType::kQ4_0) quantize_row(TensorType::Q4_0, in, dst, width);
+    if (kv_type_has_blocks(type)) quantize_row(kv_stored_type(type), in, dst, width);
   }
   return out;
 }
@@ -66,12 +65,7 @@ void round_through(KvType type, std::vector<float>& rows, int width) {
   const std::vector<uint8_t> bytes = encode_rows(type, rows, width);
   const size_t row_bytes = kv_bytes_of(type, width);
   for (size_t r = 0; r < rows.size() / static_cast<size_t>(width); ++r) {
-    const TensorType stored = type == KvType::kQ8_0   ? TensorType::Q8_0
-                              : type == KvType::kQ4_0 ? TensorType::Q4_0
-                              : type == KvType::kF16  ? TensorType::F16
-                                                      : TensorType::F32;
-    dequantize_row(stored,
-                   bytes.data() + r * row_bytes, rows.data() + r * static_cast<size_t>(width), width);
+    dequantize_row(kv_stored_type(type), bytes.data() + r * row_bytes, rows.data() + r * static_cast<size_t>(width), width);
   }
 }
 

@@ -92,7 +92,7 @@ struct Cache {
     if (view.type == KvType::kF32) return reinterpret_cast<const float*>(row)[e];
     if (view.type == KvType::kF16) return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[e]);
     std::vector<float> all(static_cast<size_t>(view.row_width));
-    dequantize_row(view.type == KvType::kQ8_0 ? TensorType::Q8_0 : TensorType::Q4_0, row, all.data(), view.row_width);
+    dequantize_row(kv_stored_type(view.type), row, all.data(), view.row_width);
     return all[static_cast<size_t>(e)];
   }
   std::vector<uint8_t> rows;
@@ -163,7 +163,7 @@ class QuantizedCache : public ::testing::TestWithParam<KvType> {
 
 TEST_P(QuantizedCache, StoresBlocksAndShiftsWithinTheRoundingsError) {
   const KvType type = GetParam();
-  const TensorType blocks_type = type == KvType::kQ8_0 ? TensorType::Q8_0 : TensorType::Q4_0;
+  const TensorType blocks_type = kv_stored_type(type);
   constexpr int kDim = 32, kWidth = kHeads * kDim;
   Cache cache(type, kWidth);
   const std::vector<float> k = random_values(6 * static_cast<size_t>(kWidth), rng), v = random_values(k.size(), rng);
@@ -227,7 +227,7 @@ TEST_P(QuantizedCache, HeadsOf64AreTurnedAndAttentionMatchesAnFp32Cache) {
   std::vector<float> row(k.begin(), k.begin() + kWidth);
   cpu::hadamard_heads(row.data(), kKv, kDim);
   std::vector<uint8_t> blocks(kv_bytes_of(type, kWidth));
-  quantize_row(type == KvType::kQ8_0 ? TensorType::Q8_0 : TensorType::Q4_0, row.data(), blocks.data(), kWidth);
+  quantize_row(kv_stored_type(type), row.data(), blocks.data(), kWidth);
   ASSERT_EQ(std::memcmp(turned.view.key(1, 0), blocks.data(), blocks.size()), 0);
 
   std::vector<int64_t> positions(kSlots);

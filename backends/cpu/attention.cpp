@@ -687,7 +687,7 @@ void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float*
   if (kv_type_has_blocks(kv.type)) {
     const auto* keys = static_cast<const uint8_t*>(kv.keys);
     const auto* values = static_cast<const uint8_t*>(kv.values);
-    const TensorType blocks = kv.type == KvType::kQ8_0 ? TensorType::Q8_0 : TensorType::Q4_0;
+    const TensorType blocks = kv_stored_type(kv.type);
     for (int j = 0; j < nb; ++j) {
       const size_t at = kv_bytes_of(kv.type, offset + j * kv.row_stride);
       if (kbuf != nullptr) dequantize_row(blocks, keys + at, kbuf + j * hd, hd);

@@ -31,16 +31,16 @@ void write_kv_row(KvType type, const float* in, int64_t n, uint8_t* row) {
   switch (type) {
     case KvType::kF16: return fp32_to_fp16_row(in, reinterpret_cast<uint16_t*>(row), n);
     case KvType::kF32: std::copy_n(in, n, reinterpret_cast<float*>(row)); return;
-    case KvType::kQ8_0: return quantize_row(TensorType::Q8_0, in, row, n);
-    case KvType::kQ4_0: return quantize_row(TensorType::Q4_0, in, row, n);
+    case KvType::kQ8_0:
+    case KvType::kQ4_0: return quantize_row(kv_stored_type(type), in, row, n);
   }
 }
 void read_kv_row(KvType type, const uint8_t* row, int64_t n, float* out) {
   switch (type) {
     case KvType::kF16: return fp16_to_fp32_row(reinterpret_cast<const uint16_t*>(row), out, n);
     case KvType::kF32: std::copy_n(reinterpret_cast<const float*>(row), n, out); return;
-    case KvType::kQ8_0: return dequantize_row(TensorType::Q8_0, row, out, n);
-    case KvType::kQ4_0: return dequantize_row(TensorType::Q4_0, row, out, n);
+    case KvType::kQ8_0:
+    case KvType::kQ4_0: return dequantize_row(kv_stored_type(type), row, out, n);
   }
 }
 
@@ -68,10 +68,10 @@ void LayerOps::rope(float* x, int64_t n_rows, int n_heads, int head_dim, const R
 void LayerOps::store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) {
   const bool turns = kv_turns_heads(kv.type, kv.head_dim);
   const auto width = static_cast<size_t>(kv.row_width);
-  if (turns && turned_.size() < 2 * width * static_cast<size_t>(n_threads_)) turned_.resize(2 * width * n_threads_);
+  if (turns && turned_.size() < width * static_cast<size_t>(n_threads_)) turned_.resize(width * n_threads_);
 #pragma omp parallel num_threads(n_threads_) if (n >= kParallelRows)
   {
-    float* row = turns ? turned_.data() + 2 * width * static_cast<size_t>(omp_get_thread_num()) : nullptr;
+    float* row = turns ? turned_.data() + width * static_cast<size_t>(omp_get_thread_num()) : nullptr;
     // A row as the cache keeps it: its heads turned first where the cache's type asks.
     const auto store = [&](const float* src, uint8_t* dst) {
       if (turns) {

@@ -31,7 +31,7 @@ class LayerOps {
   AttentionScratch scratch_;
   std::vector<AttentionJob> jobs_;  // attention()'s lists, reused
   std::vector<KvLayer> prefixes_;
-  std::vector<float> turned_;                        // store_kv's rows turned (per thread: a key and a value)
+  std::vector<float> turned_;                        // store_kv's row turned (per thread: the key's, then the value's)
   std::vector<std::vector<float>> turned_queries_;   // attention()'s queries turned, per call
   std::vector<float> rope_tables_;  // per thread, one row's expanded angles (cos_x, sin_x)
 };
