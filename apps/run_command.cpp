@@ -17,6 +17,7 @@
 #include "apps/pipeline_process.h"
 #include "apps/speculative_options.h"
 #include "core/model/loader.h"
+#include "core/session/beam_search.h"
 #include "core/session/generation.h"
 #include "core/session/sequence_model.h"
 #include "core/session/timing.h"
@@ -35,6 +36,8 @@ struct RunOptions {
   bool ignore_eos = false;
   std::string stats_format;  // "" (one human line) or "json"
   SpeculativeOptions speculative;
+  int beams = 0;  // --beams N: beam search of N beams instead of sampling (0: off)
+  float length_penalty = 1.0f;
 };
 
 struct RunStats {
@@ -55,6 +58,9 @@ struct RunStats {
   std::string stop_reason;
   size_t kv_bytes = 0;         // the KV cache's keys and values at the context size (KvCache::bytes)
   std::string kv_type;         // their element type (--cache-type)
+  int beams = 0;               // --beams: the beams searched, the best one's score, the rows forks copied
+  double beam_score = 0;
+  int64_t beam_copied_rows = 0;
   // On a device backend, what each of those passes did there: kernels launched, bytes up and
   // down, host waits (Backend::counters()).
   bool device = false;
@@ -103,6 +109,9 @@ void print_stats(const RunStats& s, const std::string& format) {
       j["token_device"] = {{"launches", launches}, {"upload_bytes", up}, {"download_bytes", down}, {"waits", waits}};
       j["layer_device"] = s.layer_device;
       j["output_device"] = s.output_device;
+    }
+    if (s.beams > 0) {
+      j["beams"] = {{"n", s.beams}, {"score", s.beam_score}, {"copied_rows", s.beam_copied_rows}};
     }
     if (s.speculative) {
       j["speculative"] = {{"guesser", s.guesser},
@@ -172,6 +181,68 @@ void add_decode_passes(RunStats& stats, const SequenceModel& sequence) {
   stats.decode_evals += static_cast<size_t>(stats.speculation.passes + stats.speculation.accepted);
 }
 
+// The vocabulary's end-of-generation tokens: what ends a beam (none with --ignore-eos).
+std::vector<int32_t> end_tokens(const Tokenizer& tokenizer, int n_vocab, bool ignore_eos) {
+  std::vector<int32_t> ends;
+  for (int32_t id = 0; id < n_vocab && !ignore_eos; ++id) {
+    if (tokenizer.is_end_of_generation(id)) ends.push_back(id);
+  }
+  return ends;
+}
+
+// --beams N: the prompt prefilled once into a segment every beam reads, then one batched pass of
+// every live beam per step; the best hypothesis is printed when the search ends.
+void run_beams(const RunOptions& o, LoadedModel& m, std::span<const int32_t> prompt, int n_ctx, RunStats& stats) {
+  if (o.speculative.enabled()) throw std::runtime_error("--beams does not combine with speculative decoding (--lookup, -md)");
+  if (stats.device) throw std::runtime_error("--beams runs on the CPU only: drop --device / --gpu-layers");
+  if (m.model->pipeline_depth() > 1) throw std::runtime_error("--beams does not run on a pipeline of MPI ranks yet");
+  if (o.beams > m.model->max_batch()) {
+    throw std::runtime_error("--beams " + std::to_string(o.beams) + " exceeds the batch of " +
+                             std::to_string(m.model->max_batch()) + " rows");
+  }
+  const LlamaHparams& hp = m.model->hparams();
+  KvCache prompt_cache = m.model->make_cache(n_ctx, o.cache);
+  std::vector<float> logits(static_cast<size_t>(hp.n_vocab));
+  auto t0 = std::chrono::steady_clock::now();
+  m.model->forward(prompt, prompt_cache, logits.data());
+  stats.prompt_ms = ms_since(t0);
+
+  BeamOptions options;
+  options.n_beams = o.beams;
+  options.length_penalty = o.length_penalty;
+  options.max_tokens = o.n_predict;
+  options.end_tokens = end_tokens(*m.tokenizer, hp.n_vocab, o.ignore_eos);
+  t0 = std::chrono::steady_clock::now();
+  auto prompt_segment = std::make_shared<const KvCache>(std::move(prompt_cache));
+  BeamSequences beams(*m.model, prompt_segment, logits, n_ctx, o.cache, options);
+  while (!beams.done()) {
+    const auto step_start = std::chrono::steady_clock::now();
+    m.model->forward_batch(beams.plan());
+    beams.passed();
+    stats.token_ms.push_back(ms_since(step_start));
+  }
+  stats.decode_ms = ms_since(t0);
+  stats.decode_evals = stats.token_ms.size();
+  stats.beams = o.beams;
+  stats.beam_copied_rows = beams.copied_rows();
+  stats.kv_bytes = prompt_segment->bytes();
+  stats.kv_type = kv_type_name(prompt_segment->type());
+  if (beams.hypotheses().empty()) {  // -n 0
+    stats.stop_reason = "limit";
+    return;
+  }
+  const BeamHypothesis& best = beams.hypotheses().front();
+  std::span<const int32_t> text = best.tokens;
+  if (best.ended) text = text.first(text.size() - 1);
+  const std::string out = m.tokenizer->decode(text);
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  std::fflush(stdout);
+  stats.gen_tokens = text.size();
+  stats.beam_score = best.score;
+  const bool limit = o.n_predict >= 0 && static_cast<int>(best.tokens.size()) >= o.n_predict;
+  stats.stop_reason = best.ended ? "eos" : limit ? "limit" : "context";
+}
+
 void run(const RunOptions& o) {
   const int n_threads = resolve_threads(o.model.n_threads);
   omp_set_num_threads(n_threads);
@@ -184,6 +255,12 @@ void run(const RunOptions& o) {
 
   RunStats stats = start_stats(m, n_threads);
   stats.prompt_tokens = prompt.size();
+  if (o.beams > 0) {
+    run_beams(o, m, prompt, n_ctx, stats);
+    m.model->close_pipeline();
+    print_stats(stats, o.stats_format);
+    return;
+  }
   KvCache cache = m.model->make_cache(n_ctx, o.cache);
   Sampler sampler(o.sampling, hp.n_vocab);
   std::optional<LoadedModel> draft_model = load_draft_model(o.speculative, m, n_threads);
@@ -237,6 +314,14 @@ void add_run_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--ignore-eos", opts->ignore_eos, "keep generating past end-of-generation tokens");
   add_speculative_options(*cmd, opts->speculative, "earlier text");
+  cmd->add_option("--beams", opts->beams,
+                  "beam search of N beams instead of sampling: the most likely text (1: greedy; 0: off)")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
+  cmd->add_option("--length-penalty", opts->length_penalty,
+                  "with --beams, a text scores log-probability / length^this (above 1 favours long texts)")
+      ->check(CLI::Range(-10.0f, 10.0f))
+      ->capture_default_str();
   cmd->add_option("--stats", opts->stats_format, "print the final speed summary as: json")->check(CLI::IsMember({"json"}));
   cmd->callback([opts, p, f] {
     if (p->count() == 0 && f->count() == 0) throw CLI::RequiredError("-p,--prompt or -f,--file");

@@ -111,6 +111,45 @@ void KvCache::clear() {
   prefix_tokens_ = 0;
 }
 
+void KvCache::Rows::copy_from(const Rows& other) {
+  for (int index = 0; index < n_layer; ++index) {
+    for (const bool value : {false, true}) {
+      std::copy_n(const_cast<Rows&>(other).row(index, 0, value), static_cast<size_t>(other.extent) * row_bytes,
+                  row(index, 0, value));
+    }
+  }
+  positions = other.positions;
+  extent = other.extent;
+  held = other.held;
+}
+
+void KvCache::copy_from(const KvCache& other) {
+  if (this == &other) return;
+  const bool same_shape = other.n_layer_ == n_layer_ && other.capacity_ == capacity_ && other.n_kv_head_ == n_kv_head_ &&
+                          other.head_dim_ == head_dim_ && other.type_ == type_ && other.n_keep_ == n_keep_ &&
+                          other.window_.slots == window_.slots && other.window_.n_layer == window_.n_layer;
+  if (!same_shape) throw std::invalid_argument("KvCache::copy_from: the caches have different shapes or types");
+  if (other.prefix_ != prefix_ || other.prefix_tokens_ != prefix_tokens_) {
+    throw std::invalid_argument("KvCache::copy_from: the caches read different prefixes");
+  }
+  if (has_backend_state() || other.has_backend_state()) {
+    throw std::logic_error("KvCache::copy_from: a backend keeps a copy of the cache elsewhere (a device)");
+  }
+  full_.clear();
+  window_.clear();
+  full_.copy_from(other.full_);
+  window_.copy_from(other.window_);
+  n_sink_ = other.n_sink_;
+  ring_head_ = other.ring_head_;
+  ring_count_ = other.ring_count_;
+  window_appended_ = other.window_appended_;
+  next_position_ = other.next_position_;
+  shifts_ = other.shifts_;
+  discarded_ = other.discarded_;
+  softmax_phi_ = other.softmax_phi_;
+  softmax_phi_rows_ = other.softmax_phi_rows_;
+}
+
 bool KvCache::can_read_prefix(const KvCache& prefix, int n) const {
   const bool same_shape = prefix.n_layer_ == n_layer_ && prefix.n_kv_head_ == n_kv_head_ && prefix.head_dim_ == head_dim_ &&
                           prefix.type_ == type_ && prefix.places_.size() == places_.size() &&

@@ -132,6 +132,11 @@ class KvCache {
   int max_rollback() const { return has_window_ring() ? window_.slots - window_size_ : capacity_; }
   // Empties the cache (and drops its prefix); the memory of its tokens goes back to the system.
   void clear();
+  // Makes this cache's own tokens a copy of `other`'s (a beam that forks): their rows, slots and
+  // positions, and the sequence's attention state. Both read the same prefix (or none) and have
+  // the same shape and type; no backend keeps a copy of either elsewhere (std::invalid_argument,
+  // std::logic_error otherwise). Only the slots `other` ever wrote are copied, never the prefix.
+  void copy_from(const KvCache& other);
 
   // Makes the first n tokens of `prefix` (n < 0: all of them) this (empty) cache's first ones:
   // attention reads them from there (its later tokens are masked out), and this cache's own
@@ -202,6 +207,7 @@ class KvCache {
     size_t bytes_for(int64_t n_tokens) const { return static_cast<size_t>(n_tokens) * static_cast<size_t>(n_layer) * 2 * row_bytes; }
     std::span<const int64_t> used_positions() const { return {positions.data(), static_cast<size_t>(extent)}; }
     void clear();
+    void copy_from(const Rows& other);  // the same shape: every slot other ever wrote
   };
   Rows& rows_of(int layer) { return place(layer).ring == KvRing::kWindow ? window_ : full_; }
   // The window ring's part of discard(): positions [first, first + n) dropped, later ones moved back.
