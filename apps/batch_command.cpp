@@ -45,6 +45,8 @@ struct BatchCommandOptions {
   std::string chat_template;
   SpeculativeOptions speculative;
   KvType cache_type = KvType::kF16;
+  int beams = 0;  // every line's beams unless it says (0: sampling)
+  float length_penalty = 1.0f;
 };
 
 // One line of the input, ready to run (or the reason it cannot).
@@ -134,7 +136,10 @@ class InputReader {
       r.sampling.top_p = field_or<float>(j, "top_p", r.sampling.top_p, "a number");
       r.sampling.seed = field_or<uint64_t>(j, "seed", r.sampling.seed, "a non-negative integer");
       r.n_samples = field_or<int>(j, "n", 1, "an integer");
+      r.beams = field_or<int>(j, "beams", r.beams, "an integer");
+      r.length_penalty = field_or<float>(j, "length_penalty", r.length_penalty, "a number");
       r.stop = stop_strings(j);
+      if (r.beams < 0) throw std::runtime_error("\"beams\" must not be negative");
       if (r.max_tokens < 0) throw std::runtime_error("\"max_tokens\" must not be negative");
       if (!(r.sampling.temperature >= 0)) throw std::runtime_error("\"temperature\" must not be negative");
       if (!(r.sampling.top_p >= 0 && r.sampling.top_p <= 1)) throw std::runtime_error("\"top_p\" must be in [0, 1]");
@@ -150,6 +155,8 @@ class InputReader {
     GenerationRequest r;
     r.sampling = options_.sampling;
     r.max_tokens = options_.max_tokens;
+    r.beams = options_.beams;
+    r.length_penalty = options_.length_penalty;
     return r;
   }
 
@@ -245,6 +252,7 @@ class BatchRun {
     bo.n_ctx = options_.model.n_ctx > 0 ? options_.model.n_ctx : model_.model->hparams().n_ctx_train;
     bo.prefill_chunk = options_.prefill_chunk;
     bo.share_prompt = options_.share_prompt;
+    bo.allow_beams = !model_.backend->offloads();
     if (options_.speculative.enabled()) {
       bo.make_drafter = [this, n_ctx = bo.n_ctx](const GenerationRequest& r) {
         return make_drafter(options_.speculative, draft_, n_ctx, KvCacheOptions{}, r.sampling);
@@ -402,6 +410,13 @@ void add_batch_command(CLI::App& app) {
       ->check(CLI::Range(1, 448))
       ->capture_default_str();
   add_speculative_options(*cmd, opts->speculative, "each prompt and its text so far");
+  cmd->add_option("--beams", opts->beams, "beam search of N beams for every line (a line's \"beams\" overrides; 0: sampling)")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
+  cmd->add_option("--length-penalty", opts->length_penalty,
+                  "with beams, a text scores log-probability / length^this (a line's \"length_penalty\" overrides)")
+      ->check(CLI::Range(-10.0f, 10.0f))
+      ->capture_default_str();
   cmd->add_flag("!--no-prompt-sharing", opts->share_prompt,
                "n > 1 samples each prefill and hold their own copy of the prompt (to measure what sharing saves)");
   std::vector<std::string> names;

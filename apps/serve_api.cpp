@@ -135,9 +135,23 @@ void refuse_unsupported(const json& body) {
   if (const std::optional<bool> echo = boolean(body, "echo"); echo.value_or(false)) {
     throw ApiError(400, "'echo': echoing the prompt is not supported", "echo");
   }
-  if (const std::optional<int64_t> best_of = integer(body, "best_of", 1, 1 << 20); best_of.value_or(1) != 1) {
-    throw ApiError(400, "'best_of': only 1 is supported", "best_of");
+}
+
+// vLLM's beam search fields: "use_beam_search": true, "best_of" beams (n when not given, at
+// least n), "length_penalty". Without beam search, best_of can only be 1.
+void read_beam_search(const json& body, CompletionRequest& r) {
+  const bool beams = boolean(body, "use_beam_search").value_or(false);
+  const std::optional<int64_t> best_of = integer(body, "best_of", 1, 128);
+  if (!beams) {
+    if (best_of.value_or(1) != 1) throw ApiError(400, "'best_of' other than 1 needs \"use_beam_search\": true", "best_of");
+    if (field(body, "length_penalty") != nullptr) throw bad_field("length_penalty", "needs \"use_beam_search\": true");
+    return;
   }
+  r.beams = static_cast<int>(best_of.value_or(r.n));
+  if (r.beams < r.n) throw bad_field("best_of", "must be at least n");
+  if (auto v = number(body, "length_penalty", -10.0, 10.0)) r.length_penalty = static_cast<float>(*v);
+  if (r.stream) throw bad_field("stream", "cannot be true with beam search: the text is known only at the end");
+  if (r.logprobs) throw bad_field("logprobs", "beam search gives no per-token log-probabilities");
 }
 
 // "reasoning_effort" (OpenAI, vLLM) or "chat_template_kwargs": {"reasoning_effort"} (llama-server).
@@ -216,6 +230,7 @@ CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, 
     r.top_logprobs = static_cast<int>(*v);
   }
   if (auto v = integer(body, "speculative.n_max", 0, 64)) r.draft_max = static_cast<int>(*v);
+  read_beam_search(body, r);
   if (endpoint == Endpoint::kChat) r.reasoning_effort = read_reasoning_effort(body);
   return r;
 }

@@ -50,6 +50,10 @@ struct CompletionRequest {
   SamplingParams sampling;
   std::vector<std::string> stop;
   int n = 1;
+  // vLLM's "use_beam_search": beam search of "best_of" beams (n when not given), the n best
+  // returned; "length_penalty" as Hugging Face's. 0: sampling.
+  int beams = 0;
+  float length_penalty = 1.0f;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage: a last chunk with the usage
   bool logprobs = false;

@@ -199,6 +199,7 @@ void Server::load() {
     batch.prefill_chunk = o_.prefill_chunk;
     batch.cache_type = o_.cache_type;
     batch.prompt_cache_bytes = o_.prompt_cache_mib << 20;
+    batch.allow_beams = !model_->backend->offloads();
     draft_model_ = load_draft_model(o_.speculative, *model_, n_threads);
     if (o_.speculative.enabled()) {
       batch.make_drafter = [this, n_ctx = batch.n_ctx](const GenerationRequest& r) {
@@ -237,6 +238,8 @@ GenerationRequest Server::generation_request(const CompletionRequest& request) c
   g.max_tokens = request.max_tokens.value_or(-1);
   g.stop = request.stop;
   g.n_samples = request.n;
+  g.beams = request.beams;
+  g.length_penalty = request.length_penalty;
   g.top_logprobs = request.logprobs ? request.top_logprobs : -1;
   g.draft_max = request.draft_max.value_or(-1);
   return g;
@@ -263,7 +266,11 @@ void Server::completions(const httplib::Request& req, httplib::Response& res, En
     throw ApiError(503, e.what());
   } catch (const std::invalid_argument& e) {
     const std::string what = e.what();
-    throw ApiError(400, what, what.rfind("n = ", 0) == 0 ? "n" : endpoint == Endpoint::kChat ? "messages" : "prompt");
+    const std::string param = what.rfind("n = ", 0) == 0       ? "n"
+                              : what.rfind("beam", 0) == 0 ? "best_of"
+                              : endpoint == Endpoint::kChat ? "messages"
+                                                            : "prompt";
+    throw ApiError(400, what, param);
   } catch (const std::logic_error& e) {
     throw ApiError(503, e.what());
   }

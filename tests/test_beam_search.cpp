@@ -10,10 +10,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <span>
+#include <sstream>
 #include <stdexcept>
 #include <vector>
 
@@ -367,6 +371,48 @@ TEST(RunBeams, BadCombinationsAreClearErrors) {
   const test::CommandResult lookup = sh(base + " --beams 2 --lookup 4");
   EXPECT_TRUE(test::exited_with_error(lookup));
   EXPECT_NE(lookup.err.find("speculative"), std::string::npos) << lookup.err;
+}
+
+// `ringlm batch` lines with "beams": their rows share passes with sampled lines, and give what
+// `run --beams` gives alone (a row's result does not depend on the pass's other rows).
+TEST(BatchBeams, LinesWithBeamsGiveRunsTextsAndBadOnesAreErrorLines) {
+  const int n = test::scaled(16, 8);
+  const std::string dir = test::work_dir_for("beam_search");
+  const std::string input = dir + "/beams.jsonl", output = dir + "/beams.out.jsonl";
+  const std::string prompt = "The three primary colors are";
+  {
+    std::ofstream in(input);
+    const std::string fields = "\"prompt\": \"" + prompt + "\", \"max_tokens\": " + std::to_string(n);
+    in << "{\"id\": \"four\", " << fields << ", \"beams\": 4, \"n\": 2}\n"
+       << "{\"id\": \"greedy\", " << fields << ", \"temperature\": 0}\n"
+       << "{\"id\": \"one\", " << fields << ", \"beams\": 1}\n"
+       << "{\"id\": \"more results than beams\", " << fields << ", \"beams\": 2, \"n\": 3}\n"
+       << "{\"id\": \"more beams than slots\", " << fields << ", \"beams\": 9}\n";
+  }
+  std::filesystem::remove(output);
+  const test::CommandResult r = sh(std::string(RINGLM_BINARY) + " batch --parallel 4 -t 1 -m " + RINGLM_TEST_MODEL +
+                                   " -i " + input + " -o " + output);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::map<std::string, std::vector<nlohmann::json>> by_id;
+  std::istringstream lines(test::slurp(output));
+  for (std::string line; std::getline(lines, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    by_id[j["id"].get<std::string>()].push_back(j);
+  }
+  const test::CommandResult alone = sh(std::string(RINGLM_BINARY) + " run --beams 4" + run_args(n));
+  ASSERT_EQ(alone.exit_code, 0) << alone.err;
+  ASSERT_EQ(by_id["four"].size(), 2u);
+  for (const nlohmann::json& j : by_id["four"]) {
+    const bool best = j["sample"] == 0;
+    EXPECT_EQ(j["text"] == alone.out, best) << j.dump();
+  }
+  ASSERT_EQ(by_id["greedy"].size(), 1u);
+  ASSERT_EQ(by_id["one"].size(), 1u);
+  EXPECT_EQ(by_id["one"][0]["text"], by_id["greedy"][0]["text"]);
+  for (const char* bad : {"more results than beams", "more beams than slots"}) {
+    ASSERT_EQ(by_id[bad].size(), 1u) << bad;
+    EXPECT_TRUE(by_id[bad][0].contains("error")) << by_id[bad][0].dump();
+  }
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "core/model/llama.h"
+#include "core/session/beam_search.h"
 #include "core/session/sequence_model.h"
 
 namespace ringlm {
@@ -26,7 +27,8 @@ KvCache make_slot_cache(const LlamaModel& model, const BatchOptions& o) {
 // One sequence being generated: its model state (cache, scores, draft rows), sampler and
 // generation state.
 struct BatchScheduler::Slot {
-  enum class State { kFree, kWaitingForPrompt, kPrefill, kDecode };
+  // kBeams: a beam search's first slot, whose beams run; kBeamPlace: one of its other slots.
+  enum class State { kFree, kWaitingForPrompt, kPrefill, kDecode, kBeams, kBeamPlace };
 
   Slot(LlamaModel& model, const BatchOptions& o) : sequence(model, make_slot_cache(model, o)) {}
 
@@ -54,6 +56,7 @@ struct BatchScheduler::Slot {
   DraftLength draft_length;
   Draft draft;                           // sent with next_token in the pass in flight (empty: none)
   GenerationResult result;               // what is known before the end: index, sample, prompt size
+  std::unique_ptr<BeamSequences> beams;  // a beam request's search, in its first slot
   Clock::time_point submitted, started, first_token;
 };
 
@@ -115,7 +118,22 @@ void BatchScheduler::check(const GenerationRequest& request) const {
     throw std::invalid_argument("n = " + std::to_string(request.n_samples) + " samples: must be between 1 and --parallel (" +
                                 std::to_string(options_.n_parallel) + ")");
   }
+  if (request.beams != 0) check_beams(request);
   if (request.max_tokens < -1) throw std::invalid_argument("max_tokens must be -1 (no limit) or more");
+}
+
+void BatchScheduler::check_beams(const GenerationRequest& request) const {
+  if (request.beams < 1 || request.beams > options_.n_parallel) {
+    throw std::invalid_argument("beams = " + std::to_string(request.beams) + ": must be between 1 and --parallel (" +
+                                std::to_string(options_.n_parallel) + ")");
+  }
+  if (request.n_samples > request.beams) {
+    throw std::invalid_argument("n = " + std::to_string(request.n_samples) + " results of " + std::to_string(request.beams) +
+                                " beams: n must not exceed the beams");
+  }
+  if (model_.pipeline_depth() > 1) throw std::invalid_argument("beam search does not run on a pipeline of MPI ranks yet");
+  if (!options_.allow_beams) throw std::invalid_argument("beam search runs on the CPU only (not with a device backend)");
+  if (request.top_logprobs >= 0) throw std::invalid_argument("beam search does not give log-probabilities per token");
 }
 
 bool BatchScheduler::idle() const { return queue_.empty() && n_running() == 0 && in_flight_.empty(); }
@@ -157,7 +175,7 @@ std::optional<BatchScheduler::Reuse> BatchScheduler::find_reuse(const Generation
     // Otherwise the last prompt token is evaluated here, for its logits; n samples share a
     // prompt only when it is all prefilled in one cache (share_prompt).
     const int n = whole ? common : std::min(common, prompt_size - 1);
-    if (!whole && (request.n_samples > 1 || n < options_.min_reused_tokens)) continue;
+    if (!whole && (request.slots_needed() > 1 || n < options_.min_reused_tokens)) continue;
     if (!cache.can_read_prefix(*seg.cache, n)) continue;
     if (!best || n > best->n || (n == best->n && whole)) best = Reuse{&seg, n, whole};
   }
@@ -173,14 +191,15 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
       if (s->state == Slot::State::kFree) free.push_back(s.get());
     }
     const GenerationRequest& next = queue_.front().request;
-    if (static_cast<int>(free.size()) < next.n_samples) return;
+    if (static_cast<int>(free.size()) < next.slots_needed()) return;
     Queued q = std::move(queue_.front());
     queue_.pop_front();
     const std::optional<Reuse> reuse =
         segments_.empty() ? std::nullopt : find_reuse(q.request, free[0]->sequence.cache());
-    for (int i = 0; i < q.request.n_samples; ++i) {
+    const bool beams = q.request.beams > 0;
+    for (int i = 0; i < q.request.slots_needed(); ++i) {
       Slot& s = *free[static_cast<size_t>(i)];
-      s.state = i == 0 ? Slot::State::kPrefill : Slot::State::kWaitingForPrompt;
+      s.state = i == 0 ? Slot::State::kPrefill : beams ? Slot::State::kBeamPlace : Slot::State::kWaitingForPrompt;
       s.request = q.request;
       s.sample = q.request.first_sample + i;
       s.prompt_owner = i == 0 ? nullptr : free[0];
@@ -202,7 +221,7 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
       s.result.sample = s.sample;
       s.result.prompt_tokens = static_cast<int>(q.request.prompt.size());
       s.submitted = q.submitted;
-      if (reuse) read_kept_prompt(s, *reuse, on_done);
+      if (reuse && s.state != Slot::State::kBeamPlace) read_kept_prompt(s, *reuse, on_done);
     }
   }
 }
@@ -219,6 +238,10 @@ void BatchScheduler::read_kept_prompt(Slot& s, const Reuse& reuse, const std::fu
   }
   // The whole prompt was kept with the logits after it: the first token is drawn now.
   s.started = Clock::now();
+  if (s.request.beams > 0) {
+    start_beams(s, reuse.segment->cache, reuse.segment->logits, on_done);
+    return;
+  }
   s.state = Slot::State::kDecode;
   advance(s, on_done);
 }
@@ -241,9 +264,10 @@ bool BatchScheduler::begin_pass() {
     const bool busy = std::any_of(in_flight_.begin(), in_flight_.end(), [&](const Pass& p) { return p.group == group; });
     if (busy) continue;
     Pass pass = gather_pass(group);
-    if (pass.slots.empty()) continue;
+    if (pass.batch.empty()) continue;
     model_.begin_batch(pass.batch);
     for (Slot* s : pass.slots) s->in_flight = true;
+    for (Slot* s : pass.beam_owners) s->in_flight = true;
     in_flight_.push_back(std::move(pass));
     ++steps_;
     return true;
@@ -260,7 +284,11 @@ BatchScheduler::Pass BatchScheduler::gather_pass(int group) {
   pass.group = group;
   // Drafts take what the pass has beyond one row per decoding slot and a prompt chunk.
   int n_decoding = 0;
-  for (const auto& s : slots_) n_decoding += s->group == group && s->state == Slot::State::kDecode;
+  for (const auto& s : slots_) {
+    if (s->group != group) continue;
+    n_decoding += s->state == Slot::State::kDecode;
+    if (s->state == Slot::State::kBeams) n_decoding += s->beams->live_beams();
+  }
   size_t draft_budget = static_cast<size_t>(std::max(0, model_.max_batch() - options_.prefill_chunk - n_decoding));
   for (auto& s : slots_) {
     if (s->group != group || s->state != Slot::State::kDecode) continue;
@@ -288,6 +316,13 @@ BatchScheduler::Pass BatchScheduler::gather_pass(int group) {
     pass.batch.push_back(s.sequence.plan(std::span<const int32_t>(s.request.prompt).subspan(prefilled, n),
                                          last ? SequenceModel::Scores::kLogits : SequenceModel::Scores::kNone));
     pass.slots.push_back(&s);
+  }
+  // Beam searches last: their live beams' rows after every slot's.
+  for (auto& s : slots_) {
+    if (s->group != group || s->state != Slot::State::kBeams) continue;
+    const std::span<const SequenceTokens> rows = s->beams->plan();
+    pass.batch.insert(pass.batch.end(), rows.begin(), rows.end());
+    pass.beam_owners.push_back(s.get());
   }
   return pass;
 }
@@ -326,6 +361,13 @@ void BatchScheduler::finish_pass(const std::function<void(GenerationResult)>& on
     }
     if (s.state == Slot::State::kPrefill) {
       if (s.prefilled() < s.request.prompt.size()) continue;
+      if (s.request.beams > 0) {
+        const bool keep = options_.prompt_cache_bytes > 0 && s.sequence.cache().prefix() == nullptr;
+        std::shared_ptr<const KvCache> prompt = detach_prompt(s);
+        if (keep) keep_prompt(prompt, s);
+        start_beams(s, std::move(prompt), s.sequence.logits(), on_done);
+        continue;
+      }
       s.state = Slot::State::kDecode;
       if (s.request.n_samples > 1) {
         share_prompt(s, on_done);
@@ -334,6 +376,14 @@ void BatchScheduler::finish_pass(const std::function<void(GenerationResult)>& on
       }
     }
     fresh.push_back(&s);
+  }
+  for (Slot* owner : pass.beam_owners) {
+    owner->in_flight = false;
+    if (owner->cancelled) {
+      release(*owner);
+    } else {
+      step_beams(*owner, on_done);
+    }
   }
   draw_tokens(fresh);
   for (Slot* s : fresh) {
@@ -431,6 +481,7 @@ size_t BatchScheduler::kv_bytes_in_use() const {
   for (const auto& s : slots_) {
     if (s->state == Slot::State::kFree) continue;
     held += s->sequence.cache().bytes_in_use();
+    if (s->beams) held += s->beams->kv_bytes_in_use();
     const KvCache* prefix = s->sequence.cache().prefix();
     if (prefix != nullptr && std::find(prefixes.begin(), prefixes.end(), prefix) == prefixes.end()) {
       prefixes.push_back(prefix);
@@ -448,6 +499,11 @@ void BatchScheduler::account_memory() {
     const KvCache& c = s->sequence.cache();
     held += c.bytes_in_use();
     unshared += c.bytes_for_tokens(c.context_size());
+    if (s->beams) {  // each beam its own tokens; unshared, each its own copy of the prompt too
+      held += s->beams->kv_bytes_in_use();
+      unshared += s->beams->kv_bytes_in_use() +
+                  static_cast<size_t>(std::max(0, s->beams->live_beams() - 1)) * c.bytes_for_tokens(c.prefix_tokens());
+    }
     if (c.prefix() != nullptr && std::find(prefixes.begin(), prefixes.end(), c.prefix()) == prefixes.end()) {
       prefixes.push_back(c.prefix());
       held += c.prefix()->bytes_in_use();
@@ -532,8 +588,64 @@ void BatchScheduler::finish(Slot& s, const std::function<void(GenerationResult)>
   on_done(std::move(s.result));
 }
 
+void BatchScheduler::start_beams(Slot& owner, std::shared_ptr<const KvCache> prompt, std::span<const float> logits,
+                                 const std::function<void(GenerationResult)>& on_done) {
+  BeamOptions o;
+  o.n_beams = owner.request.beams;
+  o.length_penalty = owner.request.length_penalty;
+  o.max_tokens = owner.request.max_tokens;
+  for (int32_t id = 0; id < model_.hparams().n_vocab; ++id) {
+    if (owner.generation->is_end_token(id)) o.end_tokens.push_back(id);
+  }
+  owner.beams = std::make_unique<BeamSequences>(model_, std::move(prompt), logits, options_.n_ctx,
+                                                KvCacheOptions{options_.cache_type, 0, 0, false}, o);
+  owner.state = Slot::State::kBeams;
+  owner.first_token = Clock::now();
+  if (owner.beams->done()) finish_beams(owner, on_done);
+}
+
+void BatchScheduler::step_beams(Slot& owner, const std::function<void(GenerationResult)>& on_done) {
+  generated_tokens_ += owner.beams->live_beams();
+  owner.beams->passed();
+  if (owner.beams->done()) finish_beams(owner, on_done);
+}
+
+// Each of the best n_samples hypotheses is a result, its text cut at the first stop string.
+void BatchScheduler::finish_beams(Slot& owner, const std::function<void(GenerationResult)>& on_done) {
+  const auto now = Clock::now();
+  const std::vector<BeamHypothesis> best = owner.beams->hypotheses();
+  const GenerationRequest request = owner.request;
+  GenerationResult base = owner.result;
+  base.queue_ms = ms_between(owner.submitted, owner.started);
+  base.prefill_ms = ms_between(owner.started, owner.first_token);
+  base.decode_ms = ms_between(owner.first_token, now);
+  for (auto& s : slots_) {
+    if (s.get() != &owner && s->state == Slot::State::kBeamPlace && s->request.index == request.index) release(*s);
+  }
+  release(owner);
+  for (int i = 0; i < request.n_samples; ++i) {
+    // (Fewer hypotheses than results only when no token was asked for: empty texts.)
+    const BeamHypothesis h = i < static_cast<int>(best.size()) ? best[static_cast<size_t>(i)] : BeamHypothesis{};
+    std::span<const int32_t> tokens = h.tokens;
+    if (h.ended) tokens = tokens.first(tokens.size() - 1);
+    GenerationResult r = base;
+    r.sample = request.first_sample + i;
+    r.text = tokenizer_.decode(tokens);
+    r.n_tokens = static_cast<int>(tokens.size());
+    r.finish_reason = h.ended ? "stop" : "length";
+    for (const std::string& stop : request.stop) {
+      const size_t at = stop.empty() ? std::string::npos : r.text.find(stop);
+      if (at == std::string::npos) continue;
+      r.text.resize(at);
+      r.finish_reason = "stop";
+    }
+    on_done(std::move(r));
+  }
+}
+
 void BatchScheduler::release(Slot& s) {
   s.state = Slot::State::kFree;
+  s.beams.reset();
   s.cancelled = false;
   s.generation.reset();
   s.sampler.reset();

@@ -23,10 +23,17 @@
 // previous groups' (micro-batches in flight), so that every stage works. Each group's pass is
 // what the step would be for its slots alone, so the results do not change.
 //
+// A request for beam search (GenerationRequest::beams) holds `beams` slots: its first prefills
+// the prompt, which becomes the segment every beam reads (BeamSequences), and its live beams'
+// tokens join each step's pass as rows of their own; the others only hold the places. It takes
+// no token listener events (a beam's text is known only at the end) and hands back its best
+// hypotheses as its samples.
+//
 // Callers that stream (a server) listen to every token taken (set_token_listener) and may
 // cancel a request between steps (cancel).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -56,6 +63,11 @@ struct GenerationRequest {
   int top_logprobs = -1;          // >= 0: each token's log-probability and this many alternatives
   std::vector<int32_t> end_tokens;  // end the text besides the vocabulary's end-of-generation tokens
   int draft_max = -1;  // speculative decoding: drafts of at most this many tokens (-1: the guesser's; 0: none)
+  // Beam search of this many beams instead of sampling (0: off): the request holds as many slots,
+  // and its n_samples results are the best hypotheses, best first (sample 0 the best).
+  int beams = 0;
+  float length_penalty = 1.0f;  // a hypothesis scores log-probability / length^this
+  int slots_needed() const { return std::max(n_samples, beams); }
 };
 
 // A token a sequence took (or its end), as a streaming caller sees it.
@@ -96,6 +108,9 @@ struct BatchOptions {
   std::function<std::unique_ptr<Drafter>(const GenerationRequest&)> make_drafter;
   // What a checking pass of one sequence costs, which sets its drafts' lengths (DraftLength).
   PassCost pass_cost;
+  // false: requests for beam search are refused (a device backend keeps the caches' rows, and a
+  // beam's fork copies them on the host).
+  bool allow_beams = true;
 };
 
 class BatchScheduler {
@@ -108,6 +123,7 @@ class BatchScheduler {
   void submit(GenerationRequest request);
   // submit()'s checks alone (reads only the options: callable from any thread).
   void check(const GenerationRequest& request) const;
+  void check_beams(const GenerationRequest& request) const;
   // Runs one step (one forward pass) and hands every sequence that finished in it to
   // `on_done`. Returns false when nothing is queued or running.
   bool step(const std::function<void(GenerationResult)>& on_done);
@@ -150,6 +166,7 @@ class BatchScheduler {
     int group = 0;
     std::vector<LlamaModel::SequenceTokens> batch;
     std::vector<Slot*> slots;  // batch[i] is slots[i]'s
+    std::vector<Slot*> beam_owners;  // and the rows after those are these beam searches' live beams
   };
   // Begins the pass of the next group that has work and is not in flight; false when none has.
   bool begin_pass();
@@ -186,6 +203,12 @@ class BatchScheduler {
   // The slot reads the kept prompt (and starts decoding when it was the whole prompt).
   void read_kept_prompt(Slot& slot, const Reuse& reuse, const std::function<void(GenerationResult)>& on_done);
   void emit(const Slot& slot, int32_t token, const GenerationStep& step);
+  // A beam request's prompt is in `prompt` with `logits` after it: its beams start.
+  void start_beams(Slot& owner, std::shared_ptr<const KvCache> prompt, std::span<const float> logits,
+                   const std::function<void(GenerationResult)>& on_done);
+  // The beam search's pass has run: it steps, and hands back its best hypotheses when done.
+  void step_beams(Slot& owner, const std::function<void(GenerationResult)>& on_done);
+  void finish_beams(Slot& owner, const std::function<void(GenerationResult)>& on_done);
   void account_memory();
 
   LlamaModel& model_;

@@ -90,6 +90,18 @@ def ringlm_run(prompt, n):
     return _plain_texts[(prompt, n)]
 
 
+_beam_texts = {}
+
+
+def ringlm_run_beams(prompt, n, beams):
+    """`ringlm run --beams`'s text: the best of its hypotheses."""
+    if (prompt, n, beams) not in _beam_texts:
+        _beam_texts[(prompt, n, beams)] = subprocess.run(
+            [RINGLM, "run", "-m", MODEL, "-p", prompt, "-n", str(n), "--beams", str(beams), "-t", "1"],
+            capture_output=True, text=True, check=True, timeout=120).stdout
+    return _beam_texts[(prompt, n, beams)]
+
+
 def chat_prompt(messages):
     """The model's own chat template (its GGUF's tokenizer.chat_template) rendered by jinja2."""
     reader = GGUFReader(MODEL)
@@ -122,6 +134,24 @@ class OpenAiClient(unittest.TestCase):
             self.assertEqual(r.choices[0].finish_reason, "length")
             self.assertEqual(r.usage.completion_tokens, 16)
             self.assertEqual(r.object, "text_completion")
+
+    def test_beam_search_completion_equals_ringlm_run_beams(self):
+        prompt = PROMPTS[0]
+        r = self.client.completions.create(model="m", prompt=prompt, max_tokens=12, n=2, best_of=4,
+                                           extra_body={"use_beam_search": True})
+        self.assertEqual(len(r.choices), 2)
+        texts = {c.index: c.text for c in r.choices}
+        self.assertEqual(texts[0], ringlm_run_beams(prompt, 12, 4))
+        self.assertNotEqual(texts[1], texts[0])
+        bad = [({"best_of": 2}, "best_of"),
+               ({"use_beam_search": True, "best_of": 2, "n": 3}, "best_of"),
+               ({"use_beam_search": True, "stream": True}, "stream"),
+               ({"use_beam_search": True, "best_of": 8}, "best_of")]  # more beams than --parallel 4
+        for fields, param in bad:
+            body = json.dumps({"prompt": prompt, "max_tokens": 4, **fields})
+            status, text = curl(self.server.url + "/v1/completions", "-H", "Content-Type: application/json", "-d", body)
+            self.assertEqual(status, 400, body)
+            self.assertEqual(json.loads(text)["error"]["param"], param, text)
 
     def test_streamed_completion_is_the_same_text(self):
         prompt = PROMPTS[1]
