@@ -722,33 +722,95 @@ struct StepsInput {
 // Which sides of a block view_block gives.
 enum class KvSides { kBoth, kKeys, kValues };
 
-// One block of a unit's keys as the products read them.
-struct BlockView {
+// Where a stretch of a block's keys is read: head 0's slice of its first key's row, ldk and ldv
+// elements apart. fp32 rows (k, v: in place, or gathered into a unit's buffers), or an fp16,
+// q8_0 or q4_0 cache's rows read in place by the row path's kernels (k16, v16 or kblocks,
+// vblocks: blocks of `blocks_type`, a head's slice of a row at element 0).
+struct KvRowsAt {
   const float* k = nullptr;
   const float* v = nullptr;
-  // An fp16, q8_0 or q4_0 cache's rows read in place (the row path; in_place): k and v are then
-  // null. Blocks (q8_0, q4_0: blocks_type): a head's slice of a row, at element 0.
   const uint16_t* k16 = nullptr;
   const uint16_t* v16 = nullptr;
   const uint8_t* kblocks = nullptr;
   const uint8_t* vblocks = nullptr;
   KvType blocks_type = KvType::kQ8_0;
   int64_t ldk = 0, ldv = 0;
+
+  bool in_place(const UnitBuffers& buf) const {
+    return k16 != nullptr || v16 != nullptr || vblocks != nullptr || kblocks != nullptr ||
+           (v != nullptr && v != buf.vbuf) || (k != nullptr && k != buf.kbuf);
+  }
+  // The same rows, `heads` KV heads (heads * hd elements) on.
+  KvRowsAt moved_by(int heads, int hd) const {
+    const int64_t at = static_cast<int64_t>(heads) * hd;
+    KvRowsAt r = *this;
+    if (r.k16 != nullptr) r.k16 += at;
+    if (r.v16 != nullptr) r.v16 += at;
+    if (r.kblocks != nullptr) r.kblocks += kv_bytes_of(blocks_type, at);
+    if (r.vblocks != nullptr) r.vblocks += kv_bytes_of(blocks_type, at);
+    if (r.k != nullptr) r.k += at;
+    if (r.v != nullptr) r.v += at;
+    return r;
+  }
+};
+
+// One block of a unit's keys as the products read them: one stretch of rows, or (a block across
+// a shared prefix's last keys and the cache's first, read in place) two: keys [0, split) in
+// part[0], [split, nb) in part[1].
+struct BlockView {
+  KvRowsAt part[2];
+  int split = 0;                 // == nb with one part
   int nb = 0;                    // keys, trimmed after the last one some row of the unit may see
   const int64_t* pos = nullptr;  // [nb]: each key's position, -1 for an empty slot
   bool all_visible = false;      // every row sees every key: no mask to apply
+
+  const KvRowsAt& rows() const { return part[0]; }  // (one part: gathered, or the tile path's)
+  BlockView moved_by(int heads, int hd) const {
+    BlockView b = *this;
+    for (KvRowsAt& p : b.part) p = p.moved_by(heads, hd);
+    return b;
+  }
+  // Calls f(part, first key of the part's own, keys, first key in the block) for each part's
+  // share of keys [j_begin, j_end).
+  template <class F>
+  void for_parts(int j_begin, int j_end, F&& f) const {
+    for (int i = 0; i < 2; ++i) {
+      const int from = i == 0 ? 0 : split, to = i == 0 ? split : nb;
+      const int lo = std::max(j_begin, from), hi = std::min(j_end, to);
+      if (lo < hi) f(part[i], lo - from, hi - lo, lo);
+    }
+  }
 };
 
-// Keys [j0, j0 + nb) of the unit's numbering as fp32 rows: in place (an fp32 cache, one run) or
-// converted and gathered into the unit's buffers, piece by piece. The unit's keys are numbered
-// across the runs, the prefix's slots first, and cut into blocks in that numbering: a sequence
-// reading a shared prefix meets exactly the blocks (and rounds exactly as) a sequence holding
-// the same slots in one cache. Keys after the last one a row can see are dropped (in an
+// A run's rows of keys from `slot` on, for head 0 of `kv_head`'s offset, read in place.
+KvRowsAt rows_in_place(const KvLayer& run, int slot, int kv_head, int hd) {
+  const int64_t offset = slot * run.row_stride + static_cast<int64_t>(kv_head) * hd;
+  KvRowsAt r;
+  if (kv_type_has_blocks(run.type)) {
+    r.kblocks = static_cast<const uint8_t*>(run.keys) + kv_bytes_of(run.type, offset);
+    r.vblocks = static_cast<const uint8_t*>(run.values) + kv_bytes_of(run.type, offset);
+    r.blocks_type = run.type;
+  } else if (run.type == KvType::kF16) {
+    r.k16 = static_cast<const uint16_t*>(run.keys) + offset;
+    r.v16 = static_cast<const uint16_t*>(run.values) + offset;
+  } else {
+    r.k = static_cast<const float*>(run.keys) + offset;
+    r.v = static_cast<const float*>(run.values) + offset;
+  }
+  r.ldk = r.ldv = run.row_stride;
+  return r;
+}
+
+// Keys [j0, j0 + nb) of the unit's numbering as the products read them: in place (an fp32 cache
+// in one run), or converted and gathered into the unit's buffers, piece by piece. The unit's keys
+// are numbered across the runs, the prefix's slots first, and cut into blocks in that numbering:
+// a sequence reading a shared prefix meets exactly the blocks (and rounds exactly as) a sequence
+// holding the same slots in one cache. Keys after the last one a row can see are dropped (in an
 // in-order cache, the future of a prefill's diagonal block): they would only add zeros.
 // Returns false when no row of the unit (positions first_pos .. last_pos) sees any key.
-// With in_place, a block of an fp16, q8_0 or q4_0 cache in one run is given as its rows (k16,
-// v16 or kblocks, vblocks) for the row path's kernels to widen as they read, instead of converted
-// into the buffers.
+// With in_place (the row path), the rows of any cache type are given as they are, a block across
+// the prefix and the cache as its two parts, for the row path's kernels to widen as they read:
+// no step copies a cache.
 bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t first_pos, int64_t last_pos,
                 int64_t window, const UnitBuffers& buf, int64_t* pos_buf, BlockView* view,
                 KvSides sides = KvSides::kBoth, bool in_place = false) {
@@ -782,24 +844,14 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   while (n_pieces > 0 && pieces[n_pieces - 1].column >= nb) --n_pieces;
   pieces[n_pieces - 1].count = std::min(pieces[n_pieces - 1].count, nb - pieces[n_pieces - 1].column);
 
+  *view = BlockView{};
   view->nb = nb;
+  view->split = nb;
   view->pos = pos;
   view->all_visible = all_visible;
-  if (n_pieces == 1 && (pieces[0].run->type == KvType::kF32 || in_place)) {
-    const KvLayer& run = *pieces[0].run;
-    const int64_t offset = pieces[0].slot * run.row_stride + static_cast<int64_t>(kv_head) * hd;
-    if (kv_type_has_blocks(run.type)) {
-      view->kblocks = static_cast<const uint8_t*>(run.keys) + kv_bytes_of(run.type, offset);
-      view->vblocks = static_cast<const uint8_t*>(run.values) + kv_bytes_of(run.type, offset);
-      view->blocks_type = run.type;
-    } else if (run.type == KvType::kF16) {
-      view->k16 = static_cast<const uint16_t*>(run.keys) + offset;
-      view->v16 = static_cast<const uint16_t*>(run.values) + offset;
-    } else {
-      view->k = static_cast<const float*>(run.keys) + offset;
-      view->v = static_cast<const float*>(run.values) + offset;
-    }
-    view->ldk = view->ldv = run.row_stride;
+  if (in_place || (n_pieces == 1 && pieces[0].run->type == KvType::kF32)) {
+    for (int i = 0; i < n_pieces; ++i) view->part[i] = rows_in_place(*pieces[i].run, pieces[i].slot, kv_head, hd);
+    if (n_pieces == 2) view->split = pieces[1].column;
     return true;
   }
   for (int i = 0; i < n_pieces; ++i) {
@@ -807,9 +859,9 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
     gather_block(*p.run, kv_head, hd, p.slot, p.count, sides == KvSides::kValues ? nullptr : buf.kbuf + p.column * hd,
                  sides == KvSides::kKeys ? nullptr : buf.vbuf + p.column * hd);
   }
-  view->k = sides == KvSides::kValues ? nullptr : buf.kbuf;
-  view->v = sides == KvSides::kKeys ? nullptr : buf.vbuf;
-  view->ldk = view->ldv = hd;
+  view->part[0].k = sides == KvSides::kValues ? nullptr : buf.kbuf;
+  view->part[0].v = sides == KvSides::kKeys ? nullptr : buf.vbuf;
+  view->part[0].ldk = view->part[0].ldv = hd;
   return true;
 }
 
@@ -888,25 +940,28 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
   // scores[rows][j_begin .. j_end) of head h = qt · Kᵀ (a checking pass took them already: the
   // same sums).
   const auto score_keys = [&](int h, const BlockView& b, int j0, int j_begin, int j_end) {
-    float* s = scores_of(h) + j_begin;
     if (pre != nullptr) {
+      float* s = scores_of(h) + j_begin;
       for (int r = 0; r < head_rows; ++r) {
         std::copy_n(pre->scores + (h * head_rows + r) * pre->scores_ld + j0 + j_begin, j_end - j_begin, s + r * kKeyBlock);
       }
-    } else if (b.kblocks != nullptr) {
-      const uint8_t* k = b.kblocks + kv_bytes_of(b.blocks_type, j_begin * b.ldk);
-      if (b.blocks_type == KvType::kQ8_0) {
-        HWY_DYNAMIC_DISPATCH(ScoreRowsQ8)(qt_of(h), head_rows, hd, k, b.ldk, j_end - j_begin, s, kKeyBlock);
-      } else {
-        HWY_DYNAMIC_DISPATCH(ScoreRowsQ4)(qt_of(h), head_rows, hd, k, b.ldk, j_end - j_begin, s, kKeyBlock);
-      }
-    } else if (b.k16 != nullptr) {
-      HWY_DYNAMIC_DISPATCH(ScoreRowsF16)(qt_of(h), head_rows, hd, b.k16 + j_begin * b.ldk, b.ldk, j_end - j_begin, s,
-                                         kKeyBlock);
-    } else {
-      HWY_DYNAMIC_DISPATCH(ScoreRows)(qt_of(h), head_rows, hd, b.k + j_begin * b.ldk, b.ldk, j_end - j_begin, s,
-                                      kKeyBlock);
+      return;
     }
+    b.for_parts(j_begin, j_end, [&](const KvRowsAt& at, int first, int n, int column) {
+      float* s = scores_of(h) + column;
+      if (at.kblocks != nullptr) {
+        const uint8_t* k = at.kblocks + kv_bytes_of(at.blocks_type, first * at.ldk);
+        if (at.blocks_type == KvType::kQ8_0) {
+          HWY_DYNAMIC_DISPATCH(ScoreRowsQ8)(qt_of(h), head_rows, hd, k, at.ldk, n, s, kKeyBlock);
+        } else {
+          HWY_DYNAMIC_DISPATCH(ScoreRowsQ4)(qt_of(h), head_rows, hd, k, at.ldk, n, s, kKeyBlock);
+        }
+      } else if (at.k16 != nullptr) {
+        HWY_DYNAMIC_DISPATCH(ScoreRowsF16)(qt_of(h), head_rows, hd, at.k16 + first * at.ldk, at.ldk, n, s, kKeyBlock);
+      } else {
+        HWY_DYNAMIC_DISPATCH(ScoreRows)(qt_of(h), head_rows, hd, at.k + first * at.ldk, at.ldk, n, s, kKeyBlock);
+      }
+    });
   };
   // Head h's scores of the block masked and turned into weights, its state brought up to them;
   // false when its asynchronized softmax must give up (see above).
@@ -943,33 +998,22 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
   };
   // acc[rows of head h][hd] += P · V over keys [j_begin, j_end) of the block.
   const auto accumulate_values = [&](int h, const BlockView& b, int j_begin, int j_end) {
-    const float* p = scores_of(h) + j_begin;
     float* acc = st.acc + h * head_rows * hd;
-    if (b.vblocks != nullptr) {
-      const uint8_t* v = b.vblocks + kv_bytes_of(b.blocks_type, j_begin * b.ldv);
-      if (b.blocks_type == KvType::kQ8_0) {
-        HWY_DYNAMIC_DISPATCH(AccumulateRowsQ8)(p, head_rows, kKeyBlock, v, b.ldv, j_end - j_begin, hd, acc);
+    b.for_parts(j_begin, j_end, [&](const KvRowsAt& at, int first, int n, int column) {
+      const float* p = scores_of(h) + column;
+      if (at.vblocks != nullptr) {
+        const uint8_t* v = at.vblocks + kv_bytes_of(at.blocks_type, first * at.ldv);
+        if (at.blocks_type == KvType::kQ8_0) {
+          HWY_DYNAMIC_DISPATCH(AccumulateRowsQ8)(p, head_rows, kKeyBlock, v, at.ldv, n, hd, acc);
+        } else {
+          HWY_DYNAMIC_DISPATCH(AccumulateRowsQ4)(p, head_rows, kKeyBlock, v, at.ldv, n, hd, acc);
+        }
+      } else if (at.v16 != nullptr) {
+        HWY_DYNAMIC_DISPATCH(AccumulateRowsF16)(p, head_rows, kKeyBlock, at.v16 + first * at.ldv, at.ldv, n, hd, acc);
       } else {
-        HWY_DYNAMIC_DISPATCH(AccumulateRowsQ4)(p, head_rows, kKeyBlock, v, b.ldv, j_end - j_begin, hd, acc);
+        HWY_DYNAMIC_DISPATCH(AccumulateRows)(p, head_rows, kKeyBlock, at.v + first * at.ldv, at.ldv, n, hd, acc);
       }
-    } else if (b.v16 != nullptr) {
-      HWY_DYNAMIC_DISPATCH(AccumulateRowsF16)(p, head_rows, kKeyBlock, b.v16 + j_begin * b.ldv, b.ldv, j_end - j_begin,
-                                              hd, acc);
-    } else {
-      HWY_DYNAMIC_DISPATCH(AccumulateRows)(p, head_rows, kKeyBlock, b.v + j_begin * b.ldv, b.ldv, j_end - j_begin, hd,
-                                           acc);
-    }
-  };
-  // Head h's view of a block read in place, from head 0's: h KV heads (h * hd elements) on.
-  const auto view_of_head = [&](BlockView b, int h) {
-    const int64_t at = static_cast<int64_t>(h) * hd;
-    if (b.k16 != nullptr) b.k16 += at;
-    if (b.v16 != nullptr) b.v16 += at;
-    if (b.kblocks != nullptr) b.kblocks += kv_bytes_of(b.blocks_type, at);
-    if (b.vblocks != nullptr) b.vblocks += kv_bytes_of(b.blocks_type, at);
-    if (b.k != nullptr) b.k += at;
-    if (b.v != nullptr) b.v += at;
-    return b;
+    });
   };
   // Every head of the unit meets keys [j0, j0 + nb). Read in place, the block's rows are read in
   // memory order, every head's share of a few keys' rows at a time: the keys for the scores,
@@ -982,8 +1026,7 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
                     /*in_place=*/true)) {
       return;  // (the same slots for every head)
     }
-    const bool in_place = b0.k16 != nullptr || b0.v16 != nullptr || b0.vblocks != nullptr ||
-                          (b0.v != nullptr && b0.v != buf.vbuf);
+    const bool in_place = b0.part[0].in_place(buf);
     if (!in_place || u.n_kv_heads == 1) {
       for (int h = 0; h < u.n_kv_heads; ++h) {
         if (gives_up(h)) continue;
@@ -1005,7 +1048,7 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
     pulled += pull_rows(kv, std::min(j0 + kKeyBlock, u.key_end), std::min(j0 + 2 * kKeyBlock, u.key_end), pre == nullptr);
     for (int j = 0; j < b0.nb; j += kScoreKeys) {
       for (int h = 0; h < u.n_kv_heads; ++h) {
-        if (!gives_up(h)) score_keys(h, view_of_head(b0, h), j0, j, std::min(b0.nb, j + kScoreKeys));
+        if (!gives_up(h)) score_keys(h, b0.moved_by(h, hd), j0, j, std::min(b0.nb, j + kScoreKeys));
       }
     }
     for (int h = 0; h < u.n_kv_heads; ++h) {
@@ -1013,7 +1056,7 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
     }
     for (int j = 0; j < b0.nb; j += kValueKeys) {
       for (int h = 0; h < u.n_kv_heads; ++h) {
-        if (!gives_up(h)) accumulate_values(h, view_of_head(b0, h), j, std::min(b0.nb, j + kValueKeys));
+        if (!gives_up(h)) accumulate_values(h, b0.moved_by(h, hd), j, std::min(b0.nb, j + kValueKeys));
       }
     }
   };
@@ -1088,7 +1131,7 @@ void run_unit_tile(const AttentionShape& sh, const float* q, const KvLayer& kv, 
       visible_from[j] = b.pos[j] < 0 ? ld : row_at(b.pos[j] - first_pos);
       visible_to[j] = b.pos[j] < 0 ? ld : row_at(b.pos[j] + window - first_pos);
     }
-    HWY_DYNAMIC_DISPATCH(TileMeetBlock)(qT, ld, hd, b.k, b.ldk, b.v, b.ldv, b.nb, b.all_visible ? nullptr : visible_from,
+    HWY_DYNAMIC_DISPATCH(TileMeetBlock)(qT, ld, hd, b.rows().k, b.rows().ldk, b.rows().v, b.rows().ldv, b.nb, b.all_visible ? nullptr : visible_from,
                                         b.all_visible ? nullptr : visible_to, buf.scores, buf.m_t, buf.l_t, buf.acc_t);
   }
   for (int r = 0; r < rows; ++r) {
@@ -1425,7 +1468,7 @@ struct StepsPass {
       const float* src = query_row(sh, job.q, all, r);
       for (int c = 0; c < hd; ++c) ub.qt[r * hd + c] = src[c] * scale;
     }
-    HWY_DYNAMIC_DISPATCH(ScoreRows)(ub.qt, rows_all, hd, b.k, b.ldk, b.nb, scores_of(g) + j0, n_keys);
+    HWY_DYNAMIC_DISPATCH(ScoreRows)(ub.qt, rows_all, hd, b.rows().k, b.rows().ldk, b.nb, scores_of(g) + j0, n_keys);
   }
 
   // 2. Row i's (of a KV head) maxima over the keys it sees: the phi of the next row's
