@@ -13,11 +13,16 @@ namespace ringlm {
 
 namespace {
 
-// log(sum(exp(logits))), in double: each token's log-probability is its logit minus this.
+// log(sum(exp(logits))): each token's log-probability is its logit minus this. The exponentials
+// in float (a vocabulary of 128k per beam at every step), their sum in double.
 double log_sum_exp(std::span<const float> logits) {
-  const double top = *std::max_element(logits.begin(), logits.end());
+  const float* x = logits.data();
+  const size_t n = logits.size();
+  float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+  for (size_t i = 0; i < n; ++i) top = x[i] > top ? x[i] : top;
   double sum = 0;
-  for (const float x : logits) sum += std::exp(static_cast<double>(x) - top);
+  for (size_t i = 0; i < n; ++i) sum += std::exp(x[i] - top);
   return top + std::log(sum);
 }
 
@@ -41,17 +46,22 @@ double BeamSearch::score(double log_prob, size_t length) const {
 // Best first; ties go to the earlier beam, then the lower token.
 std::vector<BeamSearch::Candidate> BeamSearch::candidates(std::span<const std::span<const float>> logits) const {
   const auto n = static_cast<size_t>(options_.n_beams);
-  std::vector<Candidate> all;
-  std::vector<Candidate> best;  // this beam's best tokens that do not end, best first
-  for (size_t b = 0; b < beams_.size(); ++b) {
-    const std::span<const float> row = logits[b];
+  for (const std::span<const float> row : logits) {
     if (row.size() != n_vocab_) throw std::invalid_argument("beam search: a beam's logits are not the vocabulary's");
-    const double base = beams_[b].log_prob - log_sum_exp(row);
-    best.clear();
+  }
+  // Each beam's candidates on its own (the threads share the beams), then all of them ranked.
+  std::vector<std::vector<Candidate>> of_beam(beams_.size());
+  const auto n_beams = static_cast<int64_t>(beams_.size());
+#pragma omp parallel for schedule(dynamic, 1) if (n_beams > 1)
+  for (int64_t b = 0; b < n_beams; ++b) {
+    const std::span<const float> row = logits[static_cast<size_t>(b)];
+    const double base = beams_[static_cast<size_t>(b)].log_prob - log_sum_exp(row);
+    std::vector<Candidate>& mine = of_beam[static_cast<size_t>(b)];
+    std::vector<Candidate> best;  // the beam's best tokens that do not end, best first
     for (size_t t = 0; t < row.size(); ++t) {
       const Candidate c{static_cast<int>(b), static_cast<int32_t>(t), base + row[t]};
       if (is_end(c.token)) {
-        all.push_back(c);
+        mine.push_back(c);
         continue;
       }
       if (best.size() == n && c.log_prob <= best.back().log_prob) continue;
@@ -60,8 +70,10 @@ std::vector<BeamSearch::Candidate> BeamSearch::candidates(std::span<const std::s
                                        [](const Candidate& x, const Candidate& y) { return x.log_prob > y.log_prob; });
       best.insert(at, c);
     }
-    all.insert(all.end(), best.begin(), best.end());
+    mine.insert(mine.end(), best.begin(), best.end());
   }
+  std::vector<Candidate> all;
+  for (const std::vector<Candidate>& mine : of_beam) all.insert(all.end(), mine.begin(), mine.end());
   std::stable_sort(all.begin(), all.end(), [](const Candidate& x, const Candidate& y) {
     if (x.log_prob != y.log_prob) return x.log_prob > y.log_prob;
     return x.parent != y.parent ? x.parent < y.parent : x.token < y.token;
