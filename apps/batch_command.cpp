@@ -44,7 +44,7 @@ struct BatchCommandOptions {
   bool share_prompt = true;
   std::string chat_template;
   SpeculativeOptions speculative;
-  KvType cache_type = KvType::kF16;
+  KvTypes cache_type = KvType::kF16;
   int beams = 0;  // every line's beams unless it says (0: sampling)
   float length_penalty = 1.0f;
 };

@@ -49,7 +49,7 @@ struct BenchOptions {
   DevicePlacement placement;  // --gpu-layers, --cpu-moe, --n-cpu-moe
   std::string softmax = "async";  // decode attention: async (FlashDecoding++) or online
   std::string layer_split;         // --layer-split under mpirun ("": balanced by bytes)
-  KvType cache_type = KvType::kF16;  // --cache-type, -ctk/-ctv
+  KvTypes cache_type = KvType::kF16;  // --cache-type, -ctk/-ctv
 };
 
 // One row of the result: a (p, n, threads) combination and its timed samples.
@@ -256,9 +256,9 @@ std::string params_text(uint64_t n) {
 }
 
 // The KV cache's type columns, as llama-bench shows them: only for a type other than f16.
-bool shows_cache_type(KvType type) { return type != KvType::kF16; }
+bool shows_cache_type(KvTypes types) { return types != KvTypes(KvType::kF16); }
 
-void print_markdown_header(KvType cache_type) {
+void print_markdown_header(KvTypes cache_type) {
   const bool types = shows_cache_type(cache_type);
   std::printf("| %-30s | %10s | %10s | %-10s | %7s |%s %15s | %20s |\n", "model", "size", "params", "backend", "threads",
               types ? " type_k | type_v |" : "", "test", "t/s");
@@ -267,12 +267,12 @@ void print_markdown_header(KvType cache_type) {
               types ? " -----: | -----: |" : "", std::string(14, '-').c_str(), std::string(19, '-').c_str());
 }
 
-void print_markdown_row(const ModelInfo& info, const BenchTest& t, KvType cache_type) {
+void print_markdown_row(const ModelInfo& info, const BenchTest& t, KvTypes cache_type) {
   const std::vector<double> ts = rates(t);
   const std::string tps = format("%.2f", mean(ts)) + " ± " + format("%.2f", stdev(ts));
   char types[32] = "";
   if (shows_cache_type(cache_type)) {
-    std::snprintf(types, sizeof(types), " %6s | %6s |", kv_type_name(cache_type), kv_type_name(cache_type));
+    std::snprintf(types, sizeof(types), " %6s | %6s |", kv_type_name(cache_type.keys), kv_type_name(cache_type.values));
   }
   // "±" is two bytes but one column: pad by one more so the columns still line up.
   std::printf("| %-30s | %10s | %10s | %-10s | %7d |%s %15s | %21s |\n", info.type.c_str(), size_text(info.size).c_str(),
@@ -283,7 +283,7 @@ void print_markdown_row(const ModelInfo& info, const BenchTest& t, KvType cache_
 
 // llama-bench's field names; values it has and ringlm does not (split mode) are given as
 // llama-bench would report them for a CPU-only run.
-nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_batch, KvType cache_type) {
+nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_batch, KvTypes cache_type) {
   const std::vector<double> ts = rates(t);
   nlohmann::ordered_json j;
   j["build_commit"] = "ringlm";
@@ -298,8 +298,8 @@ nlohmann::ordered_json to_json(const ModelInfo& info, const BenchTest& t, int n_
   j["n_batch"] = n_batch;
   j["n_ubatch"] = info.n_ubatch;
   j["n_threads"] = t.n_threads;
-  j["type_k"] = kv_type_name(cache_type);
-  j["type_v"] = kv_type_name(cache_type);
+  j["type_k"] = kv_type_name(cache_type.keys);
+  j["type_v"] = kv_type_name(cache_type.values);
   j["n_gpu_layers"] = info.n_gpu_layers;
   j["n_prompt"] = t.n_prompt;
   j["n_gen"] = t.n_gen;

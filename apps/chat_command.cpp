@@ -338,7 +338,7 @@ class ChatApp {
       }
     }
     say("memory    KV cache %.1f MiB (%s), weights %.1f MiB, resident %.1f MiB\n", mib(static_cast<double>(cache.bytes())),
-        kv_type_name(cache.type()), mib(static_cast<double>(model_.model->weight_bytes())),
+        kv_types_name(cache.type()).c_str(), mib(static_cast<double>(model_.model->weight_bytes())),
         mib(static_cast<double>(rss)));
   }
 

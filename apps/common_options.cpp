@@ -94,27 +94,23 @@ void add_compute_option(CLI::App& cmd, ComputeType& compute) {
       ->default_str("int8");
 }
 
-void add_cache_type_options(CLI::App& cmd, KvType& type) {
-  const std::map<std::string, KvType> types{
+void add_cache_type_options(CLI::App& cmd, KvTypes& types) {
+  const std::map<std::string, KvType> names{
       {"f16", KvType::kF16}, {"f32", KvType::kF32}, {"q8_0", KvType::kQ8_0}, {"q4_0", KvType::kQ4_0}};
-  cmd.add_option("--cache-type", type, "KV cache element type, keys and values: f16, f32, q8_0 or q4_0")
-      ->transform(CLI::CheckedTransformer(types, CLI::ignore_case))
+  // The three flags are held until parsing ends: a side's own flag wins over --cache-type.
+  auto given = std::make_shared<std::array<std::optional<KvType>, 3>>();  // both, keys, values
+  cmd.add_option("--cache-type", (*given)[0], "KV cache element type, keys and values: f16, f32, q8_0 or q4_0")
+      ->transform(CLI::CheckedTransformer(names, CLI::ignore_case))
       ->default_str("f16");
-  // The per-side flags of llama.cpp, held until parsing ends to be checked together.
-  auto sides = std::make_shared<std::array<std::optional<KvType>, 2>>();
-  cmd.add_option("--cache-type-k", (*sides)[0], "keys' type (-ctk, as llama.cpp; -ctv must agree)")
-      ->transform(CLI::CheckedTransformer(types, CLI::ignore_case));
-  cmd.add_option("--cache-type-v", (*sides)[1], "values' type (-ctv, as llama.cpp; -ctk must agree)")
-      ->transform(CLI::CheckedTransformer(types, CLI::ignore_case));
-  cmd.parse_complete_callback([sides, &type] {
-    const auto& [k, v] = *sides;
-    if (!k && !v) return;
-    if (!k || !v || *k != *v) {
-      throw CLI::ValidationError("--cache-type-k/--cache-type-v",
-                                 "ringlm stores keys and values in one type: give -ctk and -ctv the same type "
-                                 "(or --cache-type)");
-    }
-    type = *k;
+  cmd.add_option("--cache-type-k", (*given)[1], "the keys' type (-ctk, as llama.cpp; overrides --cache-type)")
+      ->transform(CLI::CheckedTransformer(names, CLI::ignore_case));
+  cmd.add_option("--cache-type-v", (*given)[2], "the values' type (-ctv, as llama.cpp; overrides --cache-type)")
+      ->transform(CLI::CheckedTransformer(names, CLI::ignore_case));
+  cmd.parse_complete_callback([given, &types] {
+    const auto& [both, keys, values] = *given;
+    if (both) types = *both;
+    if (keys) types.keys = *keys;
+    if (values) types.values = *values;
   });
 }
 

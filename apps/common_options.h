@@ -44,9 +44,9 @@ void add_sampling_options(CLI::App& cmd, SamplingParams& params);
 // block on the fly, the fast default; fp32: weights dequantized, the reference path).
 void add_compute_option(CLI::App& cmd, ComputeType& compute);
 
-// --cache-type f16|f32|q8_0, and llama.cpp's -ctk/--cache-type-k and -ctv/--cache-type-v (which
-// must agree: ringlm stores keys and values in one type).
-void add_cache_type_options(CLI::App& cmd, KvType& type);
+// --cache-type f16|f32|q8_0|q4_0 (keys and values), and llama.cpp's -ctk/--cache-type-k and
+// -ctv/--cache-type-v (one side each, over --cache-type).
+void add_cache_type_options(CLI::App& cmd, KvTypes& types);
 
 // The KV cache and StreamingLLM: the cache type options, --keep N (attention sinks, default 4),
 // --discard N (tokens a context shift drops, default half of those after the sinks),

@@ -57,7 +57,7 @@ struct RunStats {
   int64_t n_discarded = 0;     // tokens they dropped
   std::string stop_reason;
   size_t kv_bytes = 0;         // the KV cache's keys and values at the context size (KvCache::bytes)
-  std::string kv_type;         // their element type (--cache-type)
+  std::string kv_type;         // their element types (--cache-type; "k/v" when -ctk and -ctv differ)
   int beams = 0;               // --beams: the beams searched, the best one's score, the rows forks copied
   double beam_score = 0;
   int64_t beam_copied_rows = 0;
@@ -226,7 +226,7 @@ void run_beams(const RunOptions& o, LoadedModel& m, std::span<const int32_t> pro
   stats.beams = o.beams;
   stats.beam_copied_rows = beams.copied_rows();
   stats.kv_bytes = prompt_segment->bytes();
-  stats.kv_type = kv_type_name(prompt_segment->type());
+  stats.kv_type = kv_types_name(prompt_segment->type());
   if (beams.hypotheses().empty()) {  // -n 0
     stats.stop_reason = "limit";
     return;
@@ -291,7 +291,7 @@ void run(const RunOptions& o) {
     std::fprintf(stderr, "\nringlm: context of %d tokens is full; stopping (raise -c, or drop --no-context-shift)\n", n_ctx);
   }
   stats.kv_bytes = sequence.cache().bytes();
-  stats.kv_type = kv_type_name(sequence.cache().type());
+  stats.kv_type = kv_types_name(sequence.cache().type());
   stats.n_shifts = sequence.cache().shifts();
   stats.n_discarded = sequence.cache().discarded();
   m.model->close_pipeline();

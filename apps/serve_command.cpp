@@ -63,7 +63,7 @@ struct ServeOptions {
   std::string api_key;
   std::string alias;  // the model's name in the API; default: the file name
   std::string chat_template;
-  KvType cache_type = KvType::kF16;
+  KvTypes cache_type = KvType::kF16;
   SpeculativeOptions speculative;
 };
 

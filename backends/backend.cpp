@@ -17,6 +17,11 @@ const char* kv_type_name(KvType type) {
   return "?";
 }
 
+std::string kv_types_name(KvTypes types) {
+  if (types.same()) return kv_type_name(types.keys);
+  return std::string(kv_type_name(types.keys)) + "/" + kv_type_name(types.values);
+}
+
 const float* normalized_input_row(const MatmulInput& in, int64_t m, int64_t cols, float* out) {
   const float* x = in.x + m * cols;
   if (in.rms_weight == nullptr) return x;

@@ -100,6 +100,22 @@ constexpr bool kv_type_has_blocks(KvType type) { return type == KvType::kQ8_0 ||
 // The name --cache-type gives a type ("f16", "f32", "q8_0").
 const char* kv_type_name(KvType type);
 
+// The element types of a cache's keys and of its values: llama.cpp's -ctk and -ctv, which may
+// differ (keys q8_0 and values q4_0 is a common choice: attention is more sensitive to the keys).
+// One type stands for both.
+struct KvTypes {
+  KvType keys = KvType::kF16;
+  KvType values = KvType::kF16;
+  constexpr KvTypes() = default;
+  constexpr KvTypes(KvType both) : keys(both), values(both) {}  // NOLINT: one type is both
+  constexpr KvTypes(KvType k, KvType v) : keys(k), values(v) {}
+  constexpr bool operator==(const KvTypes&) const = default;
+  constexpr bool same() const { return keys == values; }
+};
+
+// "q8_0", or "q8_0/q4_0" (keys/values) when they differ.
+std::string kv_types_name(KvTypes types);
+
 // The tensor type whose rows a cache of `type` stores (quantize_row and dequantize_row write and
 // read them).
 constexpr TensorType kv_stored_type(KvType type) {
@@ -138,12 +154,13 @@ constexpr size_t kv_bytes_of(KvType type, int64_t elements) {
 // (the prompt that batch samples share; read-only, no state), and the cache's place for the
 // backend's own state.
 struct KvView {
-  uint8_t* rows = nullptr;  // [n_layer][keys, values][capacity][row_width]
+  uint8_t* rows = nullptr;  // [n_layer][keys [capacity], values [capacity]], each slot row_width elements
   int n_layer = 0;
   int capacity = 0;
   int row_width = 0;
   int head_dim = 0;  // (row_width is the KV heads' of this size)
-  KvType type = KvType::kF32;
+  KvType key_type = KvType::kF32;
+  KvType value_type = KvType::kF32;
   std::span<const int64_t> positions;
   uint64_t cache_id = 0;  // the viewed cache's KvCache::id(): what names a prefix (its rows' address may be reused)
   const KvView* prefix = nullptr;
@@ -153,13 +170,18 @@ struct KvView {
   // from it before the host reads them.
   std::unique_ptr<BackendKvState>* source_state = nullptr;
 
-  size_t row_bytes() const { return kv_bytes_of(type, row_width); }
-  uint8_t* key(int layer, int slot) const { return rows + row_index(layer, false, slot) * row_bytes(); }
-  uint8_t* value(int layer, int slot) const { return rows + row_index(layer, true, slot) * row_bytes(); }
+  KvTypes types() const { return {key_type, value_type}; }
+  size_t key_row_bytes() const { return kv_bytes_of(key_type, row_width); }
+  size_t value_row_bytes() const { return kv_bytes_of(value_type, row_width); }
+  uint8_t* key(int layer, int slot) const { return rows + layer_start(layer) + static_cast<size_t>(slot) * key_row_bytes(); }
+  uint8_t* value(int layer, int slot) const {
+    return rows + layer_start(layer) + static_cast<size_t>(capacity) * key_row_bytes() +
+           static_cast<size_t>(slot) * value_row_bytes();
+  }
 
  private:
-  size_t row_index(int layer, bool value, int slot) const {
-    return (static_cast<size_t>(layer) * 2 + (value ? 1 : 0)) * static_cast<size_t>(capacity) + static_cast<size_t>(slot);
+  size_t layer_start(int layer) const {
+    return static_cast<size_t>(layer) * static_cast<size_t>(capacity) * (key_row_bytes() + value_row_bytes());
   }
 };
 

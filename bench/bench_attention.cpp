@@ -44,7 +44,7 @@ void BM_CheckingAttention(benchmark::State& state, bool steps) {
   for (float& x : q) x = normal(rng);
   std::vector<int64_t> positions(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) positions[static_cast<size_t>(i)] = i;
-  const KvLayer kv{k.data(), v.data(), kv_width, ringlm::KvType::kF16, positions.data(), n, nullptr};
+  const KvLayer kv{k.data(), v.data(), kv_width, ringlm::KvType::kF16, ringlm::KvType::kF16, positions.data(), n, nullptr};
   AttentionScratch scratch;
   const int threads = bench_threads();
   std::vector<float> phi(static_cast<size_t>(shape.n_head));
@@ -119,7 +119,7 @@ void BM_DecodeAttention(benchmark::State& state) {
   std::vector<std::vector<float>> phi(static_cast<size_t>(layers), std::vector<float>(static_cast<size_t>(shape.n_head), NAN));
   for (auto _ : state) {
     for (int l = 0; l < layers; ++l) {
-      const KvLayer kv{k[static_cast<size_t>(l)].data(), v[static_cast<size_t>(l)].data(), kv_width, type,
+      const KvLayer kv{k[static_cast<size_t>(l)].data(), v[static_cast<size_t>(l)].data(), kv_width, type, type,
                        positions.data(), n, nullptr};
       ringlm::cpu::attention_causal(shape, q.data(), kv, depth, 1, out.data(), scratch, threads,
                                     phi[static_cast<size_t>(l)].data());

@@ -34,11 +34,20 @@ struct Case {
   int window = 0;     // sliding window: a query sees the last `window` positions (0: all)
   bool sinks = false;  // attention sinks (gpt-oss): a logit per head in every softmax's denominator
   int bits = 0;        // 8, 4: keys and values stored as q8_0, q4_0 blocks (instead of f16 / f32)
+  int value_bits = -1;  // the values' own type (-ctv): 16 (f16), 8, 4; -1: the keys'
 };
 
-KvType type_of(const Case& c) {
+KvType type_of(const Case& c) {  // the keys'
   if (c.bits != 0) return c.bits == 8 ? KvType::kQ8_0 : KvType::kQ4_0;
   return c.f16 ? KvType::kF16 : KvType::kF32;
+}
+KvType value_type_of(const Case& c) {
+  switch (c.value_bits) {
+    case 16: return KvType::kF16;
+    case 8: return KvType::kQ8_0;
+    case 4: return KvType::kQ4_0;
+    default: return type_of(c);
+  }
 }
 
 // Rows of `width` fp32 values as a cache of `type` holds them.
@@ -155,7 +164,7 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
   for (float& x : k) x = normal(rng);
   for (float& x : v) x = normal(rng);
   round_through(type_of(c), k, kv_w);  // the reference sees what the cache holds
-  round_through(type_of(c), v, kv_w);
+  round_through(value_type_of(c), v, kv_w);
   const std::vector<double> expected = reference(c, q, k, v);
   const std::vector<float> sinks = sinks_of(c);
 
@@ -169,17 +178,19 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     std::copy_n(&v[static_cast<size_t>(j) * kv_w], kv_w, &v_slots[slot * kv_w]);
   }
   const std::vector<uint8_t> k_bytes = encode_rows(type_of(c), k_slots, kv_w);
-  const std::vector<uint8_t> v_bytes = encode_rows(type_of(c), v_slots, kv_w);
+  const std::vector<uint8_t> v_bytes = encode_rows(value_type_of(c), v_slots, kv_w);
   KvLayer kv;
   kv.keys = k_bytes.data();
   kv.values = v_bytes.data();
   kv.row_stride = kv_w;
-  kv.type = type_of(c);
+  kv.key_type = type_of(c);
+  kv.value_type = value_type_of(c);
   kv.positions = layout.positions.data();
   kv.n_slots = static_cast<int>(n_slots);
   // With a prefix, slots [0, prefix) move to memory of their own (copies), and kv keeps the rest.
-  const size_t pre_bytes = kv_bytes_of(type_of(c), int64_t{c.prefix} * kv_w);
-  std::vector<uint8_t> k_pre(pre_bytes), v_pre(k_pre.size());
+  const size_t pre_keys = kv_bytes_of(type_of(c), int64_t{c.prefix} * kv_w);
+  const size_t pre_values = kv_bytes_of(value_type_of(c), int64_t{c.prefix} * kv_w);
+  std::vector<uint8_t> k_pre(pre_keys), v_pre(pre_values);
   const KvLayer whole = kv;
   KvLayer prefix = kv;
   if (c.prefix > 0) {
@@ -188,8 +199,8 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     prefix.keys = k_pre.data();
     prefix.values = v_pre.data();
     prefix.n_slots = c.prefix;
-    kv.keys = static_cast<const uint8_t*>(kv.keys) + pre_bytes;
-    kv.values = static_cast<const uint8_t*>(kv.values) + pre_bytes;
+    kv.keys = static_cast<const uint8_t*>(kv.keys) + pre_keys;
+    kv.values = static_cast<const uint8_t*>(kv.values) + pre_values;
     kv.positions += c.prefix;
     kv.n_slots -= c.prefix;
     kv.prefix = &prefix;
@@ -290,11 +301,11 @@ void fill_sequence(Sequence& s, const AttentionShape& sh, std::mt19937& rng) {
   }
   s.positions.resize(static_cast<size_t>(n_keys));
   for (int j = 0; j < n_keys; ++j) s.positions[static_cast<size_t>(j)] = j;
-  s.kv = KvLayer{s.k.data(), s.v.data(), kv_w, KvType::kF32, s.positions.data(), n_keys, nullptr};
+  s.kv = KvLayer{s.k.data(), s.v.data(), kv_w, KvType::kF32, KvType::kF32, s.positions.data(), n_keys, nullptr};
   if (s.prefix > 0) {  // the first slots as a run of their own (same memory: reads only)
-    s.prefix_layer = KvLayer{s.k.data(), s.v.data(), kv_w, KvType::kF32, s.positions.data(), s.prefix, nullptr};
+    s.prefix_layer = KvLayer{s.k.data(), s.v.data(), kv_w, KvType::kF32, KvType::kF32, s.positions.data(), s.prefix, nullptr};
     s.kv = KvLayer{s.k.data() + static_cast<size_t>(s.prefix) * kv_w, s.v.data() + static_cast<size_t>(s.prefix) * kv_w,
-                   kv_w,  KvType::kF32, s.positions.data() + s.prefix, n_keys - s.prefix, &s.prefix_layer};
+                   kv_w,  KvType::kF32, KvType::kF32, s.positions.data() + s.prefix, n_keys - s.prefix, &s.prefix_layer};
   }
   s.out_alone.assign(s.q.size(), NAN);
   s.out_batched.assign(s.q.size(), NAN);
@@ -365,13 +376,14 @@ TEST_P(AttentionSteps, EveryRowIsItsDecodeStepBitForBit) {
   for (auto* vec : {&q, &k, &v}) {
     for (float& x : *vec) x = normal(rng) * 1.5f;
   }
-  const std::vector<uint8_t> k_bytes = encode_rows(type_of(c), k, kv_w), v_bytes = encode_rows(type_of(c), v, kv_w);
+  const std::vector<uint8_t> k_bytes = encode_rows(type_of(c), k, kv_w), v_bytes = encode_rows(value_type_of(c), v, kv_w);
   const uint8_t* keys = k_bytes.data();
   const uint8_t* values = v_bytes.data();
-  const size_t pre_bytes = kv_bytes_of(type_of(c), int64_t{c.prefix} * kv_w);
-  KvLayer prefix{keys, values, kv_w, type_of(c), l.positions.data(), c.prefix, nullptr};
-  KvLayer kv{keys + pre_bytes, values + pre_bytes, kv_w, type_of(c), l.positions.data() + c.prefix, n_slots - c.prefix,
-             c.prefix > 0 ? &prefix : nullptr};
+  const size_t pre_keys = kv_bytes_of(type_of(c), int64_t{c.prefix} * kv_w);
+  const size_t pre_values = kv_bytes_of(value_type_of(c), int64_t{c.prefix} * kv_w);
+  KvLayer prefix{keys, values, kv_w, type_of(c), value_type_of(c), l.positions.data(), c.prefix, nullptr};
+  KvLayer kv{keys + pre_keys, values + pre_values, kv_w, type_of(c), value_type_of(c), l.positions.data() + c.prefix,
+             n_slots - c.prefix, c.prefix > 0 ? &prefix : nullptr};
   const int64_t pos0 = c.n_past;
   for (int threads : {1, 2}) {
     // The decode steps, one call per row.
@@ -480,7 +492,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                                            Case{9, 3, 64, 200, 33, false, false, 0, 0, false, 4},
                                            Case{9, 3, 64, 600, 1, true, false, 300, 0, false, 4},
                                            Case{8, 2, 32, 700, 1, false, false, 0, 300, false, 4},
-                                           Case{8, 1, 32, 1000, 1, false, false, 0, 0, true, 4}),
+                                           Case{8, 1, 32, 1000, 1, false, false, 0, 0, true, 4},
+                                           // keys and values of different types (-ctk, -ctv):
+                                           // decode in place (and across a prefix), a prefill tile
+                                           Case{9, 3, 64, 600, 1, false, false, 0, 0, false, 8, 4},
+                                           Case{9, 3, 64, 600, 1, true, false, 300, 0, false, 8, 16},
+                                           Case{9, 3, 64, 200, 33, false, true, 0, 0, false, 0, 8},
+                                           Case{8, 2, 32, 700, 1, false, true, 128, 0, false, 0, 4}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            std::ostringstream name;  // (not operator+: GCC 12 reports a false -Wrestrict on it)
@@ -490,6 +508,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Attention,
                            if (c.prefix > 0) name << "_prefix" << c.prefix;
                            if (c.window > 0) name << "_window" << c.window;
                            if (c.sinks) name << "_sinks";
+                           if (c.value_bits > 0) name << "_values" << kv_type_name(value_type_of(c));
                            return name.str();
                          });
 

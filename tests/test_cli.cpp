@@ -390,6 +390,15 @@ TEST(CliContextShift, QuantizedCachesShiftAndTakeTheirBytes) {
   ASSERT_EQ(q4.exit_code, 0) << describe(q4);
   EXPECT_EQ(last_stats(q4)["kv_type"], "q4_0");
   EXPECT_EQ(last_stats(q4)["kv_bytes"].get<size_t>(), size_t{30} * 2 * 64 * (3 * 64 / 32 * 18));
+  // Keys and values of their own types (llama.cpp's -ctk, -ctv), through shifts: each side's bytes.
+  const RunResult mixed = run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "Once upon a time", "-c", "64", "-n", "80",
+                                      "--ignore-eos", "--stats", "json", "--cache-type", "f16", "-ctk", "q8_0", "-ctv",
+                                      "q4_0"},
+                                     120s);
+  ASSERT_EQ(mixed.exit_code, 0) << describe(mixed);
+  EXPECT_EQ(last_stats(mixed)["kv_type"], "q8_0/q4_0");
+  EXPECT_GE(last_stats(mixed)["n_shifts"].get<int>(), 1);
+  EXPECT_EQ(last_stats(mixed)["kv_bytes"].get<size_t>(), size_t{30} * 64 * (3 * 64 / 32 * 34 + 3 * 64 / 32 * 18));
 }
 
 TEST(CliContextShift, BadCacheFlags) {
@@ -398,9 +407,8 @@ TEST(CliContextShift, BadCacheFlags) {
   expect_clean_failure(run_ringlm({"run", "-m", RINGLM_TEST_MODEL, "-p", "hi", "-c", "64", "--discard", "61"}),
                        HasSubstr("--discard"));
   expect_clean_failure(run_ringlm({"run", "-p", "hi", "--cache-type", "q8"}), HasSubstr("--cache-type"));
-  // llama.cpp's per-side flags must agree: ringlm keeps keys and values in one type.
-  expect_clean_failure(run_ringlm({"run", "-p", "hi", "-ctk", "q8_0"}), HasSubstr("-ctv"));
-  expect_clean_failure(run_ringlm({"run", "-p", "hi", "-ctk", "q8_0", "-ctv", "f16"}), HasSubstr("-ctv"));
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "-ctk", "q8"}), HasSubstr("--cache-type-k"));
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "-ctv", "q2_k"}), HasSubstr("--cache-type-v"));
   expect_clean_failure(run_ringlm({"run", "-p", "hi", "--keep", "-2"}), HasSubstr("--keep"));
 }
 

@@ -135,8 +135,8 @@ KvCache compacted(const LlamaModel& model, const KvCache& ring, int n_layer) {
   const int first = out.append(static_cast<int>(slots.size()));
   for (int layer = 0; layer < n_layer; ++layer) {
     for (size_t i = 0; i < slots.size(); ++i) {
-      std::memcpy(out.key(layer, first + static_cast<int>(i)), ring.key(layer, slots[i]), ring.row_bytes());
-      std::memcpy(out.value(layer, first + static_cast<int>(i)), ring.value(layer, slots[i]), ring.row_bytes());
+      std::memcpy(out.key(layer, first + static_cast<int>(i)), ring.key(layer, slots[i]), ring.key_row_bytes());
+      std::memcpy(out.value(layer, first + static_cast<int>(i)), ring.value(layer, slots[i]), ring.value_row_bytes());
     }
   }
   return out;

@@ -654,6 +654,10 @@ TEST(DeviceCli, QuantizedCacheOnADeviceIsAClearError) {
   EXPECT_THAT(o.err, HasSubstr("--cache-type q8_0"));
   EXPECT_THAT(o.err, HasSubstr("--cache-type f16"));
   EXPECT_EQ(o.out, "");
+  // Keys and values of two types, even two a device holds: refused, named as keys/values.
+  const Output mixed = run_ringlm(run_args("opencl", "-ctk f16 -ctv f32"));
+  EXPECT_TRUE(test::exited_with_error(mixed));
+  EXPECT_THAT(mixed.err, HasSubstr("--cache-type f16/f32"));
 }
 
 TEST(DeviceCli, MalformedDeviceIsAClearError) {

@@ -18,8 +18,8 @@ void write_tokens(KvCache& cache, int n, int n_layer) {
   const int first = cache.append(n);
   for (int layer = 0; layer < n_layer; ++layer) {
     for (int slot = first; slot < first + n; ++slot) {
-      std::memset(cache.key(layer, slot), 0x3c, cache.row_bytes());
-      std::memset(cache.value(layer, slot), 0x3c, cache.row_bytes());
+      std::memset(cache.key(layer, slot), 0x3c, cache.key_row_bytes());
+      std::memset(cache.value(layer, slot), 0x3c, cache.value_row_bytes());
     }
   }
 }
@@ -28,11 +28,11 @@ TEST(KvMemory, ResidentMemoryFollowsTheTokensHeld) {
   constexpr int kLayers = 4, kContext = 8192;
   KvCache cache(kLayers, kContext, 2, 64, {KvType::kF16, 0, 0, false});  // 256 bytes per row
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  EXPECT_EQ(cache.bytes(), size_t{kLayers} * 2 * kContext * cache.row_bytes());
+  EXPECT_EQ(cache.bytes(), size_t{kLayers} * kContext * cache.slot_bytes());
   EXPECT_EQ(cache.resident_bytes(), 0u);  // reserved, not yet used
 
   write_tokens(cache, 100, kLayers);
-  EXPECT_EQ(cache.bytes_in_use(), size_t{100} * kLayers * 2 * cache.row_bytes());
+  EXPECT_EQ(cache.bytes_in_use(), size_t{100} * kLayers * cache.slot_bytes());
   // Each of the 2 x layers regions rounds up to whole pages: at most one partial page each.
   EXPECT_GE(cache.resident_bytes(), cache.bytes_in_use());
   EXPECT_LE(cache.resident_bytes(), cache.bytes_in_use() + size_t{kLayers} * 2 * page);
@@ -56,7 +56,7 @@ TEST(KvMemory, APrefixIsReadNotHeld) {
   EXPECT_EQ(sample.size(), 20);
   EXPECT_EQ(sample.context_size(), 320);
   EXPECT_EQ(sample.positions()[0], 300);
-  EXPECT_EQ(sample.bytes_in_use(), size_t{20} * 2 * 2 * sample.row_bytes());
+  EXPECT_EQ(sample.bytes_in_use(), size_t{20} * 2 * sample.slot_bytes());
   EXPECT_FALSE(sample.can_shift());
   EXPECT_THROW(sample.discard(5), std::logic_error);
   // A prefix of another shape, or a prefix that has one, is refused.

@@ -80,19 +80,22 @@ TEST_P(LayerOps, RopeRotatesEveryHeadOfEveryRowByItsRowsAngles) {
 
 // A cache of 2 layers and 6 slots, as core/kv lays it out.
 struct Cache {
-  Cache(KvType type, int row_width) : rows(2 * 2 * 6 * kv_bytes_of(type, row_width)) {
+  Cache(KvTypes types, int row_width)
+      : rows(2 * 6 * (kv_bytes_of(types.keys, row_width) + kv_bytes_of(types.values, row_width))) {
     view.rows = rows.data();
     view.n_layer = 2;
     view.capacity = 6;
     view.row_width = row_width;
-    view.type = type;
+    view.key_type = types.keys;
+    view.value_type = types.values;
   }
   float read(int layer, int slot, bool value, int e) const {
     const uint8_t* row = value ? view.value(layer, slot) : view.key(layer, slot);
-    if (view.type == KvType::kF32) return reinterpret_cast<const float*>(row)[e];
-    if (view.type == KvType::kF16) return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[e]);
+    const KvType type = value ? view.value_type : view.key_type;
+    if (type == KvType::kF32) return reinterpret_cast<const float*>(row)[e];
+    if (type == KvType::kF16) return fp16_to_fp32(reinterpret_cast<const uint16_t*>(row)[e]);
     std::vector<float> all(static_cast<size_t>(view.row_width));
-    dequantize_row(kv_stored_type(view.type), row, all.data(), view.row_width);
+    dequantize_row(kv_stored_type(type), row, all.data(), view.row_width);
     return all[static_cast<size_t>(e)];
   }
   std::vector<uint8_t> rows;
@@ -118,6 +121,35 @@ TEST_P(LayerOps, StoreKvWritesRowsIntoTheirSlotsInTheCachesType) {
     // The other layer's slots and the slot before are untouched (zero).
     EXPECT_EQ(cache.read(0, first_slot, false, 0), 0.0f);
     EXPECT_EQ(cache.read(layer, 0, true, 0), 0.0f);
+  }
+}
+
+// Keys and values of different types (-ctk, -ctv): each side stored in its own type, in its own
+// rows (a layer's keys of one size, then its values of another), each within its rounding.
+TEST_P(LayerOps, StoreKvWritesEachSideInItsOwnType) {
+  constexpr int kWidth = kHeads * 32;  // heads of 32: blocks, not turned
+  for (const KvTypes types : {KvTypes(KvType::kQ8_0, KvType::kF16), KvTypes(KvType::kF32, KvType::kQ4_0)}) {
+    SCOPED_TRACE(kv_types_name(types));
+    Cache cache(types, kWidth);
+    const std::vector<float> k = random_values(6 * static_cast<size_t>(kWidth), rng), v = random_values(k.size(), rng);
+    for (int layer = 0; layer < 2; ++layer) backend->store_kv(cache.view, layer, 0, 6, k.data(), v.data());
+    std::vector<float> want_k(kWidth), want_v(kWidth);
+    std::vector<uint8_t> block(std::max(kv_bytes_of(types.keys, kWidth), kv_bytes_of(types.values, kWidth)));
+    const auto stored = [&](KvType type, const float* row, std::vector<float>& out) {
+      if (type == KvType::kF32) return std::copy_n(row, kWidth, out.begin()), void();
+      quantize_row(kv_stored_type(type), row, block.data(), kWidth);
+      dequantize_row(kv_stored_type(type), block.data(), out.data(), kWidth);
+    };
+    for (int layer = 0; layer < 2; ++layer) {
+      for (int slot = 0; slot < 6; ++slot) {
+        stored(types.keys, &k[static_cast<size_t>(slot) * kWidth], want_k);
+        stored(types.values, &v[static_cast<size_t>(slot) * kWidth], want_v);
+        for (int e = 0; e < kWidth; ++e) {
+          ASSERT_EQ(cache.read(layer, slot, false, e), want_k[static_cast<size_t>(e)]) << layer << " " << slot;
+          ASSERT_EQ(cache.read(layer, slot, true, e), want_v[static_cast<size_t>(e)]) << layer << " " << slot;
+        }
+      }
+    }
   }
 }
 

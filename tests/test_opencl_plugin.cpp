@@ -837,7 +837,7 @@ TEST_P(Attention, MatchesCpuAttention) {
   kv.keys = c.f16 ? static_cast<const void*>(k16.data()) : k.data();
   kv.values = c.f16 ? static_cast<const void*>(v16.data()) : v.data();
   kv.row_stride = row_stride;
-  kv.type = c.f16 ? KvType::kF16 : KvType::kF32;
+  kv.key_type = kv.value_type = c.f16 ? KvType::kF16 : KvType::kF32;
   kv.positions = positions64.data();
   kv.n_slots = c.n_slots;
   cpu::AttentionScratch scratch;

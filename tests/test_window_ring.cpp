@@ -73,7 +73,7 @@ TEST(WindowRing, NewTokensOverwriteTheOldestSlots) {
   EXPECT_EQ(std::vector<int64_t>(window.begin(), window.end()), expected);
   EXPECT_EQ(cache.size(), 10);  // the full ring has them all
   // In use: 10 tokens in the full ring's 2 layers, 8 in the window ring's.
-  EXPECT_EQ(cache.bytes_in_use(), size_t{2} * 2 * (10 + 8) * cache.row_bytes());
+  EXPECT_EQ(cache.bytes_in_use(), size_t{2} * (10 + 8) * cache.slot_bytes());
   EXPECT_EQ(cache.bytes_for_tokens(10), cache.bytes_in_use());
   cache.clear();
   EXPECT_EQ(cache.window_slot(), 0);
@@ -93,7 +93,7 @@ TEST(WindowRing, AShiftDropsTheSameTokensInBothRings) {
   EXPECT_EQ(held_positions(cache.view(KvRing::kWindow).positions), (std::vector<int64_t>{2, 3, 4, 5, 6, 7, 8}));
   EXPECT_EQ(held_positions(cache.positions()), (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8}));
   EXPECT_EQ(cache.next_position(), 9);
-  EXPECT_EQ(cache.bytes_in_use(), size_t{2} * 2 * (9 + 7) * cache.row_bytes());
+  EXPECT_EQ(cache.bytes_in_use(), size_t{2} * (9 + 7) * cache.slot_bytes());
   // The next token goes to the window ring's next slot: the oldest, whatever it holds.
   const int slot = cache.window_slot();
   cache.append(1);

@@ -682,29 +682,35 @@ struct UnitBuffers {
 // Slots [j0, j0 + nb) of one KV head's keys and values as fp32 rows written into kbuf and vbuf
 // (hd apart; nullptr: that side is not wanted), whatever the cache's type (a block whose slots
 // come from two runs is gathered piece by piece).
-void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* kbuf, float* vbuf) {
-  const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
-  if (kv_type_has_blocks(kv.type)) {
-    const auto* keys = static_cast<const uint8_t*>(kv.keys);
-    const auto* values = static_cast<const uint8_t*>(kv.values);
-    const TensorType blocks = kv_stored_type(kv.type);
+// Rows [j0, j0 + nb) of one side of a head (keys or values: `rows` of `type`, `stride`
+// elements apart) as fp32 rows of hd; nothing when `out` is null.
+void gather_side(KvType type, const void* rows, int64_t offset, int64_t stride, int nb, int hd, float* out) {
+  if (out == nullptr) return;
+  if (kv_type_has_blocks(type)) {
     for (int j = 0; j < nb; ++j) {
-      const size_t at = kv_bytes_of(kv.type, offset + j * kv.row_stride);
-      if (kbuf != nullptr) dequantize_row(blocks, keys + at, kbuf + j * hd, hd);
-      if (vbuf != nullptr) dequantize_row(blocks, values + at, vbuf + j * hd, hd);
+      dequantize_row(kv_stored_type(type), static_cast<const uint8_t*>(rows) + kv_bytes_of(type, offset + j * stride),
+                     out + j * hd, hd);
     }
     return;
   }
-  if (kv.type == KvType::kF16) {
+  if (type == KvType::kF16) {
+    HWY_DYNAMIC_DISPATCH(F16KvRowsToF32)(static_cast<const uint16_t*>(rows) + offset, nullptr, stride, nb, hd, out,
+                                          nullptr);
+    return;
+  }
+  for (int j = 0; j < nb; ++j) std::copy_n(static_cast<const float*>(rows) + offset + j * stride, hd, out + j * hd);
+}
+
+void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* kbuf, float* vbuf) {
+  const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
+  if (kv.key_type == KvType::kF16 && kv.value_type == KvType::kF16) {  // both streams on their way at once
     HWY_DYNAMIC_DISPATCH(F16KvRowsToF32)(static_cast<const uint16_t*>(kv.keys) + offset,
                                           static_cast<const uint16_t*>(kv.values) + offset, kv.row_stride, nb, hd,
                                           kbuf, vbuf);
     return;
   }
-  for (int j = 0; j < nb; ++j) {
-    if (kbuf != nullptr) std::copy_n(static_cast<const float*>(kv.keys) + offset + j * kv.row_stride, hd, kbuf + j * hd);
-    if (vbuf != nullptr) std::copy_n(static_cast<const float*>(kv.values) + offset + j * kv.row_stride, hd, vbuf + j * hd);
-  }
+  gather_side(kv.key_type, kv.keys, offset, kv.row_stride, nb, hd, kbuf);
+  gather_side(kv.value_type, kv.values, offset, kv.row_stride, nb, hd, vbuf);
 }
 
 // How far back a query sees: the sliding window, or (none) further than any position goes,
@@ -725,7 +731,8 @@ enum class KvSides { kBoth, kKeys, kValues };
 // Where a stretch of a block's keys is read: head 0's slice of its first key's row, ldk and ldv
 // elements apart. fp32 rows (k, v: in place, or gathered into a unit's buffers), or an fp16,
 // q8_0 or q4_0 cache's rows read in place by the row path's kernels (k16, v16 or kblocks,
-// vblocks: blocks of `blocks_type`, a head's slice of a row at element 0).
+// vblocks: blocks of `key_blocks` / `value_blocks`, a head's slice of a row at element 0). Each
+// side has its own type.
 struct KvRowsAt {
   const float* k = nullptr;
   const float* v = nullptr;
@@ -733,7 +740,7 @@ struct KvRowsAt {
   const uint16_t* v16 = nullptr;
   const uint8_t* kblocks = nullptr;
   const uint8_t* vblocks = nullptr;
-  KvType blocks_type = KvType::kQ8_0;
+  KvType key_blocks = KvType::kQ8_0, value_blocks = KvType::kQ8_0;
   int64_t ldk = 0, ldv = 0;
 
   bool in_place(const UnitBuffers& buf) const {
@@ -746,8 +753,8 @@ struct KvRowsAt {
     KvRowsAt r = *this;
     if (r.k16 != nullptr) r.k16 += at;
     if (r.v16 != nullptr) r.v16 += at;
-    if (r.kblocks != nullptr) r.kblocks += kv_bytes_of(blocks_type, at);
-    if (r.vblocks != nullptr) r.vblocks += kv_bytes_of(blocks_type, at);
+    if (r.kblocks != nullptr) r.kblocks += kv_bytes_of(key_blocks, at);
+    if (r.vblocks != nullptr) r.vblocks += kv_bytes_of(value_blocks, at);
     if (r.k != nullptr) r.k += at;
     if (r.v != nullptr) r.v += at;
     return r;
@@ -786,15 +793,20 @@ struct BlockView {
 KvRowsAt rows_in_place(const KvLayer& run, int slot, int kv_head, int hd) {
   const int64_t offset = slot * run.row_stride + static_cast<int64_t>(kv_head) * hd;
   KvRowsAt r;
-  if (kv_type_has_blocks(run.type)) {
-    r.kblocks = static_cast<const uint8_t*>(run.keys) + kv_bytes_of(run.type, offset);
-    r.vblocks = static_cast<const uint8_t*>(run.values) + kv_bytes_of(run.type, offset);
-    r.blocks_type = run.type;
-  } else if (run.type == KvType::kF16) {
+  if (kv_type_has_blocks(run.key_type)) {
+    r.kblocks = static_cast<const uint8_t*>(run.keys) + kv_bytes_of(run.key_type, offset);
+    r.key_blocks = run.key_type;
+  } else if (run.key_type == KvType::kF16) {
     r.k16 = static_cast<const uint16_t*>(run.keys) + offset;
-    r.v16 = static_cast<const uint16_t*>(run.values) + offset;
   } else {
     r.k = static_cast<const float*>(run.keys) + offset;
+  }
+  if (kv_type_has_blocks(run.value_type)) {
+    r.vblocks = static_cast<const uint8_t*>(run.values) + kv_bytes_of(run.value_type, offset);
+    r.value_blocks = run.value_type;
+  } else if (run.value_type == KvType::kF16) {
+    r.v16 = static_cast<const uint16_t*>(run.values) + offset;
+  } else {
     r.v = static_cast<const float*>(run.values) + offset;
   }
   r.ldk = r.ldv = run.row_stride;
@@ -849,7 +861,8 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   view->split = nb;
   view->pos = pos;
   view->all_visible = all_visible;
-  if (in_place || (n_pieces == 1 && pieces[0].run->type == KvType::kF32)) {
+  const bool f32 = pieces[0].run->key_type == KvType::kF32 && pieces[0].run->value_type == KvType::kF32;
+  if (in_place || (n_pieces == 1 && f32)) {
     for (int i = 0; i < n_pieces; ++i) view->part[i] = rows_in_place(*pieces[i].run, pieces[i].slot, kv_head, hd);
     if (n_pieces == 2) view->split = pieces[1].column;
     return true;
@@ -883,13 +896,12 @@ uint32_t pull_rows(const KvLayer& kv, int from, int to, bool keys) {
     const KvLayer& run = j < n_prefix ? *kv.prefix : kv;
     const int slot = j < n_prefix ? j : j - n_prefix;
     if (slot >= run.n_slots) break;
-    const size_t bytes = kv_bytes_of(run.type, run.row_stride);
-    const auto* k = static_cast<const uint8_t*>(run.keys) + slot * bytes;
-    const auto* v = static_cast<const uint8_t*>(run.values) + slot * bytes;
-    for (size_t line = 0; line < bytes; line += 64) {
-      if (keys) sum += k[line];
-      sum += v[line];
-    }
+    const size_t key_bytes = kv_bytes_of(run.key_type, run.row_stride);
+    const size_t value_bytes = kv_bytes_of(run.value_type, run.row_stride);
+    const auto* k = static_cast<const uint8_t*>(run.keys) + slot * key_bytes;
+    const auto* v = static_cast<const uint8_t*>(run.values) + slot * value_bytes;
+    for (size_t line = 0; keys && line < key_bytes; line += 64) sum += k[line];
+    for (size_t line = 0; line < value_bytes; line += 64) sum += v[line];
   }
   return sum;
 }
@@ -950,8 +962,8 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
     b.for_parts(j_begin, j_end, [&](const KvRowsAt& at, int first, int n, int column) {
       float* s = scores_of(h) + column;
       if (at.kblocks != nullptr) {
-        const uint8_t* k = at.kblocks + kv_bytes_of(at.blocks_type, first * at.ldk);
-        if (at.blocks_type == KvType::kQ8_0) {
+        const uint8_t* k = at.kblocks + kv_bytes_of(at.key_blocks, first * at.ldk);
+        if (at.key_blocks == KvType::kQ8_0) {
           HWY_DYNAMIC_DISPATCH(ScoreRowsQ8)(qt_of(h), head_rows, hd, k, at.ldk, n, s, kKeyBlock);
         } else {
           HWY_DYNAMIC_DISPATCH(ScoreRowsQ4)(qt_of(h), head_rows, hd, k, at.ldk, n, s, kKeyBlock);
@@ -1002,8 +1014,8 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
     b.for_parts(j_begin, j_end, [&](const KvRowsAt& at, int first, int n, int column) {
       const float* p = scores_of(h) + column;
       if (at.vblocks != nullptr) {
-        const uint8_t* v = at.vblocks + kv_bytes_of(at.blocks_type, first * at.ldv);
-        if (at.blocks_type == KvType::kQ8_0) {
+        const uint8_t* v = at.vblocks + kv_bytes_of(at.value_blocks, first * at.ldv);
+        if (at.value_blocks == KvType::kQ8_0) {
           HWY_DYNAMIC_DISPATCH(AccumulateRowsQ8)(p, head_rows, kKeyBlock, v, at.ldv, n, hd, acc);
         } else {
           HWY_DYNAMIC_DISPATCH(AccumulateRowsQ4)(p, head_rows, kKeyBlock, v, at.ldv, n, hd, acc);

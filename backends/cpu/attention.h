@@ -32,7 +32,8 @@ struct KvLayer {
   const void* keys = nullptr;
   const void* values = nullptr;
   int64_t row_stride = 0;  // elements
-  KvType type = KvType::kF32;
+  KvType key_type = KvType::kF32;
+  KvType value_type = KvType::kF32;
   const int64_t* positions = nullptr;
   int n_slots = 0;
   const KvLayer* prefix = nullptr;

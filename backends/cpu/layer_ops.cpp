@@ -21,8 +21,8 @@ RopePairs pairs_of(const RopeAngles& angles) { return angles.adjacent_pairs ? Ro
 
 // One layer's slots of a cache as the attention kernel reads them.
 KvLayer layer_of(const KvView& kv, int layer, const KvLayer* prefix) {
-  return KvLayer{kv.key(layer, 0), kv.value(layer, 0), kv.row_width, kv.type, kv.positions.data(),
-                 static_cast<int>(kv.positions.size()), prefix};
+  return KvLayer{kv.key(layer, 0), kv.value(layer, 0), kv.row_width, kv.key_type, kv.value_type,
+                 kv.positions.data(), static_cast<int>(kv.positions.size()), prefix};
 }
 
 // A cache row of n elements of `type` from fp32 (q8_0, q4_0: GGML's reference rounding, the
@@ -66,25 +66,25 @@ void LayerOps::rope(float* x, int64_t n_rows, int n_heads, int head_dim, const R
 }
 
 void LayerOps::store_kv(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v) {
-  const bool turns = kv_turns_heads(kv.type, kv.head_dim);
+  const bool turns = kv_turns_heads(kv.key_type, kv.head_dim) || kv_turns_heads(kv.value_type, kv.head_dim);
   const auto width = static_cast<size_t>(kv.row_width);
   if (turns && turned_.size() < width * static_cast<size_t>(n_threads_)) turned_.resize(width * n_threads_);
 #pragma omp parallel num_threads(n_threads_) if (n >= kParallelRows)
   {
     float* row = turns ? turned_.data() + width * static_cast<size_t>(omp_get_thread_num()) : nullptr;
-    // A row as the cache keeps it: its heads turned first where the cache's type asks.
-    const auto store = [&](const float* src, uint8_t* dst) {
-      if (turns) {
+    // A row as the cache keeps it in `type`: its heads turned first where the type asks.
+    const auto store = [&](KvType type, const float* src, uint8_t* dst) {
+      if (kv_turns_heads(type, kv.head_dim)) {
         std::copy_n(src, width, row);
         hadamard_heads(row, kv.row_width / kv.head_dim, kv.head_dim);
         src = row;
       }
-      write_kv_row(kv.type, src, kv.row_width, dst);
+      write_kv_row(type, src, kv.row_width, dst);
     };
 #pragma omp for schedule(static)
     for (int i = 0; i < n; ++i) {
-      store(k + static_cast<int64_t>(i) * kv.row_width, kv.key(layer, first_slot + i));
-      store(v + static_cast<int64_t>(i) * kv.row_width, kv.value(layer, first_slot + i));
+      store(kv.key_type, k + static_cast<int64_t>(i) * kv.row_width, kv.key(layer, first_slot + i));
+      store(kv.value_type, v + static_cast<int64_t>(i) * kv.row_width, kv.value(layer, first_slot + i));
     }
   }
 }
@@ -94,9 +94,10 @@ void LayerOps::attention(int layer, const AttentionShape& shape, std::span<const
   prefixes_.assign(calls.size(), KvLayer{});
   turned_queries_.resize(calls.size());
   jobs_.clear();
-  // A cache that keeps its heads turned (kv_turns_heads) is scored with queries turned alike (the
-  // same dot products), and its outputs, sums of turned values, are turned back.
-  const auto turns = [&](const AttentionCall& c) { return kv_turns_heads(c.kv->type, shape.head_dim); };
+  // Keys kept with their heads turned (kv_turns_heads) are scored with queries turned alike (the
+  // same dot products); outputs that are sums of turned values are turned back.
+  const auto turns_keys = [&](const AttentionCall& c) { return kv_turns_heads(c.kv->key_type, shape.head_dim); };
+  const auto turns_values = [&](const AttentionCall& c) { return kv_turns_heads(c.kv->value_type, shape.head_dim); };
   for (size_t i = 0; i < calls.size(); ++i) {
     const AttentionCall& c = calls[i];
     const KvLayer* prefix = nullptr;
@@ -105,7 +106,7 @@ void LayerOps::attention(int layer, const AttentionShape& shape, std::span<const
       prefix = &prefixes_[i];
     }
     const float* q = c.q;
-    if (turns(c)) {
+    if (turns_keys(c)) {
       std::vector<float>& turned = turned_queries_[i];
       turned.assign(c.q, c.q + static_cast<size_t>(c.n_tokens) * shape.n_head * shape.head_dim);
       hadamard_heads(turned.data(), c.n_tokens * shape.n_head, shape.head_dim);
@@ -123,7 +124,7 @@ void LayerOps::attention(int layer, const AttentionShape& shape, std::span<const
     attention_batch(shape, jobs_, scratch_, n_threads_);
   }
   for (const AttentionCall& c : calls) {
-    if (turns(c)) hadamard_heads(c.out, c.n_tokens * shape.n_head, shape.head_dim);
+    if (turns_values(c)) hadamard_heads(c.out, c.n_tokens * shape.n_head, shape.head_dim);
   }
 }
 
@@ -133,7 +134,7 @@ void LayerOps::shift_keys(const KvView& kv, std::span<const int> layers, std::sp
   expand_rope_angles(angles.cos, angles.sin, angles.n_rot, pairs_of(angles), cos_x.data(), sin_x.data());
   const auto n_slots = static_cast<int64_t>(slots.size());
   const auto n_layers = static_cast<int64_t>(layers.size());
-  const bool turns = kv_turns_heads(kv.type, head_dim);
+  const bool turns = kv_turns_heads(kv.key_type, head_dim);
 #pragma omp parallel num_threads(n_threads_)
   {
     std::vector<float> row(static_cast<size_t>(kv.row_width));
@@ -143,11 +144,11 @@ void LayerOps::shift_keys(const KvView& kv, std::span<const int> layers, std::sp
         // Rotated in fp32 and stored again (q8_0: quantized again, per block; a cache that keeps
         // its heads turned turns them back for RoPE, and again after).
         uint8_t* key = kv.key(layers[static_cast<size_t>(l)], slots[static_cast<size_t>(m)]);
-        read_kv_row(kv.type, key, kv.row_width, row.data());
+        read_kv_row(kv.key_type, key, kv.row_width, row.data());
         if (turns) hadamard_heads(row.data(), n_head_kv, head_dim);
         rotate_heads(row.data(), n_head_kv, head_dim, angles.n_rot, pairs_of(angles), cos_x.data(), sin_x.data());
         if (turns) hadamard_heads(row.data(), n_head_kv, head_dim);
-        write_kv_row(kv.type, row.data(), kv.row_width, key);
+        write_kv_row(kv.key_type, row.data(), kv.row_width, key);
       }
     }
   }

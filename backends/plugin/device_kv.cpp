@@ -97,7 +97,7 @@ PluginKvCache& DeviceKv::ensure_copy(const KvView& kv, int fresh_begin, int fres
   const int first_layer = std::min(first_device_layer_, kv.n_layer);
   const int prefix_slots = kv.prefix != nullptr ? static_cast<int>(kv.prefix->positions.size()) : 0;
   auto copy = std::make_unique<PluginKvCache>(
-      link_, DeviceKvShape{kv.n_layer, first_layer, prefix_slots + kv.capacity, kv.row_width, kv.type == KvType::kF16});
+      link_, DeviceKvShape{kv.n_layer, first_layer, prefix_slots + kv.capacity, kv.row_width, kv.key_type == KvType::kF16});
   copy->prefix_slots = prefix_slots;
   copy->prefix_id = prefix_id;
   if (prefix_slots > 0) copy_prefix_rows(*kv.prefix, *copy);
@@ -205,7 +205,7 @@ const char* DeviceKv::why_not_on_device(const KvView& kv, const AttentionShape& 
   if (const PluginKvCache* copy = copy_of(kv); copy != nullptr && copy->host_only) {
     return "attention of this head geometry runs on the CPU (the plugin does not take it)";
   }
-  const GeometryKey key{shape.n_head, shape.n_head_kv, shape.head_dim, kv.type == KvType::kF16};
+  const GeometryKey key{shape.n_head, shape.n_head_kv, shape.head_dim, kv.key_type == KvType::kF16};
   auto known = geometries_.find(key);
   if (known == geometries_.end()) known = geometries_.emplace(key, device_runs(shape, key.f16)).first;
   return known->second ? nullptr : "attention of this head geometry runs on the CPU (the plugin does not take it)";

@@ -470,9 +470,11 @@ class PluginBackend final : public Backend {
   // A plugin's caches hold fp16 or fp32 rows (its store, attention and shift kernels read no
   // other): a quantized cache is refused by name, before a row is written.
   void refuse_quantized_cache(const KvView& kv) const {
-    if (kv.type != KvType::kF16 && kv.type != KvType::kF32) {
-      throw std::runtime_error(std::string("--cache-type ") + kv_type_name(kv.type) + " is not supported on the plugin device " + name_ +
-                               ": a device's KV cache is f16 or f32 (use --cache-type f16, or run on the CPU)");
+    const bool plain = kv.key_type == KvType::kF16 || kv.key_type == KvType::kF32;
+    if (!plain || kv.key_type != kv.value_type) {
+      throw std::runtime_error("--cache-type " + kv_types_name(kv.types()) + " is not supported on the plugin device " + name_ +
+                               ": a device's KV cache is f16 or f32, keys and values alike (use --cache-type f16, or run "
+                               "on the CPU)");
     }
   }
 

@@ -7,11 +7,12 @@
 
 namespace ringlm {
 
-void KvCache::Rows::allocate(int n_layer_in_ring, int n_slots, size_t bytes_per_row) {
+void KvCache::Rows::allocate(int n_layer_in_ring, int n_slots, size_t bytes_per_key, size_t bytes_per_value) {
   n_layer = n_layer_in_ring;
   slots = n_slots;
-  row_bytes = bytes_per_row;
-  storage = PageBuffer(static_cast<size_t>(n_layer) * 2 * static_cast<size_t>(slots) * row_bytes);
+  key_bytes = bytes_per_key;
+  value_bytes = bytes_per_value;
+  storage = PageBuffer(static_cast<size_t>(n_layer) * static_cast<size_t>(slots) * (key_bytes + value_bytes));
   positions.assign(static_cast<size_t>(slots), -1);
 }
 
@@ -60,10 +61,12 @@ KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const K
   if (n_layer <= 0 || capacity <= 0 || n_kv_head <= 0 || head_dim <= 0) {
     throw std::invalid_argument("KvCache: every dimension must be positive");
   }
-  if (kv_type_has_blocks(type_) && head_dim % 32 != 0) {
-    throw std::invalid_argument(std::string("--cache-type ") + kv_type_name(type_) +
-                                " needs a head size that is a multiple of 32 (this model's is " + std::to_string(head_dim) +
-                                "): use f16");
+  for (const KvType side : {type_.keys, type_.values}) {
+    if (kv_type_has_blocks(side) && head_dim % 32 != 0) {
+      throw std::invalid_argument(std::string("--cache-type ") + kv_type_name(side) +
+                                  " needs a head size that is a multiple of 32 (this model's is " + std::to_string(head_dim) +
+                                  "): use f16");
+    }
   }
   if (n_keep_ < 0 || n_keep_ >= capacity) {
     throw std::invalid_argument("--keep " + std::to_string(n_keep_) + " must be at least 0 and less than the context size " +
@@ -86,8 +89,8 @@ KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const K
     throw std::invalid_argument("KvCache: a window ring needs a window and more slots than it");
   }
   // The full ring keeps the positions of the sequence even when every layer is windowed.
-  full_.allocate(n_full, capacity, row_bytes());
-  window_.allocate(n_window, n_window > 0 ? window.slots : 0, row_bytes());
+  full_.allocate(n_full, capacity, key_row_bytes(), value_row_bytes());
+  window_.allocate(n_window, n_window > 0 ? window.slots : 0, key_row_bytes(), value_row_bytes());
   window_size_ = n_window > 0 ? window.window : 0;
 }
 
@@ -114,8 +117,8 @@ void KvCache::clear() {
 void KvCache::Rows::copy_from(const Rows& other) {
   for (int index = 0; index < n_layer; ++index) {
     for (const bool value : {false, true}) {
-      std::copy_n(const_cast<Rows&>(other).row(index, 0, value), static_cast<size_t>(other.extent) * row_bytes,
-                  row(index, 0, value));
+      std::copy_n(const_cast<Rows&>(other).row(index, 0, value),
+                  static_cast<size_t>(other.extent) * (value ? value_bytes : key_bytes), row(index, 0, value));
     }
   }
   positions = other.positions;
@@ -295,7 +298,8 @@ KvView KvCache::view(KvRing ring) {
   v.capacity = r.slots;
   v.row_width = row_width();
   v.head_dim = head_dim_;
-  v.type = type_;
+  v.key_type = type_.keys;
+  v.value_type = type_.values;
   v.positions = r.used_positions();
   v.cache_id = id();
   v.state = &r.backend_state;

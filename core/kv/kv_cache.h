@@ -16,7 +16,7 @@
 //
 // Keys and values are fp16 (half the memory and bandwidth), fp32, or q8_0 / q4_0 (an fp16 scale
 // per 32 codes of 8 or 4 bits: 53% / 28% of fp16's bytes; the head size must be a multiple of
-// 32), in one buffer per ring
+// 32), each side its own type (-ctk, -ctv), in one buffer per ring
 // sized for all its slots, whose pages become resident as tokens are written (PageBuffer): a
 // cache costs the memory of the tokens it holds.
 //
@@ -39,7 +39,7 @@
 namespace ringlm {
 
 struct KvCacheOptions {
-  KvType type = KvType::kF16;
+  KvTypes type = KvType::kF16;  // the keys' and the values' (-ctk, -ctv)
   int n_keep = 0;              // attention sinks: the first tokens, never discarded
   int n_discard = 0;           // tokens a context shift drops (0: half of those after the sinks)
   bool context_shift = false;  // when full: shift (StreamingLLM) or refuse more tokens
@@ -73,7 +73,7 @@ class KvCache {
   static void set_release_observer(void (*observer)(uint64_t id));
   int size() const { return n_sink_ + ring_count_; }  // tokens cached here (not in the prefix)
   int n_keep() const { return n_keep_; }
-  KvType type() const { return type_; }
+  KvTypes type() const { return type_; }
   const KvCacheOptions& options() const { return options_; }
   // Tokens the next context shift discards: --discard, else half of those after the sinks.
   int shift_size() const;
@@ -181,30 +181,38 @@ class KvCache {
   // Whether a backend keeps state of its own for a ring of this cache (a copy in a device's memory).
   bool has_backend_state() const { return full_.backend_state != nullptr || window_.backend_state != nullptr; }
 
-  // Row `slot` of layer `layer` (a slot of the layer's ring): row_width() values of type(), K or V.
+  // Row `slot` of layer `layer` (a slot of the layer's ring): row_width() keys of type().keys,
+  // or values of type().values.
   void* key(int layer, int slot) { return rows_of(layer).row(place(layer).index, slot, false); }
   void* value(int layer, int slot) { return rows_of(layer).row(place(layer).index, slot, true); }
   const void* key(int layer, int slot) const { return const_cast<KvCache*>(this)->key(layer, slot); }
   const void* value(int layer, int slot) const { return const_cast<KvCache*>(this)->value(layer, slot); }
-  size_t row_bytes() const { return kv_bytes_of(type_, row_width()); }
+  size_t key_row_bytes() const { return kv_bytes_of(type_.keys, row_width()); }
+  size_t value_row_bytes() const { return kv_bytes_of(type_.values, row_width()); }
+  // A slot's keys and values in one layer.
+  size_t slot_bytes() const { return key_row_bytes() + value_row_bytes(); }
 
  private:
-  // One ring's rows, [n_layer][keys, values][slots][row_width], and each slot's position.
+  // One ring's rows, [n_layer][keys [slots], values [slots]] (KvView's layout), and each slot's
+  // position.
   struct Rows {
     int n_layer = 0;
     int slots = 0;
-    size_t row_bytes = 0;
+    size_t key_bytes = 0, value_bytes = 0;  // a row's
     PageBuffer storage;
     std::vector<int64_t> positions;  // [slots], -1: empty
     int extent = 0;                  // slots that ever held a token
     int held = 0;                    // slots holding a token now
     std::unique_ptr<BackendKvState> backend_state;
 
-    void allocate(int n_layer, int slots, size_t row_bytes);
+    void allocate(int n_layer, int slots, size_t key_bytes, size_t value_bytes);
     uint8_t* row(int index, int slot, bool value) {
-      return storage.data() + ((static_cast<size_t>(index) * 2 + (value ? 1 : 0)) * slots + static_cast<size_t>(slot)) * row_bytes;
+      const size_t layer = static_cast<size_t>(index) * static_cast<size_t>(slots) * (key_bytes + value_bytes);
+      return storage.data() + layer + (value ? static_cast<size_t>(slots) * key_bytes + slot * value_bytes : slot * key_bytes);
     }
-    size_t bytes_for(int64_t n_tokens) const { return static_cast<size_t>(n_tokens) * static_cast<size_t>(n_layer) * 2 * row_bytes; }
+    size_t bytes_for(int64_t n_tokens) const {
+      return static_cast<size_t>(n_tokens) * static_cast<size_t>(n_layer) * (key_bytes + value_bytes);
+    }
     std::span<const int64_t> used_positions() const { return {positions.data(), static_cast<size_t>(extent)}; }
     void clear();
     void copy_from(const Rows& other);  // the same shape: every slot other ever wrote
@@ -226,7 +234,7 @@ class KvCache {
   Id id_;
   int n_layer_, capacity_, n_kv_head_, head_dim_;
   KvCacheOptions options_;
-  KvType type_;
+  KvTypes type_;
   int n_keep_;
   std::vector<LayerPlace> places_;  // [n_layer]
   Rows full_, window_;

@@ -109,7 +109,7 @@ struct PipelineHook::Sequence {
   uint64_t cache_id = 0, prefix_id = 0;
   int64_t cache_size = 0, next_position = 0, n_tokens = 0;
   int32_t capacity = 0, prefix_tokens = 0;
-  int32_t kv_type = 0, n_keep = 0, n_discard = 0, context_shift = 0;
+  int32_t kv_key_type = 0, kv_value_type = 0, n_keep = 0, n_discard = 0, context_shift = 0;
   int32_t want_logits = 0, all_logits = 0, top_k = 0, stepwise_attention = 0;
 };
 
@@ -142,7 +142,8 @@ PipelineHook::Sequence PipelineHook::describe(const SequenceTokens& sequence) {
   q.next_position = cache.next_position();
   q.n_tokens = static_cast<int64_t>(sequence.tokens.size());
   q.capacity = cache.capacity();
-  q.kv_type = static_cast<int32_t>(cache.options().type);
+  q.kv_key_type = static_cast<int32_t>(cache.options().type.keys);
+  q.kv_value_type = static_cast<int32_t>(cache.options().type.values);
   q.n_keep = cache.options().n_keep;
   q.n_discard = cache.options().n_discard;
   q.context_shift = cache.options().context_shift ? 1 : 0;
@@ -221,7 +222,8 @@ KvCache& PipelineHook::cache_copy(const Sequence& q) {
     it = caches_.end();
   }
   if (it == caches_.end()) {
-    const KvCacheOptions options{static_cast<KvType>(q.kv_type), q.n_keep, q.n_discard, q.context_shift != 0};
+    const KvCacheOptions options{KvTypes(static_cast<KvType>(q.kv_key_type), static_cast<KvType>(q.kv_value_type)), q.n_keep,
+                                 q.n_discard, q.context_shift != 0};
     auto made = std::make_shared<KvCache>(model_.make_cache(q.capacity, options));
     if (q.prefix_id != 0) {
       const auto prefix = caches_.find(q.prefix_id);

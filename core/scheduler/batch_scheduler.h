@@ -95,7 +95,7 @@ struct BatchOptions {
   int n_parallel = 4;
   int n_ctx = 2048;        // per sequence: prompt + generated tokens
   int prefill_chunk = 64;  // prompt tokens per chunk, and per step
-  KvType cache_type = KvType::kF16;
+  KvTypes cache_type = KvType::kF16;
   // false: n samples are n independent sequences, each prefilling and holding the prompt (the
   // baseline that the segment cache is measured against).
   bool share_prompt = true;
