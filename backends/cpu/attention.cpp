@@ -679,9 +679,6 @@ struct UnitBuffers {
   float* l_t;     // [ld]
 };
 
-// Slots [j0, j0 + nb) of one KV head's keys and values as fp32 rows written into kbuf and vbuf
-// (hd apart; nullptr: that side is not wanted), whatever the cache's type (a block whose slots
-// come from two runs is gathered piece by piece).
 // Rows [j0, j0 + nb) of one side of a head (keys or values: `rows` of `type`, `stride`
 // elements apart) as fp32 rows of hd; nothing when `out` is null.
 void gather_side(KvType type, const void* rows, int64_t offset, int64_t stride, int nb, int hd, float* out) {
@@ -701,6 +698,9 @@ void gather_side(KvType type, const void* rows, int64_t offset, int64_t stride, 
   for (int j = 0; j < nb; ++j) std::copy_n(static_cast<const float*>(rows) + offset + j * stride, hd, out + j * hd);
 }
 
+// Slots [j0, j0 + nb) of one KV head's keys and values as fp32 rows written into kbuf and vbuf
+// (hd apart; nullptr: that side is not wanted), whatever each side's type (a block whose slots
+// come from two runs is gathered piece by piece).
 void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* kbuf, float* vbuf) {
   const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
   if (kv.key_type == KvType::kF16 && kv.value_type == KvType::kF16) {  // both streams on their way at once
