@@ -6,6 +6,10 @@
 // between them, fp16 storage (the reference then reads the same fp16-rounded values), and slots
 // split between a prefix run in memory of its own and the rest (the segment KV cache), which must
 // give bit for bit what the same slots give in one run.
+// The AVX-512 VNNI target too, which attention.cpp builds (its int8 scores of q8_0 keys).
+#ifndef HWY_WANT_AVX3_DL
+#define HWY_WANT_AVX3_DL
+#endif
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -108,10 +112,25 @@ Layout make_layout(const Case& c, std::mt19937& rng) {
   return l;
 }
 
-std::vector<double> reference(const Case& c, const std::vector<float>& q, const std::vector<float>& k,
-                              const std::vector<float>& v) {
+// With int8_queries, as the kernel scores q8_0 keys on a target with VNNI
+// (scores_q8_keys_in_int8): each head's query row scaled by 1 / sqrt(d) in float, then rounded
+// to q8_0 blocks as GGML rounds them; the scores are its dot products with the keys.
+std::vector<double> reference(const Case& c, const std::vector<float>& q_in, const std::vector<float>& k,
+                              const std::vector<float>& v, bool int8_queries = false) {
   const int group = c.n_head / c.n_head_kv, hd = c.head_dim, kv_w = c.n_head_kv * hd, q_w = c.n_head * hd;
   std::vector<double> out(static_cast<size_t>(c.n_tokens) * q_w);
+  std::vector<float> q = q_in;
+  double score_divisor = std::sqrt(static_cast<double>(hd));
+  if (int8_queries) {
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    for (float& x : q) x *= scale;
+    std::vector<uint8_t> blocks(kv_bytes_of(KvType::kQ8_0, hd));
+    for (size_t row = 0; row < q.size(); row += static_cast<size_t>(hd)) {
+      quantize_row(TensorType::Q8_0, q.data() + row, blocks.data(), hd);
+      dequantize_row(TensorType::Q8_0, blocks.data(), q.data() + row, hd);
+    }
+    score_divisor = 1.0;
+  }
   const std::vector<float> sinks = sinks_of(c);
   for (int i = 0; i < c.n_tokens; ++i) {
     for (int h = 0; h < c.n_head; ++h) {
@@ -122,7 +141,7 @@ std::vector<double> reference(const Case& c, const std::vector<float>& q, const 
       for (int j = first; j < n_vis; ++j) {
         double dot = 0;
         for (int e = 0; e < hd; ++e) dot += static_cast<double>(q[static_cast<size_t>(i * q_w + h * hd + e)]) * k[static_cast<size_t>(j * kv_w + g * hd + e)];
-        s[static_cast<size_t>(j)] = dot / std::sqrt(static_cast<double>(hd));
+        s[static_cast<size_t>(j)] = dot / score_divisor;
         mx = std::max(mx, s[static_cast<size_t>(j)]);
       }
       // A sink is one more logit in the softmax, with no value.
@@ -166,6 +185,9 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
   round_through(type_of(c), k, kv_w);  // the reference sees what the cache holds
   round_through(value_type_of(c), v, kv_w);
   const std::vector<double> expected = reference(c, q, k, v);
+  // Decode on q8_0 keys: the int8 queries' reference, for the targets that score so.
+  const bool int8_case = type_of(c) == KvType::kQ8_0 && c.n_tokens == 1;
+  const std::vector<double> expected_int8 = int8_case ? reference(c, q, k, v, true) : expected;
   const std::vector<float> sinks = sinks_of(c);
 
   // The cache: token j's row in slot slot_of[j]; empty slots hold garbage that must not count.
@@ -211,10 +233,12 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     AttentionScratch scratch;
     std::vector<float> out(q.size(), NAN);
     attention_causal(shape_of(c, sinks), q.data(), kv, c.n_past, c.n_tokens, out.data(), scratch, threads);
+    const bool int8 = int8_case && scores_q8_keys_in_int8(c.head_dim);
+    const std::vector<double>& want = int8 ? expected_int8 : expected;
     for (size_t i = 0; i < out.size(); ++i) {
       // Outputs are convex combinations of values of magnitude ~1: fp32 softmax and sums over
       // a few hundred keys stay well within 1e-5.
-      ASSERT_NEAR(out[i], expected[i], 1e-5) << "threads " << threads << " index " << i;
+      ASSERT_NEAR(out[i], want[i], 1e-5) << "threads " << threads << " index " << i << (int8 ? " (int8 queries)" : "");
     }
     if (c.prefix > 0) {  // a prefix run is read as if its slots were the cache's first ones
       std::vector<float> out_whole(q.size(), NAN);

@@ -1,15 +1,23 @@
 // Tiled causal attention (see attention.h). The kernels are compiled per Highway target; the
 // tiling and the scheduling are plain code below HWY_ONCE.
+
+// Also build the AVX-512 VNNI target (Highway 1.0.3 only does so on request): q8_0 keys are
+// scored there with int8 queries (ScoreRowsQ8Int8).
+#ifndef HWY_WANT_AVX3_DL
+#define HWY_WANT_AVX3_DL
+#endif
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "backends/cpu/attention.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <type_traits>
 
 #include "backends/cpu/attention.h"
 #include "quant/formats.h"
+#include "quant/quantize.h"
 #include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
@@ -369,6 +377,121 @@ void ScoreRowsQ4(const float* q, int n_rows, int hd, const uint8_t* k, int64_t k
   ScoreRowsOf(q, n_rows, hd, Q4Elements{k, 0}, k_ld, n_keys, scores, scores_ld);
 }
 
+// --- q8_0 keys scored with int8 queries (AVX-512 VNNI) ------------------------------------------
+//
+// A q8_0 key's codes meet the query quantized alike (GGML's q8_0 rounding of each block of 32 of
+// the pre-scaled query row, as llama.cpp's flash attention converts Q to the keys' dot type): a
+// 64-byte chunk of a head (two blocks) is one vpdpbusd per (row, key), its 16 int32 lanes (8 per
+// block) then turned to float and weighted by the two blocks' scales (query's times key's). The
+// keys are made unsigned (code + 128, vpdpbusd takes unsigned times signed), and the 128 * sum
+// of each lane's four query codes is taken off by starting the lane's sum at its negative. No
+// key is widened to float: against the float path, a score costs a third of the instructions.
+
+// Whether this target scores q8_0 keys so (HWY_AVX3_DL: VNNI), for heads of a multiple of 64.
+bool ScoresQ8KeysInInt8() { return HWY_TARGET == HWY_AVX3_DL; }
+
+#if HWY_TARGET == HWY_AVX3_DL
+HWY_INLINE __m512i DotUnsignedSigned(__m512i acc, __m512i u, __m512i s) {
+  // (asm: Highway 1.0.3's AVX3_DL target does not enable the EVEX intrinsic; see kernel_packed.cpp)
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
+
+// Two blocks' fp16 scales, each in 8 lanes: [a x 8, b x 8].
+HWY_INLINE __m512 PairOfScales(const uint8_t* block_a, const uint8_t* block_b) {
+  uint16_t a, b;
+  std::memcpy(&a, block_a, 2);
+  std::memcpy(&b, block_b, 2);
+  const __m256i halves = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(static_cast<short>(a))),
+                                                 _mm_set1_epi16(static_cast<short>(b)), 1);
+  return _mm512_cvtph_ps(halves);
+}
+
+// scores[r][i] for R rows and NK keys (kr: a head's slice of each key's row), as ScoreRowsKeys
+// lays them out and sums them (SumLanesOfEach), the dot products in int8.
+template <int R, int NK>
+HWY_INLINE void ScoreRowsKeysInt8(const int8_t* q, const float* q_scales, int hd, const Q8Elements* kr, int nk,
+                                  float* scores, int scores_ld) {
+  static_assert(R * NK <= kFloatLanes, "one SumLanesOfEach per call");
+  const hn::ScalableTag<float> d;
+  hn::Vec<decltype(d)> acc[kFloatLanes];
+  for (int i = 0; i < kFloatLanes; ++i) acc[i] = hn::Zero(d);
+  const uint8_t* keys[NK];
+  for (int i = 0; i < NK; ++i) keys[i] = kr[std::min(i, nk - 1)].blocks;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int n_blocks = hd / 32;
+  for (int b = 0; b < n_blocks; b += 2) {
+    __m512i qv[R], start[R];
+    __m512 qs[R];
+    for (int r = 0; r < R; ++r) {
+      qv[r] = _mm512_loadu_si512(q + static_cast<int64_t>(r) * hd + b * 32);
+      start[r] = _mm512_sub_epi32(_mm512_setzero_si512(), DotUnsignedSigned(_mm512_setzero_si512(), flip, qv[r]));
+      const float* s = q_scales + r * n_blocks + b;
+      qs[r] = _mm512_insertf32x8(_mm512_set1_ps(s[0]), _mm256_set1_ps(s[1]), 1);
+    }
+    for (int i = 0; i < NK; ++i) {
+      const uint8_t* block = keys[i] + static_cast<int64_t>(b) * Q8Elements::kBlockBytes;
+      const uint8_t* next = block + Q8Elements::kBlockBytes;
+      const __m512i codes = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(next + 2)), 1);
+      const __m512i unsigned_codes = _mm512_xor_si512(codes, flip);
+      const __m512 ks = PairOfScales(block, next);
+      for (int r = 0; r < R; ++r) {
+        const __m512 dot = _mm512_cvtepi32_ps(DotUnsignedSigned(start[r], unsigned_codes, qv[r]));
+        acc[r * NK + i].raw = _mm512_fmadd_ps(dot, _mm512_mul_ps(ks, qs[r]), acc[r * NK + i].raw);
+      }
+    }
+  }
+  HWY_ALIGN float sums[kFloatLanes];
+  HWY_ALIGN static constexpr BitReversedLanes kOrder{};
+  hn::Store(hn::TableLookupLanes(SumLanesOfEach(d, acc), hn::SetTableIndices(d, kOrder.lane)), d, sums);
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < nk; ++i) scores[r * scores_ld + i] = sums[r * NK + i];
+  }
+}
+
+template <int R>
+HWY_INLINE void ScoreRowChunkInt8(const int8_t* q, const float* q_scales, int hd, const Q8Elements* kr, int nk,
+                                  float* scores, int scores_ld) {
+  constexpr int kKeys = kFloatLanes / RowSlots(R);
+  for (int i = 0; i < nk; i += kKeys) {
+    ScoreRowsKeysInt8<R, kKeys>(q, q_scales, hd, kr + i, std::min(kKeys, nk - i), scores + i, scores_ld);
+  }
+}
+#endif
+
+// scores[r][j] = q[r] · k[j] with the int8 queries (quantize_query_rows) and q8_0 keys (k: a head's
+// slice of the first key's row, k_ld elements apart): ScoreRowsQ8's layout and cut of the keys
+// and rows. Only on the targets ScoresQ8KeysInInt8 names (hd a multiple of 64); elsewhere
+// nothing is written.
+void ScoreRowsQ8Int8(const int8_t* q, const float* q_scales, int n_rows, int hd, const uint8_t* k, int64_t k_ld,
+                     int n_keys, float* scores, int scores_ld) {
+#if HWY_TARGET == HWY_AVX3_DL
+  constexpr int kGroup = kFloatLanes;
+  const int blocks_per_row = hd / 32;
+  const Q8Elements first{k, 0};
+  for (int j0 = 0; j0 < n_keys; j0 += kGroup) {
+    const int nk = std::min(kGroup, n_keys - j0);
+    Q8Elements kr[kGroup];
+    for (int i = 0; i < kGroup; ++i) kr[i] = first + (j0 + std::min(i, nk - 1)) * k_ld;
+    for (int r0 = 0; r0 < n_rows;) {
+      const int8_t* qr = q + static_cast<int64_t>(r0) * hd;
+      const float* sr = q_scales + r0 * blocks_per_row;
+      float* out = scores + r0 * scores_ld + j0;
+      switch (std::min(n_rows - r0, 4)) {
+        case 1: ScoreRowChunkInt8<1>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 1; break;
+        case 2: ScoreRowChunkInt8<2>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 2; break;
+        case 3: ScoreRowChunkInt8<3>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 3; break;
+        default: ScoreRowChunkInt8<4>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 4; break;
+      }
+    }
+  }
+#else
+  (void)q, (void)q_scales, (void)n_rows, (void)hd, (void)k, (void)k_ld, (void)n_keys, (void)scores, (void)scores_ld;
+#endif
+}
+
 // acc[r][c0 .. c0 + NC vectors) += sum_j p[r][j] * v[j][c0 ..) for R rows, over the keys with a
 // non-zero weight in some row: each value vector loaded (and widened) once for all the rows, the
 // rows' columns held in R x NC registers across all the keys. Every element sums its keys in key
@@ -612,12 +735,18 @@ HWY_EXPORT(ScoreRows);
 HWY_EXPORT(ScoreRowsF16);
 HWY_EXPORT(ScoreRowsQ8);
 HWY_EXPORT(ScoreRowsQ4);
+HWY_EXPORT(ScoresQ8KeysInInt8);
+HWY_EXPORT(ScoreRowsQ8Int8);
 HWY_EXPORT(AccumulateRows);
 HWY_EXPORT(AccumulateRowsF16);
 HWY_EXPORT(AccumulateRowsQ8);
 HWY_EXPORT(AccumulateRowsQ4);
 HWY_EXPORT(TileMeetBlock);
 HWY_EXPORT(TileRowWidth);
+
+bool scores_q8_keys_in_int8(int head_dim) {
+  return head_dim % 64 == 0 && HWY_DYNAMIC_DISPATCH(ScoresQ8KeysInInt8)();
+}
 
 namespace {
 
@@ -671,6 +800,8 @@ TileState state_rows(const TileState& st, int first, int hd) {
 // scores as [rows][hd] and [rows][kKeyBlock], the tile path as [hd][ld] and [kKeyBlock][ld].
 struct UnitBuffers {
   float* qt;      // [rows_cap * hd]
+  int8_t* q8;        // [rows_cap * hd]: qt as q8_0 codes, when q8_0 keys are scored in int8
+  float* q8_scales;  // [rows_cap * hd / 32]
   float* scores;  // [rows_cap * kKeyBlock]
   float* kbuf;    // [kKeyBlock][hd]
   float* vbuf;    // [kKeyBlock][hd]
@@ -678,6 +809,36 @@ struct UnitBuffers {
   float* m_t;     // [ld]
   float* l_t;     // [ld]
 };
+
+// Floats of a thread's buffer that hold `rows` query rows as q8_0 codes and scales.
+size_t query_codes_floats(int rows, int hd) {
+  return static_cast<size_t>(rows) * hd / sizeof(float) + static_cast<size_t>(rows) * hd / 32 + 1;
+}
+// Points ub's query codes and scales at `at` (query_codes_floats(rows, hd) floats).
+void place_query_codes(UnitBuffers& ub, float* at, int rows, int hd) {
+  ub.q8_scales = at;
+  ub.q8 = reinterpret_cast<int8_t*>(at + static_cast<size_t>(rows) * hd / 32);
+}
+
+// Whether a unit scores its keys with int8 queries (ScoreRowsQ8Int8): q8_0 keys, heads of a
+// multiple of 64, a target with VNNI.
+bool scores_in_int8(const KvLayer& kv, int hd) { return kv.key_type == KvType::kQ8_0 && scores_q8_keys_in_int8(hd); }
+
+// Query rows of hd floats as q8_0 blocks (GGML's rounding, quantize_row: the scale rounded to
+// fp16 as a block stores it): codes [rows][hd] and scales [rows][hd / 32].
+void quantize_query_rows(const float* q, int n_rows, int hd, int8_t* codes, float* scales) {
+  uint8_t block[34];
+  for (int r = 0; r < n_rows; ++r) {
+    for (int b = 0; b < hd / 32; ++b) {
+      const int64_t at = static_cast<int64_t>(r) * hd + b * 32;
+      quantize_row(TensorType::Q8_0, q + at, block, 32);
+      uint16_t scale;
+      std::memcpy(&scale, block, 2);
+      scales[r * (hd / 32) + b] = fp16_to_fp32(scale);
+      std::memcpy(codes + at, block + 2, 32);
+    }
+  }
+}
 
 // Rows [j0, j0 + nb) of one side of a head (keys or values: `rows` of `type`, `stride`
 // elements apart) as fp32 rows of hd; nothing when `out` is null.
@@ -940,6 +1101,8 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
     seen_max[r] = -INFINITY;
     std::fill(st.acc + r * hd, st.acc + (r + 1) * hd, 0.0f);
   }
+  const bool int8 = pre == nullptr && scores_in_int8(kv, hd);
+  if (int8) quantize_query_rows(buf.qt, rows, hd, buf.q8, buf.q8_scales);
   const int64_t first_pos = q_pos0 + u.token_begin, last_pos = q_pos0 + u.token_end - 1;
   const int64_t window = window_of(sh);
   int64_t pos_buf[kKeyBlock];
@@ -961,7 +1124,11 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
     }
     b.for_parts(j_begin, j_end, [&](const KvRowsAt& at, int first, int n, int column) {
       float* s = scores_of(h) + column;
-      if (at.kblocks != nullptr) {
+      if (int8 && at.kblocks != nullptr) {
+        const uint8_t* k = at.kblocks + kv_bytes_of(at.key_blocks, first * at.ldk);
+        HWY_DYNAMIC_DISPATCH(ScoreRowsQ8Int8)(buf.q8 + h * head_rows * hd, buf.q8_scales + h * head_rows * (hd / 32),
+                                              head_rows, hd, k, at.ldk, n, s, kKeyBlock);
+      } else if (at.kblocks != nullptr) {
         const uint8_t* k = at.kblocks + kv_bytes_of(at.key_blocks, first * at.ldk);
         if (at.key_blocks == KvType::kQ8_0) {
           HWY_DYNAMIC_DISPATCH(ScoreRowsQ8)(qt_of(h), head_rows, hd, k, at.ldk, n, s, kKeyBlock);
@@ -1284,7 +1451,7 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
   float* unit_max = partials != nullptr ? partials + n_split_units * state_floats : nullptr;  // [units][rows]
   const size_t thread_floats =
       static_cast<size_t>(rows_cap) * (2 * hd + kKeyBlock + 2) + 2 * static_cast<size_t>(kKeyBlock) * hd +
-      state_floats + rows_max;
+      state_floats + rows_max + query_codes_floats(rows_cap, hd);
   for (int t = 0; t < n_threads; ++t) scratch.thread_buffer(t, thread_floats);
 
   const auto state_at = [&](float* base) { return TileState{base, base + rows_max, base + 2 * rows_max}; };
@@ -1325,6 +1492,7 @@ void attention_batch(const AttentionShape& sh, std::span<const AttentionJob> job
     ub.acc_t = own_max + rows_max;
     ub.m_t = ub.acc_t + rows_cap * hd;
     ub.l_t = ub.m_t + rows_cap;
+    place_query_codes(ub, ub.l_t + rows_cap, rows_cap, hd);
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n_units; ++i) {
       const AttentionJob& job = jobs[static_cast<size_t>(job_of_unit[static_cast<size_t>(i)])];
@@ -1434,7 +1602,7 @@ struct StepsPass {
   }
   size_t thread_floats() const {
     return static_cast<size_t>(rows_all) * hd + 2 * static_cast<size_t>(kKeyBlock) * hd +
-           static_cast<size_t>(group) * kKeyBlock + unit_state + group;
+           static_cast<size_t>(group) * kKeyBlock + unit_state + group + query_codes_floats(rows_all, hd);
   }
 
   // Lays the shared numbers out in the scratch, and sizes every thread's buffer.
@@ -1480,7 +1648,18 @@ struct StepsPass {
       const float* src = query_row(sh, job.q, all, r);
       for (int c = 0; c < hd; ++c) ub.qt[r * hd + c] = src[c] * scale;
     }
-    HWY_DYNAMIC_DISPATCH(ScoreRows)(ub.qt, rows_all, hd, b.rows().k, b.rows().ldk, b.nb, scores_of(g) + j0, n_keys);
+    if (!scores_in_int8(job.kv, hd)) {
+      HWY_DYNAMIC_DISPATCH(ScoreRows)(ub.qt, rows_all, hd, b.rows().k, b.rows().ldk, b.nb, scores_of(g) + j0, n_keys);
+      return;
+    }
+    // The decode path's int8 scores (run_unit_rows), on the q8_0 rows in place: the same sums.
+    quantize_query_rows(ub.qt, rows_all, hd, ub.q8, ub.q8_scales);
+    view_block(job.kv, g, hd, j0, std::min(kKeyBlock, n_keys - j0), job.q_pos0, job.q_pos0 + n_rows - 1, window, ub,
+               pos_buf, &b, KvSides::kKeys, /*in_place=*/true);
+    b.for_parts(0, b.nb, [&](const KvRowsAt& at, int first, int n, int column) {
+      HWY_DYNAMIC_DISPATCH(ScoreRowsQ8Int8)(ub.q8, ub.q8_scales, rows_all, hd, at.kblocks + kv_bytes_of(at.key_blocks, first * at.ldk),
+                                            at.ldk, n, scores_of(g) + j0 + column, n_keys);
+    });
   }
 
   // 2. Row i's (of a KV head) maxima over the keys it sees: the phi of the next row's
@@ -1568,6 +1747,7 @@ void attention_steps(const AttentionShape& sh, const AttentionJob& job, Attentio
     ub.scores = ub.vbuf + static_cast<size_t>(kKeyBlock) * pass.hd;
     float* const own_state = ub.scores + static_cast<size_t>(pass.group) * kKeyBlock;
     float* const own_max = own_state + pass.unit_state;
+    place_query_codes(ub, own_max + pass.group, pass.rows_all, pass.hd);
     int64_t pos_buf[kKeyBlock];
 
 #pragma omp for schedule(dynamic, 1)
