@@ -68,8 +68,10 @@ class ServingEngineTest : public ::testing::Test {
     return results;
   }
 
-  static std::string alone(const GenerationRequest& request) {
-    BatchScheduler scheduler(*loaded_->model, *loaded_->tokenizer, options(1));
+  static std::string alone(const GenerationRequest& request, KvTypes cache_type = KvType::kF16) {
+    BatchOptions o = options(1);
+    o.cache_type = cache_type;
+    BatchScheduler scheduler(*loaded_->model, *loaded_->tokenizer, o);
     return run(scheduler, {request})[0].text;
   }
 
@@ -125,6 +127,22 @@ TEST_F(ServingEngineTest, AReusedPromptGivesTheTokensOfAWholePrefill) {
   EXPECT_EQ(cached.reused_prompt_tokens() - after_longer, static_cast<int64_t>(same.prompt.size()));
   EXPECT_EQ(cached.n_running(), 0);
   EXPECT_EQ(cached.kv_bytes_in_use(), 0u);  // what the sequences held is back; the cache keeps its own
+}
+
+// The prompt cache with quantized caches (q8_0 keys and q4_0 values): a kept segment's blocks
+// read by later requests give the tokens a whole prefill into such a cache gives.
+TEST_F(ServingEngineTest, AReusedQuantizedPromptGivesTheTokensOfAWholePrefill) {
+  const KvTypes types(KvType::kQ8_0, KvType::kQ4_0);
+  BatchOptions o = options(2, size_t{64} << 20);
+  o.cache_type = types;
+  BatchScheduler cached(*loaded_->model, *loaded_->tokenizer, o);
+  const GenerationRequest first = greedy(kLongPrompt, 8);
+  const GenerationRequest longer = greedy(kLongPrompt + " into a capital, and", 12);
+  EXPECT_EQ(run(cached, {first})[0].text, alone(first, types));
+  EXPECT_EQ(cached.prompt_cache_entries(), 1u);
+  EXPECT_EQ(run(cached, {longer})[0].text, alone(longer, types));
+  EXPECT_GE(cached.reused_prompt_tokens(), static_cast<int64_t>(first.prompt.size()) - 1);
+  EXPECT_EQ(run(cached, {first})[0].text, alone(first, types));  // the whole prompt kept: its logits
 }
 
 TEST_F(ServingEngineTest, ThePromptCacheStaysWithinItsBudget) {
