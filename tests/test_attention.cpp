@@ -112,8 +112,8 @@ Layout make_layout(const Case& c, std::mt19937& rng) {
   return l;
 }
 
-// With int8_queries, as the kernel scores q8_0 keys on a target with VNNI
-// (scores_q8_keys_in_int8): each head's query row scaled by 1 / sqrt(d) in float, then rounded
+// With int8_queries, as the kernel scores q8_0 and q4_0 keys on a target with VNNI
+// (scores_block_keys_in_int8): each head's query row scaled by 1 / sqrt(d) in float, then rounded
 // to q8_0 blocks as GGML rounds them; the scores are its dot products with the keys.
 std::vector<double> reference(const Case& c, const std::vector<float>& q_in, const std::vector<float>& k,
                               const std::vector<float>& v, bool int8_queries = false) {
@@ -185,8 +185,8 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
   round_through(type_of(c), k, kv_w);  // the reference sees what the cache holds
   round_through(value_type_of(c), v, kv_w);
   const std::vector<double> expected = reference(c, q, k, v);
-  // Decode on q8_0 keys: the int8 queries' reference, for the targets that score so.
-  const bool int8_case = type_of(c) == KvType::kQ8_0 && c.n_tokens == 1;
+  // Decode on q8_0 or q4_0 keys: the int8 queries' reference, for the targets that score so.
+  const bool int8_case = kv_type_has_blocks(type_of(c)) && c.n_tokens == 1;
   const std::vector<double> expected_int8 = int8_case ? reference(c, q, k, v, true) : expected;
   const std::vector<float> sinks = sinks_of(c);
 
@@ -233,7 +233,7 @@ TEST_P(Attention, MatchesFloat64DefinitionWithOneAndTwoThreads) {
     AttentionScratch scratch;
     std::vector<float> out(q.size(), NAN);
     attention_causal(shape_of(c, sinks), q.data(), kv, c.n_past, c.n_tokens, out.data(), scratch, threads);
-    const bool int8 = int8_case && scores_q8_keys_in_int8(c.head_dim);
+    const bool int8 = int8_case && scores_block_keys_in_int8(c.head_dim);
     const std::vector<double>& want = int8 ? expected_int8 : expected;
     for (size_t i = 0; i < out.size(); ++i) {
       // Outputs are convex combinations of values of magnitude ~1: fp32 softmax and sums over

@@ -387,8 +387,9 @@ void ScoreRowsQ4(const float* q, int n_rows, int hd, const uint8_t* k, int64_t k
 // of each lane's four query codes is taken off by starting the lane's sum at its negative. No
 // key is widened to float: against the float path, a score costs a third of the instructions.
 
-// Whether this target scores q8_0 keys so (HWY_AVX3_DL: VNNI), for heads of a multiple of 64.
-bool ScoresQ8KeysInInt8() { return HWY_TARGET == HWY_AVX3_DL; }
+// Whether this target scores q8_0 and q4_0 keys so (HWY_AVX3_DL: VNNI), for heads of a multiple
+// of 64.
+bool ScoresBlockKeysInInt8() { return HWY_TARGET == HWY_AVX3_DL; }
 
 #if HWY_TARGET == HWY_AVX3_DL
 HWY_INLINE __m512i DotUnsignedSigned(__m512i acc, __m512i u, __m512i s) {
@@ -407,38 +408,61 @@ HWY_INLINE __m512 PairOfScales(const uint8_t* block_a, const uint8_t* block_b) {
   return _mm512_cvtph_ps(halves);
 }
 
+// A 64-byte chunk of a key's head (blocks b and b + 1 from `block`) as unsigned bytes for
+// vpdpbusd, and what each byte exceeds its code by: q8_0 codes + 128; q4_0 nibbles, which are
+// their codes + 8 already (element e of a block is byte e's low nibble, e + 16 its high one).
+template <int kBits>
+HWY_INLINE __m512i UnsignedCodes(const uint8_t* block) {
+  const uint8_t* next = block + BlockElements<kBits>::kBlockBytes;
+  if constexpr (kBits == 8) {
+    const __m512i codes = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(next + 2)), 1);
+    return _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(next + 2));
+    // [a, a, b, b] by 128-bit lanes: low nibbles from the first of each pair, high from the second.
+    const __m512i pairs =
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(a)), _mm256_broadcastsi128_si256(b), 1);
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_and_si512(pairs, mask);
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(pairs, 4), mask);
+    return _mm512_mask_blend_epi64(0xCC, low, high);
+  }
+}
+template <int kBits>
+constexpr char kCodeOffset = kBits == 8 ? static_cast<char>(0x80) : 8;
+
 // scores[r][i] for R rows and NK keys (kr: a head's slice of each key's row), as ScoreRowsKeys
 // lays them out and sums them (SumLanesOfEach), the dot products in int8.
-template <int R, int NK>
-HWY_INLINE void ScoreRowsKeysInt8(const int8_t* q, const float* q_scales, int hd, const Q8Elements* kr, int nk,
-                                  float* scores, int scores_ld) {
+template <int R, int NK, int kBits>
+HWY_INLINE void ScoreRowsKeysInt8(const int8_t* q, const float* q_scales, int hd, const BlockElements<kBits>* kr,
+                                  int nk, float* scores, int scores_ld) {
   static_assert(R * NK <= kFloatLanes, "one SumLanesOfEach per call");
   const hn::ScalableTag<float> d;
   hn::Vec<decltype(d)> acc[kFloatLanes];
   for (int i = 0; i < kFloatLanes; ++i) acc[i] = hn::Zero(d);
   const uint8_t* keys[NK];
   for (int i = 0; i < NK; ++i) keys[i] = kr[std::min(i, nk - 1)].blocks;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i offset = _mm512_set1_epi8(kCodeOffset<kBits>);
   const int n_blocks = hd / 32;
   for (int b = 0; b < n_blocks; b += 2) {
     __m512i qv[R], start[R];
     __m512 qs[R];
     for (int r = 0; r < R; ++r) {
       qv[r] = _mm512_loadu_si512(q + static_cast<int64_t>(r) * hd + b * 32);
-      start[r] = _mm512_sub_epi32(_mm512_setzero_si512(), DotUnsignedSigned(_mm512_setzero_si512(), flip, qv[r]));
+      // Each lane starts at minus the offset times its four query codes: the sum is then the codes'.
+      start[r] = _mm512_sub_epi32(_mm512_setzero_si512(), DotUnsignedSigned(_mm512_setzero_si512(), offset, qv[r]));
       const float* s = q_scales + r * n_blocks + b;
       qs[r] = _mm512_insertf32x8(_mm512_set1_ps(s[0]), _mm256_set1_ps(s[1]), 1);
     }
     for (int i = 0; i < NK; ++i) {
-      const uint8_t* block = keys[i] + static_cast<int64_t>(b) * Q8Elements::kBlockBytes;
-      const uint8_t* next = block + Q8Elements::kBlockBytes;
-      const __m512i codes = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(next + 2)), 1);
-      const __m512i unsigned_codes = _mm512_xor_si512(codes, flip);
-      const __m512 ks = PairOfScales(block, next);
+      const uint8_t* block = keys[i] + static_cast<int64_t>(b) * BlockElements<kBits>::kBlockBytes;
+      const __m512i codes = UnsignedCodes<kBits>(block);
+      const __m512 ks = PairOfScales(block, block + BlockElements<kBits>::kBlockBytes);
       for (int r = 0; r < R; ++r) {
-        const __m512 dot = _mm512_cvtepi32_ps(DotUnsignedSigned(start[r], unsigned_codes, qv[r]));
+        const __m512 dot = _mm512_cvtepi32_ps(DotUnsignedSigned(start[r], codes, qv[r]));
         acc[r * NK + i].raw = _mm512_fmadd_ps(dot, _mm512_mul_ps(ks, qs[r]), acc[r * NK + i].raw);
       }
     }
@@ -451,42 +475,56 @@ HWY_INLINE void ScoreRowsKeysInt8(const int8_t* q, const float* q_scales, int hd
   }
 }
 
-template <int R>
-HWY_INLINE void ScoreRowChunkInt8(const int8_t* q, const float* q_scales, int hd, const Q8Elements* kr, int nk,
-                                  float* scores, int scores_ld) {
+template <int R, int kBits>
+HWY_INLINE void ScoreRowChunkInt8(const int8_t* q, const float* q_scales, int hd, const BlockElements<kBits>* kr,
+                                  int nk, float* scores, int scores_ld) {
   constexpr int kKeys = kFloatLanes / RowSlots(R);
   for (int i = 0; i < nk; i += kKeys) {
-    ScoreRowsKeysInt8<R, kKeys>(q, q_scales, hd, kr + i, std::min(kKeys, nk - i), scores + i, scores_ld);
+    ScoreRowsKeysInt8<R, kKeys, kBits>(q, q_scales, hd, kr + i, std::min(kKeys, nk - i), scores + i, scores_ld);
   }
 }
-#endif
 
-// scores[r][j] = q[r] · k[j] with the int8 queries (quantize_query_rows) and q8_0 keys (k: a head's
-// slice of the first key's row, k_ld elements apart): ScoreRowsQ8's layout and cut of the keys
-// and rows. Only on the targets ScoresQ8KeysInInt8 names (hd a multiple of 64); elsewhere
-// nothing is written.
-void ScoreRowsQ8Int8(const int8_t* q, const float* q_scales, int n_rows, int hd, const uint8_t* k, int64_t k_ld,
-                     int n_keys, float* scores, int scores_ld) {
-#if HWY_TARGET == HWY_AVX3_DL
+template <int kBits>
+HWY_INLINE void ScoreRowsInt8Of(const int8_t* q, const float* q_scales, int n_rows, int hd, const uint8_t* k,
+                                int64_t k_ld, int n_keys, float* scores, int scores_ld) {
   constexpr int kGroup = kFloatLanes;
   const int blocks_per_row = hd / 32;
-  const Q8Elements first{k, 0};
+  const BlockElements<kBits> first{k, 0};
   for (int j0 = 0; j0 < n_keys; j0 += kGroup) {
     const int nk = std::min(kGroup, n_keys - j0);
-    Q8Elements kr[kGroup];
+    BlockElements<kBits> kr[kGroup];
     for (int i = 0; i < kGroup; ++i) kr[i] = first + (j0 + std::min(i, nk - 1)) * k_ld;
     for (int r0 = 0; r0 < n_rows;) {
       const int8_t* qr = q + static_cast<int64_t>(r0) * hd;
       const float* sr = q_scales + r0 * blocks_per_row;
       float* out = scores + r0 * scores_ld + j0;
       switch (std::min(n_rows - r0, 4)) {
-        case 1: ScoreRowChunkInt8<1>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 1; break;
-        case 2: ScoreRowChunkInt8<2>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 2; break;
-        case 3: ScoreRowChunkInt8<3>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 3; break;
-        default: ScoreRowChunkInt8<4>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 4; break;
+        case 1: ScoreRowChunkInt8<1, kBits>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 1; break;
+        case 2: ScoreRowChunkInt8<2, kBits>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 2; break;
+        case 3: ScoreRowChunkInt8<3, kBits>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 3; break;
+        default: ScoreRowChunkInt8<4, kBits>(qr, sr, hd, kr, nk, out, scores_ld); r0 += 4; break;
       }
     }
   }
+}
+#endif
+
+// scores[r][j] = q[r] · k[j] with the int8 queries (quantize_query_rows) and q8_0 or q4_0
+// keys (k: a head's slice of the first key's row, k_ld elements apart): ScoreRowsQ8's layout and
+// cut of the keys and rows. Only on the targets ScoresBlockKeysInInt8 names (hd a multiple of
+// 64); elsewhere nothing is written.
+void ScoreRowsQ8Int8(const int8_t* q, const float* q_scales, int n_rows, int hd, const uint8_t* k, int64_t k_ld,
+                     int n_keys, float* scores, int scores_ld) {
+#if HWY_TARGET == HWY_AVX3_DL
+  ScoreRowsInt8Of<8>(q, q_scales, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
+#else
+  (void)q, (void)q_scales, (void)n_rows, (void)hd, (void)k, (void)k_ld, (void)n_keys, (void)scores, (void)scores_ld;
+#endif
+}
+void ScoreRowsQ4Int8(const int8_t* q, const float* q_scales, int n_rows, int hd, const uint8_t* k, int64_t k_ld,
+                     int n_keys, float* scores, int scores_ld) {
+#if HWY_TARGET == HWY_AVX3_DL
+  ScoreRowsInt8Of<4>(q, q_scales, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
 #else
   (void)q, (void)q_scales, (void)n_rows, (void)hd, (void)k, (void)k_ld, (void)n_keys, (void)scores, (void)scores_ld;
 #endif
@@ -735,8 +773,9 @@ HWY_EXPORT(ScoreRows);
 HWY_EXPORT(ScoreRowsF16);
 HWY_EXPORT(ScoreRowsQ8);
 HWY_EXPORT(ScoreRowsQ4);
-HWY_EXPORT(ScoresQ8KeysInInt8);
+HWY_EXPORT(ScoresBlockKeysInInt8);
 HWY_EXPORT(ScoreRowsQ8Int8);
+HWY_EXPORT(ScoreRowsQ4Int8);
 HWY_EXPORT(AccumulateRows);
 HWY_EXPORT(AccumulateRowsF16);
 HWY_EXPORT(AccumulateRowsQ8);
@@ -744,8 +783,8 @@ HWY_EXPORT(AccumulateRowsQ4);
 HWY_EXPORT(TileMeetBlock);
 HWY_EXPORT(TileRowWidth);
 
-bool scores_q8_keys_in_int8(int head_dim) {
-  return head_dim % 64 == 0 && HWY_DYNAMIC_DISPATCH(ScoresQ8KeysInInt8)();
+bool scores_block_keys_in_int8(int head_dim) {
+  return head_dim % 64 == 0 && HWY_DYNAMIC_DISPATCH(ScoresBlockKeysInInt8)();
 }
 
 namespace {
@@ -820,9 +859,19 @@ void place_query_codes(UnitBuffers& ub, float* at, int rows, int hd) {
   ub.q8 = reinterpret_cast<int8_t*>(at + static_cast<size_t>(rows) * hd / 32);
 }
 
-// Whether a unit scores its keys with int8 queries (ScoreRowsQ8Int8): q8_0 keys, heads of a
-// multiple of 64, a target with VNNI.
-bool scores_in_int8(const KvLayer& kv, int hd) { return kv.key_type == KvType::kQ8_0 && scores_q8_keys_in_int8(hd); }
+// Whether a unit scores its keys with int8 queries (ScoreRowsQ8Int8, ScoreRowsQ4Int8): q8_0 or
+// q4_0 keys, heads of a multiple of 64, a target with VNNI.
+bool scores_in_int8(const KvLayer& kv, int hd) { return kv_type_has_blocks(kv.key_type) && scores_block_keys_in_int8(hd); }
+
+// The int8 scores of n q8_0 or q4_0 keys read in place (k: a head's slice of the first key's row).
+void score_in_int8(KvType type, const uint8_t* k, int64_t ldk, int n, const int8_t* q8, const float* q8_scales,
+                   int rows, int hd, float* scores, int scores_ld) {
+  if (type == KvType::kQ8_0) {
+    HWY_DYNAMIC_DISPATCH(ScoreRowsQ8Int8)(q8, q8_scales, rows, hd, k, ldk, n, scores, scores_ld);
+  } else {
+    HWY_DYNAMIC_DISPATCH(ScoreRowsQ4Int8)(q8, q8_scales, rows, hd, k, ldk, n, scores, scores_ld);
+  }
+}
 
 // Query rows of hd floats as q8_0 blocks (GGML's rounding, quantize_row: the scale rounded to
 // fp16 as a block stores it): codes [rows][hd] and scales [rows][hd / 32].
@@ -1125,9 +1174,8 @@ HeadMask run_unit_rows(const AttentionShape& sh, const float* q, const KvLayer& 
     b.for_parts(j_begin, j_end, [&](const KvRowsAt& at, int first, int n, int column) {
       float* s = scores_of(h) + column;
       if (int8 && at.kblocks != nullptr) {
-        const uint8_t* k = at.kblocks + kv_bytes_of(at.key_blocks, first * at.ldk);
-        HWY_DYNAMIC_DISPATCH(ScoreRowsQ8Int8)(buf.q8 + h * head_rows * hd, buf.q8_scales + h * head_rows * (hd / 32),
-                                              head_rows, hd, k, at.ldk, n, s, kKeyBlock);
+        score_in_int8(at.key_blocks, at.kblocks + kv_bytes_of(at.key_blocks, first * at.ldk), at.ldk, n,
+                      buf.q8 + h * head_rows * hd, buf.q8_scales + h * head_rows * (hd / 32), head_rows, hd, s, kKeyBlock);
       } else if (at.kblocks != nullptr) {
         const uint8_t* k = at.kblocks + kv_bytes_of(at.key_blocks, first * at.ldk);
         if (at.key_blocks == KvType::kQ8_0) {
@@ -1657,8 +1705,8 @@ struct StepsPass {
     view_block(job.kv, g, hd, j0, std::min(kKeyBlock, n_keys - j0), job.q_pos0, job.q_pos0 + n_rows - 1, window, ub,
                pos_buf, &b, KvSides::kKeys, /*in_place=*/true);
     b.for_parts(0, b.nb, [&](const KvRowsAt& at, int first, int n, int column) {
-      HWY_DYNAMIC_DISPATCH(ScoreRowsQ8Int8)(ub.q8, ub.q8_scales, rows_all, hd, at.kblocks + kv_bytes_of(at.key_blocks, first * at.ldk),
-                                            at.ldk, n, scores_of(g) + j0 + column, n_keys);
+      score_in_int8(at.key_blocks, at.kblocks + kv_bytes_of(at.key_blocks, first * at.ldk), at.ldk, n, ub.q8,
+                    ub.q8_scales, rows_all, hd, scores_of(g) + j0 + column, n_keys);
     });
   }
 

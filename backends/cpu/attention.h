@@ -86,12 +86,12 @@ class AttentionScratch {
 void attention_causal(const AttentionShape& shape, const float* q, const KvLayer& kv, int64_t q_pos0, int n_tokens,
                       float* out, AttentionScratch& scratch, int n_threads, float* softmax_phi = nullptr);
 
-// Whether decode (the row path, and a checking pass's scores) meets q8_0 keys with the query
-// rows quantized alike: each block of 32 of q[i][h] / sqrt(d) rounded to q8_0 as GGML rounds a
+// Whether decode (the row path, and a checking pass's scores) meets q8_0 and q4_0 keys with the
+// query rows quantized to q8_0: each block of 32 of q[i][h] / sqrt(d) rounded as GGML rounds a
 // row (quantize_row), the products summed in int8 with VNNI, as llama.cpp's flash attention does.
 // On the targets with VNNI, for heads of a multiple of 64; elsewhere the keys are widened to
 // float. Prefill tiles always widen them.
-bool scores_q8_keys_in_int8(int head_dim);
+bool scores_block_keys_in_int8(int head_dim);
 
 
 // One sequence's attention in a batch: the arguments of attention_causal.
