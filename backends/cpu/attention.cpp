@@ -197,6 +197,30 @@ HWY_INLINE hn::Vec<D> LoadKvAt(D d, BlockElements<kBits> row, int c) {
 // targets: 1 to 16).
 constexpr int kFloatLanes = static_cast<int>(HWY_LANES(float));
 
+// Rows of q8_0 or q4_0 blocks (a head's slice of each of `rows` rows, `stride` elements apart) as
+// fp32 rows of n (a multiple of 32): the prefill tiles' gather, exact (code times scale).
+template <int kBits>
+HWY_INLINE void BlockKvRowsToF32Of(const uint8_t* k, int64_t stride, int rows, int n, float* out) {
+  const hn::ScalableTag<float> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  const BlockElements<kBits> first{k, 0};
+  for (int j = 0; j < rows; ++j) {
+    const BlockElements<kBits> row = first + j * stride;
+    float* dst = out + static_cast<int64_t>(j) * n;
+    int c = 0;
+    for (; c + lanes <= n; c += lanes) hn::StoreU(LoadKvAt(d, row, c), d, dst + c);
+    for (; c < n; ++c) dst[c] = row[c];
+  }
+}
+void Q8KvRowsToF32(const uint8_t* k, int64_t stride, int rows, int n, float* out) {
+  BlockKvRowsToF32Of<8>(k, stride, rows, n, out);
+}
+void Q4KvRowsToF32(const uint8_t* k, int64_t stride, int rows, int n, float* out) {
+  BlockKvRowsToF32Of<4>(k, stride, rows, n, out);
+}
+
+
+
 // Lane i of SumLanesOfEach's result holds the sum of vector BitReversed(i)'s lanes: the bits
 // of i reversed (each level below puts one vector's sums in the lower, the other's in the upper
 // part of the part it halves).
@@ -768,6 +792,8 @@ namespace ringlm::cpu {
 
 HWY_EXPORT(SoftmaxBlockRow);
 HWY_EXPORT(F16KvRowsToF32);
+HWY_EXPORT(Q8KvRowsToF32);
+HWY_EXPORT(Q4KvRowsToF32);
 HWY_EXPORT(ExpBlockRow);
 HWY_EXPORT(ScoreRows);
 HWY_EXPORT(ScoreRowsF16);
@@ -894,9 +920,11 @@ void quantize_query_rows(const float* q, int n_rows, int hd, int8_t* codes, floa
 void gather_side(KvType type, const void* rows, int64_t offset, int64_t stride, int nb, int hd, float* out) {
   if (out == nullptr) return;
   if (kv_type_has_blocks(type)) {
-    for (int j = 0; j < nb; ++j) {
-      dequantize_row(kv_stored_type(type), static_cast<const uint8_t*>(rows) + kv_bytes_of(type, offset + j * stride),
-                     out + j * hd, hd);
+    const uint8_t* first = static_cast<const uint8_t*>(rows) + kv_bytes_of(type, offset);
+    if (type == KvType::kQ8_0) {
+      HWY_DYNAMIC_DISPATCH(Q8KvRowsToF32)(first, stride, nb, hd, out);
+    } else {
+      HWY_DYNAMIC_DISPATCH(Q4KvRowsToF32)(first, stride, nb, hd, out);
     }
     return;
   }
