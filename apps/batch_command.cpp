@@ -410,13 +410,7 @@ void add_batch_command(CLI::App& app) {
       ->check(CLI::Range(1, 448))
       ->capture_default_str();
   add_speculative_options(*cmd, opts->speculative, "each prompt and its text so far");
-  cmd->add_option("--beams", opts->beams, "beam search of N beams for every line (a line's \"beams\" overrides; 0: sampling)")
-      ->check(CLI::Range(0, 256))
-      ->capture_default_str();
-  cmd->add_option("--length-penalty", opts->length_penalty,
-                  "with beams, a text scores log-probability / length^this (a line's \"length_penalty\" overrides)")
-      ->check(CLI::Range(-10.0f, 10.0f))
-      ->capture_default_str();
+  add_beam_options(*cmd, opts->beams, opts->length_penalty, "every line (its \"beams\", \"length_penalty\" override)");
   cmd->add_flag("!--no-prompt-sharing", opts->share_prompt,
                "n > 1 samples each prefill and hold their own copy of the prompt (to measure what sharing saves)");
   std::vector<std::string> names;

@@ -114,6 +114,16 @@ void add_cache_type_options(CLI::App& cmd, KvTypes& types) {
   });
 }
 
+void add_beam_options(CLI::App& cmd, int& beams, float& length_penalty, const std::string& scope) {
+  cmd.add_option("--beams", beams, "beam search of N beams for " + scope + " instead of sampling (1: greedy; 0: off)")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
+  cmd.add_option("--length-penalty", length_penalty,
+                 "with beams, a text scores log-probability / length^this (above 1 favours long texts)")
+      ->check(CLI::Range(-10.0f, 10.0f))
+      ->capture_default_str();
+}
+
 void add_kv_cache_options(CLI::App& cmd, KvCacheOptions& opts) {
   opts.n_keep = 4;
   opts.context_shift = true;

@@ -48,6 +48,10 @@ void add_compute_option(CLI::App& cmd, ComputeType& compute);
 // -ctv/--cache-type-v (one side each, over --cache-type).
 void add_cache_type_options(CLI::App& cmd, KvTypes& types);
 
+// --beams N (beam search instead of sampling; 0: off) and --length-penalty A, with the help text
+// naming what they apply to (`scope`: "the text", "every line").
+void add_beam_options(CLI::App& cmd, int& beams, float& length_penalty, const std::string& scope);
+
 // The KV cache and StreamingLLM: the cache type options, --keep N (attention sinks, default 4),
 // --discard N (tokens a context shift drops, default half of those after the sinks),
 // --no-context-shift (stop at a full context instead). Sets context_shift = true unless told not to.

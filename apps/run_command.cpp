@@ -314,14 +314,7 @@ void add_run_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--ignore-eos", opts->ignore_eos, "keep generating past end-of-generation tokens");
   add_speculative_options(*cmd, opts->speculative, "earlier text");
-  cmd->add_option("--beams", opts->beams,
-                  "beam search of N beams instead of sampling: the most likely text (1: greedy; 0: off)")
-      ->check(CLI::Range(0, 1024))
-      ->capture_default_str();
-  cmd->add_option("--length-penalty", opts->length_penalty,
-                  "with --beams, a text scores log-probability / length^this (above 1 favours long texts)")
-      ->check(CLI::Range(-10.0f, 10.0f))
-      ->capture_default_str();
+  add_beam_options(*cmd, opts->beams, opts->length_penalty, "the prompt");
   cmd->add_option("--stats", opts->stats_format, "print the final speed summary as: json")->check(CLI::IsMember({"json"}));
   cmd->callback([opts, p, f] {
     if (p->count() == 0 && f->count() == 0) throw CLI::RequiredError("-p,--prompt or -f,--file");

@@ -291,6 +291,14 @@ HWY_INLINE hn::Vec<D> SumLanesOfEach(D d, hn::Vec<D>* v) {
   return v[0];
 }
 
+// sums[i] = the sum of acc[i]'s lanes, for the kFloatLanes accumulators (SumLanesOfEach, put
+// back in the accumulators' order).
+template <class D>
+HWY_INLINE void StoreSumsInOrder(D d, hn::Vec<D>* acc, float* sums) {
+  HWY_ALIGN static constexpr BitReversedLanes kOrder{};
+  hn::Store(hn::TableLookupLanes(SumLanesOfEach(d, acc), hn::SetTableIndices(d, kOrder.lane)), d, sums);
+}
+
 // scores[r][j] = q[r] · k[j] for rows r < R of q and NK keys (pointers kr; nk of them kept):
 // each key vector is loaded (and widened) once for all the rows, each (row, key) pair its own
 // accumulator, a chain of hd / lanes dependent FMAs, whose lanes SumLanesOfEach adds together
@@ -316,8 +324,7 @@ HWY_INLINE void ScoreRowsKeys(D d, const float* q, int hd, int vec_end, const P*
   }
   // Back in the accumulators' order: lane r * NK + i holds row r's score of key i.
   HWY_ALIGN float sums[kFloatLanes];
-  HWY_ALIGN static constexpr BitReversedLanes kOrder{};
-  hn::Store(hn::TableLookupLanes(SumLanesOfEach(d, acc), hn::SetTableIndices(d, kOrder.lane)), d, sums);
+  StoreSumsInOrder(d, acc, sums);
   for (int r = 0; r < R; ++r) {
     float* out = scores + r * scores_ld;
     if (nk == NK && vec_end == hd) {
@@ -492,8 +499,7 @@ HWY_INLINE void ScoreRowsKeysInt8(const int8_t* q, const float* q_scales, int hd
     }
   }
   HWY_ALIGN float sums[kFloatLanes];
-  HWY_ALIGN static constexpr BitReversedLanes kOrder{};
-  hn::Store(hn::TableLookupLanes(SumLanesOfEach(d, acc), hn::SetTableIndices(d, kOrder.lane)), d, sums);
+  StoreSumsInOrder(d, acc, sums);
   for (int r = 0; r < R; ++r) {
     for (int i = 0; i < nk; ++i) scores[r * scores_ld + i] = sums[r * NK + i];
   }
