@@ -421,6 +421,7 @@ void add_batch_command(CLI::App& app) {
     const int n_threads = resolve_threads(opts->model.n_threads);
     omp_set_num_threads(n_threads);
     PipelineProcess& process = this_process();
+    refuse_drafts_with_kivi(opts->speculative, opts->cache_type);
     LoadedModel m = load_model(opts->model, n_threads, stage_picker(process, opts->model.layer_split));
     // Under mpirun, rank 0 reads the requests and writes the results; the others run its passes.
     if (serve_as_later_rank(process, m)) return;

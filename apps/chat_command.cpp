@@ -359,6 +359,7 @@ std::string history_file() {
 void chat(const ChatOptions& o) {
   const int n_threads = resolve_threads(o.model.n_threads);
   omp_set_num_threads(n_threads);
+  refuse_drafts_with_kivi(o.speculative, o.cache.type);
   LoadedModel m = load_model(o.model, n_threads);
   std::optional<LoadedModel> draft_model = load_draft_model(o.speculative, m, n_threads);
   const int n_ctx = o.model.n_ctx > 0 ? o.model.n_ctx : m.model->hparams().n_ctx_train;

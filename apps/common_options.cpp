@@ -96,10 +96,10 @@ void add_compute_option(CLI::App& cmd, ComputeType& compute) {
 
 void add_cache_type_options(CLI::App& cmd, KvTypes& types) {
   const std::map<std::string, KvType> names{
-      {"f16", KvType::kF16}, {"f32", KvType::kF32}, {"q8_0", KvType::kQ8_0}, {"q4_0", KvType::kQ4_0}};
+      {"f16", KvType::kF16}, {"f32", KvType::kF32}, {"q8_0", KvType::kQ8_0}, {"q4_0", KvType::kQ4_0}, {"kivi2", KvType::kKivi2}};
   // The three flags are held until parsing ends: a side's own flag wins over --cache-type.
   auto given = std::make_shared<std::array<std::optional<KvType>, 3>>();  // both, keys, values
-  cmd.add_option("--cache-type", (*given)[0], "KV cache element type, keys and values: f16, f32, q8_0 or q4_0")
+  cmd.add_option("--cache-type", (*given)[0], "KV cache element type, keys and values: f16, f32, q8_0, q4_0 or kivi2 (KIVI's 2 bits, both sides)")
       ->transform(CLI::CheckedTransformer(names, CLI::ignore_case))
       ->default_str("f16");
   cmd.add_option("--cache-type-k", (*given)[1], "the keys' type (-ctk, as llama.cpp; overrides --cache-type)")
@@ -129,6 +129,10 @@ void add_kv_cache_options(CLI::App& cmd, KvCacheOptions& opts) {
   opts.context_shift = true;
   add_cache_type_options(cmd, opts.type);
   cmd.add_option("--keep", opts.n_keep, "tokens at the start kept when the context shifts (attention sinks)")
+      ->check(CLI::Range(0, 1 << 24))
+      ->capture_default_str();
+  cmd.add_option("--kivi-residual", opts.kivi_residual,
+                 "with --cache-type kivi2, the newest tokens kept in fp16 before their group of 32 is quantized")
       ->check(CLI::Range(0, 1 << 24))
       ->capture_default_str();
   cmd.add_option("--discard", opts.n_discard, "tokens a context shift drops after the kept ones (0: half of them)")

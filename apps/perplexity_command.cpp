@@ -142,7 +142,7 @@ NllStats stream_perplexity(LoadedModel& m, const PerplexityOptions& o, std::vect
 // -c - 1) tokens before it from scratch. Quadratic: keep --stream small.
 NllStats sliding_window_perplexity(LoadedModel& m, const PerplexityOptions& o, const std::vector<int32_t>& tokens) {
   const int n_vocab = m.model->hparams().n_vocab;
-  KvCache cache = m.model->make_cache(o.n_ctx, {o.cache.type, 0, 0, false});
+  KvCache cache = m.model->make_cache(o.n_ctx, {o.cache.type, 0, 0, false, o.cache.kivi_residual});
   std::vector<float> logits(static_cast<size_t>(n_vocab));
   NllStats stats;
   for (size_t j = 1; j < tokens.size(); ++j) {
@@ -202,7 +202,7 @@ void perplexity_of(LoadedModel& m, const PerplexityOptions& o, const std::string
   std::fprintf(stderr, "perplexity: %zu tokens; calculating perplexity over %d chunks, n_ctx=%d, batch_size=%d\n",
                tokens.size(), n_chunks, o.n_ctx, n_batch);
 
-  KvCache cache = m.model->make_cache(o.n_ctx, {o.cache.type, 0, 0, false});
+  KvCache cache = m.model->make_cache(o.n_ctx, {o.cache.type, 0, 0, false, o.cache.kivi_residual});
   std::vector<float> logits(static_cast<size_t>(o.n_ctx) * static_cast<size_t>(n_vocab));
   NllStats stats;
   const auto t0 = std::chrono::steady_clock::now();

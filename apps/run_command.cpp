@@ -247,6 +247,7 @@ void run(const RunOptions& o) {
   const int n_threads = resolve_threads(o.model.n_threads);
   omp_set_num_threads(n_threads);
   PipelineProcess& process = this_process();
+  refuse_drafts_with_kivi(o.speculative, o.cache.type);
   LoadedModel m = load_model(o.model, n_threads, stage_picker(process, o.model.layer_split));
   if (serve_as_later_rank(process, m)) return;
   const LlamaHparams& hp = m.model->hparams();

@@ -644,6 +644,7 @@ void serve_later_rank(const ServeOptions& o) {
   const int n_threads = resolve_threads(o.model.n_threads);
   omp_set_num_threads(n_threads);
   PipelineProcess& process = this_process();
+  refuse_drafts_with_kivi(o.speculative, o.cache_type);
   LoadedModel m = load_model(o.model, n_threads, stage_picker(process, o.model.layer_split));
   serve_as_later_rank(process, m);
 }

@@ -47,6 +47,10 @@ PassCost checking_pass_cost(const LoadedModel& target, int n_threads) {
   return entry != nullptr ? PassCost::measured(entry->cost) : PassCost();
 }
 
+void refuse_drafts_with_kivi(const SpeculativeOptions& opts, KvTypes cache) {
+  if (opts.enabled() && cache.keys == KvType::kKivi2) throw std::invalid_argument(kKiviRefusesDrafts);
+}
+
 std::unique_ptr<Drafter> make_drafter(const SpeculativeOptions& opts, LoadedModel* draft, int n_ctx,
                                       const KvCacheOptions& cache, const SamplingParams& sampling) {
   if (opts.lookup > 0) return std::make_unique<PromptLookup>(opts.lookup);

@@ -37,6 +37,9 @@ std::optional<LoadedModel> load_draft_model(const SpeculativeOptions& opts, cons
 // device, whose passes tune does not measure).
 PassCost checking_pass_cost(const LoadedModel& target, int n_threads);
 
+// Refuses drafts (of either guesser) over a KIVI cache, before anything loads (kKiviRefusesDrafts).
+void refuse_drafts_with_kivi(const SpeculativeOptions& opts, KvTypes cache);
+
 // One sequence's guesser: prompt lookup, or the draft model following this sequence; null when
 // the options ask for none.
 std::unique_ptr<Drafter> make_drafter(const SpeculativeOptions& opts, LoadedModel* draft, int n_ctx,

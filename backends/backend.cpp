@@ -13,6 +13,7 @@ const char* kv_type_name(KvType type) {
     case KvType::kF32: return "f32";
     case KvType::kQ8_0: return "q8_0";
     case KvType::kQ4_0: return "q4_0";
+    case KvType::kKivi2: return "kivi2";
   }
   return "?";
 }

@@ -18,6 +18,7 @@
 // keeps it in step itself (KvView::state), and the model never knows.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -28,6 +29,7 @@
 #include "backends/expert_routing.h"
 #include "backends/top_k.h"
 #include "quant/formats.h"
+#include "quant/kivi.h"
 
 namespace ringlm {
 
@@ -89,10 +91,11 @@ class BackendKvState {
   virtual ~BackendKvState() = default;
 };
 
-// How a KV cache stores its rows' elements (--cache-type): fp16, fp32, or llama.cpp's q8_0 and
+// How a KV cache stores its rows' elements (--cache-type): fp16, fp32, llama.cpp's q8_0 and
 // q4_0 blocks (an fp16 scale and 32 codes of 8 or 4 bits: 34 or 18 bytes per 32 elements, 53% or
-// 28% of fp16's).
-enum class KvType { kF16, kF32, kQ8_0, kQ4_0 };
+// 28% of fp16's), or KIVI's 2 bits (quant/kivi.h: keys per channel over groups of tokens, values
+// per token, the newest tokens in fp16 until their group is sealed; keys and values together).
+enum class KvType { kF16, kF32, kQ8_0, kQ4_0, kKivi2 };
 
 // Whether a type stores blocks of 32 elements (a head's size must then be a multiple of 32).
 constexpr bool kv_type_has_blocks(KvType type) { return type == KvType::kQ8_0 || type == KvType::kQ4_0; }
@@ -117,13 +120,14 @@ struct KvTypes {
 std::string kv_types_name(KvTypes types);
 
 // The tensor type whose rows a cache of `type` stores (quantize_row and dequantize_row write and
-// read them).
+// read them; KIVI's have none: quant/kivi.h).
 constexpr TensorType kv_stored_type(KvType type) {
   switch (type) {
     case KvType::kQ8_0: return TensorType::Q8_0;
     case KvType::kQ4_0: return TensorType::Q4_0;
     case KvType::kF16: return TensorType::F16;
-    case KvType::kF32: break;
+    case KvType::kF32:
+    case KvType::kKivi2: break;
   }
   return TensorType::F32;
 }
@@ -132,21 +136,62 @@ constexpr TensorType kv_stored_type(KvType type) {
 // hadamard_heads) before quantizing them: the block types, for head sizes that are powers of two
 // from 64 on (as llama.cpp does). The backend turns the keys and values it stores, the queries
 // it scores and the outputs back; the rows in the cache are the turned ones.
+// KIVI's keys are not turned: their scales follow the channels, which a turn would mix.
 constexpr bool kv_turns_heads(KvType type, int head_dim) {
   return kv_type_has_blocks(type) && head_dim >= 64 && (head_dim & (head_dim - 1)) == 0;
 }
+constexpr bool kv_turns_values(KvType type, int head_dim) {
+  return (kv_type_has_blocks(type) || type == KvType::kKivi2) && head_dim >= 64 && (head_dim & (head_dim - 1)) == 0;
+}
 
-// Bytes of `elements` consecutive elements of a row (blocks: a multiple of 32).
+// Bytes of `elements` consecutive elements of a key row (blocks: a multiple of 32; KIVI: the
+// codes, its channels' scales are the group's).
 constexpr size_t kv_bytes_of(KvType type, int64_t elements) {
   const auto n = static_cast<size_t>(elements);
   switch (type) {
     case KvType::kQ8_0: return n / 32 * 34;
     case KvType::kQ4_0: return n / 32 * 18;
+    case KvType::kKivi2: return kivi_key_row_bytes(elements);
     case KvType::kF16: return n * 2;
     case KvType::kF32: break;
   }
   return n * 4;
 }
+// The same for a value row (KIVI's carry their own scales).
+constexpr size_t kv_value_bytes_of(KvType type, int64_t elements) {
+  return type == KvType::kKivi2 ? kivi_value_row_bytes(elements) : kv_bytes_of(type, elements);
+}
+
+// A KIVI ring's groups (KvType::kKivi2): the slots whose keys share their channels' scales, and
+// which groups are open, their rows waiting in fp16 in a staging buffer (the newest tokens, and
+// a group being written) rather than sealed in 2 bits. The full ring's first slots, [0, sinks),
+// are groups of their own that are never sealed: the attention sinks (the --keep tokens, or the
+// first token), whose keys lie far outside every other token's range and would spoil a group's
+// scales, and which every query attends to. Each layer of the ring has, after its slots' key
+// codes and value rows, its groups' key parameters ([n_groups][row_width][2] fp16) and its
+// staging buffers (each kKiviGroup fp16 key rows, then as many value rows).
+struct KvKiviGroups {
+  int sinks = 0;  // slots of the sink groups (pinned: never sealed)
+  int slots = 0;
+  int n_groups = 0;
+  const int16_t* staged = nullptr;  // [n_groups]: the staging buffer of an open group, -1: sealed
+  size_t params_at = 0;             // from a layer's start
+  size_t staging_at = 0;
+  size_t layer_bytes = 0;
+
+  int sink_groups() const { return (sinks + kKiviGroup - 1) / kKiviGroup; }
+  bool pinned(int g) const { return g < sink_groups(); }
+  int group_of(int slot) const {
+    return slot < sinks ? slot / kKiviGroup : sink_groups() + (slot - sinks) / kKiviGroup;
+  }
+  int first_slot(int g) const { return g < sink_groups() ? g * kKiviGroup : sinks + (g - sink_groups()) * kKiviGroup; }
+  int group_size(int g) const {
+    return std::min(kKiviGroup, (g < sink_groups() ? sinks : slots) - first_slot(g));
+  }
+  static int groups_for(int slots, int sinks) {
+    return (sinks + kKiviGroup - 1) / kKiviGroup + (slots - sinks + kKiviGroup - 1) / kKiviGroup;
+  }
+};
 
 // One sequence's KV cache (core/kv's KvCache) as the backend's ops see it: its rows in host
 // memory (slot s of layer l at key(l, s) and value(l, s): row_width values of `type`), the
@@ -169,10 +214,21 @@ struct KvView {
   // one (a device copy holding rows newer than these): the backend brings `rows` up to date
   // from it before the host reads them.
   std::unique_ptr<BackendKvState>* source_state = nullptr;
+  const KvKiviGroups* kivi = nullptr;  // a KIVI cache's groups (both sides kKivi2)
 
   KvTypes types() const { return {key_type, value_type}; }
   size_t key_row_bytes() const { return kv_bytes_of(key_type, row_width); }
-  size_t value_row_bytes() const { return kv_bytes_of(value_type, row_width); }
+  size_t value_row_bytes() const { return kv_value_bytes_of(value_type, row_width); }
+  // A KIVI group's key parameters, and row i of staging buffer b (keys, or values).
+  uint16_t* kivi_params(int layer, int group) const {
+    return reinterpret_cast<uint16_t*>(rows + layer_start(layer) + kivi->params_at) +
+           static_cast<size_t>(group) * row_width * 2;
+  }
+  uint16_t* kivi_staged(int layer, int buffer, int i, bool value) const {
+    const size_t rows_per_buffer = 2 * static_cast<size_t>(kKiviGroup);
+    return reinterpret_cast<uint16_t*>(rows + layer_start(layer) + kivi->staging_at) +
+           (rows_per_buffer * buffer + (value ? kKiviGroup : 0) + i) * static_cast<size_t>(row_width);
+  }
   uint8_t* key(int layer, int slot) const { return rows + layer_start(layer) + static_cast<size_t>(slot) * key_row_bytes(); }
   uint8_t* value(int layer, int slot) const {
     return rows + layer_start(layer) + static_cast<size_t>(capacity) * key_row_bytes() +
@@ -181,6 +237,7 @@ struct KvView {
 
  private:
   size_t layer_start(int layer) const {
+    if (kivi != nullptr) return static_cast<size_t>(layer) * kivi->layer_bytes;
     return static_cast<size_t>(layer) * static_cast<size_t>(capacity) * (key_row_bytes() + value_row_bytes());
   }
 };

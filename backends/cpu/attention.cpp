@@ -219,6 +219,56 @@ void Q4KvRowsToF32(const uint8_t* k, int64_t stride, int rows, int n, float* out
   BlockKvRowsToF32Of<4>(k, stride, rows, n, out);
 }
 
+// KIVI's 2-bit codes (quant/kivi.h: element e in bits 2 (e % 4) of byte e / 4) as floats, a
+// byte's four at a time, from a table of every byte's four codes.
+struct KiviCodeFloats {
+  alignas(16) float code[256][4] = {};
+  constexpr KiviCodeFloats() {
+    for (int b = 0; b < 256; ++b) {
+      for (int i = 0; i < 4; ++i) code[b][i] = static_cast<float>(b >> (2 * i) & 3);
+    }
+  }
+};
+constexpr KiviCodeFloats kKiviCodes{};
+
+// out[e] = min[e] + codes(e) * scale[e] for the n elements (a multiple of 4) of one row.
+HWY_INLINE void KiviRowToF32(const uint8_t* codes, const float* scale, const float* min, int n, float* out) {
+  const hn::CappedTag<float, 4> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  for (int b = 0; b < n / 4; ++b) {
+    const float* code = kKiviCodes.code[codes[b]];
+    for (int i = 0; i < 4; i += lanes) {
+      const int e = 4 * b + i;
+      hn::StoreU(hn::MulAdd(hn::Load(d, code + i), hn::LoadU(d, scale + e), hn::LoadU(d, min + e)), d, out + e);
+    }
+  }
+}
+
+// `rows` KIVI key rows of one group (a head's codes from `codes`, rows code_ld bytes apart) as
+// fp32 rows of n: each channel's grid, scale[e] and min[e].
+void KiviKeysToF32(const uint8_t* codes, int64_t code_ld, int rows, const float* scale, const float* min, int n,
+                   float* out) {
+  for (int j = 0; j < rows; ++j) KiviRowToF32(codes + j * code_ld, scale, min, n, out + static_cast<int64_t>(j) * n);
+}
+
+// `rows` KIVI value rows (row_bytes apart) as fp32 rows of n: elements [first, first + n) of
+// each (first and n multiples of kKiviValueBlock), each block on its own grid.
+void KiviValuesToF32(const uint8_t* values, int64_t row_bytes, int rows, int first, int n, float* out) {
+  constexpr int kBlockBytes = 4 + kKiviValueBlock / 4;
+  float scale[kKiviValueBlock], min[kKiviValueBlock];
+  for (int j = 0; j < rows; ++j) {
+    for (int b = 0; b < n / kKiviValueBlock; ++b) {
+      const uint8_t* block = values + j * row_bytes + (first / kKiviValueBlock + b) * kBlockBytes;
+      uint16_t scale16, min16;
+      std::memcpy(&scale16, block, 2);
+      std::memcpy(&min16, block + 2, 2);
+      std::fill_n(scale, kKiviValueBlock, KvValue(scale16));
+      std::fill_n(min, kKiviValueBlock, KvValue(min16));
+      KiviRowToF32(block + 4, scale, min, kKiviValueBlock, out + static_cast<int64_t>(j) * n + b * kKiviValueBlock);
+    }
+  }
+}
+
 
 
 // Lane i of SumLanesOfEach's result holds the sum of vector BitReversed(i)'s lanes: the bits
@@ -800,6 +850,8 @@ HWY_EXPORT(SoftmaxBlockRow);
 HWY_EXPORT(F16KvRowsToF32);
 HWY_EXPORT(Q8KvRowsToF32);
 HWY_EXPORT(Q4KvRowsToF32);
+HWY_EXPORT(KiviKeysToF32);
+HWY_EXPORT(KiviValuesToF32);
 HWY_EXPORT(ExpBlockRow);
 HWY_EXPORT(ScoreRows);
 HWY_EXPORT(ScoreRowsF16);
@@ -945,7 +997,54 @@ void gather_side(KvType type, const void* rows, int64_t offset, int64_t stride, 
 // Slots [j0, j0 + nb) of one KV head's keys and values as fp32 rows written into kbuf and vbuf
 // (hd apart; nullptr: that side is not wanted), whatever each side's type (a block whose slots
 // come from two runs is gathered piece by piece).
+// gather_block of a KIVI cache: each group's slots from its staging buffer (fp16) while it is
+// open, from the pass's rows while a prompt's group waits to be quantized, else its keys' codes
+// against the group's channel scales and its values' rows.
+void gather_kivi_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* kbuf, float* vbuf) {
+  const KvKiviGroups& groups = *kv.kivi;
+  const int64_t head = static_cast<int64_t>(kv_head) * hd;
+  const size_t key_bytes = kv_bytes_of(KvType::kKivi2, kv.row_stride);
+  const size_t value_bytes = kv_value_bytes_of(KvType::kKivi2, kv.row_stride);
+  for (int slot = j0; slot < j0 + nb;) {
+    const int g = groups.group_of(slot), first = groups.first_slot(g);
+    const int count = std::min(j0 + nb, first + groups.group_size(g)) - slot;
+    const int64_t out = static_cast<int64_t>(slot - j0) * hd;
+    const int buffer = groups.staged[g];
+    const KvLayer::KiviPending* pending = nullptr;
+    for (const KvLayer::KiviPending& p : kv.kivi_pending) {
+      if (buffer < 0 && slot >= p.first_slot && slot < p.first_slot + p.n) pending = &p;
+    }
+    if (pending != nullptr) {
+      for (int i = 0; i < count; ++i) {
+        const int64_t row = static_cast<int64_t>(slot + i - pending->first_slot) * kv.row_stride + head;
+        if (kbuf != nullptr) std::copy_n(pending->k + row, hd, kbuf + out + static_cast<int64_t>(i) * hd);
+        if (vbuf != nullptr) std::copy_n(pending->v + row, hd, vbuf + out + static_cast<int64_t>(i) * hd);
+      }
+    } else if (buffer >= 0) {
+      const uint16_t* staged = kv.kivi_staging + (static_cast<size_t>(2 * kKiviGroup) * buffer + (slot - first)) *
+                                                     static_cast<size_t>(kv.row_stride);
+      const int64_t values_at = static_cast<int64_t>(kKiviGroup) * kv.row_stride;
+      HWY_DYNAMIC_DISPATCH(F16KvRowsToF32)(staged + head, staged + values_at + head, kv.row_stride, count, hd,
+                                            kbuf != nullptr ? kbuf + out : nullptr, vbuf != nullptr ? vbuf + out : nullptr);
+    } else {
+      if (kbuf != nullptr) {
+        const uint16_t* params = kv.kivi_params + (static_cast<size_t>(g) * kv.row_stride + head) * 2;
+        float scale[kKiviMaxHead], min[kKiviMaxHead];
+        for (int e = 0; e < hd; ++e) scale[e] = fp16_to_fp32(params[2 * e]), min[e] = fp16_to_fp32(params[2 * e + 1]);
+        HWY_DYNAMIC_DISPATCH(KiviKeysToF32)(static_cast<const uint8_t*>(kv.keys) + slot * key_bytes + head / 4,
+                                             static_cast<int64_t>(key_bytes), count, scale, min, hd, kbuf + out);
+      }
+      if (vbuf != nullptr) {
+        HWY_DYNAMIC_DISPATCH(KiviValuesToF32)(static_cast<const uint8_t*>(kv.values) + slot * value_bytes,
+                                               static_cast<int64_t>(value_bytes), count, static_cast<int>(head), hd, vbuf + out);
+      }
+    }
+    slot += count;
+  }
+}
+
 void gather_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, float* kbuf, float* vbuf) {
+  if (kv.kivi != nullptr) return gather_kivi_block(kv, kv_head, hd, j0, nb, kbuf, vbuf);
   const int64_t offset = j0 * kv.row_stride + static_cast<int64_t>(kv_head) * hd;
   if (kv.key_type == KvType::kF16 && kv.value_type == KvType::kF16) {  // both streams on their way at once
     HWY_DYNAMIC_DISPATCH(F16KvRowsToF32)(static_cast<const uint16_t*>(kv.keys) + offset,
@@ -1106,7 +1205,8 @@ bool view_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, int64_t 
   view->pos = pos;
   view->all_visible = all_visible;
   const bool f32 = pieces[0].run->key_type == KvType::kF32 && pieces[0].run->value_type == KvType::kF32;
-  if (in_place || (n_pieces == 1 && f32)) {
+  const bool kivi = pieces[0].run->kivi != nullptr;  // (read only gathered)
+  if (!kivi && (in_place || (n_pieces == 1 && f32))) {
     for (int i = 0; i < n_pieces; ++i) view->part[i] = rows_in_place(*pieces[i].run, pieces[i].slot, kv_head, hd);
     if (n_pieces == 2) view->split = pieces[1].column;
     return true;

@@ -37,6 +37,21 @@ struct KvLayer {
   const int64_t* positions = nullptr;
   int n_slots = 0;
   const KvLayer* prefix = nullptr;
+  // A KIVI cache (key_type and value_type kKivi2): keys holds the slots' key codes, values their
+  // value rows; the groups, this layer's key parameters ([n_groups][row_stride][2] fp16) and its
+  // staging buffers (KvView::kivi_staged's layout) say how to read them.
+  const KvKiviGroups* kivi = nullptr;
+  const uint16_t* kivi_params = nullptr;
+  const uint16_t* kivi_staging = nullptr;
+  // Whole groups a prompt wrote, which this pass reads in fp32 before they are quantized
+  // (LayerOps::store_kv defers them past the layer's attention, as KIVI's prefill attends in
+  // full precision): slots [first_slot, first_slot + n), keys and turned values row_stride apart.
+  struct KiviPending {
+    int first_slot = 0, n = 0;
+    const float* k = nullptr;
+    const float* v = nullptr;
+  };
+  std::span<const KiviPending> kivi_pending = {};
 };
 
 // How attention_batch cuts one job into units of work: tiles of tokens per KV head and, for

@@ -34,6 +34,18 @@ class LayerOps {
   std::vector<float> turned_;                        // store_kv's row turned (per thread: the key's, then the value's)
   std::vector<std::vector<float>> turned_queries_;   // attention()'s queries turned, per call
   std::vector<float> rope_tables_;  // per thread, one row's expanded angles (cos_x, sin_x)
+  // KIVI groups a prompt wrote whole, in fp32 until the layer's attention has read them
+  // (store_kv, then attention quantizes them: seal_pending_kivi).
+  struct PendingKivi {
+    KvView view;
+    int layer = 0;
+    KvLayer::KiviPending rows;
+    std::vector<float> k, v;
+  };
+  std::vector<PendingKivi> pending_kivi_;
+  std::vector<KvLayer::KiviPending> pending_of_call_;  // attention()'s, per call: [2 * call, 2 * call + 2)
+  void store_kivi(const KvView& kv, int layer, int first_slot, int n, const float* k, const float* v);
+  void seal_pending_kivi();
 };
 
 }  // namespace ringlm::cpu

@@ -16,6 +16,154 @@ void KvCache::Rows::allocate(int n_layer_in_ring, int n_slots, size_t bytes_per_
   positions.assign(static_cast<size_t>(slots), -1);
 }
 
+void KvCache::Rows::allocate_kivi(int sinks, int row_width, int residual_tokens, int n_buffers) {
+  kivi = KvKiviGroups{};
+  if (slots == 0) return;
+  kivi.sinks = std::min(sinks, slots);
+  kivi.slots = slots;
+  kivi.n_groups = KvKiviGroups::groups_for(slots, kivi.sinks);
+  residual = residual_tokens;
+  buffers = n_buffers;  // (clear() asks again)
+  n_buffers += kivi.sink_groups();
+  kivi.params_at = static_cast<size_t>(slots) * (key_bytes + value_bytes);
+  kivi.staging_at = kivi.params_at + static_cast<size_t>(kivi.n_groups) * kivi_key_params_bytes(row_width);
+  kivi.layer_bytes = kivi.staging_at + static_cast<size_t>(n_buffers) * 2 * kKiviGroup * row_width * sizeof(uint16_t);
+  storage = PageBuffer(static_cast<size_t>(n_layer) * kivi.layer_bytes);
+  staged.assign(static_cast<size_t>(kivi.n_groups), -1);
+  newest.assign(staged.size(), 0);
+  kivi.staged = staged.data();
+  free_buffers.clear();
+  for (int b = n_buffers - 1; b >= 0; --b) free_buffers.push_back(static_cast<int16_t>(b));
+  writes = 0;
+}
+
+size_t KvCache::Rows::bytes_for(int64_t n_tokens) const {
+  const size_t per_layer_rows = static_cast<size_t>(n_tokens) * (key_bytes + value_bytes);
+  if (!is_kivi()) return static_cast<size_t>(n_layer) * per_layer_rows;
+  const int64_t groups = std::min<int64_t>(kivi.n_groups, (n_tokens + kKiviGroup - 1) / kKiviGroup + 1);
+  const size_t params = (kivi.staging_at - kivi.params_at) / static_cast<size_t>(kivi.n_groups);
+  return static_cast<size_t>(n_layer) *
+         (per_layer_rows + static_cast<size_t>(groups) * params + (kivi.layer_bytes - kivi.staging_at));
+}
+
+namespace {
+// Whether slot s of a ring's view holds a token.
+bool live_slot(const KvView& v, int slot) {
+  return slot < static_cast<int>(v.positions.size()) && v.positions[static_cast<size_t>(slot)] >= 0;
+}
+
+// Seals open group g in every layer of a KIVI ring: its staged keys quantized per channel (the
+// slots holding a token set the ranges), its values per token.
+void seal_group(const KvView& v, int g) {
+  const KvKiviGroups& k = *v.kivi;
+  const int b = k.staged[g], first = k.first_slot(g), size = k.group_size(g);
+  const auto width = static_cast<size_t>(v.row_width);
+  bool live[kKiviGroup];
+  for (int i = 0; i < size; ++i) live[i] = live_slot(v, first + i);
+  std::vector<float> rows(static_cast<size_t>(size) * width);
+  for (int layer = 0; layer < v.n_layer; ++layer) {
+    for (int i = 0; i < size; ++i) {
+      const uint16_t* key = v.kivi_staged(layer, b, i, false);
+      for (size_t e = 0; e < width; ++e) rows[i * width + e] = fp16_to_fp32(key[e]);
+    }
+    kivi_quantize_keys(rows.data(), v.row_width, live, size, v.row_width, v.key(layer, first),
+                       static_cast<int64_t>(v.key_row_bytes()), v.kivi_params(layer, g));
+    for (int i = 0; i < size; ++i) {
+      const uint16_t* value = v.kivi_staged(layer, b, i, true);
+      for (size_t e = 0; e < width; ++e) rows[e] = fp16_to_fp32(value[e]);
+      kivi_quantize_value(rows.data(), v.row_width, v.value(layer, first + i));
+    }
+  }
+}
+
+// Fills staging buffer b with sealed group g's rows in every layer, dequantized (zero: `empty`).
+void load_group(const KvView& v, int g, int b, bool empty) {
+  const KvKiviGroups& k = *v.kivi;
+  const int first = k.first_slot(g), size = k.group_size(g);
+  const auto width = static_cast<size_t>(v.row_width);
+  std::vector<float> rows(static_cast<size_t>(size) * width, 0.0f), value(width, 0.0f);
+  for (int layer = 0; layer < v.n_layer; ++layer) {
+    if (!empty) {
+      kivi_dequantize_keys(v.key(layer, first), static_cast<int64_t>(v.key_row_bytes()), size, v.kivi_params(layer, g), 0,
+                           v.row_width, rows.data(), v.row_width);
+    }
+    for (int i = 0; i < size; ++i) {
+      uint16_t* key = v.kivi_staged(layer, b, i, false);
+      uint16_t* staged_value = v.kivi_staged(layer, b, i, true);
+      if (!empty) kivi_dequantize_value(v.value(layer, first + i), 0, v.row_width, value.data());
+      for (size_t e = 0; e < width; ++e) {
+        key[e] = fp32_to_fp16(rows[i * width + e]);
+        staged_value[e] = fp32_to_fp16(value[e]);
+      }
+    }
+  }
+}
+}  // namespace
+
+void KvCache::prepare_kivi_write(KvRing ring, std::span<const std::pair<int, int>> ranges, int n) {
+  Rows& r = ring == KvRing::kWindow ? window_ : full_;
+  if (!r.is_kivi() || n == 0) return;
+  const KvView v = view(ring);
+  const KvKiviGroups& k = r.kivi;
+  const int64_t after = r.writes + n;
+  const auto touched = [&](int g) {
+    const int first = k.first_slot(g), end = first + k.group_size(g);
+    for (const auto& [a, b] : ranges) {
+      if (a < end && first < b) return true;
+    }
+    return false;
+  };
+  const auto seal = [&](int g) {
+    seal_group(v, g);
+    r.free_buffers.push_back(r.staged[static_cast<size_t>(g)]);
+    r.staged[static_cast<size_t>(g)] = -1;
+  };
+  // A free staging buffer: one no open group holds, else the buffer of the open group written
+  // longest ago that this write does not touch, sealed early.
+  const auto take_buffer = [&] {
+    if (r.free_buffers.empty()) {
+      int oldest = -1;
+      for (int g = k.sink_groups(); g < k.n_groups; ++g) {
+        if (r.staged[static_cast<size_t>(g)] >= 0 && !touched(g) &&
+            (oldest < 0 || r.newest[static_cast<size_t>(g)] < r.newest[static_cast<size_t>(oldest)])) {
+          oldest = g;
+        }
+      }
+      if (oldest < 0) throw std::logic_error("KvCache: a KIVI write touches more groups than the staging buffers hold");
+      seal(oldest);
+    }
+    const int16_t b = r.free_buffers.back();
+    r.free_buffers.pop_back();
+    return b;
+  };
+  for (int g = k.sink_groups(); g < k.n_groups; ++g) {
+    if (r.staged[static_cast<size_t>(g)] >= 0 && r.newest[static_cast<size_t>(g)] <= after - r.residual && !touched(g)) seal(g);
+  }
+  int64_t done = 0;  // tokens of the write in the ranges before this one
+  for (const auto& [a, b] : ranges) {
+    for (int s = a; s < b;) {
+      const int g = k.group_of(s), first = k.first_slot(g), end = first + k.group_size(g);
+      const int s_end = std::min(b, end);
+      const int64_t newest = r.writes + done + (s_end - a);
+      int16_t& staged = r.staged[static_cast<size_t>(g)];
+      if (!k.pinned(g) && s == first && s_end == end && newest <= after - r.residual) {
+        if (staged >= 0) r.free_buffers.push_back(staged);  // written over whole: quantized at once
+        staged = -1;
+      } else if (staged < 0) {
+        bool kept = false;  // tokens of the group the write leaves, which the buffer must hold
+        for (int slot = first; slot < end; ++slot) kept |= (slot < s || slot >= s_end) && live_slot(v, slot);
+        const int16_t buffer = take_buffer();
+        load_group(v, g, buffer, !kept);
+        staged = buffer;
+      }
+      r.newest[static_cast<size_t>(g)] = newest;
+      s = s_end;
+    }
+    done += b - a;
+  }
+  r.writes = after;
+}
+
 namespace {
 uint64_t next_cache_id() {
   static std::atomic<uint64_t> next{1};
@@ -46,6 +194,7 @@ void KvCache::Rows::clear() {
   std::fill(positions.begin(), positions.end(), -1);
   extent = held = 0;
   storage.release();
+  if (is_kivi()) allocate_kivi(kivi.sinks, static_cast<int>(key_bytes * 4), residual, buffers);
 }
 
 KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const KvCacheOptions& options,
@@ -60,6 +209,18 @@ KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const K
       n_keep_(options.n_keep) {
   if (n_layer <= 0 || capacity <= 0 || n_kv_head <= 0 || head_dim <= 0) {
     throw std::invalid_argument("KvCache: every dimension must be positive");
+  }
+  if ((type_.keys == KvType::kKivi2) != (type_.values == KvType::kKivi2)) {
+    throw std::invalid_argument("--cache-type kivi2 quantizes keys and values together (keys per channel, values per "
+                                "token): give it to both sides, or neither (-ctk kivi2 -ctv kivi2, or --cache-type kivi2)");
+  }
+  if (type_.keys == KvType::kKivi2 && (head_dim % kKiviValueBlock != 0 || head_dim > kKiviMaxHead)) {
+    throw std::invalid_argument("--cache-type kivi2 needs a head size that is a multiple of " +
+                                std::to_string(kKiviValueBlock) + " up to " + std::to_string(kKiviMaxHead) +
+                                " (this model's is " + std::to_string(head_dim) + "): use q4_0 or f16");
+  }
+  if (type_.keys == KvType::kKivi2 && options.kivi_residual < 0) {
+    throw std::invalid_argument("--kivi-residual " + std::to_string(options.kivi_residual) + " must be 0 or more");
   }
   for (const KvType side : {type_.keys, type_.values}) {
     if (kv_type_has_blocks(side) && head_dim % 32 != 0) {
@@ -92,6 +253,15 @@ KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const K
   full_.allocate(n_full, capacity, key_row_bytes(), value_row_bytes());
   window_.allocate(n_window, n_window > 0 ? window.slots : 0, key_row_bytes(), value_row_bytes());
   window_size_ = n_window > 0 ? window.window : 0;
+  if (type_.keys == KvType::kKivi2) {
+    // The open groups besides the sinks': those of the residual's tokens (which include the
+    // groups a write opens at its ends), one more where they straddle two, and one more where
+    // the ring wraps (a short last group). The window ring's writes wrap around its end: two
+    // more. (Were they all taken, the oldest would be sealed early.)
+    const int residual_groups = (options.kivi_residual + kKiviGroup - 1) / kKiviGroup;
+    full_.allocate_kivi(std::max(n_keep_, 1), row_width(), options.kivi_residual, residual_groups + 2);
+    window_.allocate_kivi(0, row_width(), options.kivi_residual, residual_groups + 4);
+  }
 }
 
 int KvCache::shift_size() const {
@@ -120,10 +290,24 @@ void KvCache::Rows::copy_from(const Rows& other) {
       std::copy_n(const_cast<Rows&>(other).row(index, 0, value),
                   static_cast<size_t>(other.extent) * (value ? value_bytes : key_bytes), row(index, 0, value));
     }
+    if (is_kivi() && other.extent > 0) {  // the written groups' parameters, and the staging buffers
+      const size_t layer = static_cast<size_t>(index) * kivi.layer_bytes;
+      const size_t params = (kivi.staging_at - kivi.params_at) / static_cast<size_t>(kivi.n_groups);
+      std::copy_n(other.storage.data() + layer + kivi.params_at,
+                  static_cast<size_t>(kivi.group_of(other.extent - 1) + 1) * params, storage.data() + layer + kivi.params_at);
+      std::copy_n(other.storage.data() + layer + kivi.staging_at, kivi.layer_bytes - kivi.staging_at,
+                  storage.data() + layer + kivi.staging_at);
+    }
   }
   positions = other.positions;
   extent = other.extent;
   held = other.held;
+  if (is_kivi()) {
+    staged = other.staged;
+    newest = other.newest;
+    free_buffers = other.free_buffers;
+    writes = other.writes;
+  }
 }
 
 void KvCache::copy_from(const KvCache& other) {
@@ -204,6 +388,15 @@ int KvCache::append(int n) {
                             std::to_string(window_.slots) + " slots");
   }
   const int first = n_sink_ < n_keep_ ? n_sink_ : ring_slot(ring_count_);
+  if (full_.is_kivi()) {
+    const std::pair<int, int> full_range[] = {{first, first + n}};
+    prepare_kivi_write(KvRing::kFull, full_range, n);
+    if (has_window_ring()) {
+      const int w = window_slot(), to_end = std::min(n, window_.slots - w);
+      const std::pair<int, int> window_ranges[] = {{w, w + to_end}, {0, n - to_end}};
+      prepare_kivi_write(KvRing::kWindow, std::span(window_ranges, to_end < n ? 2 : 1), n);
+    }
+  }
   const int to_sinks = std::min(n, n_keep_ - n_sink_);
   n_sink_ += to_sinks;
   ring_count_ += n - to_sinks;
@@ -303,6 +496,10 @@ KvView KvCache::view(KvRing ring) {
   v.positions = r.used_positions();
   v.cache_id = id();
   v.state = &r.backend_state;
+  if (r.is_kivi()) {
+    r.kivi.staged = r.staged.data();
+    v.kivi = &r.kivi;
+  }
   return v;
 }
 

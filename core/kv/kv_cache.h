@@ -16,7 +16,10 @@
 //
 // Keys and values are fp16 (half the memory and bandwidth), fp32, or q8_0 / q4_0 (an fp16 scale
 // per 32 codes of 8 or 4 bits: 53% / 28% of fp16's bytes; the head size must be a multiple of
-// 32), each side its own type (-ctk, -ctv), in one buffer per ring
+// 32), each side its own type (-ctk, -ctv), or KIVI's 2 bits on both (KvKiviGroups: keys per
+// channel over groups of 32 slots, values per token; a group's rows wait in fp16 while it is
+// written and until its newest token is kivi_residual tokens old, then append() seals it; a write
+// into a sealed group opens it again), in one buffer per ring
 // sized for all its slots, whose pages become resident as tokens are written (PageBuffer): a
 // cache costs the memory of the tokens it holds.
 //
@@ -43,6 +46,7 @@ struct KvCacheOptions {
   int n_keep = 0;              // attention sinks: the first tokens, never discarded
   int n_discard = 0;           // tokens a context shift drops (0: half of those after the sinks)
   bool context_shift = false;  // when full: shift (StreamingLLM) or refuse more tokens
+  int kivi_residual = kKiviResidual;  // kivi2: the newest tokens kept in fp16 (--kivi-residual)
 };
 
 // The layers of a model that keep only a sliding window, and the slots of their ring.
@@ -188,7 +192,7 @@ class KvCache {
   const void* key(int layer, int slot) const { return const_cast<KvCache*>(this)->key(layer, slot); }
   const void* value(int layer, int slot) const { return const_cast<KvCache*>(this)->value(layer, slot); }
   size_t key_row_bytes() const { return kv_bytes_of(type_.keys, row_width()); }
-  size_t value_row_bytes() const { return kv_bytes_of(type_.values, row_width()); }
+  size_t value_row_bytes() const { return kv_value_bytes_of(type_.values, row_width()); }
   // A slot's keys and values in one layer.
   size_t slot_bytes() const { return key_row_bytes() + value_row_bytes(); }
 
@@ -204,15 +208,28 @@ class KvCache {
     int extent = 0;                  // slots that ever held a token
     int held = 0;                    // slots holding a token now
     std::unique_ptr<BackendKvState> backend_state;
+    // KIVI (both sides kKivi2): the groups, each open one's staging buffer and the count of
+    // tokens written to the ring when its newest token was.
+    KvKiviGroups kivi;
+    std::vector<int16_t> staged;  // [n_groups], -1: sealed
+    std::vector<int64_t> newest;  // [n_groups]
+    std::vector<int16_t> free_buffers;
+    int64_t writes = 0;  // tokens written to the ring since it was cleared
+    int residual = 0, buffers = 0;
 
     void allocate(int n_layer, int slots, size_t key_bytes, size_t value_bytes);
+    // KIVI: groups of slots (the first `sinks` pinned in groups of their own), `buffers` staging
+    // buffers of row_width-wide rows per layer besides the sink groups'.
+    void allocate_kivi(int sinks, int row_width, int residual, int buffers);
+    bool is_kivi() const { return kivi.n_groups > 0; }
+    size_t layer_bytes() const {
+      return is_kivi() ? kivi.layer_bytes : static_cast<size_t>(slots) * (key_bytes + value_bytes);
+    }
     uint8_t* row(int index, int slot, bool value) {
-      const size_t layer = static_cast<size_t>(index) * static_cast<size_t>(slots) * (key_bytes + value_bytes);
+      const size_t layer = static_cast<size_t>(index) * layer_bytes();
       return storage.data() + layer + (value ? static_cast<size_t>(slots) * key_bytes + slot * value_bytes : slot * key_bytes);
     }
-    size_t bytes_for(int64_t n_tokens) const {
-      return static_cast<size_t>(n_tokens) * static_cast<size_t>(n_layer) * (key_bytes + value_bytes);
-    }
+    size_t bytes_for(int64_t n_tokens) const;
     std::span<const int64_t> used_positions() const { return {positions.data(), static_cast<size_t>(extent)}; }
     void clear();
     void copy_from(const Rows& other);  // the same shape: every slot other ever wrote
@@ -220,6 +237,12 @@ class KvCache {
   Rows& rows_of(int layer) { return place(layer).ring == KvRing::kWindow ? window_ : full_; }
   // The window ring's part of discard(): positions [first, first + n) dropped, later ones moved back.
   std::vector<int> discard_window(int64_t first, int n);
+  // KIVI: gets a ring's groups ready for n tokens about to be written at `ranges` of its slots
+  // (in order; before their positions are set): seals the open groups whose newest token left
+  // the residual, and opens the groups the write touches, unless it fills one whole and that one
+  // is out of the residual already (the backend quantizes those from the pass's rows once the
+  // layer's attention has read them). The sink groups (KvKiviGroups::pinned) stay open for good.
+  void prepare_kivi_write(KvRing ring, std::span<const std::pair<int, int>> ranges, int n);
   int ring_capacity() const { return capacity_ - n_keep_; }
   int ring_slot(int i) const { return n_keep_ + (ring_head_ + i) % ring_capacity(); }  // i-th oldest after the sinks
 

@@ -154,6 +154,9 @@ void LlamaModel::check_batch(std::span<const SequenceTokens> batch) const {
     if (b.steps && (b.wants_top() || (stage_.first() && b.logits == nullptr))) {
       throw std::invalid_argument("forward_batch: a checking pass (steps) hands back every row's logits");
     }
+    if (b.steps && b.cache->type().keys == KvType::kKivi2) {
+      throw std::invalid_argument(kKiviRefusesDrafts);
+    }
     total += b.tokens.size();
   }
   if (total > static_cast<size_t>(max_batch_)) {

@@ -111,6 +111,7 @@ struct PipelineHook::Sequence {
   int32_t capacity = 0, prefix_tokens = 0;
   int32_t kv_key_type = 0, kv_value_type = 0, n_keep = 0, n_discard = 0, context_shift = 0;
   int32_t want_logits = 0, all_logits = 0, top_k = 0, stepwise_attention = 0;
+  int32_t kivi_residual = 0;
 };
 
 namespace {
@@ -147,6 +148,7 @@ PipelineHook::Sequence PipelineHook::describe(const SequenceTokens& sequence) {
   q.n_keep = cache.options().n_keep;
   q.n_discard = cache.options().n_discard;
   q.context_shift = cache.options().context_shift ? 1 : 0;
+  q.kivi_residual = cache.options().kivi_residual;
   q.want_logits = sequence.logits != nullptr ? 1 : 0;
   q.all_logits = sequence.all_logits || sequence.steps ? 1 : 0;
   q.top_k = static_cast<int32_t>(sequence.top.size());
@@ -223,7 +225,7 @@ KvCache& PipelineHook::cache_copy(const Sequence& q) {
   }
   if (it == caches_.end()) {
     const KvCacheOptions options{KvTypes(static_cast<KvType>(q.kv_key_type), static_cast<KvType>(q.kv_value_type)), q.n_keep,
-                                 q.n_discard, q.context_shift != 0};
+                                 q.n_discard, q.context_shift != 0, q.kivi_residual};
     auto made = std::make_shared<KvCache>(model_.make_cache(q.capacity, options));
     if (q.prefix_id != 0) {
       const auto prefix = caches_.find(q.prefix_id);
