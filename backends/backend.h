@@ -168,7 +168,7 @@ constexpr size_t kv_value_bytes_of(KvType type, int64_t elements) {
 // are groups of their own that are never sealed: the attention sinks (the --keep tokens, or the
 // first token), whose keys lie far outside every other token's range and would spoil a group's
 // scales, and which every query attends to. Each layer of the ring has, after its slots' key
-// codes and value rows, its groups' key parameters ([n_groups][row_width][2] fp16) and its
+// codes and value rows, its groups' key parameters ([n_groups][2][row_width] fp16: scales, mins) and its
 // staging buffers (each kKiviGroup fp16 key rows, then as many value rows).
 struct KvKiviGroups {
   int sinks = 0;  // slots of the sink groups (pinned: never sealed)
@@ -219,7 +219,8 @@ struct KvView {
   KvTypes types() const { return {key_type, value_type}; }
   size_t key_row_bytes() const { return kv_bytes_of(key_type, row_width); }
   size_t value_row_bytes() const { return kv_value_bytes_of(value_type, row_width); }
-  // A KIVI group's key parameters, and row i of staging buffer b (keys, or values).
+  // A KIVI group's key parameters (its channels' scales, then their mins: row_width apart), and
+  // row i of staging buffer b (keys, or values).
   uint16_t* kivi_params(int layer, int group) const {
     return reinterpret_cast<uint16_t*>(rows + layer_start(layer) + kivi->params_at) +
            static_cast<size_t>(group) * row_width * 2;

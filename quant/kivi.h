@@ -9,7 +9,7 @@
 //
 // Layouts (n: a row's elements, a multiple of kKiviValueBlock):
 //  - a key row: n codes of 2 bits, 4 to a byte, element e in bits 2 (e % 4) of byte e / 4;
-//  - a key group's parameters: for each of the n channels, its scale and min (fp16), [n][2];
+//  - a key group's parameters: its n channels' scales, then their mins (fp16), [2][n];
 //  - a value row: per block of kKiviValueBlock elements, its scale and min (fp16), then the
 //    block's codes packed as the keys' are.
 #pragma once
@@ -44,15 +44,15 @@ constexpr size_t kivi_value_row_bytes(int64_t n) {
 // Quantizes the keys of one group per channel: rows[i] (n floats, `ld` apart) for i < count,
 // only those with live[i] setting a channel's grid (a group with none live gets scale 0 and
 // min 0): of the grids over the live values' range with its ends cut by kKiviKeyCuts, the one
-// of least squared error. codes[i] (row i's codes, code_ld bytes apart) is written for every row; params gets
-// each channel's scale and min.
+// of least squared error. codes[i] (row i's codes, code_ld bytes apart) is written for every
+// row, each channel's scale and min to scales[c] and mins[c] (a group's parameters, [2][n]).
 void kivi_quantize_keys(const float* rows, int64_t ld, const bool* live, int count, int64_t n, uint8_t* codes,
-                        int64_t code_ld, uint16_t* params);
+                        int64_t code_ld, uint16_t* scales, uint16_t* mins);
 
 // Elements [first, first + n) of `count` key rows of one group (codes code_ld bytes apart) as
 // floats, out_ld apart: each code against its channel's scale and min (first a multiple of 4).
-void kivi_dequantize_keys(const uint8_t* codes, int64_t code_ld, int count, const uint16_t* params, int64_t first,
-                          int64_t n, float* out, int64_t out_ld);
+void kivi_dequantize_keys(const uint8_t* codes, int64_t code_ld, int count, const uint16_t* scales, const uint16_t* mins,
+                          int64_t first, int64_t n, float* out, int64_t out_ld);
 
 // One value row of n elements, and back (elements [first, first + n) of it, first a multiple of
 // kKiviValueBlock).

@@ -179,12 +179,12 @@ TEST_F(ChatSessionTest, LoadedConversationContinuesLikeTheLiveOneOnTheInt8PathOf
   }
 }
 
-// The same with quantized caches (q8_0 keys, q4_0 values; q4_0 for both), on the best target:
+// The same with quantized caches (q8_0 keys, q4_0 values; q4_0 for both; kivi2), on the best target:
 // the live reply was decoded token by token (q8_0 keys scored in int8 where the CPU has VNNI),
 // the restored one prefilled from the same blocks; the bound is the int8 paths' one.
 TEST_F(ChatSessionTest, LoadedConversationContinuesLikeTheLiveOneWithQuantizedCaches) {
   constexpr double kMaxKl = 0.3;
-  for (const KvTypes types : {KvTypes(KvType::kQ8_0, KvType::kQ4_0), KvTypes(KvType::kQ4_0)}) {
+  for (const KvTypes types : {KvTypes(KvType::kQ8_0, KvType::kQ4_0), KvTypes(KvType::kQ4_0), KvTypes(KvType::kKivi2)}) {
     SCOPED_TRACE(kv_types_name(types));
     LiveAndRestored r = live_and_restored(loaded_, 8, types);
     EXPECT_EQ(r.restored.cache().type(), types);

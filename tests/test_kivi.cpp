@@ -77,11 +77,12 @@ TEST(KiviFormat, KeysAreQuantizedPerChannelOverTheLiveRowsOnly) {
     if (!live[i]) std::fill_n(&rows[static_cast<size_t>(i) * kN], kN, 1e4f);  // must not widen any range
   }
   std::vector<uint8_t> codes(kRows * kivi_key_row_bytes(kN));
-  std::vector<uint16_t> params(2 * kN);
+  std::vector<uint16_t> params(2 * kN);  // scales, then mins
   kivi_quantize_keys(rows.data(), kN, live, kRows, kN, codes.data(), static_cast<int64_t>(kivi_key_row_bytes(kN)),
-                     params.data());
+                     params.data(), params.data() + kN);
   std::vector<float> back(rows.size());
-  kivi_dequantize_keys(codes.data(), static_cast<int64_t>(kivi_key_row_bytes(kN)), kRows, params.data(), 0, kN, back.data(), kN);
+  kivi_dequantize_keys(codes.data(), static_cast<int64_t>(kivi_key_row_bytes(kN)), kRows, params.data(), params.data() + kN, 0, kN,
+                       back.data(), kN);
   for (int c = 0; c < kN; ++c) {
     double lo = INFINITY, hi = -INFINITY;
     for (int i = 0; i < kRows; ++i) {
@@ -89,7 +90,7 @@ TEST(KiviFormat, KeysAreQuantizedPerChannelOverTheLiveRowsOnly) {
     }
     // The grid lies within the live values' range, and gives them back with no more squared
     // error than the grid over the whole range would (the plain KIVI grid, computed here).
-    const double min = fp16_to_fp32(params[2 * c + 1]), step = fp16_to_fp32(params[2 * c]);
+    const double min = fp16_to_fp32(params[kN + c]), step = fp16_to_fp32(params[c]);
     EXPECT_GE(min, lo - std::abs(lo) * kHalfUlp16) << c;
     EXPECT_LE(min + 3 * step, hi + (std::abs(hi) + std::abs(lo)) * kHalfUlp16 * 4) << c;
     const double plain_min = fp16_to_fp32(fp32_to_fp16(static_cast<float>(lo)));
@@ -111,7 +112,7 @@ TEST(KiviFormat, KeysAreQuantizedPerChannelOverTheLiveRowsOnly) {
   // A part of the rows reads the same elements.
   std::vector<float> part(static_cast<size_t>(3) * 64);
   kivi_dequantize_keys(codes.data() + 2 * kivi_key_row_bytes(kN), static_cast<int64_t>(kivi_key_row_bytes(kN)), 3, params.data(),
-                       64, 64, part.data(), 64);
+                       params.data() + kN, 64, 64, part.data(), 64);
   for (int i = 0; i < 3; ++i) {
     for (int e = 0; e < 64; ++e) ASSERT_EQ(part[static_cast<size_t>(i) * 64 + e], back[static_cast<size_t>(i + 2) * kN + 64 + e]);
   }
@@ -228,7 +229,8 @@ class KiviCacheTest : public ::testing::Test {
     } else if (value) {
       kivi_dequantize_value(view.value(index, slot), 0, kWidth, row.data());
     } else {
-      kivi_dequantize_keys(view.key(index, slot), 0, 1, view.kivi_params(index, g), 0, kWidth, row.data(), kWidth);
+      kivi_dequantize_keys(view.key(index, slot), 0, 1, view.kivi_params(index, g), view.kivi_params(index, g) + kWidth, 0,
+                           kWidth, row.data(), kWidth);
     }
     return row;
   }

@@ -1028,9 +1028,9 @@ void gather_kivi_block(const KvLayer& kv, int kv_head, int hd, int j0, int nb, f
                                             kbuf != nullptr ? kbuf + out : nullptr, vbuf != nullptr ? vbuf + out : nullptr);
     } else {
       if (kbuf != nullptr) {
-        const uint16_t* params = kv.kivi_params + (static_cast<size_t>(g) * kv.row_stride + head) * 2;
+        const uint16_t* scales = kv.kivi_params + static_cast<size_t>(g) * kv.row_stride * 2 + head;
         float scale[kKiviMaxHead], min[kKiviMaxHead];
-        for (int e = 0; e < hd; ++e) scale[e] = fp16_to_fp32(params[2 * e]), min[e] = fp16_to_fp32(params[2 * e + 1]);
+        HWY_DYNAMIC_DISPATCH(F16KvRowsToF32)(scales, scales + kv.row_stride, 0, 1, hd, scale, min);
         HWY_DYNAMIC_DISPATCH(KiviKeysToF32)(static_cast<const uint8_t*>(kv.keys) + slot * key_bytes + head / 4,
                                              static_cast<int64_t>(key_bytes), count, scale, min, hd, kbuf + out);
       }

@@ -38,7 +38,7 @@ struct KvLayer {
   int n_slots = 0;
   const KvLayer* prefix = nullptr;
   // A KIVI cache (key_type and value_type kKivi2): keys holds the slots' key codes, values their
-  // value rows; the groups, this layer's key parameters ([n_groups][row_stride][2] fp16) and its
+  // value rows; the groups, this layer's key parameters ([n_groups][2][row_stride] fp16: scales, mins) and its
   // staging buffers (KvView::kivi_staged's layout) say how to read them.
   const KvKiviGroups* kivi = nullptr;
   const uint16_t* kivi_params = nullptr;

@@ -74,7 +74,8 @@ void shift_kivi_keys(const KvView& kv, std::span<const int> layers, std::span<co
           }
           continue;
         }
-        kivi_dequantize_keys(kv.key(layer, first), static_cast<int64_t>(kv.key_row_bytes()), size, kv.kivi_params(layer, g), 0,
+        kivi_dequantize_keys(kv.key(layer, first), static_cast<int64_t>(kv.key_row_bytes()), size, kv.kivi_params(layer, g),
+                             kv.kivi_params(layer, g) + kv.row_width, 0,
                              kv.row_width, rows.data(), kv.row_width);
         for (const int slot : by_group[static_cast<size_t>(g)]) rotate(rows.data() + (slot - first) * width);
         bool live[kKiviGroup];
@@ -83,7 +84,8 @@ void shift_kivi_keys(const KvView& kv, std::span<const int> layers, std::span<co
           live[s] = slot < kv.positions.size() && kv.positions[slot] >= 0;
         }
         kivi_quantize_keys(rows.data(), kv.row_width, live, size, kv.row_width, kv.key(layer, first),
-                           static_cast<int64_t>(kv.key_row_bytes()), kv.kivi_params(layer, g));
+                           static_cast<int64_t>(kv.key_row_bytes()), kv.kivi_params(layer, g),
+                           kv.kivi_params(layer, g) + kv.row_width);
       }
     }
   }
@@ -194,7 +196,8 @@ void LayerOps::seal_pending_kivi() {
       bool live[kKiviGroup];
       std::fill_n(live, kKiviGroup, true);
       kivi_quantize_keys(p.k.data() + row0, p.view.row_width, live, size, p.view.row_width, p.view.key(p.layer, first),
-                         static_cast<int64_t>(p.view.key_row_bytes()), p.view.kivi_params(p.layer, g));
+                         static_cast<int64_t>(p.view.key_row_bytes()), p.view.kivi_params(p.layer, g),
+                         p.view.kivi_params(p.layer, g) + p.view.row_width);
       for (int i = 0; i < size; ++i) {
         kivi_quantize_value(p.v.data() + row0 + i * width, p.view.row_width, p.view.value(p.layer, first + i));
       }

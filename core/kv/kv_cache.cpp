@@ -66,8 +66,9 @@ void seal_group(const KvView& v, int g) {
       const uint16_t* key = v.kivi_staged(layer, b, i, false);
       for (size_t e = 0; e < width; ++e) rows[i * width + e] = fp16_to_fp32(key[e]);
     }
+    uint16_t* params = v.kivi_params(layer, g);
     kivi_quantize_keys(rows.data(), v.row_width, live, size, v.row_width, v.key(layer, first),
-                       static_cast<int64_t>(v.key_row_bytes()), v.kivi_params(layer, g));
+                       static_cast<int64_t>(v.key_row_bytes()), params, params + v.row_width);
     for (int i = 0; i < size; ++i) {
       const uint16_t* value = v.kivi_staged(layer, b, i, true);
       for (size_t e = 0; e < width; ++e) rows[e] = fp16_to_fp32(value[e]);
@@ -84,7 +85,8 @@ void load_group(const KvView& v, int g, int b, bool empty) {
   std::vector<float> rows(static_cast<size_t>(size) * width, 0.0f), value(width, 0.0f);
   for (int layer = 0; layer < v.n_layer; ++layer) {
     if (!empty) {
-      kivi_dequantize_keys(v.key(layer, first), static_cast<int64_t>(v.key_row_bytes()), size, v.kivi_params(layer, g), 0,
+      const uint16_t* params = v.kivi_params(layer, g);
+      kivi_dequantize_keys(v.key(layer, first), static_cast<int64_t>(v.key_row_bytes()), size, params, params + v.row_width, 0,
                            v.row_width, rows.data(), v.row_width);
     }
     for (int i = 0; i < size; ++i) {
