@@ -219,28 +219,27 @@ void Q4KvRowsToF32(const uint8_t* k, int64_t stride, int rows, int n, float* out
   BlockKvRowsToF32Of<4>(k, stride, rows, n, out);
 }
 
-// KIVI's 2-bit codes (quant/kivi.h: element e in bits 2 (e % 4) of byte e / 4) as floats, a
-// byte's four at a time, from a table of every byte's four codes.
-struct KiviCodeFloats {
-  alignas(16) float code[256][4] = {};
-  constexpr KiviCodeFloats() {
-    for (int b = 0; b < 256; ++b) {
-      for (int i = 0; i < 4; ++i) code[b][i] = static_cast<float>(b >> (2 * i) & 3);
-    }
-  }
-};
-constexpr KiviCodeFloats kKiviCodes{};
+// A vector of KIVI's 2-bit codes (quant/kivi.h: element e in bits 2 (e % 4) of byte e / 4) as
+// floats, from element e on: the lanes' bytes (at most 4: 16 lanes) read as one word, each lane
+// shifting out its own two bits.
+template <class D>
+HWY_INLINE hn::Vec<D> KiviCodes(D d, const uint8_t* codes, int e) {
+  const hn::RebindToSigned<D> di;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  static_assert(HWY_LANES(float) <= 16, "a vector's codes fit a 32-bit word");
+  uint32_t word = 0;
+  std::memcpy(&word, codes + e / 4, static_cast<size_t>(std::max(1, lanes / 4)));
+  const auto shifts = hn::Add(hn::ShiftLeft<1>(hn::Iota(di, 0)), hn::Set(di, 2 * (e % 4)));
+  // (an arithmetic shift: the copies of bit 31 it brings in lie above the two bits kept)
+  return hn::ConvertTo(d, hn::And(hn::Shr(hn::Set(di, static_cast<int32_t>(word)), shifts), hn::Set(di, 3)));
+}
 
 // out[e] = min[e] + codes(e) * scale[e] for the n elements (a multiple of 4) of one row.
 HWY_INLINE void KiviRowToF32(const uint8_t* codes, const float* scale, const float* min, int n, float* out) {
-  const hn::CappedTag<float, 4> d;
+  const hn::ScalableTag<float> d;
   const int lanes = static_cast<int>(hn::Lanes(d));
-  for (int b = 0; b < n / 4; ++b) {
-    const float* code = kKiviCodes.code[codes[b]];
-    for (int i = 0; i < 4; i += lanes) {
-      const int e = 4 * b + i;
-      hn::StoreU(hn::MulAdd(hn::Load(d, code + i), hn::LoadU(d, scale + e), hn::LoadU(d, min + e)), d, out + e);
-    }
+  for (int e = 0; e < n; e += lanes) {
+    hn::StoreU(hn::MulAdd(KiviCodes(d, codes, e), hn::LoadU(d, scale + e), hn::LoadU(d, min + e)), d, out + e);
   }
 }
 
@@ -251,20 +250,26 @@ void KiviKeysToF32(const uint8_t* codes, int64_t code_ld, int rows, const float*
   for (int j = 0; j < rows; ++j) KiviRowToF32(codes + j * code_ld, scale, min, n, out + static_cast<int64_t>(j) * n);
 }
 
+// The same for a value block: one scale and min for all its elements.
+HWY_INLINE void KiviBlockToF32(const uint8_t* codes, float scale, float min, int n, float* out) {
+  const hn::ScalableTag<float> d;
+  const int lanes = static_cast<int>(hn::Lanes(d));
+  const auto step = hn::Set(d, scale), base = hn::Set(d, min);
+  for (int e = 0; e < n; e += lanes) hn::StoreU(hn::MulAdd(KiviCodes(d, codes, e), step, base), d, out + e);
+}
+
 // `rows` KIVI value rows (row_bytes apart) as fp32 rows of n: elements [first, first + n) of
 // each (first and n multiples of kKiviValueBlock), each block on its own grid.
 void KiviValuesToF32(const uint8_t* values, int64_t row_bytes, int rows, int first, int n, float* out) {
   constexpr int kBlockBytes = 4 + kKiviValueBlock / 4;
-  float scale[kKiviValueBlock], min[kKiviValueBlock];
   for (int j = 0; j < rows; ++j) {
     for (int b = 0; b < n / kKiviValueBlock; ++b) {
       const uint8_t* block = values + j * row_bytes + (first / kKiviValueBlock + b) * kBlockBytes;
       uint16_t scale16, min16;
       std::memcpy(&scale16, block, 2);
       std::memcpy(&min16, block + 2, 2);
-      std::fill_n(scale, kKiviValueBlock, KvValue(scale16));
-      std::fill_n(min, kKiviValueBlock, KvValue(min16));
-      KiviRowToF32(block + 4, scale, min, kKiviValueBlock, out + static_cast<int64_t>(j) * n + b * kKiviValueBlock);
+      KiviBlockToF32(block + 4, KvValue(scale16), KvValue(min16), kKiviValueBlock,
+                     out + static_cast<int64_t>(j) * n + b * kKiviValueBlock);
     }
   }
 }
