@@ -149,7 +149,7 @@ void KvCache::prepare_kivi_write(KvRing ring, std::span<const std::pair<int, int
       const int64_t newest = r.writes + done + (s_end - a);
       int16_t& staged = r.staged[static_cast<size_t>(g)];
       if (!k.pinned(g) && s == first && s_end == end && newest <= after - r.residual) {
-        if (staged >= 0) r.free_buffers.push_back(staged);  // written over whole: quantized at once
+        if (staged >= 0) r.free_buffers.push_back(staged);  // written over whole: quantized after the attention
         staged = -1;
       } else if (staged < 0) {
         bool kept = false;  // tokens of the group the write leaves, which the buffer must hold
