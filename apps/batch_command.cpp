@@ -23,6 +23,7 @@
 #include "apps/common_options.h"
 #include "apps/pipeline_process.h"
 #include "apps/speculative_options.h"
+#include "core/grammar/json_schema.h"
 #include "core/model/loader.h"
 #include "core/scheduler/batch_scheduler.h"
 #include "core/session/chat_session.h"
@@ -47,6 +48,7 @@ struct BatchCommandOptions {
   KvTypes cache_type = KvType::kF16;
   int beams = 0;  // every line's beams unless it says (0: sampling)
   float length_penalty = 1.0f;
+  GrammarOptions grammar;  // every line's grammar unless it gives "grammar" or "json_schema"
 };
 
 // One line of the input, ready to run (or the reason it cannot).
@@ -85,7 +87,7 @@ std::vector<std::string> stop_strings(const json& j) {
 
 class InputReader {
  public:
-  InputReader(const BatchCommandOptions& o, const LoadedModel& m) : options_(o), model_(m) {}
+  InputReader(const BatchCommandOptions& o, const LoadedModel& m) : options_(o), model_(m), base_grammar_(grammar_of(o.grammar)) {}
 
   std::vector<InputLine> read(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
@@ -139,6 +141,7 @@ class InputReader {
       r.beams = field_or<int>(j, "beams", r.beams, "an integer");
       r.length_penalty = field_or<float>(j, "length_penalty", r.length_penalty, "a number");
       r.stop = stop_strings(j);
+      if (j.contains("grammar") || j.contains("json_schema")) r.grammar = line_grammar(j);
       if (r.beams < 0) throw std::runtime_error("\"beams\" must not be negative");
       if (r.max_tokens < 0) throw std::runtime_error("\"max_tokens\" must not be negative");
       if (!(r.sampling.temperature >= 0)) throw std::runtime_error("\"temperature\" must not be negative");
@@ -151,8 +154,21 @@ class InputReader {
     return l;
   }
 
+  // A line's "grammar" (GBNF text) or "json_schema" (a schema object), compiled once per text.
+  std::shared_ptr<const Grammar> line_grammar(const json& j) {
+    if (j.contains("grammar") && j.contains("json_schema")) throw std::runtime_error("give \"grammar\" or \"json_schema\", not both");
+    const bool gbnf = j.contains("grammar");
+    const json& given = gbnf ? j["grammar"] : j["json_schema"];
+    if (gbnf && !given.is_string()) throw std::runtime_error("\"grammar\" must be a string (GBNF)");
+    const std::string key = (gbnf ? "g" : "s") + (gbnf ? given.get<std::string>() : given.dump());
+    std::shared_ptr<const Grammar>& compiled = grammars_[key];
+    if (!compiled) compiled = gbnf ? Grammar::parse(given.get<std::string>()) : Grammar::parse(json_schema_to_gbnf(given));
+    return compiled;
+  }
+
   GenerationRequest base_request() const {
     GenerationRequest r;
+    r.grammar = base_grammar_;
     r.sampling = options_.sampling;
     r.max_tokens = options_.max_tokens;
     r.beams = options_.beams;
@@ -191,6 +207,8 @@ class InputReader {
 
   const BatchCommandOptions& options_;
   const LoadedModel& model_;
+  std::shared_ptr<const Grammar> base_grammar_;  // --grammar and co: every line's unless it gives its own
+  std::map<std::string, std::shared_ptr<const Grammar>> grammars_;  // the lines' own, compiled, by text
   std::shared_ptr<const ChatTemplate> template_;
 };
 
@@ -411,6 +429,7 @@ void add_batch_command(CLI::App& app) {
       ->capture_default_str();
   add_speculative_options(*cmd, opts->speculative, "each prompt and its text so far");
   add_beam_options(*cmd, opts->beams, opts->length_penalty, "every line (its \"beams\", \"length_penalty\" override)");
+  add_grammar_options(*cmd, opts->grammar);
   cmd->add_flag("!--no-prompt-sharing", opts->share_prompt,
                "n > 1 samples each prefill and hold their own copy of the prompt (to measure what sharing saves)");
   std::vector<std::string> names;

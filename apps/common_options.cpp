@@ -1,17 +1,23 @@
 #include "apps/common_options.h"
 
+#include <iterator>
+#include <fstream>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <array>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <stdexcept>
 #include <thread>
 #include <utility>
 
 #include "apps/pipeline_process.h"
+#include "core/grammar/json_schema.h"
 #include "backends/plugin_backend.h"
 
 namespace ringlm {
@@ -112,6 +118,31 @@ void add_cache_type_options(CLI::App& cmd, KvTypes& types) {
     if (keys) types.keys = *keys;
     if (values) types.values = *values;
   });
+}
+
+std::shared_ptr<const Grammar> grammar_of_json_schema(std::string_view schema_text) {
+  const nlohmann::json schema = nlohmann::json::parse(schema_text, nullptr, false);
+  if (schema.is_discarded()) throw GrammarError("json_schema: not valid JSON");
+  return Grammar::parse(json_schema_to_gbnf(schema));
+}
+
+void add_grammar_options(CLI::App& cmd, GrammarOptions& opts) {
+  auto* text = cmd.add_option("--grammar", opts.grammar, "hold the generated text to this GBNF grammar (llama.cpp's format)");
+  auto* file = cmd.add_option("--grammar-file", opts.grammar_file, "... to the GBNF grammar in this file");
+  auto* schema = cmd.add_option("--json-schema", opts.json_schema, "... to JSON valid under this JSON Schema");
+  text->excludes(file, schema);
+  file->excludes(schema);
+}
+
+std::shared_ptr<const Grammar> grammar_of(const GrammarOptions& opts) {
+  if (!opts.grammar.empty()) return Grammar::parse(opts.grammar);
+  if (!opts.json_schema.empty()) return grammar_of_json_schema(opts.json_schema);
+  if (!opts.grammar_file.empty()) {
+    std::ifstream in(opts.grammar_file, std::ios::binary);
+    if (!in) throw std::runtime_error("cannot read grammar file '" + opts.grammar_file + "'");
+    return Grammar::parse(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
+  }
+  return nullptr;
 }
 
 void add_beam_options(CLI::App& cmd, int& beams, float& length_penalty, const std::string& scope) {

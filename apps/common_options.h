@@ -3,10 +3,13 @@
 
 #include <CLI/CLI.hpp>
 #include <filesystem>
+#include <memory>
 #include <string>
+#include <string_view>
 
 #include "backends/cpu/cpu_backend.h"
 #include "backends/plugin_backend.h"
+#include "core/grammar/grammar.h"
 #include "core/kv/kv_cache.h"
 #include "core/model/loader.h"
 #include "core/sampling/sampler.h"
@@ -47,6 +50,22 @@ void add_compute_option(CLI::App& cmd, ComputeType& compute);
 // --cache-type f16|f32|q8_0|q4_0 (keys and values), and llama.cpp's -ctk/--cache-type-k and
 // -ctv/--cache-type-v (one side each, over --cache-type).
 void add_cache_type_options(CLI::App& cmd, KvTypes& types);
+
+// --grammar GBNF, --grammar-file FILE and --json-schema JSON (llama.cpp's flags): the text a
+// sequence generates is held to the grammar (core/grammar/). At most one of them.
+struct GrammarOptions {
+  std::string grammar;
+  std::string grammar_file;
+  std::string json_schema;
+  bool given() const { return !grammar.empty() || !grammar_file.empty() || !json_schema.empty(); }
+};
+void add_grammar_options(CLI::App& cmd, GrammarOptions& opts);
+// The grammar the options give, compiled (null: none). Throws GrammarError naming what is wrong
+// with it, std::runtime_error for a file that cannot be read.
+std::shared_ptr<const Grammar> grammar_of(const GrammarOptions& opts);
+// The grammar of the JSON documents valid under a JSON Schema (text); GrammarError naming what
+// is wrong with it or what it uses that is not supported.
+std::shared_ptr<const Grammar> grammar_of_json_schema(std::string_view schema_text);
 
 // --beams N (beam search instead of sampling; 0: off) and --length-penalty A, with the help text
 // naming what they apply to (`scope`: "the text", "every line").

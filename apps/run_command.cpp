@@ -38,6 +38,7 @@ struct RunOptions {
   SpeculativeOptions speculative;
   int beams = 0;  // --beams N: beam search of N beams instead of sampling (0: off)
   float length_penalty = 1.0f;
+  GrammarOptions grammar;
 };
 
 struct RunStats {
@@ -61,6 +62,8 @@ struct RunStats {
   int beams = 0;               // --beams: the beams searched, the best one's score, the rows forks copied
   double beam_score = 0;
   int64_t beam_copied_rows = 0;
+  bool grammar = false;  // --grammar and co: what checking and masking tokens cost
+  Generation::GrammarCost grammar_cost;
   // On a device backend, what each of those passes did there: kernels launched, bytes up and
   // down, host waits (Backend::counters()).
   bool device = false;
@@ -109,6 +112,11 @@ void print_stats(const RunStats& s, const std::string& format) {
       j["token_device"] = {{"launches", launches}, {"upload_bytes", up}, {"download_bytes", down}, {"waits", waits}};
       j["layer_device"] = s.layer_device;
       j["output_device"] = s.output_device;
+    }
+    if (s.grammar) {
+      j["grammar"] = {{"ms", 1000.0 * s.grammar_cost.seconds},
+                      {"ms_per_token", s.gen_tokens > 0 ? 1000.0 * s.grammar_cost.seconds / static_cast<double>(s.gen_tokens) : 0.0},
+                      {"masked_draws", s.grammar_cost.masked_draws}};
     }
     if (s.beams > 0) {
       j["beams"] = {{"n", s.beams}, {"score", s.beam_score}, {"copied_rows", s.beam_copied_rows}};
@@ -248,6 +256,11 @@ void run(const RunOptions& o) {
   omp_set_num_threads(n_threads);
   PipelineProcess& process = this_process();
   refuse_drafts_with_kivi(o.speculative, o.cache.type);
+  const std::shared_ptr<const Grammar> grammar = grammar_of(o.grammar);
+  if (grammar && o.beams > 0) throw std::runtime_error("--beams does not combine with a grammar (--grammar, --json-schema)");
+  if (grammar && o.speculative.enabled()) {
+    throw std::runtime_error("speculative decoding (--lookup, -md) does not combine with a grammar (--grammar, --json-schema)");
+  }
   LoadedModel m = load_model(o.model, n_threads, stage_picker(process, o.model.layer_split));
   if (serve_as_later_rank(process, m)) return;
   const LlamaHparams& hp = m.model->hparams();
@@ -269,7 +282,8 @@ void run(const RunOptions& o) {
       make_drafter(o.speculative, draft_model ? &*draft_model : nullptr, n_ctx, o.cache, o.sampling);
   // The most likely tokens only, when they are all the sampler needs (greedy, or top-k without
   // penalties): a device then sends back those instead of the vocabulary.
-  SequenceModel sequence(*m.model, std::move(cache), sampler.candidates_needed(), drafter.get());
+  // (A grammar masks the whole vocabulary.)
+  SequenceModel sequence(*m.model, std::move(cache), grammar ? 0 : sampler.candidates_needed(), drafter.get());
 
   auto t0 = std::chrono::steady_clock::now();
   sequence.prefill(prompt);
@@ -281,6 +295,7 @@ void run(const RunOptions& o) {
   stop.max_tokens = o.n_predict;
   stop.ignore_eos = o.ignore_eos;
   Generation generation(*m.tokenizer, sampler, std::move(stop), prompt);
+  if (grammar) generation.constrain(grammar, std::make_shared<const GrammarVocabulary>(*m.tokenizer));
   sequence.record_passes(stats.device ? m.backend.get() : nullptr);
   const GenerateOptions options = generate_options(o, m, n_threads, drafter != nullptr, stats);
   const FinishReason finish = generate(generation, sequence, options);
@@ -288,6 +303,8 @@ void run(const RunOptions& o) {
   add_decode_passes(stats, sequence);
   stats.gen_tokens = static_cast<size_t>(generation.n_tokens());
   stats.stop_reason = stop_reason(finish);
+  stats.grammar = grammar != nullptr;
+  stats.grammar_cost = generation.grammar_cost();
   if (finish == FinishReason::kContextFull) {
     std::fprintf(stderr, "\nringlm: context of %d tokens is full; stopping (raise -c, or drop --no-context-shift)\n", n_ctx);
   }
@@ -316,6 +333,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_flag("--ignore-eos", opts->ignore_eos, "keep generating past end-of-generation tokens");
   add_speculative_options(*cmd, opts->speculative, "earlier text");
   add_beam_options(*cmd, opts->beams, opts->length_penalty, "the prompt");
+  add_grammar_options(*cmd, opts->grammar);
   cmd->add_option("--stats", opts->stats_format, "print the final speed summary as: json")->check(CLI::IsMember({"json"}));
   cmd->callback([opts, p, f] {
     if (p->count() == 0 && f->count() == 0) throw CLI::RequiredError("-p,--prompt or -f,--file");

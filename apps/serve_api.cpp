@@ -1,8 +1,11 @@
 #include "apps/serve_api.h"
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string_view>
+
+#include "core/grammar/json_schema.h"
 
 namespace ringlm::serve {
 
@@ -115,8 +118,8 @@ std::vector<std::string> read_stop(const json& body) {
   return stops;
 }
 
-// What ringlm does not do is refused, never ignored: a client that asked for tools or a JSON
-// schema would otherwise take plain text for an answer.
+// What ringlm does not do is refused, never ignored: a client that asked for tools would
+// otherwise take plain text for an answer.
 void refuse_unsupported(const json& body) {
   if (const json* tools = field(body, "tools"); tools != nullptr && !(tools->is_array() && tools->empty())) {
     throw ApiError(400, "'tools': tool calling is not supported", "tools");
@@ -124,17 +127,61 @@ void refuse_unsupported(const json& body) {
   if (const json* functions = field(body, "functions"); functions != nullptr && !(functions->is_array() && functions->empty())) {
     throw ApiError(400, "'functions': function calling is not supported", "functions");
   }
-  if (const json* format = field(body, "response_format")) {
-    if (!format->is_object() || format->value("type", "") != "text") {
-      throw ApiError(400, "'response_format': only {\"type\": \"text\"} is supported", "response_format");
-    }
-  }
   if (const json* suffix = field(body, "suffix"); suffix != nullptr && !(suffix->is_string() && suffix->get<std::string>().empty())) {
     throw ApiError(400, "'suffix': insertion is not supported", "suffix");
   }
   if (const std::optional<bool> echo = boolean(body, "echo"); echo.value_or(false)) {
     throw ApiError(400, "'echo': echoing the prompt is not supported", "echo");
   }
+}
+
+// A grammar compiled, its errors as a 400 naming the field that gave it.
+std::shared_ptr<const Grammar> compile(const std::string& param, const std::function<std::string()>& gbnf) {
+  try {
+    return Grammar::parse(gbnf());
+  } catch (const GrammarError& e) {
+    throw ApiError(400, "'" + param + "': " + e.what(), param);
+  }
+}
+
+std::shared_ptr<const Grammar> schema_grammar(const std::string& param, const json& schema) {
+  return compile(param, [&] { return json_schema_to_gbnf(schema); });
+}
+
+// OpenAI's "response_format" ({"type": "text" | "json_object" | "json_schema"}), and
+// llama-server's "grammar" (GBNF text) and "json_schema" (a schema): at most one of them.
+std::shared_ptr<const Grammar> read_grammar(const json& body) {
+  const json* format = field(body, "response_format");
+  const json* gbnf = field(body, "grammar");
+  const json* schema = field(body, "json_schema");
+  const bool json_format = format != nullptr && format->is_object() && format->value("type", "") != "text";
+  if (json_format + (gbnf != nullptr) + (schema != nullptr) > 1) {
+    throw ApiError(400, "give at most one of 'response_format' (JSON), 'grammar' and 'json_schema'", "grammar");
+  }
+  if (gbnf != nullptr) {
+    if (!gbnf->is_string()) throw bad_field("grammar", "must be a string (a GBNF grammar)");
+    if (gbnf->get<std::string>().empty()) return nullptr;
+    return compile("grammar", [&] { return gbnf->get<std::string>(); });
+  }
+  if (schema != nullptr) return schema_grammar("json_schema", *schema);
+  if (format == nullptr) return nullptr;
+  if (!format->is_object() || !format->contains("type") || !(*format)["type"].is_string()) {
+    throw bad_field("response_format", "must be an object with a \"type\"");
+  }
+  const std::string type = (*format)["type"];
+  if (type == "text") return nullptr;
+  if (type == "json_object") {  // (llama-server also takes a "schema" here)
+    if (const json* inner = field(*format, "schema")) return schema_grammar("response_format.schema", *inner);
+    return compile("response_format", [] { return json_object_gbnf(); });
+  }
+  if (type != "json_schema") {
+    throw bad_field("response_format.type", "must be \"text\", \"json_object\" or \"json_schema\", got \"" + type + "\"");
+  }
+  const json* spec = field(*format, "json_schema");
+  if (spec == nullptr || !spec->is_object()) throw bad_field("response_format.json_schema", "must be an object with a \"schema\"");
+  const json* inner = field(*spec, "schema");
+  if (inner == nullptr) throw bad_field("response_format.json_schema.schema", "is required");
+  return schema_grammar("response_format.json_schema.schema", *inner);
 }
 
 // vLLM's beam search fields: "use_beam_search": true, "best_of" beams (n when not given, at
@@ -231,6 +278,8 @@ CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, 
   }
   if (auto v = integer(body, "speculative.n_max", 0, 64)) r.draft_max = static_cast<int>(*v);
   read_beam_search(body, r);
+  r.grammar = read_grammar(body);
+  if (r.grammar && r.beams > 0) throw bad_field("use_beam_search", "does not combine with a grammar or a JSON response format");
   if (endpoint == Endpoint::kChat) r.reasoning_effort = read_reasoning_effort(body);
   return r;
 }

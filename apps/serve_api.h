@@ -6,11 +6,13 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "core/grammar/grammar.h"
 #include "core/sampling/sampler.h"
 #include "core/session/chat_template.h"
 
@@ -64,6 +66,10 @@ struct CompletionRequest {
   // chat: how long a harmony model (gpt-oss) thinks, "low", "medium" or "high": OpenAI's and
   // vLLM's "reasoning_effort", or llama-server's "chat_template_kwargs": {"reasoning_effort"}.
   std::optional<std::string> reasoning_effort;
+  // The text is held to this grammar (null: none): "response_format" {"type": "json_object"} or
+  // {"type": "json_schema", "json_schema": {"schema": ...}}, or llama-server's "grammar" (GBNF)
+  // and "json_schema".
+  std::shared_ptr<const Grammar> grammar;
 };
 
 // Reads a request body. `defaults` are the server's sampling settings, which the request's

@@ -239,6 +239,7 @@ GenerationRequest Server::generation_request(const CompletionRequest& request) c
   g.stop = request.stop;
   g.n_samples = request.n;
   g.beams = request.beams;
+  g.grammar = request.grammar;
   g.length_penalty = request.length_penalty;
   g.top_logprobs = request.logprobs ? request.top_logprobs : -1;
   g.draft_max = request.draft_max.value_or(-1);

@@ -123,6 +123,38 @@ TEST(BatchCli, ValidAndInvalidLinesMixed) {
   EXPECT_EQ(results["ok2"]["text"].get<std::string>().find('\n'), std::string::npos);  // cut at the stop string
 }
 
+// A line's "json_schema" and "grammar" hold its text to them (judged by nlohmann's parser and a
+// regular expression); a bad grammar is that line's error record, naming what is wrong.
+TEST(BatchCli, GrammarsAndSchemasPerLine) {
+  const json schema = {{"type", "object"},
+                       {"properties", {{"colour", {{"enum", {"red", "green", "blue"}}}}, {"count", {{"type", "integer"}}}}},
+                       {"required", {"colour", "count"}},
+                       {"additionalProperties", false}};
+  std::string input;
+  for (int i = 0; i < 3; ++i) {
+    input += json{{"id", "s" + std::to_string(i)}, {"prompt", "A colour and a number as JSON:"}, {"json_schema", schema},
+                  {"max_tokens", 60}, {"temperature", 0.9}, {"seed", i}}.dump() + "\n";
+  }
+  input += json{{"id", "g"}, {"prompt", "Is water wet?"}, {"grammar", "root ::= (\"yes\" | \"no\") \".\""}}.dump() + "\n";
+  input += json{{"id", "bad"}, {"prompt", "x"}, {"grammar", "root ::= x"}}.dump() + "\n";
+  input += json{{"id", "unsupported"}, {"prompt", "x"}, {"json_schema", {{"type", "string"}, {"contentEncoding", "base64"}}}}.dump() + "\n";
+  const BatchRunResult r = run_batch("grammars", input, "--parallel 4");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::map<std::string, json> by_id;
+  for (const json& j : records(work_dir() + "/grammars.out")) by_id[j["id"].get<std::string>()] = j;
+  for (int i = 0; i < 3; ++i) {
+    const json& rec = by_id["s" + std::to_string(i)];
+    ASSERT_EQ(rec["finish_reason"], "stop") << rec.dump();
+    const json value = json::parse(rec["text"].get<std::string>());
+    EXPECT_THAT(value["colour"].get<std::string>(), ::testing::AnyOf("red", "green", "blue"));
+    EXPECT_TRUE(value["count"].is_number_integer()) << rec.dump();
+    EXPECT_EQ(value.size(), 2u);
+  }
+  EXPECT_TRUE(std::regex_match(by_id["g"]["text"].get<std::string>(), std::regex("(yes|no)\\."))) << by_id["g"].dump();
+  EXPECT_THAT(by_id["bad"]["error"].get<std::string>(), HasSubstr("undefined rule 'x'"));
+  EXPECT_THAT(by_id["unsupported"]["error"].get<std::string>(), HasSubstr("contentEncoding"));
+}
+
 TEST(BatchCli, GreedyOutputsDoNotDependOnParallel) {
   std::map<std::string, std::string> reference;
   for (const char* parallel : {"1", "3", "8"}) {

@@ -238,6 +238,19 @@ TEST(Cli, BothPromptAndFile) {
                        AllOf(HasSubstr("--prompt"), HasSubstr("--file")));
 }
 
+// A grammar that cannot be used is refused before the model loads, naming what is wrong.
+TEST(Cli, BadGrammars) {
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "--grammar", "root ::= expr\nexpr ::= expr \"+\" | \"1\""}),
+                       HasSubstr("'expr' is left-recursive"));
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "--grammar-file", "no-such.gbnf"}), HasSubstr("no-such.gbnf"));
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "--json-schema", "{\"type\": \"object\", \"not\": {}}"}),
+                       HasSubstr("unsupported keyword 'not'"));
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "--json-schema", "{not json"}), HasSubstr("not valid JSON"));
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "--grammar", "root ::= \"a\"", "--json-schema", "{}"}),
+                       HasSubstr("--grammar"));
+  expect_clean_failure(run_ringlm({"run", "-p", "hi", "--grammar", "root ::= \"a\"", "--beams", "2"}), HasSubstr("--beams"));
+}
+
 // RINGLM_SIMD_TARGET (a benchmarking knob) picks one SIMD target's kernels, and names the
 // targets there are when it names none of them. SSE4 is on every x86-64 machine this runs on.
 class SimdTargetEnv {

@@ -119,7 +119,13 @@ void BatchScheduler::check(const GenerationRequest& request) const {
                                 std::to_string(options_.n_parallel) + ")");
   }
   if (request.beams != 0) check_beams(request);
+  if (request.beams != 0 && request.grammar) throw std::invalid_argument("beam search does not combine with a grammar");
   if (request.max_tokens < -1) throw std::invalid_argument("max_tokens must be -1 (no limit) or more");
+}
+
+const std::shared_ptr<const GrammarVocabulary>& BatchScheduler::grammar_vocabulary() {
+  if (!grammar_vocabulary_) grammar_vocabulary_ = std::make_shared<const GrammarVocabulary>(tokenizer_);
+  return grammar_vocabulary_;
 }
 
 void BatchScheduler::check_beams(const GenerationRequest& request) const {
@@ -211,8 +217,10 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
       stop.stop_strings = q.request.stop;
       stop.end_tokens = q.request.end_tokens;
       s.generation.emplace(tokenizer_, *s.sampler, std::move(stop), q.request.prompt);
-      s.drafter = options_.make_drafter && q.request.draft_max != 0 ? options_.make_drafter(q.request) : nullptr;
-      s.sequence.reset(q.request.top_logprobs >= 0 ? 0 : s.sampler->candidates_needed(), s.drafter.get());
+      const bool constrained = q.request.grammar != nullptr;
+      if (constrained) s.generation->constrain(q.request.grammar, grammar_vocabulary());
+      s.drafter = options_.make_drafter && q.request.draft_max != 0 && !constrained ? options_.make_drafter(q.request) : nullptr;
+      s.sequence.reset(q.request.top_logprobs >= 0 || constrained ? 0 : s.sampler->candidates_needed(), s.drafter.get());
       s.draft_length = DraftLength(options_.pass_cost);
       s.draft = {};
       s.next_token = -1;

@@ -47,6 +47,7 @@
 #include "core/sampling/sampler.h"
 #include "core/session/generation.h"
 #include "core/speculative/draft_length.h"
+#include "core/grammar/token_constraint.h"
 #include "core/speculative/drafter.h"
 #include "core/tokenizer/tokenizer.h"
 
@@ -67,6 +68,9 @@ struct GenerationRequest {
   // and its n_samples results are the best hypotheses, best first (sample 0 the best).
   int beams = 0;
   float length_penalty = 1.0f;  // a hypothesis scores log-probability / length^this
+  // The text is held to this grammar (null: none); such a sequence draws from the whole
+  // vocabulary's logits and without a guesser's drafts.
+  std::shared_ptr<const Grammar> grammar;
   int slots_needed() const { return std::max(n_samples, beams); }
 };
 
@@ -213,6 +217,9 @@ class BatchScheduler {
 
   LlamaModel& model_;
   const Tokenizer& tokenizer_;
+  // Every token's text for grammars, decoded when the first request with a grammar starts.
+  std::shared_ptr<const GrammarVocabulary> grammar_vocabulary_;
+  const std::shared_ptr<const GrammarVocabulary>& grammar_vocabulary();
   BatchOptions options_;
   std::vector<std::unique_ptr<Slot>> slots_;
   int n_groups_ = 1;  // passes in flight at most (the pipeline's stages)

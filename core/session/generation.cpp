@@ -1,6 +1,8 @@
 #include "core/session/generation.h"
 
 #include <algorithm>
+#include <chrono>
+#include <stdexcept>
 #include <utility>
 
 #include "core/speculative/draft_length.h"
@@ -47,8 +49,51 @@ Generation::Generation(const Tokenizer& tokenizer, Sampler& sampler, StopConditi
   if (stop_.max_tokens == 0) finish_ = FinishReason::kMaxTokens;
 }
 
-int32_t Generation::draw(std::span<float> logits) { return sampler_->sample(logits, history_); }
-int32_t Generation::draw_top(std::span<const TopLogit> top) { return sampler_->sample_top(top); }
+void Generation::constrain(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary) {
+  grammar_.emplace(std::move(grammar), std::move(vocabulary));
+}
+
+int32_t Generation::draw(std::span<float> logits) {
+  if (!grammar_) return sampler_->sample(logits, history_);
+  try {
+    return draw_constrained(logits);
+  } catch (const GrammarError&) {  // (more parses at once than the matcher follows: the text ends here)
+    grammar_stuck_ = true;
+    return an_end_token();
+  }
+}
+
+int32_t Generation::draw_top(std::span<const TopLogit> top) {
+  if (grammar_) throw std::logic_error("Generation::draw_top: a grammar needs the whole vocabulary's logits");
+  return sampler_->sample_top(top);
+}
+
+int32_t Generation::draw_constrained(std::span<float> logits) {
+  unmasked_.assign(logits.begin(), logits.end());
+  const int32_t first = sampler_->sample(logits, history_);
+  const auto start = std::chrono::steady_clock::now();
+  const auto count_time = [&] {
+    grammar_cost_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  if (grammar_->allows(first, is_end_token(first))) {
+    count_time();
+    return first;
+  }
+  ++grammar_cost_.masked_draws;
+  std::copy(unmasked_.begin(), unmasked_.end(), logits.begin());
+  const size_t allowed = grammar_->mask(logits, [&](int32_t t) { return is_end_token(t); });
+  count_time();
+  if (allowed == 0) {  // (the grammar wants a character no token has)
+    grammar_stuck_ = true;
+    return an_end_token();
+  }
+  return sampler_->sample(logits, history_);
+}
+
+int32_t Generation::an_end_token() const {
+  if (tokenizer_->eos_id() >= 0) return tokenizer_->eos_id();
+  return stop_.end_tokens.empty() ? 0 : stop_.end_tokens.front();
+}
 
 bool Generation::is_end_token(int32_t token) const {
   if (stop_.ignore_eos) return false;
@@ -57,7 +102,12 @@ bool Generation::is_end_token(int32_t token) const {
 }
 
 GenerationStep Generation::take(int32_t token) {
-  if (is_end_token(token)) return finish(FinishReason::kEndToken);
+  if (is_end_token(token) || grammar_stuck_) return finish(FinishReason::kEndToken);
+  if (grammar_) {
+    const auto start = std::chrono::steady_clock::now();
+    grammar_->take(token);
+    grammar_cost_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   history_.push_back(token);
   ++n_tokens_;
   text_ += utf8_.push(tokenizer_->token_to_piece(token));
@@ -67,6 +117,7 @@ GenerationStep Generation::take(int32_t token) {
     return {release(text_.size()), finish_};
   }
   if (stop_.max_tokens >= 0 && n_tokens_ >= stop_.max_tokens) return finish(FinishReason::kMaxTokens);
+  if (grammar_ && grammar_->finished()) return finish(FinishReason::kEndToken);  // nothing more can follow
   const std::string_view unreleased = std::string_view(text_).substr(released_);
   return {release(text_.size() - stop_string_prefix_at_end(unreleased, stop_.stop_strings)), FinishReason::kNone};
 }

@@ -20,11 +20,14 @@
 #include <cstdint>
 #include <cstddef>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "core/grammar/token_constraint.h"
 #include "core/sampling/sampler.h"
 #include "core/speculative/draft_length.h"
 #include "core/tokenizer/tokenizer.h"
@@ -69,6 +72,19 @@ class Generation {
   // max_tokens 0 the generation is finished from the start.
   Generation(const Tokenizer& tokenizer, Sampler& sampler, StopConditions stop, std::vector<int32_t> history);
 
+  // Constrains the text to `grammar` (a GBNF grammar): only tokens it allows are drawn, an end
+  // token only once the text is a whole sentence of it, and the sequence ends when nothing more
+  // can follow. draw() then needs the whole vocabulary's logits (not draw_top()).
+  void constrain(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary);
+  bool constrained() const { return grammar_.has_value(); }
+  // What the grammar cost: the time spent checking and masking tokens, and how many draws needed
+  // the whole vocabulary masked (the token sampled first was not allowed).
+  struct GrammarCost {
+    double seconds = 0.0;
+    int masked_draws = 0;
+  };
+  GrammarCost grammar_cost() const { return grammar_cost_; }
+
   // The next token, drawn from `logits` (modified in place) over the history. Changes nothing
   // but this generation's sampler, so separate generations may draw in parallel.
   int32_t draw(std::span<float> logits);
@@ -106,6 +122,12 @@ class Generation {
   bool cut_at_stop_string();
   // Hands out the text up to `end` (at most text_.size()).
   std::string release(size_t end);
+  // draw() under a grammar: the token sampled first if the grammar allows it (most often),
+  // otherwise a draw from the logits with every token it does not allow masked out, as
+  // llama.cpp's sampler does (a draw from the allowed tokens' own distribution).
+  int32_t draw_constrained(std::span<float> logits);
+  // What a draw returns when the grammar leaves no token: an end token (take() ends the text).
+  int32_t an_end_token() const;
 
   const Tokenizer* tokenizer_;
   Sampler* sampler_;
@@ -116,6 +138,10 @@ class Generation {
   size_t released_ = 0;  // bytes of text_ handed out
   int n_tokens_ = 0;
   FinishReason finish_ = FinishReason::kNone;
+  std::optional<TokenConstraint> grammar_;
+  bool grammar_stuck_ = false;  // no token could follow: the next take() ends the sequence
+  std::vector<float> unmasked_;  // the logits before the first draw, for a masked second one
+  GrammarCost grammar_cost_;
 };
 
 // Where generate() finds the scores of the sequence's next token, which every evaluate

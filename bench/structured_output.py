@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Structured output, measured (issue 48's goals):
+
+  valid    `ringlm serve` asked through the openai package, a pydantic model as response_format
+           (its parse() helper, a strict JSON schema), for each of --prompts varied prompts:
+           how many answers stop on their own and pydantic validates.
+  speed    `ringlm run` with a JSON schema of about 2 KB against the same prompt unconstrained,
+           as many tokens (--ignore-eos), alternated: generated tokens/s, medians, and the
+           grammar's own cost per token from --stats json.
+  latency  time to the first streamed token from `ringlm serve`, with that schema and without,
+           alternated over --latency-requests requests: medians.
+
+    python3 bench/structured_output.py [-m MODEL] [--prompts 50] [-t 2] [-r 5]
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pydantic
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RINGLM = os.path.join(HERE, "..", "build", "bin", "ringlm")
+
+SUBJECTS = ["a cat", "a retired sailor", "a chess player", "a baker from Lyon", "a child who likes trains", "a doctor",
+            "an old king", "a painter", "a robot", "a farmer", "a pilot", "a teacher", "a nurse", "a miner",
+            "a violinist", "a librarian", "a fisherman", "a judge", "a gardener", "a firefighter", "a poet",
+            "a mountain guide", "a taxi driver", "a beekeeper", "an astronaut"]
+FORMS = ["Describe {} as JSON.", "Invent {} and give their details in JSON."]
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=40)
+    age: int
+    hobbies: list[pydantic.constr(max_length=30)] = pydantic.Field(max_length=3)
+
+
+class Address(pydantic.BaseModel):
+    street: str = pydantic.Field(max_length=40)
+    city: str = pydantic.Field(max_length=30)
+    postcode: str = pydantic.Field(pattern=r"^[0-9]{5}$")
+
+
+class Contact(pydantic.BaseModel):
+    kind: str = pydantic.Field(pattern="^(email|phone)$")
+    value: str = pydantic.Field(max_length=40)
+
+
+class Employee(pydantic.BaseModel):
+    """The about-2-KB schema of the speed and latency runs: nesting, $defs, enums, patterns."""
+    id: str = pydantic.Field(pattern=r"^[A-Z]{2}-[0-9]{4}$")
+    first_name: str = pydantic.Field(max_length=30)
+    last_name: str = pydantic.Field(max_length=30)
+    age: int
+    department: str = pydantic.Field(pattern="^(sales|engineering|support|finance)$")
+    manager: bool
+    salary: float
+    address: Address
+    contacts: list[Contact] = pydantic.Field(max_length=3)
+    skills: list[pydantic.constr(max_length=20)] = pydantic.Field(max_length=4)
+    started: str = pydantic.Field(json_schema_extra={"format": "date"})
+
+
+def serve(model, threads, parallel):
+    proc = subprocess.Popen([RINGLM, "serve", "-m", model, "--port", "0", "-t", str(threads), "--parallel", str(parallel)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()
+    port = re.search(r"127\.0\.0\.1:(\d+)", first).group(1)
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    for _ in range(600):
+        try:
+            client.models.list()
+            break
+        except openai.APIConnectionError:
+            time.sleep(0.1)
+    return proc, client
+
+
+def valid_answers(client, n_prompts):
+    ok, reasons = 0, []
+    for i in range(n_prompts):
+        prompt = FORMS[i % 2].format(SUBJECTS[i % len(SUBJECTS)])
+        done = client.beta.chat.completions.parse(model="m", messages=[{"role": "user", "content": prompt}],
+                                                  response_format=Person, max_tokens=600, seed=i, temperature=0.8)
+        c = done.choices[0]
+        if c.finish_reason == "stop" and isinstance(c.message.parsed, Person):
+            ok += 1
+        else:
+            reasons.append((prompt, c.finish_reason, c.message.content[:120]))
+    return ok, reasons
+
+
+def run_stats(model, threads, args):
+    out = subprocess.run([RINGLM, "run", "-m", model, "-t", str(threads), "--stats", "json", *args],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stderr.strip().splitlines()[-1])
+
+
+def speed(model, threads, rounds):
+    schema = json.dumps(Employee.model_json_schema())
+    prompt = "Invent an employee record as JSON:"
+    constrained, free, per_token = [], [], []
+    for r in range(rounds):
+        s = run_stats(model, threads, ["-p", prompt, "--json-schema", schema, "--seed", str(r), "-n", "400"])
+        n = s["gen_tokens"]
+        u = run_stats(model, threads, ["-p", prompt, "--seed", str(r), "-n", str(n), "--ignore-eos"])
+        constrained.append(s["gen_tps"])
+        free.append(u["gen_tps"])
+        per_token.append(s["grammar"]["ms_per_token"])
+        print(f"  round {r}: {n} tokens, constrained {s['gen_tps']:.1f} t/s (grammar {s['grammar']['ms_per_token']:.3f} "
+              f"ms/token, {s['grammar']['masked_draws']} masked draws), unconstrained {u['gen_tps']:.1f} t/s", flush=True)
+    return len(schema), statistics.median(constrained), statistics.median(free), statistics.median(per_token)
+
+
+def first_token_ms(client, schema, seed):
+    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": schema}}} if schema else {}
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "An employee record:"}],
+                                            max_tokens=2, stream=True, seed=seed, **extra)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            ms = 1000 * (time.perf_counter() - t0)
+            break
+    for _ in stream:
+        pass
+    return ms
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default=os.path.expanduser("~/.cache/ringlm/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-r", "--rounds", type=int, default=5)
+    ap.add_argument("--latency-requests", type=int, default=10)
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: valid, speed, latency")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    print(f"model {os.path.basename(args.model)}, {args.threads} threads")
+    if "valid" not in skip or "latency" not in skip:
+        proc, client = serve(args.model, args.threads, 4)
+        try:
+            if "valid" not in skip:
+                ok, reasons = valid_answers(client, args.prompts)
+                print(f"valid: {ok}/{args.prompts} answers stopped and parsed as the pydantic model")
+                for r in reasons:
+                    print("  not valid:", r)
+            if "latency" not in skip:
+                schema = Employee.model_json_schema()
+                first_token_ms(client, schema, 0)  # (the vocabulary's token texts are decoded on first use)
+                with_s, without = [], []
+                for i in range(args.latency_requests):
+                    with_s.append(first_token_ms(client, schema, i))
+                    without.append(first_token_ms(client, None, i))
+                a, b = statistics.median(with_s), statistics.median(without)
+                print(f"latency: first token {a:.1f} ms with the schema, {b:.1f} ms without: {a / b:.2f}x")
+        finally:
+            proc.terminate()
+            proc.wait()
+    if "speed" not in skip:
+        size, c, u, per = speed(args.model, args.threads, args.rounds)
+        print(f"speed: schema of {size} bytes; constrained {c:.1f} t/s, unconstrained {u:.1f} t/s: {c / u:.3f}x; "
+              f"grammar {per:.3f} ms/token (medians of {args.rounds})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
