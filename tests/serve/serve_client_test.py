@@ -6,6 +6,7 @@ streamed chat and text completions) and curl (the error cases, as a shell script
 
 Texts are checked against `ringlm run` (greedy) and against the model's own chat template
 rendered by jinja2, never against an earlier answer of the server itself."""
+import http.client
 import json
 import os
 import re
@@ -71,10 +72,30 @@ def curl(url, *args):
     return int(status), body
 
 
-def curl_headers(url, *args):
-    out = subprocess.run(["curl", "-s", "-D", "-", "-o", "/dev/null", url, *args], capture_output=True, text=True,
-                         timeout=120).stdout
-    return out
+def status_and_retry_after(url, body):
+    """The status and Retry-After header of a POST to /v1/completions, read as soon as the headers
+    come: a request admitted by mistake would stream for minutes, and closing it cancels it."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.getheader("Retry-After")
+    finally:
+        conn.close()
+
+
+def written(out):
+    """What a client has written so far to the file `out` (read without moving its offset: the
+    client writes through the same one)."""
+    return os.pread(out.fileno(), os.fstat(out.fileno()).st_size, 0)
+
+
+def wait_until(condition, failure, seconds=60):
+    deadline = time.time() + seconds
+    while not condition():
+        if time.time() > deadline:
+            raise AssertionError(failure)
+        time.sleep(0.05)
 
 
 _plain_texts = {}
@@ -357,28 +378,43 @@ class Limits(unittest.TestCase):
         finally:
             self.assertEqual(s.stop(), 0)
 
+    # The server admits and counts the queue under one lock (ServingEngine::submit, stats), so the
+    # test's own setup is what must hold still: one stream running and one queued for as long as
+    # the third request takes. No token limit and -c 16384 keep the first running for minutes; the
+    # streams go to files, not to pipes that nobody reads, so the server never stalls writing one
+    # (cpp-httplib's write timeout would cancel it and free the slot).
     def test_full_queue_is_503_with_retry_after(self):
-        s = Server("--parallel", "1", "--max-queue", "1")
+        s = Server("--parallel", "1", "--max-queue", "1", "-c", "16384")
+        streams = []
         try:
-            # 2000 tokens: the running stream must not end while the test looks at the queue (400
-            # once did, on a machine busy with another test); both are killed below.
-            long = json.dumps({"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
-                               "stream": True})
-            first = subprocess.Popen(["curl", "-sN", s.url + "/v1/completions", "-d", long], stdout=subprocess.PIPE)
-            first.stdout.readline()  # running
-            second = subprocess.Popen(["curl", "-sN", s.url + "/v1/completions", "-d", long], stdout=subprocess.PIPE)
-            deadline = time.time() + 60
-            while not re.search(r"(?m)^ringlm_requests_queued 1$", curl(s.url + "/metrics")[1]):
-                self.assertLess(time.time(), deadline, "the second request never queued")
-                time.sleep(0.05)
-            headers = curl_headers(s.url + "/v1/completions", "-d", long)
-            self.assertRegex(headers, r"^HTTP/1\.1 503")
-            self.assertRegex(headers, r"(?im)^Retry-After: \d+")
-            for p in (first, second):
-                p.kill()
-                p.wait()
-                p.stdout.close()
+            endless = json.dumps({"prompt": "Once upon a time", "max_tokens": -1, "temperature": 0, "stream": True})
+
+            def start_stream():
+                out = tempfile.TemporaryFile()
+                streams.append((subprocess.Popen(["curl", "-sN", s.url + "/v1/completions", "-d", endless],
+                                                 stdout=out), out))
+                return out
+
+            running = start_stream()
+            wait_until(lambda: written(running), "the first request never ran")
+            queued = start_stream()
+            wait_until(lambda: re.search(r"(?m)^ringlm_requests_queued 1$", curl(s.url + "/metrics")[1]),
+                       "the second request never queued")
+            status, retry_after = status_and_retry_after(s.url, endless)
+            # Both earlier requests still hold their places: the one that runs has not ended and
+            # the one that waits has no token yet, so the queue was full all along.
+            _, metrics = curl(s.url + "/metrics")
+            self.assertRegex(metrics, r"(?m)^ringlm_requests_finished_total 0$")
+            self.assertRegex(metrics, r"(?m)^ringlm_sequences_running 1$")
+            self.assertEqual(written(queued), b"", "the queued request started: the queue was not full")
+            self.assertNotIn(b"[DONE]", written(running))
+            self.assertEqual(status, 503)
+            self.assertRegex(retry_after or "", r"^\d+$")
         finally:
+            for proc, out in streams:
+                proc.kill()
+                proc.wait()
+                out.close()
             self.assertEqual(s.stop(), 0)
 
     # -c 16384: a request that kept running would hold the one slot for minutes, not seconds.
