@@ -420,12 +420,21 @@ TEST(ChatPipe, UnknownChatTemplateNameIsAFlagError) {
   EXPECT_THAT(r.err, HasSubstr("klingon"));
 }
 
+// The tiny generated models carry no chat template: each gets its architecture's format where
+// ringlm knows one (a llama file without a Llama-3 vocabulary does not tell), and a line saying so.
 TEST(ChatPipe, ModelWithoutATemplateFallsBackToChatMl) {
-  // The tiny generated models carry no chat template.
   const PipeResult r = chat_through_pipe("hello\n", {"-m", std::string(RINGLM_TEST_WORK_DIR) + "/tiny_q4_0.gguf", "-n", "4"},
                                          "no_template");
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_THAT(r.err, HasSubstr("the model has no chat template; using chatml"));
+  EXPECT_THAT(r.err, HasSubstr("ringlm: the model has no chat template; using chatml as the last resort"));
+}
+
+TEST(ChatPipe, Gemma3WithoutATemplateGetsGemmasTurns) {
+  const PipeResult r = chat_through_pipe(
+      "hello\n", {"-m", std::string(RINGLM_TEST_WORK_DIR) + "/tiny_gemma3_q8_0.gguf", "-n", "4"}, "no_template_gemma3");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.err,
+              HasSubstr("ringlm: the model has no chat template; using gemma, the format of its architecture gemma3"));
 }
 
 // gpt-oss's harmony format, on the scripted model of tests/data/scripted_harmony.json (written

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <stdexcept>
+#include <string>
+#include <string_view>
 
 #include "core/gguf/gguf.h"
 #include "core/model/llama.h"
@@ -34,6 +37,27 @@ ChatTemplate dated(ChatTemplate chat_template) {
   return chat_template;
 }
 
+// The format a file's architecture is trained on, where ringlm knows it, and what told (the
+// notice's reason): a GGUF converted without its template still expects its own turns, not
+// ChatML's. nullopt where the architecture does not tell: a llama file may be Llama-2's,
+// Llama-3's or ChatML's (SmolLM2); only a Llama-3 vocabulary settles it.
+struct ArchitectureFormat {
+  std::string_view format;
+  std::string reason;
+};
+
+std::optional<ArchitectureFormat> architecture_format(std::string_view arch, const Tokenizer& tokenizer) {
+  const std::string reason = "architecture " + std::string(arch);
+  if (arch == "gemma3") return ArchitectureFormat{"gemma", reason};
+  if (arch == "phi3") return ArchitectureFormat{"phi3", reason};
+  if (arch == "gpt-oss") return ArchitectureFormat{"harmony", reason};
+  if (arch == "qwen2" || arch == "qwen3" || arch == "qwen3moe") return ArchitectureFormat{"chatml", reason};
+  if (arch == "llama" && tokenizer.find_token("<|start_header_id|>")) {
+    return ArchitectureFormat{"llama3", reason + " with a Llama-3 vocabulary"};
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 ChatTemplate chat_template_for(const GgufFile& gguf, const Tokenizer& tokenizer, const std::string& name,
@@ -49,8 +73,19 @@ ChatTemplate chat_template_for(const GgufFile& gguf, const Tokenizer& tokenizer,
   }
   std::string names;
   for (std::string_view n : ChatTemplate::names()) names += (names.empty() ? "" : ", ") + std::string(n);
-  notice = std::string(source ? "the model's chat template is not one ringlm recognises" : "the model has no chat template") +
-           "; using chatml (--chat-template picks one of: " + names + ")";
+  const std::string choices = "--chat-template picks one of: " + names;
+  if (source) {
+    notice = "the model's chat template is not one ringlm recognises; using chatml (" + choices + ")";
+    return ChatTemplate::from_name("chatml", special);
+  }
+  const std::string arch(gguf.get_string("general.architecture").value_or("unknown"));
+  if (const std::optional<ArchitectureFormat> own = architecture_format(arch, tokenizer)) {
+    notice = "the model has no chat template; using " + std::string(own->format) + ", the format of its " +
+             own->reason + " (" + choices + ")";
+    return ChatTemplate::from_name(own->format, special);
+  }
+  notice = "the model has no chat template; using chatml as the last resort (ringlm knows no format of architecture " +
+           arch + "; " + choices + ")";
   return ChatTemplate::from_name("chatml", special);
 }
 

@@ -42,8 +42,11 @@ class LlamaModel;
 class Tokenizer;
 
 // The chat template of a model: `name` when given (see ChatTemplate::names()), else the one
-// recognised from the GGUF's tokenizer.chat_template, else ChatML with `notice` set to a
-// one-line reason (it stays empty otherwise). BOS/EOS texts come from the tokenizer.
+// recognised from the GGUF's tokenizer.chat_template; a file without one gets its architecture's
+// format where ringlm knows it (gemma3: gemma, phi3: phi3, gpt-oss: harmony, qwen2/qwen3:
+// chatml, llama with a Llama-3 vocabulary: llama3), and ChatML as the last resort, as does an
+// unrecognised template. Any fallback sets `notice` to a one-line reason naming the format and
+// why (it stays empty otherwise). BOS/EOS texts come from the tokenizer.
 ChatTemplate chat_template_for(const GgufFile& gguf, const Tokenizer& tokenizer, const std::string& name,
                                std::string& notice);
 
