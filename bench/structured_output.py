@@ -42,18 +42,21 @@ class Person(pydantic.BaseModel):
 
 
 class Address(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # (additionalProperties: false, as a strict schema has)
     street: str = pydantic.Field(max_length=40)
     city: str = pydantic.Field(max_length=30)
     postcode: str = pydantic.Field(pattern=r"^[0-9]{5}$")
 
 
 class Contact(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
     kind: str = pydantic.Field(pattern="^(email|phone)$")
     value: str = pydantic.Field(max_length=40)
 
 
 class Employee(pydantic.BaseModel):
     """The about-2-KB schema of the speed and latency runs: nesting, $defs, enums, patterns."""
+    model_config = pydantic.ConfigDict(extra="forbid")
     id: str = pydantic.Field(pattern=r"^[A-Z]{2}-[0-9]{4}$")
     first_name: str = pydantic.Field(max_length=30)
     last_name: str = pydantic.Field(max_length=30)

@@ -175,12 +175,13 @@ TEST(Grammar, AllowedTokensAgreeWithTryingEachToken) {
                                            "\\", "\\u", "\\n", "abc", "\"a\"", "", "\xF0\x9F"};
   std::vector<GrammarMatcher::TokenText> texts;
   for (const std::string& p : pieces) texts.push_back(GrammarMatcher::decode_token(p));
+  const GrammarMatcher::TokenIndex index(texts);
   const auto json = Grammar::parse(kJson);
   for (const char* prefix : {"", "{", "{\"a", "{\"a\": ", "{\"a\": 1", "[1, ", "[\"\xC3\xA9", "{\"a\": [tr"}) {
     GrammarMatcher m(json);
     ASSERT_TRUE(m.accept(prefix)) << prefix;
     std::vector<uint8_t> allowed;
-    m.allowed_tokens(texts, allowed);
+    m.allowed_tokens(index, allowed);
     for (size_t i = 0; i < pieces.size(); ++i) {
       GrammarMatcher trial = m;
       const bool alone = !pieces[i].empty() && trial.accept(pieces[i]);

@@ -564,18 +564,78 @@ GrammarMatcher::TokenText GrammarMatcher::decode_token(std::string_view bytes) {
   return t;
 }
 
-void GrammarMatcher::allowed_tokens(const std::vector<TokenText>& texts, std::vector<uint8_t>& allowed) const {
-  std::vector<Trial> trials;
-  trials.reserve(texts.size());
+GrammarMatcher::TokenIndex::TokenIndex(std::vector<TokenText> token_texts) : texts(std::move(token_texts)) {
   for (size_t i = 0; i < texts.size(); ++i) {
     const TokenText& t = texts[i];
-    if (t.valid && (!t.code_points.empty() || t.tail_low <= t.tail_high)) trials.push_back({static_cast<int32_t>(i), 0});
+    if (!t.valid) continue;
+    if (!t.code_points.empty()) {
+      by_first.emplace_back(t.code_points[0], static_cast<int32_t>(i));
+    } else if (t.tail_low <= t.tail_high) {
+      tail_only.push_back(static_cast<int32_t>(i));
+    }
   }
-  allowed.assign(texts.size(), 0);
-  for (const Trial& t : trials) allowed[static_cast<size_t>(t.token)] = 1;
-  std::vector<Trial> rejected;
-  reject_for_stacks(stacks_, std::move(trials), texts, rejected);
-  for (const Trial& t : rejected) allowed[static_cast<size_t>(t.token)] = 0;
+  std::sort(by_first.begin(), by_first.end());
+}
+
+namespace {
+
+// The ranges of code points a class accepts, sorted and apart (a negated class's complement).
+std::vector<std::pair<char32_t, char32_t>> accepted_ranges(const Grammar::Element& e) {
+  std::vector<std::pair<char32_t, char32_t>> ranges;
+  for (size_t i = 0; i + 1 < e.ranges.size(); i += 2) ranges.emplace_back(e.ranges[i], e.ranges[i + 1]);
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<char32_t, char32_t>> merged;
+  for (const auto& r : ranges) {
+    if (!merged.empty() && r.first <= merged.back().second + 1) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  if (!e.negated) return merged;
+  std::vector<std::pair<char32_t, char32_t>> outside;
+  char32_t from = 0;
+  for (const auto& [low, high] : merged) {
+    if (low > from) outside.emplace_back(from, low - 1);
+    from = high + 1;
+  }
+  if (from <= kMaxCodePoint) outside.emplace_back(from, kMaxCodePoint);
+  return outside;
+}
+
+}  // namespace
+
+void GrammarMatcher::allowed_tokens(const TokenIndex& index, std::vector<uint8_t>& allowed) const {
+  allowed.assign(index.texts.size(), 0);
+  std::vector<Trial> going_on, rejected;
+  for (const Stack& stack : stacks_) {
+    if (stack.empty()) continue;  // (the text may end here: no token's text is empty)
+    going_on.clear();
+    for (const auto& [low, high] : accepted_ranges(element(stack.back()))) {
+      auto it = std::lower_bound(index.by_first.begin(), index.by_first.end(), std::make_pair(low, int32_t{0}));
+      for (; it != index.by_first.end() && it->first <= high; ++it) {
+        const int32_t t = it->second;
+        if (allowed[static_cast<size_t>(t)] != 0) continue;  // (another stack took it)
+        const TokenText& text = index.texts[static_cast<size_t>(t)];
+        if (text.code_points.size() == 1 && text.tail_low > text.tail_high) {
+          allowed[static_cast<size_t>(t)] = 1;
+        } else {
+          going_on.push_back({t, 1});
+        }
+      }
+    }
+    for (const int32_t t : index.tail_only) {
+      const TokenText& text = index.texts[static_cast<size_t>(t)];
+      if (could_read_on(stack, text.tail_low, text.tail_high)) allowed[static_cast<size_t>(t)] = 1;
+    }
+    if (going_on.empty()) continue;
+    const std::vector<Stack> next = after_top(stack);
+    if (next.size() > kMaxStacks) throw GrammarError(too_ambiguous());
+    for (const Trial& trial : going_on) allowed[static_cast<size_t>(trial.token)] = 1;
+    rejected.clear();
+    reject_for_stacks(next, going_on, index.texts, rejected);
+    for (const Trial& trial : rejected) allowed[static_cast<size_t>(trial.token)] = 0;
+  }
 }
 
 // rejected += the trials no stack of `stacks` can read (a trial is kept if any stack reads it).
@@ -660,6 +720,15 @@ bool GrammarMatcher::accept(std::string_view utf8) {
 bool GrammarMatcher::restore(const GrammarMatcher& before) {
   *this = before;
   return false;
+}
+
+std::vector<int32_t> GrammarMatcher::position_key() const {
+  std::vector<int32_t> key{static_cast<int32_t>(partial_), partial_left_, partial_extra_};
+  for (const Stack& stack : stacks_) {
+    key.push_back(static_cast<int32_t>(stack.size()));
+    for (const Place& p : stack) key.insert(key.end(), {p.rule, p.alt, p.element});
+  }
+  return key;
 }
 
 bool GrammarMatcher::accepting() const {

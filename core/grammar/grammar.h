@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace ringlm {
@@ -90,13 +91,25 @@ class GrammarMatcher {
     bool valid = true;
   };
   static TokenText decode_token(std::string_view bytes);
+  // A vocabulary's token texts, indexed by their first code point.
+  struct TokenIndex {
+    explicit TokenIndex(std::vector<TokenText> token_texts);
+    std::vector<TokenText> texts;
+    std::vector<std::pair<char32_t, int32_t>> by_first;  // (first code point, token), sorted
+    std::vector<int32_t> tail_only;                      // tokens that are only the first bytes of one
+  };
   // For every token, whether the grammar can read its text from here: allowed[i] for texts[i]
   // (an empty text: no). All of them at once, as llama.cpp's grammar sampler does: each stack
   // meets the tokens one code point at a time, and every token whose code point its top accepts
   // goes on with the same successor stacks, so a stack is advanced once per code point position,
-  // not once per token. For a matcher holding no split code point (holds_split_code_point()).
-  void allowed_tokens(const std::vector<TokenText>& texts, std::vector<uint8_t>& allowed) const;
+  // not once per token; the first code point is looked up in the index by the top's ranges, so
+  // that a narrow class (a digit, a quote) costs what its tokens cost, not the vocabulary. For a
+  // matcher holding no split code point (holds_split_code_point()).
+  void allowed_tokens(const TokenIndex& index, std::vector<uint8_t>& allowed) const;
   bool holds_split_code_point() const { return partial_left_ > 0; }
+  // Where the matcher is, as one list of numbers: two matchers of the same grammar with equal
+  // keys allow the same tokens (a key for caching allowed_tokens).
+  std::vector<int32_t> position_key() const;
 
  private:
   // A place in the grammar: rule, alternative, element index.

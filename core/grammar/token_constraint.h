@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <vector>
@@ -21,11 +22,12 @@ class GrammarVocabulary {
  public:
   explicit GrammarVocabulary(const Tokenizer& tokenizer);
   const Tokenizer& tokenizer() const { return *tokenizer_; }
-  const std::vector<GrammarMatcher::TokenText>& texts() const { return texts_; }
+  const GrammarMatcher::TokenIndex& index() const { return index_; }
+  const std::vector<GrammarMatcher::TokenText>& texts() const { return index_.texts; }
 
  private:
   const Tokenizer* tokenizer_;
-  std::vector<GrammarMatcher::TokenText> texts_;
+  GrammarMatcher::TokenIndex index_;
 };
 
 class TokenConstraint {
@@ -47,22 +49,23 @@ class TokenConstraint {
  private:
   const std::vector<GrammarMatcher::TokenText>& texts() const { return vocabulary_->texts(); }
 
+  // The tokens allowed where the matcher is, from the cache when it was there before.
+  const std::vector<uint8_t>& allowed_here() const;
+
   GrammarMatcher matcher_;
   std::shared_ptr<const GrammarVocabulary> vocabulary_;
-  mutable std::vector<uint8_t> allowed_;  // mask()'s, reused
+  // The allowed tokens of the places masked before: a text comes back to the same places (inside
+  // a string, after a member), and a mask costs milliseconds where a lookup costs microseconds.
+  static constexpr size_t kCachedPlaces = 64;
+  mutable std::map<std::vector<int32_t>, std::vector<uint8_t>> allowed_at_;
 };
 
 template <typename IsEnd>
 size_t TokenConstraint::mask(std::span<float> logits, IsEnd is_end) const {
-  if (matcher_.holds_split_code_point()) {  // (rare: a token cut a character in two) one token at a time
-    allowed_.assign(texts().size(), 0);
-    for (size_t t = 0; t < texts().size(); ++t) allowed_[t] = allows(static_cast<int32_t>(t), is_end(static_cast<int32_t>(t)));
-  } else {
-    matcher_.allowed_tokens(texts(), allowed_);
-  }
+  const std::vector<uint8_t>& allowed = allowed_here();
   size_t n_allowed = 0;
   for (size_t t = 0; t < logits.size(); ++t) {
-    const bool ok = t < allowed_.size() && (is_end(static_cast<int32_t>(t)) ? matcher_.accepting() : allowed_[t] != 0);
+    const bool ok = t < allowed.size() && (is_end(static_cast<int32_t>(t)) ? matcher_.accepting() : allowed[t] != 0);
     if (ok) {
       ++n_allowed;
     } else {

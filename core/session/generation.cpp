@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <numeric>
 #include <stdexcept>
 #include <utility>
 
@@ -69,25 +70,69 @@ int32_t Generation::draw_top(std::span<const TopLogit> top) {
 }
 
 int32_t Generation::draw_constrained(std::span<float> logits) {
-  unmasked_.assign(logits.begin(), logits.end());
-  const int32_t first = sampler_->sample(logits, history_);
+  // The penalties change the logits in place: a masked draw starts again from them as they were.
+  const SamplingParams& p = sampler_->params();
+  const bool penalised = p.repeat_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
+  if (penalised) unmasked_.assign(logits.begin(), logits.end());
+  const bool greedy = sampler_->params().temperature <= 0.0f;
+  std::span<const Sampler::Candidate> drawn_from;
+  int32_t first = 0;
+  if (greedy) {
+    first = sampler_->sample(logits, history_);  // (the penalties applied to `logits`)
+  } else {
+    drawn_from = sampler_->distribution(logits, history_);
+    first = sampler_->draw_from(drawn_from);
+  }
   const auto start = std::chrono::steady_clock::now();
   const auto count_time = [&] {
     grammar_cost_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  if (grammar_->allows(first, is_end_token(first))) {
+  const auto allowed = [&](int32_t t) { return grammar_->allows(t, is_end_token(t)); };
+  if (allowed(first)) {
     count_time();
     return first;
   }
+  if (greedy) {  // the masked argmax: the most likely token the grammar allows, if one is near the top
+    const int32_t best = most_likely_allowed(logits, allowed);
+    count_time();
+    if (best >= 0) return best;
+  } else if (drawn_from.size() <= kCandidatesTried) {  // the draw's own candidates the grammar allows
+    kept_.clear();
+    double total = 0.0;
+    for (const Sampler::Candidate& c : drawn_from) {
+      if (allowed(c.id)) kept_.push_back(c), total += c.p;
+    }
+    count_time();
+    if (total > 0.0) {
+      for (Sampler::Candidate& c : kept_) c.p = static_cast<float>(c.p / total);
+      return sampler_->draw_from(kept_);
+    }
+  }
   ++grammar_cost_.masked_draws;
-  std::copy(unmasked_.begin(), unmasked_.end(), logits.begin());
-  const size_t allowed = grammar_->mask(logits, [&](int32_t t) { return is_end_token(t); });
-  count_time();
-  if (allowed == 0) {  // (the grammar wants a character no token has)
+  const auto mask_start = std::chrono::steady_clock::now();
+  if (penalised) std::copy(unmasked_.begin(), unmasked_.end(), logits.begin());
+  const size_t n_allowed = grammar_->mask(logits, [&](int32_t t) { return is_end_token(t); });
+  grammar_cost_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - mask_start).count();
+  if (n_allowed == 0) {  // (the grammar wants a character no token has)
     grammar_stuck_ = true;
     return an_end_token();
   }
   return sampler_->sample(logits, history_);
+}
+
+template <typename Allowed>
+int32_t Generation::most_likely_allowed(std::span<const float> logits, Allowed allowed) {
+  order_.resize(logits.size());
+  std::iota(order_.begin(), order_.end(), 0);
+  const auto n = std::min<std::ptrdiff_t>(kCandidatesTried, static_cast<std::ptrdiff_t>(order_.size()));
+  std::partial_sort(order_.begin(), order_.begin() + n, order_.end(), [&](int32_t a, int32_t b) {
+    return logits[static_cast<size_t>(a)] > logits[static_cast<size_t>(b)] ||
+           (logits[static_cast<size_t>(a)] == logits[static_cast<size_t>(b)] && a < b);
+  });
+  for (std::ptrdiff_t i = 0; i < n; ++i) {
+    if (allowed(order_[static_cast<size_t>(i)])) return order_[static_cast<size_t>(i)];
+  }
+  return -1;
 }
 
 int32_t Generation::an_end_token() const {
