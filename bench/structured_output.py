@@ -9,8 +9,11 @@
            grammar's own cost per token from --stats json.
   latency  time to the first streamed token from `ringlm serve`, with that schema and without,
            alternated over --latency-requests requests: medians.
+  clients  (with --llama-server PATH) --clients concurrent clients asking for that schema,
+           --requests each, against `ringlm serve --parallel N` and `llama-server -np N` in turn:
+           completion tokens per second of wall time, every answer checked against the schema.
 
-    python3 bench/structured_output.py [-m MODEL] [--prompts 50] [-t 2] [-r 5]
+    python3 bench/structured_output.py [-m MODEL] [--prompts 50] [-t 2] [-r 5] [--llama-server PATH]
 """
 import argparse
 import json
@@ -122,6 +125,50 @@ def speed(model, threads, rounds):
     return len(schema), statistics.median(constrained), statistics.median(free), statistics.median(per_token)
 
 
+def start_llama_server(path, model, threads, parallel, n_ctx):
+    port = 18000 + os.getpid() % 1000
+    proc = subprocess.Popen([path, "-m", model, "--port", str(port), "-t", str(threads), "-np", str(parallel),
+                             "-c", str(n_ctx * parallel)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    for _ in range(1200):
+        try:
+            client.models.list()
+            break
+        except (openai.APIConnectionError, openai.InternalServerError, openai.APIStatusError):
+            time.sleep(0.1)
+    return proc, client
+
+
+def clients_rate(client, n_clients, n_requests):
+    """Aggregate completion tokens/s of n_clients threads, each asking n_requests times for an
+    Employee: (tokens/s, answers that stopped but are not one, answers cut at max_tokens)."""
+    schema = Employee.model_json_schema()
+    tokens, failures, cut = [0] * n_clients, [0] * n_clients, [0] * n_clients
+
+    def one(i):
+        for r in range(n_requests):
+            done = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"Invent employee number {i * n_requests + r} as JSON."}],
+                max_tokens=1000, seed=i * n_requests + r, temperature=0.8,
+                response_format={"type": "json_schema", "json_schema": {"name": "employee", "schema": schema}})
+            tokens[i] += done.usage.completion_tokens
+            if done.choices[0].finish_reason == "length":
+                cut[i] += 1
+                continue
+            try:
+                Employee.model_validate_json(done.choices[0].message.content)
+            except pydantic.ValidationError:
+                failures[i] += 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(tokens) / (time.perf_counter() - t0), sum(failures), sum(cut)
+
+
 def first_token_ms(client, schema, seed):
     extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": schema}}} if schema else {}
     t0 = time.perf_counter()
@@ -144,6 +191,9 @@ def main():
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("--latency-requests", type=int, default=10)
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: valid, speed, latency")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server, for the clients part")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=4, help="requests per client in the clients part")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"model {os.path.basename(args.model)}, {args.threads} threads")
@@ -167,6 +217,21 @@ def main():
         finally:
             proc.terminate()
             proc.wait()
+    if args.llama_server:
+        rates = {}
+        for name in ("ringlm", "llama-server"):
+            if name == "ringlm":
+                proc, client = serve(args.model, args.threads, args.clients)
+            else:
+                proc, client = start_llama_server(args.llama_server, args.model, args.threads, args.clients, 1024)
+            try:
+                rates[name] = clients_rate(client, args.clients, args.requests)
+            finally:
+                proc.terminate()
+                proc.wait()
+            print(f"clients: {name}: {rates[name][0]:.1f} completion tokens/s, {rates[name][1]} answers not valid, "
+                  f"{rates[name][2]} cut at max_tokens", flush=True)
+        print(f"clients: ringlm / llama-server {rates['ringlm'][0] / rates['llama-server'][0]:.2f}x")
     if "speed" not in skip:
         size, c, u, per = speed(args.model, args.threads, args.rounds)
         print(f"speed: schema of {size} bytes; constrained {c:.1f} t/s, unconstrained {u:.1f} t/s: {c / u:.3f}x; "
