@@ -14,18 +14,23 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cmath>
 #include <functional>
 #include <memory>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "core/gguf/gguf.h"
+#include "core/grammar/grammar.h"
+#include "core/grammar/token_constraint.h"
 #include "core/model/loader.h"
 #include "core/scheduler/batch_scheduler.h"
 #include "core/session/generation.h"
 #include "core/session/sequence_model.h"
 #include "core/tokenizer/tokenizer.h"
+#include "tests/build_scale.h"
 
 namespace ringlm {
 namespace {
@@ -113,6 +118,83 @@ class GenerationTest : public ::testing::Test {
 
 Tokenizer* GenerationTest::gpt2_ = nullptr;
 Tokenizer* GenerationTest::spm_ = nullptr;
+
+// A draw under a grammar, checked against its definition (the grammar's verdicts taken token by
+// token on a copy of the matcher; a sampler of the same seed drawing as the definition says) over
+// random logits with a token the grammar refuses on top, so that every draw is made again:
+// greedy, the masked argmax; at a temperature, a draw from the first draw's candidates (after
+// top-k, top-p, min-p) that the grammar allows, renormalised, or when none is from the masked
+// logits. The allowed tokens near the top on even steps, far down on odd ones (masked).
+TEST_F(GenerationTest, GrammarDrawFollowsItsDefinition) {
+  const Tokenizer& tok = *gpt2_;
+  const auto grammar = Grammar::parse(R"(root ::= [0-9]+ ("." [0-9]+)?)");  // (never finished: digits may follow)
+  const auto vocabulary = std::make_shared<const GrammarVocabulary>(tok);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> noise(0.0f, 1.0f);
+  const int steps = test::scaled(40, 8);
+  for (const float temperature : {0.0f, 1.5f}) {
+    SamplingParams params;  // (flat enough that each of the top 40 is drawn now and then)
+    params.temperature = temperature;
+    params.top_p = 1.0f;
+    params.min_p = 0.0f;
+    params.seed = 11;
+    Sampler sampler(params, tok.n_vocab()), reference(params, tok.n_vocab());
+    StopConditions no_end;
+    no_end.ignore_eos = true;  // (every step draws)
+    Generation g(tok, sampler, no_end, {});
+    g.constrain(grammar, vocabulary);
+    GrammarMatcher matcher(grammar);
+    for (int step = 0; step < steps; ++step) {
+      ASSERT_FALSE(g.finished());
+      std::vector<float> logits(static_cast<size_t>(tok.n_vocab()));
+      for (float& l : logits) l = noise(rng);
+      std::vector<uint8_t> ok(logits.size());
+      for (size_t t = 0; t < logits.size(); ++t) {
+        GrammarMatcher trial = matcher;
+        const bool end = g.is_end_token(static_cast<int32_t>(t));
+        const std::string piece = tok.token_to_piece(static_cast<int32_t>(t));
+        ok[t] = end ? matcher.accepting() : !piece.empty() && trial.accept(piece);
+        if (ok[t] && step % 2 == 0) logits[t] += 6.0f;  // (even steps: the allowed ones near the top)
+      }
+      // A token the grammar refuses on top: the first draw takes it, and the draw is made again.
+      const auto refused = std::find(ok.begin(), ok.end(), 0) - ok.begin() + static_cast<std::ptrdiff_t>(step);
+      if (!ok[static_cast<size_t>(refused)]) logits[static_cast<size_t>(refused)] += 20.0f;
+      std::vector<float> for_reference = logits;
+      const auto masked_draw = [&] {
+        std::vector<float> masked = logits;
+        for (size_t t = 0; t < masked.size(); ++t) {
+          if (!ok[t]) masked[t] = -INFINITY;
+        }
+        return reference.sample(std::span<float>(masked), g.history());
+      };
+      int32_t expected = -1;
+      if (temperature <= 0.0f) {
+        const int32_t first = reference.sample(std::span<float>(for_reference), g.history());
+        expected = ok[static_cast<size_t>(first)] ? first : masked_draw();
+      } else {
+        const std::vector<Sampler::Candidate> candidates = [&] {
+          const auto d = reference.distribution(std::span<float>(for_reference), g.history());
+          return std::vector<Sampler::Candidate>(d.begin(), d.end());
+        }();
+        const int32_t first = reference.draw_from(candidates);
+        std::vector<Sampler::Candidate> kept;
+        double total = 0.0;
+        for (const Sampler::Candidate& c : candidates) {
+          if (ok[static_cast<size_t>(c.id)]) kept.push_back(c), total += c.p;
+        }
+        for (Sampler::Candidate& c : kept) c.p = static_cast<float>(c.p / total);
+        expected = ok[static_cast<size_t>(first)] ? first : kept.empty() ? masked_draw() : reference.draw_from(kept);
+      }
+      const int32_t drawn = g.draw(std::span<float>(logits));
+      ASSERT_EQ(drawn, expected) << "temperature " << temperature << ", step " << step;
+      if (!g.is_end_token(drawn)) {
+        ASSERT_TRUE(matcher.accept(tok.token_to_piece(drawn)));
+      }
+      g.take(drawn);
+    }
+    EXPECT_TRUE(grammar_matches(grammar, std::string(g.text()))) << g.text();
+  }
+}
 
 TEST_F(GenerationTest, StopStringOverTwoTokensIsNeverShown) {
   Feed f(*gpt2_, stops({"STOP"}));
