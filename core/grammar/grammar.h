@@ -55,9 +55,7 @@ class Grammar {
   };
   // Rule r's alternatives: sequences of elements, each ending with a kEnd element.
   const std::vector<std::vector<Element>>& alternatives(int rule) const { return rules_[static_cast<size_t>(rule)]; }
-  int rule_count() const { return static_cast<int>(rules_.size()); }
   int root() const { return root_; }
-  const std::string& rule_name(int rule) const { return names_[static_cast<size_t>(rule)]; }
 
  private:
   friend class GrammarCompiler;
@@ -78,8 +76,6 @@ class GrammarMatcher {
   bool accepting() const;
   // Whether nothing can follow: accepting, and no stack waits for a character.
   bool finished() const;
-
-  const Grammar& grammar() const { return *grammar_; }
 
   // A token's text as the matcher reads it: whole code points, then perhaps the first bytes of
   // one more, which can be any code point in [tail_low, tail_high] (none when tail_low >

@@ -40,10 +40,6 @@ void Sampler::apply_penalties(std::span<float> logits, std::span<const int32_t> 
 
 // The larger logit first, the lower id among equals: select_top_k's order, so that the top k of
 // the whole vocabulary are the k a device picks, ties at the k-th included.
-static bool ranks_before(const Sampler::Candidate& a, const Sampler::Candidate& b) {
-  return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
-}
-
 void Sampler::keep_top_k(size_t k) {
   if (k == 0 || k >= candidates_.size()) return;
   std::partial_sort(candidates_.begin(), candidates_.begin() + static_cast<std::ptrdiff_t>(k), candidates_.end(),

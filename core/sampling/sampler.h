@@ -50,6 +50,10 @@ class Sampler {
     float logit;
     float p;
   };
+  // The order of candidates: the largest logit first, the lowest id among equals.
+  static bool ranks_before(const Candidate& a, const Candidate& b) {
+    return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
+  }
 
   // The distribution sample() draws from: the tokens the penalties and filters leave, most
   // likely first, with their probabilities at the temperature (greedy: the most likely token

@@ -126,8 +126,7 @@ int32_t Generation::most_likely_allowed(std::span<const float> logits, Allowed a
   std::iota(order_.begin(), order_.end(), 0);
   const auto n = std::min<std::ptrdiff_t>(kCandidatesTried, static_cast<std::ptrdiff_t>(order_.size()));
   std::partial_sort(order_.begin(), order_.begin() + n, order_.end(), [&](int32_t a, int32_t b) {
-    return logits[static_cast<size_t>(a)] > logits[static_cast<size_t>(b)] ||
-           (logits[static_cast<size_t>(a)] == logits[static_cast<size_t>(b)] && a < b);
+    return Sampler::ranks_before({a, logits[static_cast<size_t>(a)], 0.0f}, {b, logits[static_cast<size_t>(b)], 0.0f});
   });
   for (std::ptrdiff_t i = 0; i < n; ++i) {
     if (allowed(order_[static_cast<size_t>(i)])) return order_[static_cast<size_t>(i)];
