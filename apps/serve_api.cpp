@@ -1,5 +1,6 @@
 #include "apps/serve_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -71,6 +72,29 @@ std::string message_content(const json& content, const std::string& param) {
   return text;
 }
 
+// An assistant message's "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}].
+std::vector<ToolCall> read_tool_calls(const json& list, const std::string& at) {
+  if (!list.is_array()) throw bad_field(at, "must be an array of tool calls");
+  std::vector<ToolCall> calls;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string call_at = at + "[" + std::to_string(i) + "]";
+    const json& call = list[i];
+    const json* function = call.is_object() ? field(call, "function") : nullptr;
+    if (function == nullptr || !function->is_object()) throw bad_field(call_at + ".function", "must be an object");
+    const json* name = field(*function, "name");
+    if (name == nullptr || !name->is_string()) throw bad_field(call_at + ".function.name", "must be a string");
+    const json* arguments = field(*function, "arguments");
+    if (arguments != nullptr && !arguments->is_string()) {
+      throw bad_field(call_at + ".function.arguments", "must be a string (the arguments' JSON)");
+    }
+    const json* id = field(call, "id");
+    if (id != nullptr && !id->is_string()) throw bad_field(call_at + ".id", "must be a string");
+    calls.push_back({id != nullptr ? id->get<std::string>() : "", name->get<std::string>(),
+                     arguments != nullptr ? arguments->get<std::string>() : "{}"});
+  }
+  return calls;
+}
+
 std::vector<ChatMessage> read_messages(const json& body) {
   const json* list = field(body, "messages");
   if (list == nullptr) throw bad_field("messages", "is required");
@@ -84,15 +108,81 @@ std::vector<ChatMessage> read_messages(const json& body) {
     if (role == nullptr || !role->is_string()) throw bad_field(at + ".role", "must be a string");
     std::string r = role->get<std::string>();
     if (r == "developer") r = "system";  // OpenAI's newer name for the system role
-    if (r != "system" && r != "user" && r != "assistant") {
-      throw bad_field(at + ".role", "must be one of system, developer, user, assistant; got '" + role->get<std::string>() + "'");
+    if (r != "system" && r != "user" && r != "assistant" && r != "tool") {
+      throw bad_field(at + ".role",
+                      "must be one of system, developer, user, assistant, tool; got '" + role->get<std::string>() + "'");
     }
+    ChatMessage message;
+    message.role = r;
+    const json* calls = r == "assistant" ? field(m, "tool_calls") : nullptr;
+    if (calls != nullptr && !calls->is_null()) message.tool_calls = read_tool_calls(*calls, at + ".tool_calls");
     const json* content = field(m, "content");
-    if (content == nullptr) throw bad_field(at + ".content", "is required");
-    messages.push_back({r, message_content(*content, at + ".content")});
+    // An assistant message that calls tools may have no content (null).
+    const bool content_optional = !message.tool_calls.empty();
+    if (content == nullptr || content->is_null()) {
+      if (!content_optional) throw bad_field(at + ".content", "is required");
+    } else {
+      message.content = message_content(*content, at + ".content");
+    }
+    if (r == "tool") {
+      const json* id = field(m, "tool_call_id");
+      if (id == nullptr || !id->is_string()) throw bad_field(at + ".tool_call_id", "must be a string (the call's id)");
+      message.tool_call_id = id->get<std::string>();
+    }
+    messages.push_back(std::move(message));
   }
-  if (messages.back().role != "user") throw bad_field("messages", "must end with a user message");
+  if (messages.back().role != "user" && messages.back().role != "tool") {
+    throw bad_field("messages", "must end with a user message or tool results");
+  }
   return messages;
+}
+
+// "tools", "tool_choice" and "parallel_tool_calls". The tools are read from the body's text when
+// given, so that their members keep the client's order.
+void read_tools(const json& body, std::string_view raw_body, CompletionRequest& r) {
+  const json* tools = field(body, "tools");
+  const json* choice = field(body, "tool_choice");
+  if (auto v = boolean(body, "parallel_tool_calls")) r.parallel_tool_calls = *v;
+  if (tools == nullptr || tools->is_null()) {
+    if (choice != nullptr && !(choice->is_string() && (*choice == "none" || *choice == "auto"))) {
+      throw bad_field("tool_choice", "needs \"tools\"");
+    }
+    return;
+  }
+  if (!tools->is_array()) throw bad_field("tools", "must be an array of {\"type\": \"function\", \"function\": {...}}");
+  const OrderedJson ordered = raw_body.empty() ? OrderedJson::parse(tools->dump()) : OrderedJson::parse(raw_body)["tools"];
+  std::vector<ToolDefinition> definitions;
+  for (size_t i = 0; i < ordered.size(); ++i) {
+    try {
+      definitions.push_back(ToolDefinition::from_openai(ordered[i]));
+    } catch (const std::invalid_argument& e) {
+      throw bad_field("tools[" + std::to_string(i) + "]", e.what());
+    }
+  }
+  std::string named;
+  if (choice != nullptr) {
+    if (choice->is_string()) {
+      const std::string mode = choice->get<std::string>();
+      if (mode == "none") return;  // the tools stay out of the prompt
+      if (mode != "auto" && mode != "required") throw bad_field("tool_choice", "must be \"none\", \"auto\", \"required\" or a named function");
+      r.tool_required = mode == "required";
+    } else {
+      const json* function = choice->is_object() ? field(*choice, "function") : nullptr;
+      const json* name = function != nullptr && function->is_object() ? field(*function, "name") : nullptr;
+      if (name == nullptr || !name->is_string()) {
+        throw bad_field("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+      }
+      named = name->get<std::string>();
+      r.tool_required = true;
+    }
+  }
+  if (r.tool_required && definitions.empty()) throw bad_field("tool_choice", "needs at least one tool in \"tools\"");
+  if (!named.empty()) {  // only the named tool may be called
+    const auto it = std::find_if(definitions.begin(), definitions.end(), [&](const ToolDefinition& d) { return d.name == named; });
+    if (it == definitions.end()) throw bad_field("tool_choice", "names function '" + named + "', which is not in \"tools\"");
+    definitions = {*it};
+  }
+  r.tools = std::move(definitions);
 }
 
 std::string read_prompt(const json& body) {
@@ -118,12 +208,9 @@ std::vector<std::string> read_stop(const json& body) {
   return stops;
 }
 
-// What ringlm does not do is refused, never ignored: a client that asked for tools would
+// What ringlm does not do is refused, never ignored: a client that asked for functions would
 // otherwise take plain text for an answer.
 void refuse_unsupported(const json& body) {
-  if (const json* tools = field(body, "tools"); tools != nullptr && !(tools->is_array() && tools->empty())) {
-    throw ApiError(400, "'tools': tool calling is not supported", "tools");
-  }
   if (const json* functions = field(body, "functions"); functions != nullptr && !(functions->is_array() && functions->empty())) {
     throw ApiError(400, "'functions': function calling is not supported", "functions");
   }
@@ -237,7 +324,8 @@ json error_body(const ApiError& e) {
   return {{"error", {{"message", e.what()}, {"type", e.type()}, {"param", e.param().empty() ? json() : json(e.param())}, {"code", nullptr}}}};
 }
 
-CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, const SamplingParams& defaults) {
+CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, const SamplingParams& defaults,
+                                           std::string_view raw_body) {
   if (!body.is_object()) throw ApiError(400, "the request body must be a JSON object");
   CompletionRequest r;
   r.endpoint = endpoint;
@@ -280,7 +368,16 @@ CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, 
   read_beam_search(body, r);
   r.grammar = read_grammar(body);
   if (r.grammar && r.beams > 0) throw bad_field("use_beam_search", "does not combine with a grammar or a JSON response format");
-  if (endpoint == Endpoint::kChat) r.reasoning_effort = read_reasoning_effort(body);
+  if (endpoint == Endpoint::kChat) {
+    r.reasoning_effort = read_reasoning_effort(body);
+    read_tools(body, raw_body, r);
+  } else if (field(body, "tools") != nullptr) {
+    throw bad_field("tools", "is for /v1/chat/completions");
+  }
+  if (!r.tools.empty() && r.grammar) {
+    throw ApiError(400, "give either tools or a grammar ('response_format', 'grammar', 'json_schema'), not both", "tools");
+  }
+  if (!r.tools.empty() && r.beams > 0) throw bad_field("use_beam_search", "does not combine with tools");
   return r;
 }
 
@@ -313,6 +410,20 @@ json completion_logprobs(const std::vector<TokenInfo>& tokens, size_t text_offse
   return {{"tokens", text}, {"token_logprobs", logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
 }
 
+// OpenAI's tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}], with each
+// call's "index" in a stream's delta.
+json tool_calls_json(const std::vector<ToolCall>& calls, int first_index, bool indexed) {
+  json list = json::array();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    json call = {{"id", calls[i].id},
+                 {"type", "function"},
+                 {"function", {{"name", calls[i].name}, {"arguments", calls[i].arguments}}}};
+    if (indexed) call["index"] = first_index + static_cast<int>(i);
+    list.push_back(std::move(call));
+  }
+  return list;
+}
+
 json usage_json(const Usage& u) {
   return {{"prompt_tokens", u.prompt_tokens},
           {"completion_tokens", u.completion_tokens},
@@ -336,7 +447,10 @@ json completion_response(const CompletionRequest& request, const ResponseHead& h
   for (const Choice& c : choices) {
     json choice = {{"index", c.index}, {"finish_reason", c.finish_reason}};
     if (request.endpoint == Endpoint::kChat) {
-      choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      // OpenAI: the content is null when the reply is only tool calls.
+      const bool only_calls = !c.tool_calls.empty() && c.text.empty();
+      choice["message"] = {{"role", "assistant"}, {"content", only_calls ? json() : json(c.text)}};
+      if (!c.tool_calls.empty()) choice["message"]["tool_calls"] = tool_calls_json(c.tool_calls, 0, false);
       // As llama-server: only when the format kept reasoning apart and the model wrote some.
       if (!c.reasoning.empty()) choice["message"]["reasoning_content"] = c.reasoning;
       choice["logprobs"] = request.logprobs ? chat_logprobs(c.tokens) : json();
@@ -369,6 +483,16 @@ json stream_chunk(const CompletionRequest& request, const ResponseHead& head, in
   }
   out["choices"] = json::array({choice});
   if (request.include_usage) out["usage"] = nullptr;  // OpenAI: null on every chunk but the last
+  return out;
+}
+
+json tool_calls_chunk(const CompletionRequest& request, const ResponseHead& head, int index,
+                      const std::vector<ToolCall>& calls, int first_index) {
+  json out = head_json(request, head, true);
+  json choice = {{"index", index}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
+  choice["delta"] = {{"tool_calls", tool_calls_json(calls, first_index, true)}};
+  out["choices"] = json::array({choice});
+  if (request.include_usage) out["usage"] = nullptr;
   return out;
 }
 

@@ -15,6 +15,7 @@
 #include "core/grammar/grammar.h"
 #include "core/sampling/sampler.h"
 #include "core/session/chat_template.h"
+#include "core/session/tool_calls.h"
 
 namespace ringlm::serve {
 
@@ -70,12 +71,22 @@ struct CompletionRequest {
   // {"type": "json_schema", "json_schema": {"schema": ...}}, or llama-server's "grammar" (GBNF)
   // and "json_schema".
   std::shared_ptr<const Grammar> grammar;
+  // chat: the tools the model may call ("tools"; empty with none, or with "tool_choice": "none",
+  // which leaves them out of the prompt as llama-server does), whether it must call one
+  // ("required", or the one named: "tool_choice": {"type": "function", "function": {"name"}}),
+  // and whether a reply may hold several calls ("parallel_tool_calls"; false unless asked for, as
+  // llama-server: a small model that may write several calls often writes the same one again).
+  std::vector<ToolDefinition> tools;
+  bool tool_required = false;
+  bool parallel_tool_calls = false;
 };
 
 // Reads a request body. `defaults` are the server's sampling settings, which the request's
 // fields override. Throws ApiError (400) naming the first field that is missing, of the wrong
-// type or out of range.
-CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, const SamplingParams& defaults);
+// type or out of range. `raw_body`, the body's text, gives the tools' members in the client's
+// order (the templates write them so; `body` keeps its members sorted).
+CompletionRequest parse_completion_request(const json& body, Endpoint endpoint, const SamplingParams& defaults,
+                                           std::string_view raw_body = {});
 
 // One generated token as a response shows it, with its log-probabilities when asked for.
 struct TokenInfo {
@@ -89,7 +100,8 @@ struct Choice {
   int index = 0;
   std::string text;                 // chat: the answer (content)
   std::string reasoning;            // chat: the reasoning a format keeps apart (reasoning_content)
-  std::string finish_reason;        // "stop" or "length"
+  std::vector<ToolCall> tool_calls;  // chat: the calls the reply made (tool_calls)
+  std::string finish_reason;        // "stop", "length" or "tool_calls"
   std::vector<TokenInfo> tokens;    // with logprobs only
 };
 
@@ -114,6 +126,10 @@ json completion_response(const CompletionRequest& request, const ResponseHead& h
 json stream_chunk(const CompletionRequest& request, const ResponseHead& head, int index, const std::string& text,
                   const std::vector<TokenInfo>& tokens, const std::string& finish_reason, bool role = false,
                   const std::string& reasoning = "");
+// A stream chunk of one choice's tool calls, each whole (its id, name and all its arguments), as
+// delta.tool_calls[i] with index first_index + i: its place among the choice's calls.
+json tool_calls_chunk(const CompletionRequest& request, const ResponseHead& head, int index,
+                      const std::vector<ToolCall>& calls, int first_index);
 // The last chunk of a stream that asked for the usage (stream_options.include_usage).
 json usage_chunk(const CompletionRequest& request, const ResponseHead& head, const Usage& usage);
 // A server-sent event carrying `data`: "data: <json>\n\n".

@@ -153,6 +153,8 @@ class Server {
   void route();
   // Fills `request`'s prompt tokens and the generation request for the scheduler.
   GenerationRequest generation_request(const CompletionRequest& request) const;
+  std::vector<int32_t> chat_prompt(const CompletionRequest& request) const;
+  void tool_call_grammar(const CompletionRequest& request, GenerationRequest& g) const;
   void completions(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
   void answer_whole(std::shared_ptr<RequestStream> stream, const CompletionRequest& request, int prompt_tokens,
                     std::shared_ptr<InFlight> in_flight, httplib::Response& res);
@@ -217,17 +219,41 @@ void Server::load() {
   }
 }
 
+std::vector<int32_t> Server::chat_prompt(const CompletionRequest& request) const {
+  ChatTemplate chat_template = *template_;
+  if (request.reasoning_effort) chat_template.set_reasoning_effort(*request.reasoning_effort);
+  if (!request.tools.empty() && chat_template.format() == ChatFormat::kHarmony) {
+    throw ApiError(400, "'tools': tool calls are not supported with the harmony chat format (gpt-oss) yet", "tools");
+  }
+  const std::string_view reply_start = request.tool_required ? forced_call_prefix(chat_template.tool_syntax()) : "";
+  try {
+    return conversation_prompt(chat_template, *model_->tokenizer, request.messages, request.tools, reply_start);
+  } catch (const std::invalid_argument& e) {  // a conversation the template cannot write
+    throw ApiError(400, e.what(), "messages");
+  }
+}
+
+// A reply that must call a tool is held to the calls' grammar: the template's syntax, each
+// call's arguments valid under its tool's parameters. One that may call is held to it from the
+// call's marker on, where the syntax has one (a lazy grammar).
+void Server::tool_call_grammar(const CompletionRequest& request, GenerationRequest& g) const {
+  const ToolSyntax syntax = template_->tool_syntax();
+  const std::string_view trigger = tool_call_trigger(syntax);
+  if (!request.tool_required && trigger.empty()) return;
+  try {
+    g.grammar = Grammar::parse(
+        tool_call_gbnf(syntax, request.tools, request.parallel_tool_calls, /*with_marker=*/!request.tool_required));
+  } catch (const GrammarError& e) {
+    throw ApiError(400, std::string("'tools': ") + e.what(), "tools");
+  }
+  if (!request.tool_required) g.grammar_trigger = trigger;
+}
+
 GenerationRequest Server::generation_request(const CompletionRequest& request) const {
   GenerationRequest g;
   const Tokenizer& tokenizer = *model_->tokenizer;
   if (request.endpoint == Endpoint::kChat) {
-    if (request.reasoning_effort && *request.reasoning_effort != template_->reasoning_effort()) {
-      ChatTemplate chat_template = *template_;
-      chat_template.set_reasoning_effort(*request.reasoning_effort);
-      g.prompt = conversation_prompt(chat_template, tokenizer, request.messages);
-    } else {
-      g.prompt = conversation_prompt(*template_, tokenizer, request.messages);
-    }
+    g.prompt = chat_prompt(request);
     g.end_tokens = end_of_turn_;
   } else {
     g.prompt = tokenizer.encode(request.prompt, tokenizer.add_bos_by_default(), /*parse_special=*/true);
@@ -240,6 +266,7 @@ GenerationRequest Server::generation_request(const CompletionRequest& request) c
   g.n_samples = request.n;
   g.beams = request.beams;
   g.grammar = request.grammar;
+  if (!request.tools.empty()) tool_call_grammar(request, g);
   g.length_penalty = request.length_penalty;
   g.top_logprobs = request.logprobs ? request.top_logprobs : -1;
   g.draft_max = request.draft_max.value_or(-1);
@@ -256,7 +283,7 @@ void Server::completions(const httplib::Request& req, httplib::Response& res, En
   } catch (const json::parse_error& e) {
     throw ApiError(400, std::string("the body is not valid JSON: ") + e.what());
   }
-  const CompletionRequest request = serve::parse_completion_request(body, endpoint, o_.sampling);
+  const CompletionRequest request = serve::parse_completion_request(body, endpoint, o_.sampling, req.body);
   GenerationRequest g = generation_request(request);
   const auto prompt_tokens = static_cast<int>(g.prompt.size());
   current_log.prompt_tokens = prompt_tokens;
@@ -309,12 +336,14 @@ void Server::gather(std::vector<StreamEvent> events, const CompletionRequest& re
     if (e.kind == StreamEvent::Kind::kPiece && e.token >= 0 && request.logprobs) c.tokens.push_back(token_info(e));
     if (e.kind == StreamEvent::Kind::kDone) {
       c.text = e.result.text;
-      if (request.endpoint == Endpoint::kChat) {  // the answer, and the reasoning apart (harmony)
-        ReplyDelta parts = ReplyParser::parse(*template_, c.text);
+      c.finish_reason = e.result.finish_reason;
+      if (request.endpoint == Endpoint::kChat) {  // the answer, the reasoning apart, the tool calls
+        ChatReplyDelta parts = ChatReplyReader::read(*template_, !request.tools.empty(), request.tool_required, c.text);
         c.text = std::move(parts.content);
         c.reasoning = std::move(parts.reasoning);
+        c.tool_calls = std::move(parts.calls);
+        if (!c.tool_calls.empty() && c.finish_reason == "stop") c.finish_reason = "tool_calls";
       }
-      c.finish_reason = e.result.finish_reason;
       answer.usage.completion_tokens += e.result.n_tokens;
     }
   }
@@ -369,12 +398,18 @@ void Server::answer_streaming(std::shared_ptr<RequestStream> stream, const Compl
     serve::ResponseHead head;
     serve::Usage usage;
     bool started = false;
-    // Chat: each choice's answer and reasoning as its text streams (harmony's channels); the
-    // completions endpoint sends the text as generated.
-    std::vector<ReplyParser> parts;
+    // Chat: each choice's answer, reasoning and tool calls as its text streams (harmony's
+    // channels, Qwen3's <think>, the calls), and how many calls it sent; the completions endpoint
+    // sends the text as generated.
+    std::vector<ChatReplyReader> parts;
+    std::vector<int> calls_sent;
   };
   auto state = std::make_shared<State>();
-  if (request.endpoint == Endpoint::kChat) state->parts.assign(static_cast<size_t>(request.n), ReplyParser(*template_));
+  if (request.endpoint == Endpoint::kChat) {
+    state->parts.assign(static_cast<size_t>(request.n),
+                        ChatReplyReader(*template_, !request.tools.empty(), request.tool_required));
+    state->calls_sent.assign(static_cast<size_t>(request.n), 0);
+  }
   state->head = {random_id(request.endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-"),
                  static_cast<int64_t>(std::time(nullptr)), model_name_};
   state->usage.prompt_tokens = prompt_tokens;
@@ -386,6 +421,19 @@ void Server::answer_streaming(std::shared_ptr<RequestStream> stream, const Compl
         const auto send = [&](const json& chunk) {
           const std::string event = serve::sse_event(chunk);
           return sink.write(event.data(), event.size());
+        };
+        // A piece of one choice's reply: its text (and reasoning) in one chunk, its calls in another.
+        const auto send_piece = [&](const ChatReplyDelta& piece, const std::vector<serve::TokenInfo>& tokens, int sample) {
+          bool sent = true;
+          if (!piece.content.empty() || !piece.reasoning.empty() || !tokens.empty()) {
+            sent = send(serve::stream_chunk(request, state->head, sample, piece.content, tokens, "", false, piece.reasoning));
+          }
+          if (sent && !piece.calls.empty()) {
+            int& calls_sent = state->calls_sent[static_cast<size_t>(sample)];
+            sent = send(serve::tool_calls_chunk(request, state->head, sample, piece.calls, calls_sent));
+            calls_sent += static_cast<int>(piece.calls.size());
+          }
+          return sent;
         };
         if (!state->started) {  // every choice opens with its role (chat)
           state->started = true;
@@ -400,18 +448,17 @@ void Server::answer_streaming(std::shared_ptr<RequestStream> stream, const Compl
           if (e.kind == StreamEvent::Kind::kPiece) {
             std::vector<serve::TokenInfo> tokens;
             if (e.token >= 0 && request.logprobs) tokens.push_back(token_info(e));
-            ReplyDelta piece{e.text, ""};
+            ChatReplyDelta piece{e.text, "", {}};
             if (!state->parts.empty()) piece = state->parts[static_cast<size_t>(e.sample)].push(e.text);
-            if (!piece.empty() || !tokens.empty()) {
-              ok = send(serve::stream_chunk(request, state->head, e.sample, piece.content, tokens, "", false, piece.reasoning));
-            }
+            ok = send_piece(piece, tokens, e.sample);
           } else if (e.kind == StreamEvent::Kind::kDone) {
             state->usage.completion_tokens += e.result.n_tokens;
-            if (!state->parts.empty()) {  // the text held back as a possible marker, which never became one
-              const ReplyDelta rest = state->parts[static_cast<size_t>(e.sample)].finish();
-              if (!rest.empty()) ok = send(serve::stream_chunk(request, state->head, e.sample, rest.content, {}, "", false, rest.reasoning));
+            if (!state->parts.empty()) {  // the text held back as a possible marker, and calls read at the end
+              ok = send_piece(state->parts[static_cast<size_t>(e.sample)].finish(), {}, e.sample);
             }
-            ok = ok && send(serve::stream_chunk(request, state->head, e.sample, "", {}, e.result.finish_reason));
+            const bool called = !state->calls_sent.empty() && state->calls_sent[static_cast<size_t>(e.sample)] > 0;
+            const std::string finish = called && e.result.finish_reason == "stop" ? "tool_calls" : e.result.finish_reason;
+            ok = ok && send(serve::stream_chunk(request, state->head, e.sample, "", {}, finish));
           } else {  // cancelled by a shutdown past its grace period
             ok = send(serve::error_body(ApiError(503, "the server is shutting down")));
           }

@@ -9,6 +9,11 @@
            grammar's own cost per token from --stats json.
   latency  time to the first streamed token from `ringlm serve`, with that schema and without,
            alternated over --latency-requests requests: medians.
+  tools    `ringlm serve` with three tools (pydantic models as their parameters): for each of
+           --prompts questions, a call forced (tool_choice "required"), its arguments validated
+           by pydantic, the result sent back and the answer read; and the same questions with
+           tool_choice "auto": how many replies are calls that validate or plain text (none a
+           call that does not parse). With --llama-server, the same against `llama-server --jinja`.
   clients  (with --llama-server PATH) --clients concurrent clients asking for that schema,
            --requests each, against `ringlm serve --parallel N` and `llama-server -np N` in turn:
            completion tokens per second of wall time, every answer checked against the schema.
@@ -103,6 +108,74 @@ def valid_answers(client, n_prompts):
     return ok, reasons
 
 
+class Weather(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    city: str = pydantic.Field(max_length=40)
+    unit: str | None = pydantic.Field(default=None, pattern="^(celsius|fahrenheit)$")
+
+
+class Add(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    a: float
+    b: float
+
+
+class Flight(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    origin: str = pydantic.Field(max_length=30)
+    destination: str = pydantic.Field(max_length=30)
+    passengers: int
+
+
+TOOL_MODELS = {"get_weather": Weather, "add": Add, "book_flight": Flight}
+TOOLS = [{"type": "function", "function": {"name": name, "description": description, "parameters": model.model_json_schema()}}
+         for (name, model), description in zip(TOOL_MODELS.items(), ["The weather in a city", "Adds two numbers",
+                                                                      "Books a flight"])]
+CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Nairobi", "Quito", "Hanoi", "Perth", "Cairo", "Denver"]
+QUESTIONS = ["What is the weather in {}?", "Add {} and 17.", "Book a flight from {} to Rome for two.",
+             "Is it cold in {} today?", "How many is {} plus 3.5? Use the tool."]
+
+
+def valid_call(call):
+    try:
+        TOOL_MODELS[call.function.name].model_validate_json(call.function.arguments)
+        return True
+    except (KeyError, pydantic.ValidationError):
+        return False
+
+
+def tool_calls(client, n_prompts):
+    """(forced calls valid, round trips answered, auto replies that are valid calls, auto plain text)."""
+    forced = answered = auto_calls = auto_text = 0
+    failures = []
+    for i in range(n_prompts):
+        question = QUESTIONS[i % len(QUESTIONS)].format(CITIES[i % len(CITIES)] if i % 5 != 1 and i % 5 != 4 else 10 + i)
+        messages = [{"role": "user", "content": question}]
+        r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required",
+                                           max_tokens=200, seed=i, temperature=0.8)
+        message = r.choices[0].message
+        if r.choices[0].finish_reason == "tool_calls" and message.tool_calls and all(map(valid_call, message.tool_calls)):
+            forced += 1
+            messages += [message.model_dump(exclude_none=True)] + [
+                {"role": "tool", "tool_call_id": c.id, "content": json.dumps({"ok": True, "value": 21})}
+                for c in message.tool_calls]
+            answer = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none",
+                                                    max_tokens=60, seed=i).choices[0].message
+            answered += bool(answer.content and answer.content.strip() and not answer.tool_calls)
+        else:
+            failures.append(("required", question, r.choices[0].finish_reason, message.content, message.tool_calls))
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}], tools=TOOLS,
+                                           max_tokens=200, seed=i, temperature=0.8)
+        message = r.choices[0].message
+        if message.tool_calls and all(map(valid_call, message.tool_calls)):
+            auto_calls += 1
+        elif not message.tool_calls and "<tool_call>" not in (message.content or ""):
+            auto_text += 1
+        else:
+            failures.append(("auto", question, r.choices[0].finish_reason, message.content, message.tool_calls))
+    return forced, answered, auto_calls, auto_text, failures
+
+
 def run_stats(model, threads, args):
     out = subprocess.run([RINGLM, "run", "-m", model, "-t", str(threads), "--stats", "json", *args],
                          capture_output=True, text=True, check=True)
@@ -125,10 +198,10 @@ def speed(model, threads, rounds):
     return len(schema), statistics.median(constrained), statistics.median(free), statistics.median(per_token)
 
 
-def start_llama_server(path, model, threads, parallel, n_ctx):
+def start_llama_server(path, model, threads, parallel, n_ctx, extra=()):
     port = 18000 + os.getpid() % 1000
     proc = subprocess.Popen([path, "-m", model, "--port", str(port), "-t", str(threads), "-np", str(parallel),
-                             "-c", str(n_ctx * parallel)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "-c", str(n_ctx * parallel), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
     for _ in range(1200):
         try:
@@ -190,13 +263,30 @@ def main():
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("--latency-requests", type=int, default=10)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: valid, speed, latency")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: tools, valid, speed, latency")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server, for the clients part")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=4, help="requests per client in the clients part")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"model {os.path.basename(args.model)}, {args.threads} threads")
+    if "tools" not in skip:
+        servers = [("ringlm", lambda: serve(args.model, args.threads, 4))]
+        if args.llama_server:
+            servers.append(("llama-server", lambda: start_llama_server(args.llama_server, args.model, args.threads, 4, 4096,
+                                                                            ["--jinja"])))
+        for name, start in servers:
+            proc, client = start()
+            try:
+                forced, answered, auto_calls, auto_text, failures = tool_calls(client, args.prompts)
+            finally:
+                proc.terminate()
+                proc.wait()
+            n = args.prompts
+            print(f"tools: {name}: required: {forced}/{n} calls valid, {answered}/{forced} round trips answered; "
+                  f"auto: {auto_calls} valid calls + {auto_text} plain answers of {n}", flush=True)
+            for f in failures[:10]:
+                print("  failed:", f)
     if "valid" not in skip or "latency" not in skip:
         proc, client = serve(args.model, args.threads, 4)
         try:

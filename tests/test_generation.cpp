@@ -196,6 +196,56 @@ TEST_F(GenerationTest, GrammarDrawFollowsItsDefinition) {
   }
 }
 
+// A lazy grammar (a tool call's, with tool_choice "auto"): the text is free until it holds the
+// trigger, held from there (the grammar reading from the trigger's start, the token that brought
+// it included), and free again for good if the grammar cannot read that text.
+TEST_F(GenerationTest, LazyGrammarHoldsTheTextFromItsTriggerOn) {
+  const Tokenizer& tok = *gpt2_;
+  const auto id = [&](std::string_view text) {
+    const std::optional<int32_t> token = tok.find_token(text);
+    EXPECT_TRUE(token.has_value()) << text;
+    return token.value_or(0);
+  };
+  const auto vocabulary = std::make_shared<const GrammarVocabulary>(tok);
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  StopConditions no_end;
+  no_end.ignore_eos = true;
+  const auto favouring = [&](int32_t token) {  // logits with `token` far on top
+    std::vector<float> logits(static_cast<size_t>(tok.n_vocab()), 0.0f);
+    logits[static_cast<size_t>(token)] = 30.0f;
+    return logits;
+  };
+  const auto draw = [&](Generation& g, int32_t favoured) {
+    std::vector<float> logits = favouring(favoured);
+    return g.draw(std::span<float>(logits));
+  };
+  {
+    Sampler sampler(greedy, tok.n_vocab());
+    Generation g(tok, sampler, no_end, {});
+    g.constrain(Grammar::parse(R"(root ::= "<<" [0-9]+ ">>")"), vocabulary, "<<");
+    EXPECT_EQ(draw(g, id("hello")), id("hello"));  // free before the trigger: the grammar would refuse it
+    g.take(id("hello"));
+    g.take(id("<<"));
+    const int32_t digit = draw(g, id("abc"));  // held now: the most likely token it allows
+    EXPECT_NE(digit, id("abc"));
+    const std::string piece = tok.token_to_piece(digit);
+    ASSERT_FALSE(piece.empty());
+    EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(piece[0]))) << piece;
+    g.take(digit);
+    g.take(id(">>"));
+    EXPECT_TRUE(g.finished());  // nothing can follow the grammar's sentence
+  }
+  {
+    Sampler sampler(greedy, tok.n_vocab());
+    Generation g(tok, sampler, no_end, {});
+    g.constrain(Grammar::parse(R"(root ::= "<" [0-9]+)"), vocabulary, "<");
+    g.take(id("<<"));  // the trigger, in text the grammar cannot read: dropped
+    EXPECT_EQ(draw(g, id("abc")), id("abc"));
+    EXPECT_FALSE(g.finished());
+  }
+}
+
 TEST_F(GenerationTest, StopStringOverTwoTokensIsNeverShown) {
   Feed f(*gpt2_, stops({"STOP"}));
   EXPECT_EQ(f.take_text("Hello wor"), "Hello wor");

@@ -290,7 +290,12 @@ constexpr int kUnbounded = -1;
 
 class SchemaConverter {
  public:
-  explicit SchemaConverter(const json& document) : document_(document) { names_.insert("root"); }
+  // `root_name`: the name of the rule that matches the document ("root" is never used otherwise
+  // either, so that a grammar that embeds this one can have its own root).
+  SchemaConverter(const json& document, std::string root_name) : document_(document), root_name_(std::move(root_name)) {
+    names_.insert("root");
+    names_.insert(root_name_);
+  }
 
   std::string convert() {
     const std::string root = visit(document_, "", "document", 0);
@@ -373,7 +378,7 @@ class SchemaConverter {
   }
 
   std::string text(const std::string& root) const {
-    std::vector<std::pair<std::string, std::string>> rules = {{"root", root}};
+    std::vector<std::pair<std::string, std::string>> rules = {{root_name_, root}};
     rules.insert(rules.end(), rules_.begin(), rules_.end());
     rules.insert(rules.end(), ref_bodies_.begin(), ref_bodies_.end());
     for (const FixedRule& rule : fixed_rules()) {
@@ -385,6 +390,7 @@ class SchemaConverter {
   }
 
   const json& document_;
+  const std::string root_name_;
   std::vector<std::pair<std::string, std::string>> rules_;       // in the order made
   std::vector<std::pair<std::string, std::string>> ref_bodies_;  // a $ref's rule: its schema's rule
   std::set<std::string> names_;
@@ -1082,9 +1088,9 @@ std::string SchemaConverter::visit_array(const json& schema, const std::string& 
 
 }  // namespace
 
-std::string json_schema_to_gbnf(const nlohmann::json& schema) {
+std::string json_schema_to_gbnf(const nlohmann::json& schema, const std::string& root_name) {
   try {
-    return SchemaConverter(schema).convert();
+    return SchemaConverter(schema, root_name).convert();
   } catch (const nlohmann::json::exception& e) {  // e.g. a string that is not UTF-8, built in code
     throw GrammarError(std::string("json_schema: invalid schema: ") + e.what());
   }

@@ -43,7 +43,9 @@ namespace ringlm {
 // nested deeper than kMaxSchemaDepth, a grammar of more than kMaxSchemaRules rules (bounded
 // repetitions count as many rules as their bound, as the grammar engine expands them), a $ref
 // loop that reads nothing, or a schema that is neither an object nor a boolean.
-std::string json_schema_to_gbnf(const nlohmann::json& schema);
+// `root_name`: the rule that matches the document; another name leaves "root" free for a grammar
+// that embeds this one (a tool call's arguments inside the call's tags).
+std::string json_schema_to_gbnf(const nlohmann::json& schema, const std::string& root_name = "root");
 
 inline constexpr int kMaxSchemaDepth = 64;
 inline constexpr int kMaxSchemaRules = 10000;

@@ -42,6 +42,9 @@ class TokenConstraint {
   size_t mask(std::span<float> logits, IsEnd is_end) const;
   // Moves the grammar over the token's text. Throws std::logic_error if it was not allowed.
   void take(int32_t token);
+  // Moves it over text (a lazy grammar's start, already generated); false, and nothing moved,
+  // if the grammar cannot read it.
+  bool take_text(std::string_view text) { return matcher_.accept(text); }
 
   bool accepting() const { return matcher_.accepting(); }
   bool finished() const { return matcher_.finished(); }

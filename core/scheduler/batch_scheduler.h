@@ -71,6 +71,8 @@ struct GenerationRequest {
   // The text is held to this grammar (null: none); such a sequence draws from the whole
   // vocabulary's logits and without a guesser's drafts.
   std::shared_ptr<const Grammar> grammar;
+  // With it, the grammar is lazy: the text is free until it holds this (a tool call's marker).
+  std::string grammar_trigger;
   int slots_needed() const { return std::max(n_samples, beams); }
 };
 

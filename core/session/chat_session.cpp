@@ -90,13 +90,14 @@ ChatTemplate chat_template_for(const GgufFile& gguf, const Tokenizer& tokenizer,
 }
 
 std::vector<int32_t> conversation_prompt(const ChatTemplate& chat_template, const Tokenizer& tokenizer,
-                                         std::vector<ChatMessage> messages) {
+                                         std::vector<ChatMessage> messages, std::span<const ToolDefinition> tools,
+                                         std::string_view reply_start) {
   const bool has_system = !messages.empty() && messages.front().role == "system";
   if (!has_system && !chat_template.default_system_prompt().empty()) {
     messages.insert(messages.begin(), ChatMessage{"system", chat_template.default_system_prompt()});
   }
   const bool bos = chat_template.starts_with_bos() || tokenizer.add_bos_by_default();
-  return tokenizer.encode(chat_template.render(messages), bos, /*parse_special=*/true);
+  return tokenizer.encode(chat_template.render(messages, tools) + std::string(reply_start), bos, /*parse_special=*/true);
 }
 
 ChatSession::ChatSession(LlamaModel& model, const Tokenizer& tokenizer, ChatTemplate chat_template,

@@ -50,11 +50,14 @@ class Tokenizer;
 ChatTemplate chat_template_for(const GgufFile& gguf, const Tokenizer& tokenizer, const std::string& name,
                                std::string& notice);
 
-// A conversation ending with a user message as the model reads it, the reply header last: the
-// template's default system prompt first when the conversation has no system message (as the
-// Jinja template writes it), BOS when the format or the vocabulary starts with one.
+// A conversation ending with a user message (or tool results) as the model reads it, the reply
+// header last: the template's default system prompt first when the conversation has no system
+// message (as the Jinja template writes it), BOS when the format or the vocabulary starts with
+// one. `tools`: the tools offered (ChatTemplate::render); `reply_start`: text the reply begins
+// with, written after the header (a forced tool call's marker).
 std::vector<int32_t> conversation_prompt(const ChatTemplate& chat_template, const Tokenizer& tokenizer,
-                                         std::vector<ChatMessage> messages);
+                                         std::vector<ChatMessage> messages,
+                                         std::span<const ToolDefinition> tools = {}, std::string_view reply_start = {});
 
 struct ChatSessionOptions {
   int n_ctx = 4096;

@@ -6,6 +6,9 @@
 // jinja2 and compares.
 #include "core/session/chat_template.h"
 
+#include "core/session/chat_text.h"
+
+#include <algorithm>
 #include <array>
 #include <ctime>
 #include <initializer_list>
@@ -78,6 +81,10 @@ size_t space_before(std::string_view text, size_t end) {
   return 0;
 }
 
+}  // namespace
+
+namespace chat_text {
+
 std::string_view python_strip(std::string_view text) {
   size_t begin = 0, end = text.size();
   while (begin < end) {
@@ -92,6 +99,12 @@ std::string_view python_strip(std::string_view text) {
   }
   return text.substr(begin, end - begin);
 }
+
+}  // namespace chat_text
+
+namespace {
+
+using namespace chat_text;
 
 // --- Reading the template -------------------------------------------------------------------
 
@@ -163,6 +176,10 @@ std::string literal_default_system(std::string_view source) {
 
 // --- Writing --------------------------------------------------------------------------------
 
+}  // namespace
+
+namespace chat_text {
+
 std::string concat(std::initializer_list<std::string_view> parts) {
   size_t size = 0;
   for (std::string_view part : parts) size += part.size();
@@ -179,11 +196,13 @@ std::string fold_system(std::string_view content, bool first, std::string_view s
   return concat({system, "\n\n", content});
 }
 
-constexpr std::string_view kLlama3DatedHeader = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n";
-
 std::string llama3_header(std::string_view role) {
   return concat({"<|start_header_id|>", role, "<|end_header_id|>\n\n"});
 }
+
+}  // namespace chat_text
+
+namespace {
 
 // gpt-oss's template writes this system message before every conversation, with the default of
 // its model_identity variable, its reasoning_effort (default "medium") and no tools; the caller's
@@ -218,11 +237,17 @@ void ChatTemplate::read_variants(std::string_view source) {
   switch (format_) {
     case ChatFormat::kChatMl:
       default_system_ = literal_default_system(source);
+      native_tools_ = contains(source, "<tool_call>");  // Qwen 2.5 and 3, Hermes
       break;
     case ChatFormat::kLlama3:
       llama3_dated_header_ = contains(source, "Cutting Knowledge Date");
+      // Llama 3.1's and 3.2's: tool results come back as the "ipython" role.
+      native_tools_ = llama3_dated_header_ && contains(source, "ipython");
+      if (native_tools_) tool_syntax_ = ToolSyntax::kLlama3;
       break;
     case ChatFormat::kMistral:
+      native_tools_ = contains(source, "[TOOL_CALLS]");  // v0.3, Nemo
+      if (native_tools_) tool_syntax_ = ToolSyntax::kMistral;
       // The spacing of the strings the template joins around the message: '[INST] ' and
       // ' [/INST]' (v1), "[INST] " and "[/INST]" (v3), "[INST]" and "[/INST]" (Nemo), ' [INST] '
       // and ' ' before the reply (v0.1/v0.2 since 2024), eos_token + ' ' (v0.1 in 2023).
@@ -395,25 +420,41 @@ std::vector<std::string> ChatTemplate::end_markers() const {
   return {end_of_turn()};
 }
 
-namespace {
-
-// An optional system message first, then user and assistant taking turns, user first.
-void check_roles(std::span<const ChatMessage> messages) {
+// An optional system message first, then user and assistant taking turns, user first; after an
+// assistant message with tool calls, one or more tool messages (their results), then an
+// assistant message again.
+void ChatTemplate::check_roles(std::span<const ChatMessage> messages) const {
   const bool has_system = !messages.empty() && messages[0].role == "system";
+  std::string_view expected = "user", also = "";
   for (size_t i = has_system ? 1 : 0; i < messages.size(); ++i) {
-    const std::string_view expected = (i - (has_system ? 1 : 0)) % 2 == 0 ? "user" : "assistant";
-    if (messages[i].role == expected) continue;
-    throw std::invalid_argument(concat({"chat message ", std::to_string(i), " has role '", messages[i].role,
-                                        "' where '", expected,
-                                        "' was expected (an optional system message first, then user and "
-                                        "assistant messages taking turns, starting with user)"}));
+    const ChatMessage& message = messages[i];
+    if (message.role != expected && message.role != also) {
+      throw std::invalid_argument(concat({"chat message ", std::to_string(i), " has role '", message.role, "' where '",
+                                          expected, also.empty() ? "" : "' or '", also,
+                                          "' was expected (an optional system message first, then user and "
+                                          "assistant messages taking turns, starting with user; after an "
+                                          "assistant's tool calls, their tool results)"}));
+    }
+    if (!message.tool_calls.empty() && message.role != "assistant") {
+      throw std::invalid_argument(concat({"chat message ", std::to_string(i), " has tool calls but role '", message.role,
+                                          "' (only an assistant message calls tools)"}));
+    }
+    if (message.role == "user") {
+      expected = "assistant", also = "";
+    } else if (message.role == "assistant") {
+      expected = message.tool_calls.empty() ? "user" : "tool", also = "";
+    } else {  // a tool result: more results, or the reply that reads them
+      expected = "tool", also = "assistant";
+    }
   }
 }
 
-}  // namespace
-
-std::string ChatTemplate::render(std::span<const ChatMessage> messages) const {
+std::string ChatTemplate::render(std::span<const ChatMessage> messages, std::span<const ToolDefinition> tools) const {
   check_roles(messages);
+  const bool tool_messages = std::any_of(messages.begin(), messages.end(), [](const ChatMessage& m) {
+    return m.role == "tool" || !m.tool_calls.empty();
+  });
+  if (!tools.empty() || tool_messages) return render_with_tools(messages, tools);
   const bool has_system = !messages.empty() && messages[0].role == "system";
   const std::string_view system = has_system ? std::string_view(messages[0].content) : std::string_view();
   std::string text = conversation_start(system);

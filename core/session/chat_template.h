@@ -23,13 +23,20 @@
 #include <utility>
 #include <vector>
 
+#include "core/session/tool_calls.h"
+
 namespace ringlm {
 
 enum class ChatFormat { kChatMl, kLlama2, kLlama3, kGemma, kPhi3, kMistral, kZephyr, kHarmony };
 
 struct ChatMessage {
-  std::string role;  // "system", "user" or "assistant"
+  ChatMessage() = default;
+  ChatMessage(std::string role_, std::string content_) : role(std::move(role_)), content(std::move(content_)) {}
+
+  std::string role;  // "system", "user", "assistant" or "tool"
   std::string content;
+  std::vector<ToolCall> tool_calls;  // an assistant message's calls
+  std::string tool_call_id;          // a tool message: the call whose result it is
 };
 
 // The texts of the vocabulary's BOS and EOS tokens, which some formats write inside the
@@ -116,11 +123,32 @@ class ChatTemplate {
   // optional system message, then user/assistant turns; std::invalid_argument naming the first
   // message out of place otherwise. No messages: conversation_start(""). The default system
   // prompt is not added here: a caller that wants it passes it as the system message.
-  std::string render(std::span<const ChatMessage> messages) const;
+  //
+  // With `tools` (or tool calls and results in the conversation), the conversation as the
+  // format's template writes it with tools (chat_template_tools.cpp): the tools described where
+  // the template puts them, an assistant message's tool_calls in tool_syntax(), and after it
+  // one or more "tool" messages with their results, each group followed by the reply header as
+  // a user message is. The conversation may then end with tool results.
+  std::string render(std::span<const ChatMessage> messages, std::span<const ToolDefinition> tools = {}) const;
+
+  // How the format writes tool calls: its template's own way where the template has one (Qwen's
+  // <tool_call>, Llama 3.1's JSON, Mistral's [TOOL_CALLS]), Hermes' tags described in the system
+  // message otherwise (has_native_tools() false). Harmony's tool calls are not supported:
+  // render() with tools throws std::invalid_argument for it.
+  ToolSyntax tool_syntax() const { return tool_syntax_; }
+  bool has_native_tools() const { return native_tools_; }
 
  private:
   ChatTemplate(ChatFormat format, const ChatSpecialTokens& special) : format_(format), special_(special) {}
   void read_variants(std::string_view template_source);  // the variant flags below, by markers
+  void check_roles(std::span<const ChatMessage> messages) const;
+  // render() of a conversation with tools or tool messages (chat_template_tools.cpp).
+  std::string render_with_tools(std::span<const ChatMessage> messages, std::span<const ToolDefinition> tools) const;
+  std::string tools_conversation_start(std::string_view system, std::span<const ToolDefinition> tools) const;
+  std::string tools_user_turn(std::string_view content, bool first, bool last, std::string_view system,
+                              std::span<const ToolDefinition> tools) const;
+  std::string tool_calls_reply(const ChatMessage& message) const;
+  std::string tool_results_turn(std::span<const ChatMessage> results, std::string_view system) const;
 
   ChatFormat format_;
   ChatSpecialTokens special_;
@@ -136,6 +164,8 @@ class ChatTemplate {
   // space before each user message and before each reply.
   bool mistral_space_before_turns_ = false;
   bool mistral_space_after_eos_ = false;  // Mistral-7B-Instruct-v0.1's 2023 template: "reply</s> "
+  bool native_tools_ = false;             // the template writes tools and calls itself
+  ToolSyntax tool_syntax_ = ToolSyntax::kHermes;
 };
 
 }  // namespace ringlm

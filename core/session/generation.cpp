@@ -50,12 +50,23 @@ Generation::Generation(const Tokenizer& tokenizer, Sampler& sampler, StopConditi
   if (stop_.max_tokens == 0) finish_ = FinishReason::kMaxTokens;
 }
 
-void Generation::constrain(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary) {
+void Generation::constrain(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary,
+                           std::string trigger) {
   grammar_.emplace(std::move(grammar), std::move(vocabulary));
+  grammar_trigger_ = std::move(trigger);
+}
+
+void Generation::wake_lazy_grammar(size_t searched_from) {
+  // The trigger may end in this token's text and begin in an earlier one's.
+  const size_t from = searched_from >= grammar_trigger_.size() ? searched_from - grammar_trigger_.size() + 1 : 0;
+  const size_t at = text_.find(grammar_trigger_, from);
+  if (at == std::string::npos) return;
+  grammar_trigger_.clear();
+  if (!grammar_->take_text(std::string_view(text_).substr(at))) grammar_.reset();
 }
 
 int32_t Generation::draw(std::span<float> logits) {
-  if (!grammar_) return sampler_->sample(logits, history_);
+  if (!grammar_ || !grammar_trigger_.empty()) return sampler_->sample(logits, history_);
   try {
     return draw_constrained(logits);
   } catch (const GrammarError&) {  // (more parses at once than the matcher follows: the text ends here)
@@ -147,14 +158,17 @@ bool Generation::is_end_token(int32_t token) const {
 
 GenerationStep Generation::take(int32_t token) {
   if (is_end_token(token) || grammar_stuck_) return finish(FinishReason::kEndToken);
-  if (grammar_) {
+  const bool lazy = grammar_ && !grammar_trigger_.empty();
+  if (grammar_ && !lazy) {
     const auto start = std::chrono::steady_clock::now();
     grammar_->take(token);
     grammar_cost_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   history_.push_back(token);
   ++n_tokens_;
+  const size_t text_before = text_.size();
   text_ += utf8_.push(tokenizer_->token_to_piece(token));
+  if (lazy) wake_lazy_grammar(text_before);
   if (cut_at_stop_string()) {
     // What the decoder still holds comes after the stop string: it is dropped with the rest.
     finish_ = FinishReason::kStopString;

@@ -75,7 +75,13 @@ class Generation {
   // Constrains the text to `grammar` (a GBNF grammar): only tokens it allows are drawn, an end
   // token only once the text is a whole sentence of it, and the sequence ends when nothing more
   // can follow. draw() then needs the whole vocabulary's logits (not draw_top()).
-  void constrain(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary);
+  //
+  // With a `trigger`, the grammar is lazy (llama.cpp's lazy grammars, for tool calls the model
+  // may or may not make): the text is free until it contains the trigger, then the grammar reads
+  // the text from the trigger's start and holds the rest. Text from the trigger on that the
+  // grammar cannot read drops it (the model wrote its own way; the text goes on free).
+  void constrain(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary,
+                 std::string trigger = {});
   bool constrained() const { return grammar_.has_value(); }
   // What the grammar cost: the time spent checking and masking tokens, and how many draws needed
   // the whole vocabulary masked (the token sampled first was not allowed).
@@ -129,6 +135,8 @@ class Generation {
   // draw from the logits with every token it does not allow masked out, as llama.cpp resamples.
   // Each token tried costs microseconds; the whole vocabulary masked, milliseconds.
   int32_t draw_constrained(std::span<float> logits);
+  // A lazy grammar whose trigger the text now holds starts reading there.
+  void wake_lazy_grammar(size_t searched_from);
   static constexpr size_t kCandidatesTried = 64;
   // The most likely token (largest logit, lowest id among equals) of the kCandidatesTried most
   // likely that `allowed` takes; -1 if none.
@@ -147,6 +155,7 @@ class Generation {
   int n_tokens_ = 0;
   FinishReason finish_ = FinishReason::kNone;
   std::optional<TokenConstraint> grammar_;
+  std::string grammar_trigger_;  // a lazy grammar's, until it holds the text ("" then)
   bool grammar_stuck_ = false;  // no token could follow: the next take() ends the sequence
   std::vector<float> unmasked_;  // the logits before a penalised first draw, for a masked second one
   std::vector<Sampler::Candidate> kept_;  // the first draw's candidates the grammar allows

@@ -249,4 +249,39 @@ ReplyParser::Route ReplyParser::route_of(std::string_view header) {
   return Route::kContent;  // final, commentary (a preamble to the answer), or none
 }
 
+ChatReplyReader::ChatReplyReader(const ChatTemplate& chat_template, bool read_calls, bool forced) : parts_(chat_template) {
+  if (!read_calls) return;
+  calls_.emplace(chat_template.tool_syntax());
+  if (forced) calls_->push(forced_call_prefix(chat_template.tool_syntax()));  // (hands nothing out)
+}
+
+ChatReplyDelta ChatReplyReader::take_calls(ReplyDelta parts, bool last) {
+  ChatReplyDelta out{std::move(parts.content), std::move(parts.reasoning), {}};
+  if (!calls_) return out;
+  ToolCallParser::Delta answer = calls_->push(out.content);
+  if (last) {
+    ToolCallParser::Delta rest = calls_->finish();
+    answer.content += rest.content;
+    answer.calls.insert(answer.calls.end(), rest.calls.begin(), rest.calls.end());
+  }
+  out.content = std::move(answer.content);
+  out.calls = std::move(answer.calls);
+  return out;
+}
+
+ChatReplyDelta ChatReplyReader::push(std::string_view text) { return take_calls(parts_.push(text), false); }
+
+ChatReplyDelta ChatReplyReader::finish() { return take_calls(parts_.finish(), true); }
+
+ChatReplyDelta ChatReplyReader::read(const ChatTemplate& chat_template, bool read_calls, bool forced,
+                                     std::string_view reply) {
+  ChatReplyReader reader(chat_template, read_calls, forced);
+  ChatReplyDelta out = reader.push(reply);
+  ChatReplyDelta rest = reader.finish();
+  out.content += rest.content;
+  out.reasoning += rest.reasoning;
+  out.calls.insert(out.calls.end(), rest.calls.begin(), rest.calls.end());
+  return out;
+}
+
 }  // namespace ringlm

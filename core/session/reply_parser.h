@@ -25,11 +25,14 @@
 // whitespace around it, as llama-server's reasoning_content and content. A reply that does not
 // begin with <think> (after whitespace) is all content, as it came.
 //
-// Every other format's reply is all content, handed out as it comes.
+// Every other format's reply is all content, handed out as it comes. ChatReplyReader (below)
+// then takes the tool calls out of the content when the request offered tools (tool_calls.h).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/session/chat_template.h"
 
@@ -83,6 +86,34 @@ class ReplyParser {
   std::string header_;          // the header being read (role, recipient, channel, markers)
   Route route_ = Route::kContent;
   std::string content_, reasoning_;
+};
+
+// A chat reply read into its parts as it streams: the reasoning apart (ReplyParser), then, when
+// the request offered tools, the tool calls out of the answer (ToolCallParser, in the
+// template's tool_syntax()).
+struct ChatReplyDelta {
+  std::string content;
+  std::string reasoning;
+  std::vector<ToolCall> calls;
+  bool empty() const { return content.empty() && reasoning.empty() && calls.empty(); }
+};
+
+class ChatReplyReader {
+ public:
+  // `read_calls`: tools were offered. `forced`: the prompt began the reply with the template's
+  // forced_call_prefix(), which the parser must read first.
+  ChatReplyReader(const ChatTemplate& chat_template, bool read_calls, bool forced);
+
+  ChatReplyDelta push(std::string_view text);
+  ChatReplyDelta finish();
+  // A whole reply's parts.
+  static ChatReplyDelta read(const ChatTemplate& chat_template, bool read_calls, bool forced, std::string_view reply);
+
+ private:
+  ChatReplyDelta take_calls(ReplyDelta parts, bool last);
+
+  ReplyParser parts_;
+  std::optional<ToolCallParser> calls_;
 };
 
 }  // namespace ringlm

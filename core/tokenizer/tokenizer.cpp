@@ -318,6 +318,16 @@ void Tokenizer::build_end_of_generation() {
       if (id >= 0) tokens_[static_cast<size_t>(id)].type = TokenType::UserDefined;
     }
   }
+  // The markers that start a tool call (tool_calls.h) are read from the generated text, so they
+  // must be in it: Mistral's [TOOL_CALLS] and Llama 3.1's <|python_tag|> are control tokens,
+  // which render as nothing. As user-defined tokens they render, and a prompt's text still
+  // becomes the one token (what llama.cpp does with a chat format's preserved tokens).
+  for (std::string_view text : {"[TOOL_CALLS]", "<|python_tag|>", "<tool_call>", "</tool_call>"}) {
+    const int32_t id = lookup(text);
+    if (id >= 0 && eog_ids_.count(id) == 0 && tokens_[static_cast<size_t>(id)].type == TokenType::Control) {
+      tokens_[static_cast<size_t>(id)].type = TokenType::UserDefined;
+    }
+  }
 }
 
 bool Tokenizer::no_token_joins_words() const {

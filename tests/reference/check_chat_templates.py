@@ -16,6 +16,13 @@ with --date.
 
 Where a template does what ringlm deliberately does not (see TEMPLATES below), only that
 combination is skipped, with the reason printed; the format detection is still checked.
+
+Conversations with tools (TOOL_CONVERSATIONS: OpenAI's "tools", assistant tool_calls and "tool"
+results) are compared for the templates that write tools themselves ("tools": True: Qwen 2.5 and
+3, Llama 3.1, Mistral Nemo), as transformers renders them: arguments as dicts, its tojson filter
+(json.dumps, keys in order, ensure_ascii=False). ringlm gets the arguments as OpenAI sends them,
+JSON text. For the other templates ringlm's own rendering (the tools in the system message) is
+only checked to succeed and to name every tool.
 Exit status: 0 when everything matches, 1 on the first mismatch (both texts printed).
 """
 import argparse
@@ -70,9 +77,9 @@ def skip_mistral_2023_system(conversation):
 
 
 def skip_nemo_system(conversation):
-    if has_system(conversation) and user_turns(conversation) > 1:
-        return ("Mistral-Nemo's template puts the system prompt in the last user message; ringlm keeps "
-                "it in the first (the conversation stays in the KV cache)")
+    if has_system(conversation) and (user_turns(conversation) > 1 or conversation[-1]["role"] != "user"):
+        return ("Mistral-Nemo's template puts the system prompt in the last message when it is a user message "
+                "(and drops it otherwise); ringlm keeps it in the first (the conversation stays in the KV cache)")
     return None
 
 
@@ -83,12 +90,13 @@ TEMPLATES = {
     # ../shared/data/chat-templates
     "HuggingFaceTB-SmolLM3-3B.jinja": dict(format="chatml", bos="", eos="<|im_end|>", skip=skip_smollm3),
     "Qwen-Qwen2.5-7B-Instruct.jinja": dict(format="chatml", bos="", eos="<|im_end|>",
-                                           default_system=QWEN_DEFAULT_SYSTEM),
+                                           default_system=QWEN_DEFAULT_SYSTEM, tools="hermes"),
     "google-gemma-2-2b-it.jinja": dict(format="gemma", bos="<bos>", eos="<eos>", skip=skip_gemma_system),
-    "meta-llama-Llama-3.1-8B-Instruct.jinja": dict(format="llama3", bos="<|begin_of_text|>", eos="<|eot_id|>"),
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": dict(format="llama3", bos="<|begin_of_text|>", eos="<|eot_id|>",
+                                                   tools="llama3"),
     "microsoft-Phi-3.5-mini-instruct.jinja": dict(format="phi3", bos="<s>", eos="<|endoftext|>"),
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": dict(format="mistral", bos="<s>", eos="</s>",
-                                                       skip=skip_nemo_system),
+                                                       skip=skip_nemo_system, tools="mistral"),
     # tests/reference/chat_templates
     "HuggingFaceTB-SmolLM2-135M-Instruct.jinja": dict(format="chatml", bos="<|im_start|>", eos="<|im_end|>",
                                                       default_system=SMOLLM2_DEFAULT_SYSTEM),
@@ -103,7 +111,7 @@ TEMPLATES = {
     # past replies as their final channel. bos/eos: o200k_harmony's (the template writes neither).
     "openai-gpt-oss-120b.jinja": dict(format="harmony", bos="<|startoftext|>", eos="<|return|>"),
     # Qwen3 (and Qwen3-MoE): ChatML whose replies think in <think> tags (ReplyParser's reasoning).
-    "Qwen-Qwen3-0.6B.jinja": dict(format="chatml", bos="", eos="<|im_end|>"),
+    "Qwen-Qwen3-0.6B.jinja": dict(format="chatml", bos="", eos="<|im_end|>", tools="hermes"),
 }
 
 
@@ -136,30 +144,118 @@ CONVERSATIONS = {
 }
 
 
+def tool(name, description, properties, required):
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}
+
+
+# Unicode in descriptions, an enum, a nested object, members in an order that is not sorted.
+TOOLS = [
+    tool("get_weather", "The weather in a city, in °C or °F", {
+        "city": {"type": "string", "description": "e.g. Zürich"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, ["city"]),
+    tool("add", "Adds two numbers", {"b": {"type": "number"}, "a": {"type": "number"},
+                                     "options": {"type": "object", "properties": {"round": {"type": "boolean"}}}},
+         ["a", "b"]),
+]
+
+
+def call(call_id, name, arguments):
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def calls_message(content, *calls):
+    return {"role": "assistant", "content": content, "tool_calls": list(calls)}
+
+
+def tool_result(call_id, content):
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+# Mistral's template wants call ids of 9 letters and digits.
+WEATHER_CALL = call("abc123xyz", "get_weather", {"city": "Zürich", "unit": "celsius"})
+ADD_CALL = call("def456uvw", "add", {"a": 2, "b": 3.5})
+TOOL_CONVERSATIONS = {
+    "tools, one turn": [msg("user", "What is the weather in Zürich?")],
+    "tools, system, a call and its result": [
+        msg("system", "You are a weather bot."),
+        msg("user", "Weather in Zürich?"),
+        calls_message("", WEATHER_CALL),
+        tool_result("abc123xyz", '{"temperature": 21, "sky": "clear"}'),
+    ],
+    "tools, a call answered, then a new question": [
+        msg("user", "Weather in Zürich?"),
+        calls_message("", WEATHER_CALL),
+        tool_result("abc123xyz", "21 degrees"),
+        msg("assistant", "It is 21 °C in Zürich."),
+        msg("user", "And 2 + 3.5?"),
+    ],
+    "tools, two calls at once": [
+        msg("user", "Weather in Zürich, and 2 + 3.5?"),
+        calls_message("Let me look.", WEATHER_CALL, ADD_CALL),
+        tool_result("abc123xyz", "21 degrees"),
+        tool_result("def456uvw", "5.5"),
+    ],
+}
+
+
+def skip_llama31_parallel(conversation):
+    if any(len(m.get("tool_calls", [])) > 1 for m in conversation):
+        return "Llama 3.1's template raises on two calls in one message; ringlm refuses them too"
+    return None
+
+
 def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
-def jinja_render(source, conversation, bos, eos):
+def transformers_tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers replaces jinja2's tojson (which sorts keys and escapes HTML) with this.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def jinja_render(source, conversation, bos, eos, tools=None):
     # As transformers' apply_chat_template sets up its environment.
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = transformers_tojson
     # transformers: datetime.now().strftime(format); here the fixed day.
     env.globals["strftime_now"] = RENDER_DATE.strftime
     template = env.from_string(source)
-    return template.render(messages=conversation, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+    extra = {"tools": tools} if tools else {}
+    return template.render(messages=conversation, add_generation_prompt=True, bos_token=bos, eos_token=eos, **extra)
 
 
-def ringlm_render(tool, template_path, conversation, bos, eos):
+def as_openai(conversation):
+    """The conversation as an OpenAI client sends it: call arguments as JSON text."""
+    out = []
+    for message in conversation:
+        message = dict(message)
+        if "tool_calls" in message:
+            message["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.dumps(c["function"]["arguments"])))
+                                     for c in message["tool_calls"]]
+        out.append(message)
+    return out
+
+
+def write_json(value):
     with tempfile.NamedTemporaryFile("w", suffix=".json", encoding="utf-8", delete=False) as f:
-        json.dump(conversation, f, ensure_ascii=False)
-        messages_path = f.name
+        json.dump(value, f, ensure_ascii=False)
+        return f.name
+
+
+def ringlm_render(tool, template_path, conversation, bos, eos, tools=None):
+    messages_path = write_json(as_openai(conversation))
+    tools_path = write_json(tools) if tools else None
     try:
         result = subprocess.run([tool, template_path, messages_path, "--bos", bos, "--eos", eos,
-                                 "--date", RENDER_DATE.strftime("%Y-%m-%d")], capture_output=True, timeout=60)
+                                 "--date", RENDER_DATE.strftime("%Y-%m-%d")] +
+                                (["--tools", tools_path] if tools_path else []), capture_output=True, timeout=60)
     finally:
         os.unlink(messages_path)
+        if tools_path:
+            os.unlink(tools_path)
     if result.returncode != 0:
         raise RuntimeError(f"{tool} failed ({result.returncode}): {result.stderr.decode(errors='replace')}")
     return json.loads(result.stdout.decode("utf-8"))
@@ -204,6 +300,37 @@ def check_template(tool, path, spec):
                                  f" / ringlm {ringlm_text[at:at + 40]!r}")
         print(f"  ok     {name} [{label}]")
         compared += 1
+    if spec["format"] == "harmony":
+        print(f"  skip   {name} [tools]: ringlm does not write harmony's tools yet")
+        return compared, skipped + len(TOOL_CONVERSATIONS)
+    for label, conversation in TOOL_CONVERSATIONS.items():
+        tool_conversation = conversation
+        if spec.get("default_system") and not has_system(conversation):
+            tool_conversation = [msg("system", spec["default_system"])] + conversation
+        reason = (spec.get("skip", skip_never)(conversation) or
+                  (skip_llama31_parallel(conversation) if spec.get("tools") == "llama3" else None))
+        if reason:
+            print(f"  skip   {name} [{label}]: {reason}")
+            skipped += 1
+            continue
+        out = ringlm_render(tool, path, tool_conversation, spec["bos"], spec["eos"], TOOLS)
+        if not spec.get("tools"):  # ringlm's own: the tools described in the system message
+            missing = [t["function"]["name"] for t in TOOLS if t["function"]["name"] not in out["text"]]
+            if missing or "<tool_call>" not in out["text"]:
+                raise AssertionError(f"{name} [{label}]: ringlm's rendering does not describe the tools: {out['text']!r}")
+            print(f"  ok     {name} [{label}] (ringlm's own tool prompt)")
+            compared += 1
+            continue
+        jinja_text = jinja_render(source, conversation, spec["bos"], spec["eos"], TOOLS)
+        ringlm_text = (spec["bos"] if out["starts_with_bos"] else "") + out["text"]
+        if jinja_text != ringlm_text:
+            at = first_difference(jinja_text, ringlm_text)
+            raise AssertionError(f"{name} [{label}]: ringlm differs from jinja2 at character {at}\n"
+                                 f"  jinja2: {jinja_text!r}\n  ringlm: {ringlm_text!r}\n"
+                                 f"  from there: jinja2 {jinja_text[at:at + 40]!r}"
+                                 f" / ringlm {ringlm_text[at:at + 40]!r}")
+        print(f"  ok     {name} [{label}]")
+        compared += 1
     return compared, skipped
 
 
@@ -232,7 +359,8 @@ def main():
     except (AssertionError, RuntimeError, jinja2.exceptions.TemplateError) as e:
         print(f"FAIL: {e}")
         return 1
-    print(f"OK: {len(paths)} templates, {total_compared} renderings identical to jinja2, {total_skipped} skipped")
+    print(f"OK: {len(paths)} templates, {total_compared} renderings identical to jinja2 (or, with tools for a template "
+          f"that has none, ringlm's own tool prompt written), {total_skipped} skipped")
     return 0
 
 
