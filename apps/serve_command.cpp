@@ -34,6 +34,7 @@
 #include "apps/pipeline_process.h"
 #include "apps/speculative_options.h"
 #include "apps/serve_api.h"
+#include "apps/serve_embeddings.h"
 #include "core/scheduler/serving_engine.h"
 #include "core/session/chat_session.h"
 #include "core/session/reply_parser.h"
@@ -156,6 +157,7 @@ class Server {
   std::vector<int32_t> chat_prompt(const CompletionRequest& request) const;
   void tool_call_grammar(const CompletionRequest& request, GenerationRequest& g) const;
   void completions(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
+  void embeddings(const httplib::Request& req, httplib::Response& res);
   void answer_whole(std::shared_ptr<RequestStream> stream, const CompletionRequest& request, int prompt_tokens,
                     std::shared_ptr<InFlight> in_flight, httplib::Response& res);
   void gather(std::vector<StreamEvent> events, const CompletionRequest& request, WholeAnswer& answer) const;
@@ -483,6 +485,35 @@ void Server::answer_streaming(std::shared_ptr<RequestStream> stream, const Compl
       });
 }
 
+// Every input in one request to the engine, so that those that fit share its passes.
+void Server::embeddings(const httplib::Request& req, httplib::Response& res) {
+  const auto in_flight = std::make_shared<InFlight>(in_flight_);
+  if (stopping_) throw ApiError(503, "the server is shutting down");
+  if (!ready_) throw ApiError(503, "the model is loading");
+  const json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded()) throw ApiError(400, "the body is not valid JSON");
+  const LlamaHparams& hp = model_->model->hparams();
+  const serve::EmbeddingRequest request = serve::parse_embedding_request(body, hp.n_embd, hp.n_vocab);
+  serve::check_embedding_pooling(hp.pooling);
+  std::vector<std::vector<int32_t>> inputs =
+      serve::embedding_inputs(request, *model_->tokenizer, o_.model.n_ctx > 0 ? o_.model.n_ctx : hp.n_ctx_train);
+  int prompt_tokens = 0;
+  for (const auto& tokens : inputs) prompt_tokens += static_cast<int>(tokens.size());
+  current_log.prompt_tokens = prompt_tokens;
+  std::shared_ptr<RequestStream> stream;
+  try {
+    stream = engine_->submit_embeddings(std::move(inputs), hp.pooling);
+  } catch (const EngineBusy& e) {
+    throw ApiError(503, e.what());
+  } catch (const std::invalid_argument& e) {
+    throw ApiError(400, e.what(), "input");
+  } catch (const std::logic_error& e) {
+    throw ApiError(503, e.what());
+  }
+  const std::vector<std::vector<float>> vectors = serve::gather_embeddings(*stream, request.inputs.size());
+  send_json(res, 200, serve::embeddings_response(vectors, request.base64, model_name_, prompt_tokens));
+}
+
 std::string Server::metrics() const {
   std::ostringstream m;
   const auto metric = [&](const char* name, const char* type, const char* help, double value) {
@@ -557,7 +588,7 @@ void Server::route() {
     // Paths the server does not serve are counted together: a scan must not grow the table.
     const bool known = (req.path.rfind("/v1/", 0) == 0 || req.path == "/health" || req.path == "/metrics" ||
                         req.path == "/tokenize" || req.path == "/detokenize" || req.path == "/completions" ||
-                        req.path == "/chat/completions" || req.path == "/models");
+                        req.path == "/chat/completions" || req.path == "/models" || req.path == "/embeddings");
     counter_.count(known && res.status != 404 ? req.path : "other", res.status);
     const bool timed = current_log.start != Clock::time_point{};
     const double ms = timed ? std::chrono::duration<double, std::milli>(Clock::now() - current_log.start).count() : 0.0;
@@ -574,10 +605,13 @@ void Server::route() {
   http_.Post("/chat/completions", chat);
   http_.Post("/v1/completions", complete);
   http_.Post("/completions", complete);
+  const auto embed = [this](const httplib::Request& req, httplib::Response& res) { embeddings(req, res); };
+  http_.Post("/v1/embeddings", embed);
+  http_.Post("/embeddings", embed);
   const auto models = [this](const httplib::Request&, httplib::Response& res) {
-    send_json(res, 200,
-              {{"object", "list"},
-               {"data", json::array({{{"id", model_name_}, {"object", "model"}, {"created", created_}, {"owned_by", "ringlm"}}})}});
+    json model = {{"id", model_name_}, {"object", "model"}, {"created", created_}, {"owned_by", "ringlm"}};
+    if (ready_) model.update(serve::pooling_fields(model_->model->hparams().pooling, model_->model->hparams().pooling_from_file));
+    send_json(res, 200, {{"object", "list"}, {"data", json::array({model})}});
   };
   http_.Get("/v1/models", models);
   http_.Get("/models", models);

@@ -164,6 +164,28 @@ TEST_F(DeviceModel, BatchedSequencesMatchSequencesAlone) {
   EXPECT_EQ(lb, alone_lb);
 }
 
+// Embeddings on the device: the final hidden states normed there and read back (the seam's own
+// copy, rms_norm and read: no op of their own) give the CPU's mean, cls and last vectors, pooled
+// beside a sequence that wants its logits.
+TEST_F(DeviceModel, PooledEmbeddingsMatchTheCpu) {
+  const std::vector<int32_t> text = tokens("The capital of France is Paris, a city of art."), other = tokens("Once upon");
+  const size_t n_embd = static_cast<size_t>(cpu_->model->hparams().n_embd);
+  for (const Pooling pooling : {Pooling::kMean, Pooling::kCls, Pooling::kLast}) {
+    SCOPED_TRACE(pooling_name(pooling));
+    const auto pooled = [&](LlamaModel& model) {
+      std::vector<float> v(n_embd), logits(vocab());
+      KvCache cache = model.make_cache(64), other_cache = model.make_cache(64);
+      std::vector<SequenceTokens> batch = {{other, &other_cache, logits.data()}, {text, &cache}};
+      batch[1].pooling = pooling;
+      batch[1].embedding = v.data();
+      model.forward_batch(batch);
+      return v;
+    };
+    // (Measured 5e-5 of the vector's range at most: the two sum the layers in other orders.)
+    EXPECT_LT(relative_gap(pooled(*device_->model), pooled(*cpu_->model)), 1e-3f);
+  }
+}
+
 // A batched decode step whose sequences want only their top k (batch and serve with a sampler
 // that needs no more): the device picks them for every sequence in one launch and the host waits
 // once for all of them, reading k pairs a sequence; the picks are the device's logits' own.

@@ -231,6 +231,51 @@ TEST(PipelineInProcess, MicroBatchesInFlightGiveTheResultsOfOneProcess) {
   EXPECT_EQ(pipeline.first().model->batches_in_flight(), 0u);
 }
 
+// Embedding requests (mean over a prompt longer than a chunk, cls, last) beside generating ones:
+// the last stage pools the rows, the first folds the parts in; every vector and text as in one
+// process, bit for bit.
+std::map<std::pair<size_t, int>, std::vector<float>> embeddings_beside_generation(LlamaModel& model, const Tokenizer& tok,
+                                                                                  Results& texts) {
+  std::vector<GenerationRequest> requests = mixed_requests(tok);
+  const auto embed = [&](const char* text, Pooling pooling) {
+    GenerationRequest r;
+    r.index = requests.size();
+    r.prompt = tok.encode(text, true, true);
+    r.pooling = pooling;
+    requests.push_back(std::move(r));
+  };
+  embed("A prompt of more tokens than one chunk of the scheduler's passes, pooled over all of them", Pooling::kMean);
+  embed("The first token's state", Pooling::kCls);
+  embed("The last token's state", Pooling::kLast);
+  BatchOptions options;
+  options.n_parallel = 5;
+  options.n_ctx = 64;
+  options.prefill_chunk = 8;
+  BatchScheduler scheduler(model, tok, options);
+  for (const GenerationRequest& r : requests) scheduler.submit(r);
+  std::map<std::pair<size_t, int>, std::vector<float>> vectors;
+  while (scheduler.step([&](GenerationResult r) {
+    if (r.embedding.empty()) {
+      texts[{r.index, r.sample}] = r.text;
+    } else {
+      vectors[{r.index, r.sample}] = std::move(r.embedding);
+    }
+  })) {
+  }
+  return vectors;
+}
+
+TEST(PipelineInProcess, EmbeddingsAreThoseOfOneProcess) {
+  const std::string file = tiny_model("gemma3_q8_0");
+  LoadedModel alone = load_model(file, make_cpu_backend(1));
+  Results want_texts, texts;
+  const auto want = embeddings_beside_generation(*alone.model, *alone.tokenizer, want_texts);
+  ASSERT_EQ(want.size(), 3u);
+  InProcessPipeline pipeline(file, {2, 3, 2});
+  EXPECT_EQ(embeddings_beside_generation(*pipeline.first().model, *pipeline.first().tokenizer, texts), want);
+  EXPECT_EQ(texts, want_texts);
+}
+
 // A request cancelled while its pass is in flight gives no result, and the others are unchanged.
 TEST(PipelineInProcess, ACancelWhileInFlightLeavesTheOthersAlone) {
   const std::string file = tiny_model("q4_0");

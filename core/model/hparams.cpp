@@ -227,6 +227,14 @@ LlamaHparams LlamaHparams::from_gguf(const GgufFile& gguf) {
                           "rope.scaling.yarn_log_multiplier"}) {
     if (gguf.find(p + key) != nullptr) gguf.fail("metadata '" + p + key + "' is not supported");
   }
+  if (auto v = gguf.get_uint(p + "pooling_type")) {
+    if (*v > static_cast<uint64_t>(Pooling::kRank)) {
+      gguf.fail("metadata '" + p + "pooling_type': " + std::to_string(*v) +
+                " is not a pooling type (0 none, 1 mean, 2 cls, 3 last, 4 rank)");
+    }
+    hp.pooling = static_cast<Pooling>(*v);
+    hp.pooling_from_file = true;
+  }
   hp.rms_eps = static_cast<float>(gguf.require_float(p + "attention.layer_norm_rms_epsilon"));
   if (!(hp.rms_eps > 0.0f) || hp.rms_eps > 1.0f) gguf.fail("metadata '" + p + "attention.layer_norm_rms_epsilon': out of range");
 

@@ -9,6 +9,7 @@
 
 #include "backends/backend.h"
 #include "core/gguf/gguf.h"
+#include "core/model/sequence_tokens.h"
 
 namespace ringlm {
 
@@ -83,6 +84,11 @@ struct LlamaHparams {
   int n_expert_used = 0;
   int n_ff_exp = 0;
   bool moe() const { return n_expert > 0; }
+  // How an embedding pools the final hidden states: <arch>.pooling_type when the file has it (an
+  // embedding model's conversion writes it), else mean, llama.cpp's choice for a generative model
+  // asked for embeddings (pooling_from_file false).
+  Pooling pooling = Pooling::kMean;
+  bool pooling_from_file = false;
 
   // Reads and checks every field; GgufError naming the key on a missing or absurd value.
   static LlamaHparams from_gguf(const GgufFile& gguf);

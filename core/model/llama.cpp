@@ -82,6 +82,7 @@ void LlamaModel::forward(const SequenceTokens& sequence) {
                             std::to_string(tokens.size()) + " new tokens exceed the context size " +
                             std::to_string(cache.capacity()));
   }
+  check_pooling(sequence);
   if (!pending_batches_.empty()) throw std::logic_error("forward: batched passes are still in flight (finish_batch)");
   if (!stage_.alone() && stage_.first()) pipeline_->announce_tokens(sequence);
   // Chunks of at most max_batch tokens, each in contiguous slots of the ring (a chunk stops
@@ -97,6 +98,9 @@ void LlamaModel::forward(const SequenceTokens& sequence) {
     SequenceTokens chunk(tokens.subspan(start, n), &cache);
     chunk.steps = sequence.steps;
     chunk.all_logits = sequence.all_logits;
+    chunk.pooling = sequence.pooling;  // every chunk's rows are pooled, folded into one vector
+    chunk.embedding = sequence.embedding;
+    chunk.pooled_before = sequence.pooled_before + static_cast<int64_t>(start);
     if (every_row && sequence.logits != nullptr) {
       chunk.logits = sequence.logits + start * static_cast<size_t>(hp_.n_vocab);
     } else if (start + n == tokens.size()) {
@@ -157,6 +161,7 @@ void LlamaModel::check_batch(std::span<const SequenceTokens> batch) const {
     if (b.steps && b.cache->type().keys == KvType::kKivi2) {
       throw std::invalid_argument(kKiviRefusesDrafts);
     }
+    check_pooling(b);
     total += b.tokens.size();
   }
   if (total > static_cast<size_t>(max_batch_)) {
@@ -176,11 +181,13 @@ LlamaModel::PendingBatch LlamaModel::run_pass(std::span<const SequenceTokens> ba
   }
   run_layers(rows, row);
   PendingBatch pass = plan_output(batch, rows);
-  if (stage_.last() && pass.wanted() > 0) {
-    project_output(pass);
-    if (!stage_.first()) pipeline_->send_results(pass.picks_to, pass.logits_to);
-  } else if (stage_.first() && pass.wanted() > 0) {
-    pipeline_->start_receiving_results(pass.picks_to, pass.logits_to);
+  if (stage_.last() && pass.hands_back()) {
+    // Pooling first: the projection's gather reuses the scratch rows that pooling reads.
+    if (!pass.pool_into.empty()) pool_hidden_states(pass);
+    if (pass.wanted() > 0) project_output(pass);
+    if (!stage_.first()) pipeline_->send_results(pass.picks_to, pass.logits_to, pass.pooled);
+  } else if (stage_.first() && pass.hands_back()) {
+    pipeline_->start_receiving_results(pass.picks_to, pass.logits_to, pass.pooled);
   }
   return pass;
 }
@@ -386,6 +393,17 @@ LlamaModel::PendingBatch LlamaModel::plan_output(std::span<const SequenceTokens>
     if (pass.logits.size() < n_floats) pass.logits.resize(n_floats);
     pass.logits_to = std::span(pass.logits.data(), n_floats);
   }
+  // Pooled sequences: mean reads every row of the pass, cls and last one (cls's matters only in
+  // the first chunk, where it is the input's first token).
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!batch[i].wants_pooling()) continue;
+    const auto n_rows = static_cast<int>(batch[i].tokens.size());
+    const Pooling pooling = batch[i].pooling;
+    const int first = pooling == Pooling::kLast ? rows[i].row0 + n_rows - 1 : rows[i].row0;
+    pass.pooled_rows.push_back({first, pooling == Pooling::kMean ? n_rows : 1});
+    pass.pool_into.push_back({batch[i].embedding, pooling, batch[i].pooled_before, n_rows});
+  }
+  pass.pooled.resize(pass.pool_into.size() * static_cast<size_t>(hp_.n_embd));
   return pass;
 }
 
@@ -410,6 +428,71 @@ void LlamaModel::project_output(PendingBatch& pass) {
   }
 }
 
+// The wanted rows gathered into the scratch's xn (the hidden state itself stays as it is: a
+// sequence may also want its logits from it), normed as the output norm norms them, read back,
+// and summed per sequence on the host (in double: a mean over a long prompt's rows).
+void LlamaModel::pool_hidden_states(PendingBatch& pass) {
+  backend_.begin_layer(hp_.n_layer);
+  Scratch& s = *scratch_;
+  const size_t d = static_cast<size_t>(hp_.n_embd);
+  size_t n = 0;
+  for (const PendingBatch::PooledRows& p : pass.pooled_rows) {
+    const size_t count = static_cast<size_t>(p.n_rows);
+    backend_.copy(s.xn->data() + n * d, s.x->data() + static_cast<size_t>(p.first_row) * d, count * d);
+    n += count;
+  }
+  backend_.rms_norm(s.xn->data(), static_cast<int64_t>(n), hp_.n_embd, output_norm_, hp_.rms_eps);
+  s.host_normed.resize(n * d);
+  backend_.read(s.xn->data(), s.host_normed.data(), n * d);
+  const float* row = s.host_normed.data();
+  std::vector<double> sum(d);
+  for (size_t i = 0; i < pass.pooled_rows.size(); ++i) {
+    std::fill(sum.begin(), sum.end(), 0.0);
+    for (int r = 0; r < pass.pooled_rows[i].n_rows; ++r, row += d) {
+      for (size_t j = 0; j < d; ++j) sum[j] += row[j];
+    }
+    std::copy(sum.begin(), sum.end(), pass.pooled.begin() + static_cast<std::ptrdiff_t>(i * d));
+  }
+}
+
+// A pass's part (the sum of its rows for mean, else its one row) into the sequence's embedding.
+void LlamaModel::fold_pooled(const PendingBatch::PoolInto& into, const float* part, size_t n_embd) {
+  float* const out = into.embedding;
+  switch (into.pooling) {
+    case Pooling::kMean: {
+      const double before = static_cast<double>(into.pooled_before), total = before + into.n_rows;
+      for (size_t j = 0; j < n_embd; ++j) {
+        const double earlier = into.pooled_before > 0 ? static_cast<double>(out[j]) * before : 0.0;
+        out[j] = static_cast<float>((earlier + part[j]) / total);
+      }
+      return;
+    }
+    case Pooling::kCls:
+      if (into.pooled_before == 0) std::copy_n(part, n_embd, out);
+      return;
+    case Pooling::kLast:
+      std::copy_n(part, n_embd, out);
+      return;
+    case Pooling::kNone:
+    case Pooling::kRank:
+      return;  // refused before the pass (check_pooling)
+  }
+}
+
+void LlamaModel::check_pooling(const SequenceTokens& sequence) const {
+  if (!sequence.wants_pooling()) return;
+  if (!pooling_runs(sequence.pooling)) {
+    throw std::invalid_argument(std::string("pooling '") + pooling_name(sequence.pooling) +
+                                "' cannot make an embedding here (mean, cls or last can; rank needs a reranker's "
+                                "classification head, which ringlm does not run)");
+  }
+  // (A later stage of a pipeline pools for the first stage, which holds the buffer.)
+  if (stage_.first() && sequence.embedding == nullptr) {
+    throw std::invalid_argument("a pooled pass needs a buffer of n_embd floats for its embedding");
+  }
+  if (sequence.pooled_before < 0) throw std::invalid_argument("pooled_before must not be negative");
+}
+
 const float* LlamaModel::project_logits(const float* x, int n) {
   backend_.begin_layer(hp_.n_layer);
   Scratch& s = *scratch_;
@@ -432,7 +515,9 @@ void LlamaModel::finish_batch() {
 // are kept for the next pass. (A later stage hands nothing out: the last one sent the results.)
 void LlamaModel::finish_pass(PendingBatch pass) {
   if (!stage_.first()) return spare_batches_.push_back(std::move(pass));
-  if (!stage_.last() && pass.wanted() > 0) pipeline_->finish_receiving_results();
+  if (!stage_.last() && pass.hands_back()) pipeline_->finish_receiving_results();
+  const size_t d = static_cast<size_t>(hp_.n_embd);
+  for (size_t i = 0; i < pass.pool_into.size(); ++i) fold_pooled(pass.pool_into[i], pass.pooled.data() + i * d, d);
   for (size_t i = 0; i < pass.top_out.size(); ++i) {
     const std::span<TopLogit> out = pass.top_out[i];
     std::copy_n(pass.picks.begin() + static_cast<std::ptrdiff_t>(i * static_cast<size_t>(pass.k_max)), out.size(), out.begin());
@@ -456,6 +541,8 @@ LlamaModel::PendingBatch LlamaModel::take_spare_batch() {
   pass.rows.clear();
   pass.top_out.clear();
   pass.logits_out.clear();
+  pass.pooled_rows.clear();
+  pass.pool_into.clear();
   pass.picks_to = {};
   pass.logits_to = {};
   return pass;

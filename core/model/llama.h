@@ -40,9 +40,9 @@ class LlamaModel {
 
   // Runs a sequence's tokens at positions cache.next_position().. (appending them to the cache)
   // and hands back what it asks for (SequenceTokens): its last token's logits or top tokens,
-  // or every row's logits. Long inputs are processed in chunks of at most max_batch(). When
-  // the cache fills: with the cache's context_shift, shift_context() and go on; without,
-  // std::length_error before anything runs.
+  // or every row's logits, and (or only) its rows pooled into an embedding. Long inputs are
+  // processed in chunks of at most max_batch(). When the cache fills: with the cache's
+  // context_shift, shift_context() and go on; without, std::length_error before anything runs.
   void forward(const SequenceTokens& sequence);
   // The logits of the last token to `logits` ([n_vocab]); with all_logits, every token's
   // ([tokens.size()][n_vocab]).
@@ -119,6 +119,7 @@ class LlamaModel {
     // The logits of the rows that want them, read back to the caller's buffer; grown on demand.
     std::unique_ptr<ActivationBuffer> logits;
     std::vector<float> host_rows;  // embedding rows dequantized on the host, before write()
+    std::vector<float> host_normed;  // the normed hidden states of pooled rows, read back
     // The pass's sequences as the backend sees them: their caches' rings ([sequence][ring]), the
     // rings of their prefixes, and one attention call each (reused, sized before any pointer into
     // them is taken).
@@ -151,7 +152,24 @@ class LlamaModel {
     std::span<float> logits_to;    // ... and its logits: `logits` or the one sequence's buffer
     std::vector<std::span<TopLogit>> top_out;  // where shared results are copied when it finishes
     std::vector<float*> logits_out;
+    // The sequences that pool their rows (SequenceTokens::pooling), with no vocabulary projection:
+    // which rows each one's part comes from (all of them for mean, else one), that part
+    // ([sequence][n_embd]: the sum of those rows after the output norm, or the one row), and how
+    // it folds into the sequence's embedding when the pass finishes.
+    struct PooledRows {
+      int first_row = 0, n_rows = 0;
+    };
+    struct PoolInto {
+      float* embedding = nullptr;
+      Pooling pooling = Pooling::kNone;
+      int64_t pooled_before = 0;  // rows of the same input already in `embedding`
+      int n_rows = 0;             // the sequence's rows in this pass
+    };
+    std::vector<PooledRows> pooled_rows;
+    std::vector<PoolInto> pool_into;
+    std::vector<float> pooled;
     int wanted() const { return n_top + n_logit_rows; }
+    bool hands_back() const { return wanted() > 0 || !pool_into.empty(); }
   };
 
   void check_stage() const;
@@ -190,6 +208,11 @@ class LlamaModel {
   // results handed out.
   PendingBatch plan_output(std::span<const SequenceTokens> batch, std::span<const Rows> rows);
   void project_output(PendingBatch& pass);
+  // The pooled sequences' rows through the output norm, read back, and each one's part of its
+  // embedding (the rows' sum, or the one row) into pass.pooled.
+  void pool_hidden_states(PendingBatch& pass);
+  static void fold_pooled(const PendingBatch::PoolInto& into, const float* part, size_t n_embd);
+  void check_pooling(const SequenceTokens& sequence) const;
   // Final norm + vocabulary projection of n hidden-state rows at x, into the scratch's logits
   // (activation memory), which it returns.
   const float* project_logits(const float* x, int n);

@@ -112,6 +112,7 @@ struct PipelineHook::Sequence {
   int32_t kv_key_type = 0, kv_value_type = 0, n_keep = 0, n_discard = 0, context_shift = 0;
   int32_t want_logits = 0, all_logits = 0, top_k = 0, stepwise_attention = 0;
   int32_t kivi_residual = 0;
+  int32_t pooling = 0;  // Pooling: the last stage pools its rows (the first folds them in)
 };
 
 namespace {
@@ -153,6 +154,7 @@ PipelineHook::Sequence PipelineHook::describe(const SequenceTokens& sequence) {
   q.all_logits = sequence.all_logits || sequence.steps ? 1 : 0;
   q.top_k = static_cast<int32_t>(sequence.top.size());
   q.stepwise_attention = sequence.steps ? 1 : 0;
+  q.pooling = static_cast<int32_t>(sequence.pooling);
   return q;
 }
 
@@ -194,19 +196,21 @@ void PipelineHook::send_hidden(const float* x, size_t n) {
   link_.send(stage_.index + 1, hidden_.data(), n * sizeof(float));
 }
 
-void PipelineHook::send_results(std::span<const TopLogit> picks, std::span<const float> logits) {
+void PipelineHook::send_results(std::span<const TopLogit> picks, std::span<const float> logits,
+                                std::span<const float> pooled) {
   link_.send(0, picks.data(), picks.size_bytes());
   link_.send(0, logits.data(), logits.size_bytes());
+  link_.send(0, pooled.data(), pooled.size_bytes());
 }
 
-void PipelineHook::start_receiving_results(std::span<TopLogit> picks, std::span<float> logits) {
+void PipelineHook::start_receiving_results(std::span<TopLogit> picks, std::span<float> logits, std::span<float> pooled) {
   link_.start_recv(stage_.count - 1, picks.data(), picks.size_bytes());
   link_.start_recv(stage_.count - 1, logits.data(), logits.size_bytes());
+  link_.start_recv(stage_.count - 1, pooled.data(), pooled.size_bytes());
 }
 
 void PipelineHook::finish_receiving_results() {
-  link_.finish_recv();
-  link_.finish_recv();
+  for (int part = 0; part < 3; ++part) link_.finish_recv();
 }
 
 // This stage's copy of one of the first stage's caches: made when first named, made afresh when
@@ -304,6 +308,7 @@ void PipelineHook::serve() {
       SequenceTokens& s = batch.emplace_back(tokens[i], &cache_copy(q));
       s.steps = q.stepwise_attention != 0;
       s.all_logits = q.all_logits != 0 && !s.steps;
+      s.pooling = static_cast<Pooling>(q.pooling);  // checked by the pass (check_pooling)
       // The last stage computes what the pass hands back (and sends it to the first); a middle
       // stage hands back nothing.
       if (stage_.last() && q.top_k > 0) {

@@ -94,10 +94,11 @@ class PipelineHook {
   // A pass's hidden states, n floats in the backend's activation memory at x.
   void receive_hidden(float* x, size_t n);     // from the stage before
   void send_hidden(const float* x, size_t n);  // to the stage after
-  // A pass's results: the picks, then the logits (either may be empty). The last stage sends
-  // them; the first begins receiving them and finishes when it hands them out.
-  void send_results(std::span<const TopLogit> picks, std::span<const float> logits);
-  void start_receiving_results(std::span<TopLogit> picks, std::span<float> logits);
+  // A pass's results: the picks, the logits, then the pooled sequences' parts of their embeddings
+  // (any may be empty). The last stage sends them; the first begins receiving them and finishes
+  // when it hands them out.
+  void send_results(std::span<const TopLogit> picks, std::span<const float> logits, std::span<const float> pooled);
+  void start_receiving_results(std::span<TopLogit> picks, std::span<float> logits, std::span<float> pooled);
   void finish_receiving_results();
 
   // A later stage: runs the passes the first stage announces until it closes the pipeline.

@@ -12,6 +12,28 @@ namespace ringlm {
 
 class KvCache;
 
+// How a sequence's final hidden states (after the output norm: llama.cpp's result_norm) become one
+// vector, an embedding. The values are llama.cpp's (<arch>.pooling_type); kNone and kRank are
+// what a file may say, never what a pass can do (a reranker's classification head is not run here).
+enum class Pooling : int32_t { kNone = 0, kMean = 1, kCls = 2, kLast = 3, kRank = 4 };
+
+// "none", "mean", "cls", "last" or "rank" (the names llama.cpp's --pooling takes).
+inline const char* pooling_name(Pooling pooling) {
+  switch (pooling) {
+    case Pooling::kNone: return "none";
+    case Pooling::kMean: return "mean";
+    case Pooling::kCls: return "cls";
+    case Pooling::kLast: return "last";
+    case Pooling::kRank: return "rank";
+  }
+  return "unknown";
+}
+
+// Whether a pass can pool its rows this way (mean, cls or last).
+inline bool pooling_runs(Pooling pooling) {
+  return pooling == Pooling::kMean || pooling == Pooling::kCls || pooling == Pooling::kLast;
+}
+
 struct SequenceTokens {
   SequenceTokens() = default;
   SequenceTokens(std::span<const int32_t> tokens_, KvCache* cache_, float* logits_ = nullptr,
@@ -28,8 +50,17 @@ struct SequenceTokens {
   bool steps = false;
   // Every row's logits, [tokens][n_vocab] in `logits` (a perplexity run), attending as a prompt.
   bool all_logits = false;
+  // Its rows' final hidden states pooled into `embedding` ([n_embd]), with no vocabulary
+  // projection for them (kNone: not wanted). A prompt longer than one pass is pooled chunk by
+  // chunk: `pooled_before` rows of it went into `embedding` in earlier passes (its mean so far,
+  // for kMean), and this pass folds its own rows in (kCls keeps the first chunk's first row;
+  // kLast takes this chunk's last).
+  Pooling pooling = Pooling::kNone;
+  float* embedding = nullptr;
+  int64_t pooled_before = 0;
 
   bool wants_top() const { return !top.empty(); }
+  bool wants_pooling() const { return pooling != Pooling::kNone; }
   // How many of its last rows the pass hands back (their logits, or the top of the last one).
   size_t rows_wanted() const {
     if (!wants_top() && logits == nullptr) return 0;

@@ -1,6 +1,7 @@
 #include "core/scheduler/batch_scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -20,6 +21,15 @@ double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_c
 
 KvCache make_slot_cache(const LlamaModel& model, const BatchOptions& o) {
   return model.make_cache(o.n_ctx, KvCacheOptions{o.cache_type, 0, 0, false});
+}
+
+// To unit length (llama-server's default for embeddings), so that a dot product is the cosine.
+void l2_normalize(std::vector<float>& v) {
+  double sum = 0;
+  for (const float x : v) sum += static_cast<double>(x) * x;
+  if (sum == 0) return;
+  const double inv = 1.0 / std::sqrt(sum);
+  for (float& x : v) x = static_cast<float>(x * inv);
 }
 
 }  // namespace
@@ -57,6 +67,7 @@ struct BatchScheduler::Slot {
   Draft draft;                           // sent with next_token in the pass in flight (empty: none)
   GenerationResult result;               // what is known before the end: index, sample, prompt size
   std::unique_ptr<BeamSequences> beams;  // a beam request's search, in its first slot
+  std::vector<float> embedding;          // an embedding request's: its rows pooled so far
   Clock::time_point submitted, started, first_token;
 };
 
@@ -109,6 +120,7 @@ void BatchScheduler::submit(GenerationRequest request) {
 
 void BatchScheduler::check(const GenerationRequest& request) const {
   if (request.prompt.empty()) throw std::invalid_argument("the prompt is empty");
+  if (request.embeds()) return check_embedding(request);
   if (static_cast<int>(request.prompt.size()) >= options_.n_ctx) {
     throw std::invalid_argument("the prompt is " + std::to_string(request.prompt.size()) +
                                 " tokens, which leaves no room in the context of " + std::to_string(options_.n_ctx) +
@@ -121,6 +133,22 @@ void BatchScheduler::check(const GenerationRequest& request) const {
   if (request.beams != 0) check_beams(request);
   if (request.beams != 0 && request.grammar) throw std::invalid_argument("beam search does not combine with a grammar");
   if (request.max_tokens < -1) throw std::invalid_argument("max_tokens must be -1 (no limit) or more");
+}
+
+// An embedding fills the context at most (no token follows it), one sequence, nothing sampled.
+void BatchScheduler::check_embedding(const GenerationRequest& request) const {
+  if (!pooling_runs(request.pooling)) {
+    throw std::invalid_argument(std::string("pooling '") + pooling_name(request.pooling) +
+                                "' cannot make an embedding (mean, cls or last can)");
+  }
+  if (static_cast<int>(request.prompt.size()) > options_.n_ctx) {
+    throw std::invalid_argument("the input is " + std::to_string(request.prompt.size()) +
+                                " tokens, more than the context of " + std::to_string(options_.n_ctx) +
+                                " tokens (raise -c)");
+  }
+  if (request.n_samples != 1 || request.beams != 0 || request.grammar) {
+    throw std::invalid_argument("an embedding request is one sequence, without samples, beams or a grammar");
+  }
 }
 
 const std::shared_ptr<const GrammarVocabulary>& BatchScheduler::grammar_vocabulary() {
@@ -200,6 +228,10 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
     if (static_cast<int>(free.size()) < next.slots_needed()) return;
     Queued q = std::move(queue_.front());
     queue_.pop_front();
+    if (q.request.embeds()) {
+      start_embedding(*free[0], q);
+      continue;
+    }
     const std::optional<Reuse> reuse =
         segments_.empty() ? std::nullopt : find_reuse(q.request, free[0]->sequence.cache());
     const bool beams = q.request.beams > 0;
@@ -232,6 +264,33 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
       if (reuse && s.state != Slot::State::kBeamPlace) read_kept_prompt(s, *reuse, on_done);
     }
   }
+}
+
+void BatchScheduler::start_embedding(Slot& s, const Queued& q) {
+  s.state = Slot::State::kPrefill;
+  s.request = q.request;
+  s.sample = q.request.first_sample;
+  s.prompt_owner = nullptr;
+  s.sequence.reset(0, nullptr);
+  s.embedding.assign(static_cast<size_t>(model_.hparams().n_embd), 0.0f);
+  s.draft = {};
+  s.next_token = -1;
+  s.result = GenerationResult{};
+  s.result.index = q.request.index;
+  s.result.sample = s.sample;
+  s.result.prompt_tokens = static_cast<int>(q.request.prompt.size());
+  s.submitted = q.submitted;
+}
+
+void BatchScheduler::finish_embedding(Slot& s, const std::function<void(GenerationResult)>& on_done) {
+  const auto now = Clock::now();
+  s.result.embedding = std::move(s.embedding);
+  l2_normalize(s.result.embedding);
+  s.result.finish_reason = "stop";
+  s.result.queue_ms = ms_between(s.submitted, s.started);
+  s.result.prefill_ms = ms_between(s.started, now);
+  release(s);
+  on_done(std::move(s.result));
 }
 
 void BatchScheduler::read_kept_prompt(Slot& s, const Reuse& reuse, const std::function<void(GenerationResult)>& on_done) {
@@ -321,8 +380,15 @@ BatchScheduler::Pass BatchScheduler::gather_pass(int group) {
     prompt_budget -= n;
     if (prefilled == 0) s.started = now;
     const bool last = prefilled + n == s.request.prompt.size();
-    pass.batch.push_back(s.sequence.plan(std::span<const int32_t>(s.request.prompt).subspan(prefilled, n),
-                                         last ? SequenceModel::Scores::kLogits : SequenceModel::Scores::kNone));
+    const bool embeds = s.request.embeds();  // pools its rows, draws nothing
+    SequenceTokens chunk = s.sequence.plan(std::span<const int32_t>(s.request.prompt).subspan(prefilled, n),
+                                           last && !embeds ? SequenceModel::Scores::kLogits : SequenceModel::Scores::kNone);
+    if (embeds) {
+      chunk.pooling = s.request.pooling;
+      chunk.embedding = s.embedding.data();
+      chunk.pooled_before = static_cast<int64_t>(prefilled);
+    }
+    pass.batch.push_back(chunk);
     pass.slots.push_back(&s);
   }
   // Beam searches last: their live beams' rows after every slot's.
@@ -369,6 +435,10 @@ void BatchScheduler::finish_pass(const std::function<void(GenerationResult)>& on
     }
     if (s.state == Slot::State::kPrefill) {
       if (s.prefilled() < s.request.prompt.size()) continue;
+      if (s.request.embeds()) {
+        finish_embedding(s, on_done);
+        continue;
+      }
       if (s.request.beams > 0) {
         const bool keep = options_.prompt_cache_bytes > 0 && s.sequence.cache().prefix() == nullptr;
         std::shared_ptr<const KvCache> prompt = detach_prompt(s);

@@ -29,6 +29,11 @@
 // no token listener events (a beam's text is known only at the end) and hands back its best
 // hypotheses as its samples.
 //
+// A request for an embedding (GenerationRequest::pooling) holds one slot while its prompt is
+// prefilled in the same chunks as any other, its rows pooled pass by pass, beside every other
+// slot's rows; then it hands back the L2-normalised vector and frees the slot. It draws no token,
+// reads no kept prompt (the rows it pools must all be computed) and keeps none.
+//
 // Callers that stream (a server) listen to every token taken (set_token_listener) and may
 // cancel a request between steps (cancel).
 #pragma once
@@ -73,6 +78,10 @@ struct GenerationRequest {
   std::shared_ptr<const Grammar> grammar;
   // With it, the grammar is lazy: the text is free until it holds this (a tool call's marker).
   std::string grammar_trigger;
+  // Embeds the prompt instead of generating from it (kNone: generates): its final hidden states
+  // pooled this way (mean, cls or last) and L2-normalised, in the result's `embedding`.
+  Pooling pooling = Pooling::kNone;
+  bool embeds() const { return pooling != Pooling::kNone; }
   int slots_needed() const { return std::max(n_samples, beams); }
 };
 
@@ -92,6 +101,7 @@ struct GenerationResult {
   int n_tokens = 0;               // generated
   int prompt_tokens = 0;
   std::string finish_reason;      // "stop" (end of generation or a stop string), "length" (max_tokens or context)
+  std::vector<float> embedding;   // an embedding request's: n_embd floats of unit length
   double queue_ms = 0;            // submitted -> first prompt chunk
   double prefill_ms = 0;          // first prompt chunk -> first token
   double decode_ms = 0;           // first token -> finished
@@ -181,6 +191,11 @@ class BatchScheduler {
   // Finishes the oldest pass in flight: its slots take their tokens.
   void finish_pass(const std::function<void(GenerationResult)>& on_done);
   void admit(const std::function<void(GenerationResult)>& on_done);
+  void check_embedding(const GenerationRequest& request) const;
+  // The slot takes an embedding request: its prompt is prefilled and pooled, nothing is drawn.
+  void start_embedding(Slot& slot, const Queued& queued);
+  // Its prompt has run: the vector, normalised, to on_done; the slot is free.
+  void finish_embedding(Slot& slot, const std::function<void(GenerationResult)>& on_done);
   // Hands the result of the slot's finished generation to on_done and frees the slot.
   void finish(Slot& slot, const std::function<void(GenerationResult)>& on_done);
   // Frees the slot (finished or cancelled): its sequence state and KV memory go.

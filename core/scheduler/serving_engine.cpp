@@ -61,14 +61,34 @@ ServingEngine::~ServingEngine() { stop(Clock::now()); }
 
 std::shared_ptr<RequestStream> ServingEngine::submit(GenerationRequest request) {
   scheduler_.check(request);  // reads only the options
-  auto stream = std::make_shared<RequestStream>(request.n_samples);
+  const int n_results = request.n_samples;
+  std::vector<GenerationRequest> parts;
+  parts.push_back(std::move(request));
+  return enqueue(std::move(parts), n_results);
+}
+
+std::shared_ptr<RequestStream> ServingEngine::submit_embeddings(std::vector<std::vector<int32_t>> inputs, Pooling pooling) {
+  if (inputs.empty()) throw std::invalid_argument("no input to embed");
+  std::vector<GenerationRequest> parts(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    parts[i].prompt = std::move(inputs[i]);
+    parts[i].pooling = pooling;
+    parts[i].first_sample = static_cast<int>(i);
+    parts[i].max_tokens = 0;
+    scheduler_.check(parts[i]);
+  }
+  const auto n_results = static_cast<int>(parts.size());
+  return enqueue(std::move(parts), n_results);
+}
+
+std::shared_ptr<RequestStream> ServingEngine::enqueue(std::vector<GenerationRequest> parts, int n_results) {
+  auto stream = std::make_shared<RequestStream>(n_results);
   std::lock_guard lock(mutex_);
   if (stopping_) throw std::logic_error("the server is shutting down");
   if (static_cast<int>(submitted_.size()) + stats_.queued >= max_queued_) {
     throw EngineBusy("the queue is full (" + std::to_string(max_queued_) + " requests waiting)");
   }
-  request.index = next_index_++;
-  const size_t index = request.index;
+  const size_t index = next_index_++;
   stream->on_cancel_ = [this, index] {
     {
       std::lock_guard engine_lock(mutex_);
@@ -76,7 +96,10 @@ std::shared_ptr<RequestStream> ServingEngine::submit(GenerationRequest request) 
     }
     wake_.notify_all();
   };
-  submitted_.emplace_back(std::move(request), stream);
+  for (GenerationRequest& part : parts) {
+    part.index = index;
+    submitted_.emplace_back(std::move(part), stream);
+  }
   wake_.notify_all();
   return stream;
 }

@@ -94,6 +94,11 @@ class ServingEngine {
   // it can never run (BatchScheduler::submit), EngineBusy when the queue is full, std::logic_error
   // once stopping.
   std::shared_ptr<RequestStream> submit(GenerationRequest request);
+  // Queues the embedding of every input as one request (GenerationRequest::pooling): each input
+  // takes a slot of its own as slots free up, those that fit going through the same passes. Its
+  // stream gets one kDone per input, `sample` the input's position and `result.embedding` its
+  // vector. The request counts once against the queue's limit when it arrives. Throws as submit().
+  std::shared_ptr<RequestStream> submit_embeddings(std::vector<std::vector<int32_t>> inputs, Pooling pooling);
 
   EngineStats stats() const;
 
@@ -103,6 +108,8 @@ class ServingEngine {
 
  private:
   void run();
+  // Queues `parts` (checked already) as one request of `n_results` results: one index, one stream.
+  std::shared_ptr<RequestStream> enqueue(std::vector<GenerationRequest> parts, int n_results);
   // Between steps: new requests into the scheduler, cancelled ones out of it.
   void take_submissions();
   void on_token(const TokenEvent& e);

@@ -551,6 +551,20 @@ class LlamaModel:
     def forward(self, tokens, all_logits: bool = False) -> np.ndarray:
         """Run `tokens` at positions n_past..n_past+T-1, appending to the KV
         cache. Returns logits of the last position ([n_vocab]) or of all ([T, n_vocab])."""
+        x = self.hidden_states(tokens)
+        if not all_logits:
+            x = x[-1:]
+        logits = rms_norm(x, self.output_norm, self.eps) @ self.output.T
+        return logits if all_logits else logits[0]
+
+    def final_hidden(self, tokens) -> np.ndarray:
+        """Every position's final hidden state after the output norm ([T, n_embd]): what an
+        embedding pools (llama.cpp's result_norm), the logits being it times output.T."""
+        return rms_norm(self.hidden_states(tokens), self.output_norm, self.eps)
+
+    def hidden_states(self, tokens) -> np.ndarray:
+        """The layers over `tokens` (appended to the KV cache, as forward()): the residual stream
+        after the last layer, [T, n_embd], before the output norm."""
         tokens = np.asarray(tokens, dtype=np.int64)
         T = len(tokens)
         start = self.n_past
@@ -616,10 +630,7 @@ class LlamaModel:
 
         assert x.dtype == self.dtype, x.dtype
         self.n_past = S
-        if not all_logits:
-            x = x[-1:]
-        logits = rms_norm(x, self.output_norm, self.eps) @ self.output.T
-        return logits if all_logits else logits[0]
+        return x
 
     # ---- greedy generation ----------------------------------------------------
     def generate(self, prompt, n: int):
