@@ -198,7 +198,7 @@ TEST_F(GenerationTest, GrammarDrawFollowsItsDefinition) {
 
 // A lazy grammar (a tool call's, with tool_choice "auto"): the text is free until it holds the
 // trigger, held from there (the grammar reading from the trigger's start, the token that brought
-// it included), and free again for good if the grammar cannot read that text.
+// it included); an occurrence from which the grammar cannot read leaves it waiting for the next.
 TEST_F(GenerationTest, LazyGrammarHoldsTheTextFromItsTriggerOn) {
   const Tokenizer& tok = *gpt2_;
   const auto id = [&](std::string_view text) {
@@ -240,8 +240,12 @@ TEST_F(GenerationTest, LazyGrammarHoldsTheTextFromItsTriggerOn) {
     Sampler sampler(greedy, tok.n_vocab());
     Generation g(tok, sampler, no_end, {});
     g.constrain(Grammar::parse(R"(root ::= "<" [0-9]+)"), vocabulary, "<");
-    g.take(id("<<"));  // the trigger, in text the grammar cannot read: dropped
+    g.take(id("</"));  // the trigger, in text the grammar cannot read from: still free
     EXPECT_EQ(draw(g, id("abc")), id("abc"));
+    g.take(id("abc"));
+    g.take(id("<"));  // another occurrence, which it can read: held from there
+    const int32_t digit = draw(g, id("abc"));
+    EXPECT_NE(digit, id("abc"));
     EXPECT_FALSE(g.finished());
   }
 }

@@ -5,6 +5,7 @@
 // refused with a GrammarError that says why and where.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <string>
@@ -134,6 +135,20 @@ TEST(JsonSchemaTest, AnyValueGrammarAgreesWithAJsonParser) {
   // Both kinds occur in numbers, so the comparison means something.
   EXPECT_GT(accepted, test::scaled(100, 25));
   EXPECT_GT(compared - accepted, test::scaled(1000, 250));
+}
+
+// Every number the grammar lets a model write is one a JSON parser reads as a finite double: the
+// digits and the exponent are bounded (a model once wrote 4500000000000000e640, which nlohmann and
+// Python refuse or make infinite).
+TEST(JsonSchemaTest, NumbersStayInADoublesRange) {
+  const auto number = Grammar::parse(json_schema_to_gbnf({{"type", "number"}}));
+  for (const char* text : {"0", "-12.5", "9999999999999999.9999999999999999e99", "1E-99", "3e+7"}) {
+    EXPECT_TRUE(grammar_matches(number, text)) << text;
+    EXPECT_TRUE(std::isfinite(json::parse(text).get<double>())) << text;
+  }
+  for (const char* text : {"1e100", "4500000000000000e640", "12345678901234567", "01", "1.", ".5"}) {
+    EXPECT_FALSE(grammar_matches(number, text)) << text;
+  }
 }
 
 TEST(JsonSchemaTest, GrammarsParseAsGbnf) {

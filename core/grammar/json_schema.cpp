@@ -221,7 +221,7 @@ const std::vector<FixedRule>& fixed_rules() {
       {"string", R"("\"" char* "\"" space)", {"char", "space"}},
       {"integer", R"("-"? ( "0" | [1-9] [0-9]{0,15} ) space)", {"space"}},
       {"number",
-       R"("-"? ( "0" | [1-9] [0-9]{0,15} ) ( "." [0-9]{1,16} )? ( [eE] [-+]? [0-9]{1,3} )? space)",
+       R"("-"? ( "0" | [1-9] [0-9]{0,15} ) ( "." [0-9]{1,16} )? ( [eE] [-+]? [0-9]{1,2} )? space)",
        {"space"}},
       {"boolean", R"(( "true" | "false" ) space)", {"space"}},
       {"null", R"("null" space)", {"space"}},

@@ -19,7 +19,8 @@
 //   array, minLength: a string...), as llama.cpp does; with none of them, any value.
 // - minimum, maximum, exclusiveMinimum and exclusiveMaximum are accepted and ignored: any integer
 //   or number matches. An integer has at most 16 digits, a fraction at most 16, an exponent at
-//   most 3, so that a model cannot write digits forever; "integer" never has a fraction.
+//   most 2, so that a model cannot write digits forever nor a number past a double's range (a
+//   model wrote 4500000000000000e640, which JSON parsers refuse); "integer" never has a fraction.
 // - Whitespace between tokens is bounded: nothing, a space, or a line break and up to 20 spaces or
 //   tabs. The document starts with its value.
 // - enum and const values are written compactly (nlohmann's dump); oneOf does not check that only

@@ -57,12 +57,17 @@ void Generation::constrain(std::shared_ptr<const Grammar> grammar, std::shared_p
 }
 
 void Generation::wake_lazy_grammar(size_t searched_from) {
-  // The trigger may end in this token's text and begin in an earlier one's.
-  const size_t from = searched_from >= grammar_trigger_.size() ? searched_from - grammar_trigger_.size() + 1 : 0;
-  const size_t at = text_.find(grammar_trigger_, from);
-  if (at == std::string::npos) return;
-  grammar_trigger_.clear();
-  if (!grammar_->take_text(std::string_view(text_).substr(at))) grammar_.reset();
+  // The trigger may end in this token's text and begin in an earlier one's. Where the grammar
+  // cannot read the text from an occurrence on (a model quoting the marker, "<tool_call></tool_call>"),
+  // it waits for the next one.
+  size_t at = searched_from >= grammar_trigger_.size() ? searched_from - grammar_trigger_.size() + 1 : 0;
+  while ((at = text_.find(grammar_trigger_, at)) != std::string::npos) {
+    if (grammar_->take_text(std::string_view(text_).substr(at))) {
+      grammar_trigger_.clear();
+      return;
+    }
+    ++at;
+  }
 }
 
 int32_t Generation::draw(std::span<float> logits) {

@@ -78,8 +78,8 @@ class Generation {
   //
   // With a `trigger`, the grammar is lazy (llama.cpp's lazy grammars, for tool calls the model
   // may or may not make): the text is free until it contains the trigger, then the grammar reads
-  // the text from the trigger's start and holds the rest. Text from the trigger on that the
-  // grammar cannot read drops it (the model wrote its own way; the text goes on free).
+  // the text from the trigger's start and holds the rest. Where it cannot read the text from an
+  // occurrence of the trigger on (the model wrote its own way), it waits for the next one.
   void constrain(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary,
                  std::string trigger = {});
   bool constrained() const { return grammar_.has_value(); }
