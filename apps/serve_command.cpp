@@ -224,9 +224,6 @@ void Server::load() {
 std::vector<int32_t> Server::chat_prompt(const CompletionRequest& request) const {
   ChatTemplate chat_template = *template_;
   if (request.reasoning_effort) chat_template.set_reasoning_effort(*request.reasoning_effort);
-  if (!request.tools.empty() && chat_template.format() == ChatFormat::kHarmony) {
-    throw ApiError(400, "'tools': tool calls are not supported with the harmony chat format (gpt-oss) yet", "tools");
-  }
   const std::string_view reply_start = request.tool_required ? forced_call_prefix(chat_template.tool_syntax()) : "";
   try {
     return conversation_prompt(chat_template, *model_->tokenizer, request.messages, request.tools, reply_start);

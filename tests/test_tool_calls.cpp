@@ -154,6 +154,18 @@ TEST(ToolCallGrammar, Llama3AndMistralShapes) {
   EXPECT_FALSE(grammar_matches(grammar_for(ToolSyntax::kMistral, true), "[]"));
 }
 
+TEST(ToolCallGrammar, HarmonyOneMessageToAFunctionAfterOptionalReasoning) {
+  const auto grammar = grammar_for(ToolSyntax::kHarmony, true);
+  const std::string call = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}";
+  EXPECT_TRUE(grammar_matches(grammar, call));
+  EXPECT_TRUE(grammar_matches(grammar, "<|channel|>analysis<|message|>Weather, so call it.<|end|><|start|>assistant" + call));
+  EXPECT_TRUE(grammar_matches(grammar, "<|channel|>commentary to=functions.tree <|constrain|>json<|message|>{\"kids\": []}"));
+  // The arguments are the named tool's, not another's; one call only.
+  EXPECT_FALSE(grammar_matches(grammar, "<|channel|>commentary to=functions.tree <|constrain|>json<|message|>{\"city\": \"Oslo\"}"));
+  EXPECT_FALSE(grammar_matches(grammar, call + call));
+  EXPECT_FALSE(grammar_matches(grammar, "<|channel|>final<|message|>Hi"));
+}
+
 TEST(ToolCallGrammar, RefusalsNameTheTool) {
   const std::vector<ToolDefinition> tools = {ToolDefinition::from_openai(OrderedJson::parse(
       R"({"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "patternProperties": {}}}})"))};

@@ -202,20 +202,18 @@ std::string llama3_header(std::string_view role) {
 
 }  // namespace chat_text
 
-namespace {
+namespace chat_text {
 
-// gpt-oss's template writes this system message before every conversation, with the default of
-// its model_identity variable, its reasoning_effort (default "medium") and no tools; the caller's
-// system message becomes the developer message after it.
-std::string harmony_system_block(std::string_view date, std::string_view reasoning_effort) {
+std::string harmony_system_block(std::string_view date, std::string_view reasoning_effort, bool tools) {
   return concat({"<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
                  "Knowledge cutoff: 2024-06\nCurrent date: ",
                  date, "\n\nReasoning: ", reasoning_effort,
                  "\n\n"
-                 "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"});
+                 "# Valid channels: analysis, commentary, final. Channel must be included for every message.",
+                 tools ? "\nCalls to these tools must go to the commentary channel: 'functions'." : "", "<|end|>"});
 }
 
-}  // namespace
+}  // namespace chat_text
 
 std::optional<ChatTemplate> ChatTemplate::detect(std::string_view template_source, const ChatSpecialTokens& special) {
   const std::optional<ChatFormat> format = format_by_markers(template_source);
@@ -272,6 +270,8 @@ ChatTemplate ChatTemplate::from_name(std::string_view name, const ChatSpecialTok
 
 std::vector<std::string_view> ChatTemplate::names() { return {kFormatNames.begin(), kFormatNames.end()}; }
 
+std::string ChatTemplate::harmony_date() const { return date_.empty() ? today() : date_; }
+
 std::string ChatTemplate::today() {
   const std::time_t now = std::time(nullptr);
   std::tm local{};
@@ -309,7 +309,7 @@ std::string ChatTemplate::conversation_start(std::string_view system) const {
     case ChatFormat::kZephyr:
       return system.empty() ? "" : concat({"<|system|>\n", system, special_.eos, "\n"});
     case ChatFormat::kHarmony: {
-      const std::string system_block = harmony_system_block(date_.empty() ? today() : date_, reasoning_effort_);
+      const std::string system_block = harmony_system_block(harmony_date(), reasoning_effort_, /*tools=*/false);
       if (system.empty()) return system_block;
       return concat({system_block, "<|start|>developer<|message|># Instructions\n\n", system, "\n\n<|end|>"});
     }

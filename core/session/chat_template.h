@@ -133,13 +133,14 @@ class ChatTemplate {
 
   // How the format writes tool calls: its template's own way where the template has one (Qwen's
   // <tool_call>, Llama 3.1's JSON, Mistral's [TOOL_CALLS]), Hermes' tags described in the system
-  // message otherwise (has_native_tools() false). Harmony's tool calls are not supported:
-  // render() with tools throws std::invalid_argument for it.
+  // message otherwise (has_native_tools() false), gpt-oss's harmony messages to "functions.NAME".
   ToolSyntax tool_syntax() const { return tool_syntax_; }
   bool has_native_tools() const { return native_tools_; }
 
  private:
-  ChatTemplate(ChatFormat format, const ChatSpecialTokens& special) : format_(format), special_(special) {}
+  ChatTemplate(ChatFormat format, const ChatSpecialTokens& special) : format_(format), special_(special) {
+    if (format == ChatFormat::kHarmony) native_tools_ = true, tool_syntax_ = ToolSyntax::kHarmony;
+  }
   void read_variants(std::string_view template_source);  // the variant flags below, by markers
   void check_roles(std::span<const ChatMessage> messages) const;
   // render() of a conversation with tools or tool messages (chat_template_tools.cpp).
@@ -147,8 +148,13 @@ class ChatTemplate {
   std::string tools_conversation_start(std::string_view system, std::span<const ToolDefinition> tools) const;
   std::string tools_user_turn(std::string_view content, bool first, bool last, std::string_view system,
                               std::span<const ToolDefinition> tools) const;
-  std::string tool_calls_reply(const ChatMessage& message) const;
-  std::string tool_results_turn(std::span<const ChatMessage> results, std::string_view system) const;
+  // `answered`: a later assistant message answers without calls (harmony then drops the call's
+  // reasoning, as its template does).
+  std::string tool_calls_reply(const ChatMessage& message, bool answered) const;
+  // `called`: the function the results answer (harmony writes it as the results' author).
+  std::string tool_results_turn(std::span<const ChatMessage> results, std::string_view system,
+                                std::string_view called) const;
+  std::string harmony_date() const;
 
   ChatFormat format_;
   ChatSpecialTokens special_;
@@ -164,7 +170,7 @@ class ChatTemplate {
   // space before each user message and before each reply.
   bool mistral_space_before_turns_ = false;
   bool mistral_space_after_eos_ = false;  // Mistral-7B-Instruct-v0.1's 2023 template: "reply</s> "
-  bool native_tools_ = false;             // the template writes tools and calls itself
+  bool native_tools_ = false;             // the template writes tools and calls itself (harmony always)
   ToolSyntax tool_syntax_ = ToolSyntax::kHermes;
 };
 

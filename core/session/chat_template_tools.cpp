@@ -9,10 +9,15 @@
 //                           result as an "ipython" message.
 //   Mistral v0.3 / Nemo:    [AVAILABLE_TOOLS] before the last user message; calls after
 //                           [TOOL_CALLS]; each result in [TOOL_RESULTS].
+//   gpt-oss (harmony):      the tools as a TypeScript namespace in the developer message; a
+//                           call as a message to "functions.NAME" on the commentary channel,
+//                           its result as that function's message to the assistant.
 //   Every other format:     Qwen's description of the tools and of <tool_call> appended to the
 //                           system message (folded into the first user message where the format
 //                           has no system role), calls and results written as Qwen's.
+#include <algorithm>
 #include <stdexcept>
+#include <utility>
 
 #include "core/session/chat_template.h"
 #include "core/session/chat_text.h"
@@ -74,6 +79,109 @@ std::string mistral_tools(std::span<const ToolDefinition> tools) {
   return text + "][/AVAILABLE_TOOLS]";
 }
 
+// --- Harmony's TypeScript (the template's render_typescript_type and render_tool_namespace) ---
+
+bool is(const OrderedJson& spec, std::string_view key, std::string_view value) {
+  const auto it = spec.find(key);
+  return it != spec.end() && it->is_string() && it->get_ref<const std::string&>() == value;
+}
+
+bool truthy(const OrderedJson& spec, std::string_view key) {
+  const auto it = spec.find(key);
+  return it != spec.end() && !it->is_null() && !(it->is_boolean() && !it->get<bool>()) && !(it->is_structured() && it->empty()) &&
+         !(it->is_string() && it->get_ref<const std::string&>().empty());
+}
+
+std::string text_of(const OrderedJson& value) {  // a value as Jinja's "+" and join write it
+  return value.is_string() ? value.get<std::string>() : python_json(value);
+}
+
+bool required(const OrderedJson& object, const std::string& name) {
+  const auto list = object.find("required");
+  if (list == object.end() || !list->is_array()) return false;
+  return std::find(list->begin(), list->end(), OrderedJson(name)) != list->end();
+}
+
+std::string typescript_type(const OrderedJson& spec) {
+  const std::string nullable = truthy(spec, "nullable") ? " | null" : "";
+  if (is(spec, "type", "array")) {
+    const auto items = spec.find("items");
+    if (items == spec.end() || !truthy(spec, "items")) return "any[]" + nullable;
+    for (const auto& [json_type, ts] : {std::pair{"string", "string"}, {"number", "number"}, {"integer", "number"},
+                                        {"boolean", "boolean"}}) {
+      if (is(*items, "type", json_type)) return std::string(ts) + "[]" + nullable;
+    }
+    const std::string inner = typescript_type(*items);
+    return (inner == "object | object" || inner.size() > 50 ? "any" : inner) + "[]" + nullable;
+  }
+  if (const auto types = spec.find("type"); types != spec.end() && types->is_array() && !types->empty()) {
+    std::string joined;
+    for (const OrderedJson& type : *types) joined += (joined.empty() ? "" : " | ") + text_of(type);
+    return joined;
+  }
+  if (truthy(spec, "oneOf")) {
+    const OrderedJson& variants = spec["oneOf"];
+    const bool objects = std::any_of(variants.begin(), variants.end(), [](const OrderedJson& v) { return is(v, "type", "object"); });
+    if (objects && variants.size() > 1) return "any";
+    std::string joined;  // (the template's comments on each variant are left out)
+    for (const OrderedJson& variant : variants) joined += (joined.empty() ? "" : " | ") + typescript_type(variant);
+    return joined;
+  }
+  if (is(spec, "type", "string")) {
+    if (!truthy(spec, "enum")) return "string" + nullable;
+    std::string joined;
+    for (const OrderedJson& value : spec["enum"]) joined += (joined.empty() ? "\"" : "\" | \"") + text_of(value);
+    return joined + "\"";
+  }
+  if (is(spec, "type", "number") || is(spec, "type", "integer")) return "number";
+  if (is(spec, "type", "boolean")) return "boolean";
+  if (is(spec, "type", "object")) {
+    if (!truthy(spec, "properties")) return "object";
+    // (The template writes a line break and its own indentation before each member's type.)
+    std::string text = "{\n";
+    bool first = true;
+    for (const auto& [name, member] : spec["properties"].items()) {
+      text += concat({first ? "" : ", ", name, required(spec, name) ? "" : "?", ": \n                ", typescript_type(member)});
+      first = false;
+    }
+    return text + "}";
+  }
+  return "any";
+}
+
+// One parameter's line(s): its description, name, type and default, as the template writes them.
+std::string typescript_parameter(const std::string& name, const OrderedJson& spec, const OrderedJson& parameters) {
+  std::string text = truthy(spec, "description") ? concat({"// ", text_of(spec["description"]), "\n"}) : "";
+  text += concat({name, required(parameters, name) ? "" : "?", ": ", typescript_type(spec)});
+  if (const auto value = spec.find("default"); value != spec.end()) {
+    if (truthy(spec, "enum")) {
+      text += ", // default: " + text_of(*value);
+    } else if (truthy(spec, "oneOf")) {
+      text += "// default: " + text_of(*value);
+    } else {
+      text += ", // default: " + python_json(*value);
+    }
+  }
+  return text + ",\n";
+}
+
+std::string harmony_tools(std::span<const ToolDefinition> tools) {
+  std::string text = "# Tools\n\n## functions\n\nnamespace functions {\n\n";
+  for (const ToolDefinition& tool : tools) {
+    const OrderedJson& function = tool.definition.at("function");
+    text += concat({"// ", function.contains("description") ? text_of(function["description"]) : "", "\ntype ", tool.name, " = "});
+    const auto parameters = function.find("parameters");
+    if (parameters == function.end() || !truthy(*parameters, "properties")) {
+      text += "() => any;\n\n";
+      continue;
+    }
+    text += "(_: {\n";
+    for (const auto& [name, spec] : (*parameters)["properties"].items()) text += typescript_parameter(name, spec, *parameters);
+    text += "}) => any;\n\n";
+  }
+  return text + "} // namespace functions";
+}
+
 std::string hermes_call(const ToolCall& call) {
   return concat({"<tool_call>\n{\"name\": \"", call.name, "\", \"arguments\": ", arguments_for_template(call.arguments),
                  "}\n</tool_call>"});
@@ -83,9 +191,6 @@ std::string hermes_call(const ToolCall& call) {
 
 std::string ChatTemplate::render_with_tools(std::span<const ChatMessage> messages,
                                             std::span<const ToolDefinition> tools) const {
-  if (format_ == ChatFormat::kHarmony) {
-    throw std::invalid_argument("tool calls are not supported with the harmony chat format (gpt-oss) yet");
-  }
   const bool has_system = !messages.empty() && messages[0].role == "system";
   std::string system = has_system ? messages[0].content : "";
   if (!native_tools_ && !tools.empty()) system = join_system(system, hermes_tools_prompt(tools));
@@ -95,17 +200,23 @@ std::string ChatTemplate::render_with_tools(std::span<const ChatMessage> message
   }
   std::string text = tools_conversation_start(system, tools);
   bool first_user = true;
+  std::string_view called;  // the function the last calls named
   for (size_t i = has_system ? 1 : 0; i < messages.size(); ++i) {
     const ChatMessage& message = messages[i];
     if (message.role == "user") {
       text += tools_user_turn(message.content, first_user, i == last_user, system, tools);
       first_user = false;
+    } else if (message.role == "assistant" && message.tool_calls.empty()) {
+      text += assistant_reply(message.content);
     } else if (message.role == "assistant") {
-      text += message.tool_calls.empty() ? assistant_reply(message.content) : tool_calls_reply(message);
+      const bool answered = std::any_of(messages.begin() + static_cast<std::ptrdiff_t>(i) + 1, messages.end(),
+                                        [](const ChatMessage& m) { return m.role == "assistant" && m.tool_calls.empty(); });
+      text += tool_calls_reply(message, answered);
+      called = message.tool_calls.front().name;
     } else {  // tool results, read as one group
       size_t end = i;
       while (end < messages.size() && messages[end].role == "tool") ++end;
-      text += tool_results_turn(messages.subspan(i, end - i), system);
+      text += tool_results_turn(messages.subspan(i, end - i), system, called);
       i = end - 1;
     }
   }
@@ -122,6 +233,12 @@ std::string ChatTemplate::tools_conversation_start(std::string_view system, std:
                      "<|eot_id|>"});
     case ToolSyntax::kMistral:
       return conversation_start(system);  // the tools go before the last user message
+    case ToolSyntax::kHarmony: {
+      std::string text = harmony_system_block(harmony_date(), reasoning_effort_, /*tools=*/true) +
+                         "<|start|>developer<|message|>";
+      if (!system.empty()) text += concat({"# Instructions\n\n", system, "\n\n"});
+      return concat({text, harmony_tools(tools), "<|end|>"});
+    }
   }
   return "";
 }
@@ -138,13 +255,22 @@ std::string ChatTemplate::tools_user_turn(std::string_view content, bool first, 
   return user_turn(content, first, system);
 }
 
-std::string ChatTemplate::tool_calls_reply(const ChatMessage& message) const {
+std::string ChatTemplate::tool_calls_reply(const ChatMessage& message, bool answered) const {
   const std::vector<ToolCall>& calls = message.tool_calls;
+  const bool one_call = native_tools_ && (tool_syntax_ == ToolSyntax::kLlama3 || tool_syntax_ == ToolSyntax::kHarmony);
+  if (one_call && calls.size() != 1) {
+    throw std::invalid_argument(concat({"this model's chat template (", name(), ") takes one tool call per assistant message, not ",
+                                        std::to_string(calls.size())}));
+  }
+  if (tool_syntax_ == ToolSyntax::kHarmony) {
+    // The content is the call's reasoning, kept until an answer follows (then dropped, as every
+    // past reasoning is); the generation prompt already wrote "<|start|>assistant".
+    const bool reasoning = !message.content.empty() && !answered;
+    return concat({reasoning ? concat({"<|channel|>analysis<|message|>", message.content, "<|end|><|start|>assistant"}) : "",
+                   " to=functions.", calls[0].name, "<|channel|>commentary json<|message|>",
+                   arguments_for_template(calls[0].arguments), "<|call|>"});
+  }
   if (native_tools_ && tool_syntax_ == ToolSyntax::kLlama3) {  // the content is not written
-    if (calls.size() != 1) {
-      throw std::invalid_argument("this model's chat template (Llama 3.1) takes one tool call per assistant message, not " +
-                                  std::to_string(calls.size()));
-    }
     return concat({"{\"name\": \"", calls[0].name, "\", \"parameters\": ", arguments_for_template(calls[0].arguments),
                    "}<|eot_id|>"});
   }
@@ -164,8 +290,16 @@ std::string ChatTemplate::tool_calls_reply(const ChatMessage& message) const {
   return assistant_reply(text);
 }
 
-std::string ChatTemplate::tool_results_turn(std::span<const ChatMessage> results, std::string_view system) const {
+std::string ChatTemplate::tool_results_turn(std::span<const ChatMessage> results, std::string_view system,
+                                            std::string_view called) const {
   std::string text;
+  if (tool_syntax_ == ToolSyntax::kHarmony) {  // each result as the function's message (its text as JSON)
+    for (const ChatMessage& result : results) {
+      text += concat({"<|start|>functions.", called, " to=assistant<|channel|>commentary<|message|>",
+                      python_json(OrderedJson(result.content)), "<|end|>"});
+    }
+    return text + "<|start|>assistant";
+  }
   if (native_tools_ && tool_syntax_ == ToolSyntax::kLlama3) {
     // The template writes a result that is iterable as JSON, and a string is: quoted.
     for (const ChatMessage& result : results) {

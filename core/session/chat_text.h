@@ -23,4 +23,10 @@ inline constexpr std::string_view kLlama3DatedHeader =
 
 std::string llama3_header(std::string_view role);
 
+// gpt-oss's template writes this system message before every conversation, with the default of
+// its model_identity variable and its reasoning_effort (default "medium"); with tools, the line
+// that sends their calls to the commentary channel. The caller's system message becomes the
+// developer message after it.
+std::string harmony_system_block(std::string_view date, std::string_view reasoning_effort, bool tools);
+
 }  // namespace ringlm::chat_text

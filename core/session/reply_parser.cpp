@@ -38,6 +38,14 @@ std::string_view name_after(std::string_view header, size_t key_end) {
 }
 
 constexpr std::string_view kRecipient = " to=";  // a recipient right after the role
+constexpr std::string_view kFunctions = "functions.";  // the namespace of the tools a request offers
+
+// The function a header's recipient names ("to=functions.get_weather": "get_weather").
+std::string function_called(std::string_view header) {
+  const size_t to = header.find(std::string("to=") + std::string(kFunctions));
+  if (to == std::string_view::npos) return "";
+  return std::string(name_after(header, to + 3).substr(kFunctions.size()));
+}
 
 constexpr std::string_view kThinkOpen = "<think>", kThinkClose = "</think>";
 constexpr std::string_view kSpace = " \t\r\n";
@@ -162,7 +170,18 @@ ReplyDelta ReplyParser::finish() {
     route(header_, out);
     header_.clear();
   }
+  end_message();  // a call ends with <|call|>, which ends the generation: not in the text
   return out;
+}
+
+void ReplyParser::end_message() {
+  if (route_ != Route::kCall) return;
+  const size_t begin = call_.arguments.find_first_not_of(kSpace);
+  const size_t end = call_.arguments.find_last_not_of(kSpace);
+  call_.arguments = begin == std::string::npos ? "{}" : call_.arguments.substr(begin, end - begin + 1);
+  calls_.push_back(std::move(call_));
+  call_ = {};
+  route_ = Route::kNone;
 }
 
 ReplyDelta ReplyParser::parse(const ChatTemplate& chat_template, std::string_view reply) {
@@ -196,11 +215,12 @@ void ReplyParser::on_text(std::string_view text, ReplyDelta& out) {
 void ReplyParser::on_marker(Marker marker) {
   switch (marker) {
     case Marker::kStart:  // a new message: its header follows
+      end_message();
       in_message_ = false;
       header_.clear();
       break;
     case Marker::kChannel:  // a header's channel; in a message's text, a new message
-      if (in_message_) header_.clear();
+      if (in_message_) header_.clear(), end_message();
       in_message_ = false;
       header_ += kMarkers[static_cast<size_t>(marker)];
       break;
@@ -210,6 +230,7 @@ void ReplyParser::on_marker(Marker marker) {
     case Marker::kMessage:  // the header ends, the message's text begins
       if (!in_message_) {
         route_ = route_of(header_);
+        if (route_ == Route::kCall) call_.name = function_called(header_);
         header_.clear();
         in_message_ = true;
       }
@@ -217,6 +238,7 @@ void ReplyParser::on_marker(Marker marker) {
     case Marker::kEnd:
     case Marker::kReturn:
     case Marker::kCall:  // the message ends
+      end_message();
       in_message_ = false;
       header_.clear();
       break;
@@ -231,6 +253,8 @@ void ReplyParser::route(std::string_view text, ReplyDelta& out) {
   } else if (route_ == Route::kReasoning) {
     reasoning_ += text;
     out.reasoning += text;
+  } else if (route_ == Route::kCall) {
+    call_.arguments += text;
   }
 }
 
@@ -238,7 +262,9 @@ ReplyParser::Route ReplyParser::route_of(std::string_view header) {
   // A recipient other than the assistant: a tool call, whose arguments are no answer.
   for (size_t to = header.find("to="); to != std::string_view::npos; to = header.find("to=", to + 1)) {
     if (to > 0 && header[to - 1] != ' ') continue;  // inside a word
-    if (name_after(header, to + 3) != "assistant") return Route::kNone;
+    const std::string_view recipient = name_after(header, to + 3);
+    if (recipient.substr(0, kFunctions.size()) == kFunctions && recipient.size() > kFunctions.size()) return Route::kCall;
+    if (recipient != "assistant") return Route::kNone;
   }
   // The last channel named (gpt-oss sometimes writes "<|channel|>commentary" before the real one).
   constexpr std::string_view kChannel = "<|channel|>";
@@ -249,14 +275,17 @@ ReplyParser::Route ReplyParser::route_of(std::string_view header) {
   return Route::kContent;  // final, commentary (a preamble to the answer), or none
 }
 
-ChatReplyReader::ChatReplyReader(const ChatTemplate& chat_template, bool read_calls, bool forced) : parts_(chat_template) {
-  if (!read_calls) return;
+ChatReplyReader::ChatReplyReader(const ChatTemplate& chat_template, bool read_calls, bool forced)
+    : parts_(chat_template), read_calls_(read_calls) {
+  if (!read_calls || chat_template.tool_syntax() == ToolSyntax::kHarmony) return;
   calls_.emplace(chat_template.tool_syntax());
   if (forced) calls_->push(forced_call_prefix(chat_template.tool_syntax()));  // (hands nothing out)
 }
 
 ChatReplyDelta ChatReplyReader::take_calls(ReplyDelta parts, bool last) {
-  ChatReplyDelta out{std::move(parts.content), std::move(parts.reasoning), {}};
+  ChatReplyDelta out{std::move(parts.content), std::move(parts.reasoning), parts_.take_calls()};
+  if (!read_calls_) out.calls.clear();  // (no tools offered: a message to a function is nothing)
+  for (ToolCall& call : out.calls) call.id = new_tool_call_id(ToolSyntax::kHarmony, random_);
   if (!calls_) return out;
   ToolCallParser::Delta answer = calls_->push(out.content);
   if (last) {

@@ -11,8 +11,10 @@
 // llama-server does (its reasoning_content). No marker and no header reaches either part, and
 // text that could still be the start of a marker ("<", "<|mes") is held back until it is one or
 // cannot be one any more. The rest goes where llama-server's gpt-oss parser puts it: the
-// commentary channel (a preamble) to content; a message addressed to a recipient other than the
-// assistant ("to=functions.get_weather": a tool call, and ringlm runs no tools) to neither.
+// commentary channel (a preamble) to content; a message addressed to a function
+// ("to=functions.get_weather") is a tool call, handed out by take_calls() once it ends (its
+// text the arguments); one to any other recipient (a built-in tool, which ringlm does not run)
+// goes to neither.
 // Text before any header is content: a reply that ignores the format is still an answer.
 // A marker in the middle of a message is read as the format means it even where the model left
 // out the one before it (a <|channel|> without <|end|><|start|>assistant starts a new message).
@@ -30,8 +32,10 @@
 #pragma once
 
 #include <optional>
+#include <random>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/session/chat_template.h"
@@ -56,6 +60,9 @@ class ReplyParser {
   // it belongs to.
   ReplyDelta finish();
 
+  // The tool calls whose messages ended since the last call (harmony; no ids yet).
+  std::vector<ToolCall> take_calls() { return std::exchange(calls_, {}); }
+
   // Everything handed out so far: the whole parts once finished.
   const std::string& content() const { return content_; }
   const std::string& reasoning() const { return reasoning_; }
@@ -64,7 +71,7 @@ class ReplyParser {
   static ReplyDelta parse(const ChatTemplate& chat_template, std::string_view reply);
 
  private:
-  enum class Route { kContent, kReasoning, kNone };
+  enum class Route { kContent, kReasoning, kCall, kNone };
   enum class Marker { kStart, kChannel, kConstrain, kMessage, kEnd, kReturn, kCall };
 
   // Where a think-tag reply is: before its first text, in the reasoning (nothing of it handed
@@ -76,6 +83,7 @@ class ReplyParser {
   void on_marker(Marker marker);
   void route(std::string_view text, ReplyDelta& out);
   static Route route_of(std::string_view header);
+  void end_message();  // a call's message is complete
 
   bool channels_;
   bool think_tags_;
@@ -86,6 +94,8 @@ class ReplyParser {
   std::string header_;          // the header being read (role, recipient, channel, markers)
   Route route_ = Route::kContent;
   std::string content_, reasoning_;
+  ToolCall call_;                // the call being read (Route::kCall): its name, its arguments so far
+  std::vector<ToolCall> calls_;  // complete, not taken yet
 };
 
 // A chat reply read into its parts as it streams: the reasoning apart (ReplyParser), then, when
@@ -113,7 +123,9 @@ class ChatReplyReader {
   ChatReplyDelta take_calls(ReplyDelta parts, bool last);
 
   ReplyParser parts_;
-  std::optional<ToolCallParser> calls_;
+  std::optional<ToolCallParser> calls_;  // (not for harmony, whose calls ReplyParser reads)
+  bool read_calls_;
+  std::mt19937_64 random_{std::random_device{}()};  // harmony's call ids
 };
 
 }  // namespace ringlm

@@ -106,6 +106,32 @@ std::string schema_gbnf(const OrderedJson& schema, const std::string& root_name)
   return json_schema_to_gbnf(nlohmann::json::parse(schema.dump()), root_name);
 }
 
+// gpt-oss's call, after the generation prompt's "<|start|>assistant": perhaps a reasoning message
+// first (without '<', which would start a marker), then a message to one function with its
+// arguments. Each tool's parameters are a $def of one schema, so that its arguments' rule is the
+// converter's "ref-tool-<i>".
+std::string harmony_call_gbnf(std::span<const ToolDefinition> tools) {
+  OrderedJson defs = OrderedJson::object(), refs = OrderedJson::array();
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const std::string key = "tool-" + std::to_string(i);
+    OrderedJson parameters = tools[i].parameters;
+    rebase_refs(parameters, "#/$defs/" + key);
+    defs[key] = std::move(parameters);
+    refs.push_back({{"$ref", "#/$defs/" + key}});
+  }
+  std::string gbnf = schema_gbnf({{"$defs", std::move(defs)}, {"anyOf", std::move(refs)}}, "any-arguments");
+  std::string calls;
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const std::string rule = "ref-tool-" + std::to_string(i);
+    if (gbnf.find("\n" + rule + " ::= ") == std::string::npos) {
+      throw std::logic_error("tool calls: the arguments of tool " + std::to_string(i) + " have no rule " + rule);
+    }
+    calls += (i == 0 ? "" : " | ") + OrderedJson(tools[i].name + " <|constrain|>json<|message|>").dump() + " " + rule;
+  }
+  return gbnf + R"(root ::= ( "<|channel|>analysis<|message|>" [^<]* "<|end|><|start|>assistant" )? )" +
+         R"("<|channel|>commentary to=functions." ( )" + calls + " )\n";
+}
+
 }  // namespace
 
 ToolDefinition ToolDefinition::from_openai(const OrderedJson& tool) {
@@ -154,6 +180,8 @@ std::string tool_call_gbnf(ToolSyntax syntax, std::span<const ToolDefinition> to
       }
       case ToolSyntax::kLlama3:  // one call: Llama 3.1's template takes no more per reply
         return schema_gbnf(calls_schema(tools, "parameters"), "root");
+      case ToolSyntax::kHarmony:  // one call (its template writes one per message)
+        return harmony_call_gbnf(tools);
       case ToolSyntax::kMistral: {
         OrderedJson schema = calls_schema(tools, "arguments");
         OrderedJson array = {{"$defs", std::move(schema["$defs"])},
@@ -184,7 +212,8 @@ std::string_view tool_call_trigger(ToolSyntax syntax) {
   switch (syntax) {
     case ToolSyntax::kHermes: return kHermesOpen;
     case ToolSyntax::kMistral: return kMistralMarker;
-    case ToolSyntax::kLlama3: return "";
+    case ToolSyntax::kLlama3:
+    case ToolSyntax::kHarmony: return "";
   }
   return "";
 }

@@ -9,6 +9,7 @@
 //                                     (one block per call; text may come before them)
 //   Llama 3.1+:                       {"name": "f", "parameters": {...}}  (the whole reply)
 //   Mistral (v0.3, Nemo):             [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]
+//   gpt-oss (harmony):                <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}
 //
 // A template that knows no tools gets Hermes' syntax, described in the system message, as
 // llama.cpp does for its generic format (chat_template_tools.cpp).
@@ -32,7 +33,9 @@ namespace ringlm {
 // as the client gave it.
 using OrderedJson = nlohmann::ordered_json;
 
-enum class ToolSyntax { kHermes, kLlama3, kMistral };
+// kHarmony: gpt-oss's messages to "functions.NAME" on the commentary channel, read by
+// ReplyParser (reply_parser.h), not by ToolCallParser.
+enum class ToolSyntax { kHermes, kLlama3, kMistral, kHarmony };
 
 struct ToolCall {
   std::string id;         // the client answers the call with this id ("call_..."; Mistral: 9 letters and digits)

@@ -18,8 +18,8 @@ Where a template does what ringlm deliberately does not (see TEMPLATES below), o
 combination is skipped, with the reason printed; the format detection is still checked.
 
 Conversations with tools (TOOL_CONVERSATIONS: OpenAI's "tools", assistant tool_calls and "tool"
-results) are compared for the templates that write tools themselves ("tools": True: Qwen 2.5 and
-3, Llama 3.1, Mistral Nemo), as transformers renders them: arguments as dicts, its tojson filter
+results) are compared for the templates that write tools themselves ("tools": Qwen 2.5 and
+3, Llama 3.1, Mistral Nemo, gpt-oss), as transformers renders them: arguments as dicts, its tojson filter
 (json.dumps, keys in order, ensure_ascii=False). ringlm gets the arguments as OpenAI sends them,
 JSON text. For the other templates ringlm's own rendering (the tools in the system message) is
 only checked to succeed and to name every tool.
@@ -109,7 +109,7 @@ TEMPLATES = {
                                                           skip=skip_mistral_2023_system),
     # gpt-oss (harmony): a system block with the date, the system message as the developer's,
     # past replies as their final channel. bos/eos: o200k_harmony's (the template writes neither).
-    "openai-gpt-oss-120b.jinja": dict(format="harmony", bos="<|startoftext|>", eos="<|return|>"),
+    "openai-gpt-oss-120b.jinja": dict(format="harmony", bos="<|startoftext|>", eos="<|return|>", tools="harmony"),
     # Qwen3 (and Qwen3-MoE): ChatML whose replies think in <think> tags (ReplyParser's reasoning).
     "Qwen-Qwen3-0.6B.jinja": dict(format="chatml", bos="", eos="<|im_end|>", tools="hermes"),
 }
@@ -199,9 +199,10 @@ TOOL_CONVERSATIONS = {
 }
 
 
-def skip_llama31_parallel(conversation):
+def skip_one_call_per_message(conversation):
     if any(len(m.get("tool_calls", [])) > 1 for m in conversation):
-        return "Llama 3.1's template raises on two calls in one message; ringlm refuses them too"
+        return ("Llama 3.1's template raises on two calls in one message and gpt-oss's writes only the first; "
+                "ringlm refuses them")
     return None
 
 
@@ -300,15 +301,12 @@ def check_template(tool, path, spec):
                                  f" / ringlm {ringlm_text[at:at + 40]!r}")
         print(f"  ok     {name} [{label}]")
         compared += 1
-    if spec["format"] == "harmony":
-        print(f"  skip   {name} [tools]: ringlm does not write harmony's tools yet")
-        return compared, skipped + len(TOOL_CONVERSATIONS)
     for label, conversation in TOOL_CONVERSATIONS.items():
         tool_conversation = conversation
         if spec.get("default_system") and not has_system(conversation):
             tool_conversation = [msg("system", spec["default_system"])] + conversation
         reason = (spec.get("skip", skip_never)(conversation) or
-                  (skip_llama31_parallel(conversation) if spec.get("tools") == "llama3" else None))
+                  (skip_one_call_per_message(conversation) if spec.get("tools") in ("llama3", "harmony") else None))
         if reason:
             print(f"  skip   {name} [{label}]: {reason}")
             skipped += 1

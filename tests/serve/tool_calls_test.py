@@ -7,7 +7,8 @@ sent back through the template.
   tool_calls_test.py RINGLM MODEL --prompts N   a real model (SmolLM2)
 
 A scripted model (tests/reference/make_scripted_gguf.py) carries a family's real template (Qwen
-2.5's <tool_call>, Llama 3.1's JSON, Mistral Nemo's [TOOL_CALLS]) and writes a reply known in
+2.5's <tool_call>, Llama 3.1's JSON, Mistral Nemo's [TOOL_CALLS], gpt-oss's messages to
+functions) and writes a reply known in
 advance: the calls the server reads out of it must be the spec's, its prompt with tools must be
 the template's as transformers renders it (jinja2, arguments as dicts; compared token for token
 through the completions endpoint), and a conversation with the calls and their results must be
@@ -15,6 +16,7 @@ taken. A real model's template knows no tools (SmolLM2's ChatML): ringlm describ
 system message and, with tool_choice "required" or a named tool, its grammar makes the reply
 calls whose arguments pydantic validates against the tool's own schema."""
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -78,6 +80,7 @@ def template_prompt(messages, tools):
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = transformers_tojson
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # (gpt-oss's date)
     hf_messages = []
     for m in messages:
         m = dict(m)
@@ -142,6 +145,7 @@ class ScriptedFamily(ServerTest):
         message = r.choices[0].message
         self.assertEqual(calls_of(message), self.expected_calls())
         self.assertEqual(message.content, SPEC["content"])
+        self.assertEqual((message.model_extra or {}).get("reasoning_content"), SPEC.get("reasoning"))
         self.assertEqual(r.choices[0].finish_reason, "tool_calls")
         ids = [c.id for c in message.tool_calls]
         self.assertEqual(len(set(ids)), len(ids))
@@ -177,7 +181,8 @@ class ScriptedFamily(ServerTest):
         for kwargs in ({}, {"tools": TOOLS, "tool_choice": "none"}):
             message = self.chat(self.QUESTION, max_tokens=64, **kwargs).choices[0].message
             self.assertFalse(message.tool_calls, kwargs)
-            self.assertTrue(message.content, kwargs)
+            # (gpt-oss's message to a function, offered none, is neither: its reasoning remains)
+            self.assertTrue(message.content or (message.model_extra or {}).get("reasoning_content"), kwargs)
 
     def test_prompts_with_tools_and_results_are_the_templates(self):
         # The call ids as the server gave them (Mistral's are 9 letters and digits).
