@@ -254,13 +254,7 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
       s.drafter = options_.make_drafter && q.request.draft_max != 0 && !constrained ? options_.make_drafter(q.request) : nullptr;
       s.sequence.reset(q.request.top_logprobs >= 0 || constrained ? 0 : s.sampler->candidates_needed(), s.drafter.get());
       s.draft_length = DraftLength(options_.pass_cost);
-      s.draft = {};
-      s.next_token = -1;
-      s.result = GenerationResult{};
-      s.result.index = q.request.index;
-      s.result.sample = s.sample;
-      s.result.prompt_tokens = static_cast<int>(q.request.prompt.size());
-      s.submitted = q.submitted;
+      start_result(s, q);
       if (reuse && s.state != Slot::State::kBeamPlace) read_kept_prompt(s, *reuse, on_done);
     }
   }
@@ -273,6 +267,10 @@ void BatchScheduler::start_embedding(Slot& s, const Queued& q) {
   s.prompt_owner = nullptr;
   s.sequence.reset(0, nullptr);
   s.embedding.assign(static_cast<size_t>(model_.hparams().n_embd), 0.0f);
+  start_result(s, q);
+}
+
+void BatchScheduler::start_result(Slot& s, const Queued& q) {
   s.draft = {};
   s.next_token = -1;
   s.result = GenerationResult{};

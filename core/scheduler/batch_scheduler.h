@@ -194,6 +194,8 @@ class BatchScheduler {
   void check_embedding(const GenerationRequest& request) const;
   // The slot takes an embedding request: its prompt is prefilled and pooled, nothing is drawn.
   void start_embedding(Slot& slot, const Queued& queued);
+  // A slot's result and step state, fresh for the request it starts.
+  void start_result(Slot& slot, const Queued& queued);
   // Its prompt has run: the vector, normalised, to on_done; the slot is free.
   void finish_embedding(Slot& slot, const std::function<void(GenerationResult)>& on_done);
   // Hands the result of the slot's finished generation to on_done and frees the slot.

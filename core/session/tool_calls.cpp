@@ -85,21 +85,30 @@ void rebase_refs(OrderedJson& schema, const std::string& base) {
   }
 }
 
-// One schema for every call of `tools`: {"name": <its name>, <arguments_key>: <its parameters>},
-// each tool's parameters kept under $defs (so that their own $refs still resolve).
-OrderedJson calls_schema(std::span<const ToolDefinition> tools, const std::string& arguments_key) {
-  OrderedJson defs = OrderedJson::object(), alternatives = OrderedJson::array();
+// Each tool's parameters as $defs/tool-<i> of one document, their own $refs pointed there.
+OrderedJson tool_defs(std::span<const ToolDefinition> tools) {
+  OrderedJson defs = OrderedJson::object();
   for (size_t i = 0; i < tools.size(); ++i) {
     const std::string key = "tool-" + std::to_string(i);
     OrderedJson parameters = tools[i].parameters;
     rebase_refs(parameters, "#/$defs/" + key);
     defs[key] = std::move(parameters);
+  }
+  return defs;
+}
+
+// One schema for every call of `tools`: {"name": <its name>, <arguments_key>: <its parameters>},
+// each tool's parameters kept under $defs (so that their own $refs still resolve).
+OrderedJson calls_schema(std::span<const ToolDefinition> tools, const std::string& arguments_key) {
+  OrderedJson alternatives = OrderedJson::array();
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const std::string key = "tool-" + std::to_string(i);
     alternatives.push_back({{"type", "object"},
                             {"properties", {{"name", {{"const", tools[i].name}}}, {arguments_key, {{"$ref", "#/$defs/" + key}}}}},
                             {"required", {"name", arguments_key}},
                             {"additionalProperties", false}});
   }
-  return {{"$defs", std::move(defs)}, {"anyOf", std::move(alternatives)}};
+  return {{"$defs", tool_defs(tools)}, {"anyOf", std::move(alternatives)}};
 }
 
 std::string schema_gbnf(const OrderedJson& schema, const std::string& root_name) {
@@ -111,15 +120,9 @@ std::string schema_gbnf(const OrderedJson& schema, const std::string& root_name)
 // arguments. Each tool's parameters are a $def of one schema, so that its arguments' rule is the
 // converter's "ref-tool-<i>".
 std::string harmony_call_gbnf(std::span<const ToolDefinition> tools) {
-  OrderedJson defs = OrderedJson::object(), refs = OrderedJson::array();
-  for (size_t i = 0; i < tools.size(); ++i) {
-    const std::string key = "tool-" + std::to_string(i);
-    OrderedJson parameters = tools[i].parameters;
-    rebase_refs(parameters, "#/$defs/" + key);
-    defs[key] = std::move(parameters);
-    refs.push_back({{"$ref", "#/$defs/" + key}});
-  }
-  std::string gbnf = schema_gbnf({{"$defs", std::move(defs)}, {"anyOf", std::move(refs)}}, "any-arguments");
+  OrderedJson refs = OrderedJson::array();
+  for (size_t i = 0; i < tools.size(); ++i) refs.push_back({{"$ref", "#/$defs/tool-" + std::to_string(i)}});
+  std::string gbnf = schema_gbnf({{"$defs", tool_defs(tools)}, {"anyOf", std::move(refs)}}, "any-arguments");
   std::string calls;
   for (size_t i = 0; i < tools.size(); ++i) {
     const std::string rule = "ref-tool-" + std::to_string(i);

@@ -269,6 +269,15 @@ def first_difference(a, b):
     return min(len(a), len(b))
 
 
+def expect_same(what, jinja_text, ringlm_text):
+    if jinja_text != ringlm_text:
+        at = first_difference(jinja_text, ringlm_text)
+        raise AssertionError(f"{what}: ringlm differs from jinja2 at character {at}\n"
+                             f"  jinja2: {jinja_text!r}\n  ringlm: {ringlm_text!r}\n"
+                             f"  from there: jinja2 {jinja_text[at:at + 40]!r}"
+                             f" / ringlm {ringlm_text[at:at + 40]!r}")
+
+
 def check_template(tool, path, spec):
     """Returns (compared, skipped) counts; raises AssertionError on a mismatch."""
     name = os.path.basename(path)
@@ -293,12 +302,7 @@ def check_template(tool, path, spec):
             continue
         jinja_text = jinja_render(source, conversation, spec["bos"], spec["eos"])
         ringlm_text = (spec["bos"] if out["starts_with_bos"] else "") + out["text"]
-        if jinja_text != ringlm_text:
-            at = first_difference(jinja_text, ringlm_text)
-            raise AssertionError(f"{name} [{label}]: ringlm differs from jinja2 at character {at}\n"
-                                 f"  jinja2: {jinja_text!r}\n  ringlm: {ringlm_text!r}\n"
-                                 f"  from there: jinja2 {jinja_text[at:at + 40]!r}"
-                                 f" / ringlm {ringlm_text[at:at + 40]!r}")
+        expect_same(f"{name} [{label}]", jinja_text, ringlm_text)
         print(f"  ok     {name} [{label}]")
         compared += 1
     for label, conversation in TOOL_CONVERSATIONS.items():
@@ -321,12 +325,7 @@ def check_template(tool, path, spec):
             continue
         jinja_text = jinja_render(source, conversation, spec["bos"], spec["eos"], TOOLS)
         ringlm_text = (spec["bos"] if out["starts_with_bos"] else "") + out["text"]
-        if jinja_text != ringlm_text:
-            at = first_difference(jinja_text, ringlm_text)
-            raise AssertionError(f"{name} [{label}]: ringlm differs from jinja2 at character {at}\n"
-                                 f"  jinja2: {jinja_text!r}\n  ringlm: {ringlm_text!r}\n"
-                                 f"  from there: jinja2 {jinja_text[at:at + 40]!r}"
-                                 f" / ringlm {ringlm_text[at:at + 40]!r}")
+        expect_same(f"{name} [{label}]", jinja_text, ringlm_text)
         print(f"  ok     {name} [{label}]")
         compared += 1
     return compared, skipped
