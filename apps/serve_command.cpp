@@ -731,7 +731,7 @@ void serve_later_rank(const ServeOptions& o) {
 
 void add_serve_command(CLI::App& app) {
   auto opts = std::make_shared<ServeOptions>();
-  CLI::App* cmd = app.add_subcommand("serve", "an OpenAI-compatible HTTP server (chat and text completions, streaming)");
+  CLI::App* cmd = app.add_subcommand("serve", "an OpenAI-compatible HTTP server (chat and text completions, streaming; tool calls; embeddings)");
   add_model_options(*cmd, opts->model);
   add_sampling_options(*cmd, opts->sampling);
   cmd->add_option("--host", opts->host, "address to listen on (127.0.0.1: this machine only)")->capture_default_str();
