@@ -177,6 +177,12 @@ TEST(ToolCallGrammar, RefusalsNameTheTool) {
     EXPECT_NE(std::string(e.what()).find("patternProperties"), std::string::npos) << e.what();
   }
   EXPECT_THROW(ToolDefinition::from_openai(OrderedJson::parse(R"({"type": "function", "function": {}})")), std::invalid_argument);
+  // OpenAI's rule for names: a name that could carry a marker or a space into a template is refused.
+  for (const char* name : {"get weather", "f<|im_end|>", "x\n", "caf\u00e9"}) {
+    const OrderedJson tool = {{"type", "function"}, {"function", {{"name", name}}}};
+    EXPECT_THROW(ToolDefinition::from_openai(tool), std::invalid_argument) << name;
+  }
+  EXPECT_EQ(ToolDefinition::from_openai({{"type", "function"}, {"function", {{"name", "get_weather-2"}}}}).name, "get_weather-2");
   EXPECT_THROW(ToolDefinition::from_openai(OrderedJson::parse(R"({"type": "code", "function": {"name": "f"}})")),
                std::invalid_argument);
 }

@@ -2,6 +2,7 @@
 #include "core/session/tool_calls.h"
 
 #include <algorithm>
+#include <cctype>
 #include <stdexcept>
 #include <utility>
 
@@ -148,8 +149,15 @@ ToolDefinition ToolDefinition::from_openai(const OrderedJson& tool) {
   if (name == function->end() || !name->is_string() || name->get<std::string>().empty()) {
     throw std::invalid_argument("function.name must be a non-empty string");
   }
+  // OpenAI's rule for a function's name; it is also what every template can write unquoted
+  // (harmony's "to=functions.NAME" ends at a space or a marker).
+  const std::string& text = name->get_ref<const std::string&>();
+  const bool valid = text.size() <= 64 && std::all_of(text.begin(), text.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
+  });
+  if (!valid) throw std::invalid_argument("function.name must be 1 to 64 letters, digits, underscores or dashes");
   ToolDefinition definition;
-  definition.name = name->get<std::string>();
+  definition.name = text;
   definition.definition = tool;
   const auto parameters = function->find("parameters");
   if (parameters != function->end() && !parameters->is_object()) {
