@@ -405,8 +405,8 @@ void Server::answer_streaming(std::shared_ptr<RequestStream> stream, const Compl
   };
   auto state = std::make_shared<State>();
   if (request.endpoint == Endpoint::kChat) {
-    state->parts.assign(static_cast<size_t>(request.n),
-                        ChatReplyReader(*template_, !request.tools.empty(), request.tool_required));
+    // (One reader made for each choice: a copy would repeat the first one's call ids.)
+    for (int i = 0; i < request.n; ++i) state->parts.emplace_back(*template_, !request.tools.empty(), request.tool_required);
     state->calls_sent.assign(static_cast<size_t>(request.n), 0);
   }
   state->head = {random_id(request.endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-"),

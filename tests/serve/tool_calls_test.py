@@ -226,6 +226,21 @@ class RealModel(ServerTest):
             self.assertEqual(len(choice.message.tool_calls), 1)  # parallel_tool_calls is off by default
             self.check_call(choice.message.tool_calls[0], MODELS)
 
+    def test_call_ids_are_unique_across_choices(self):
+        for stream in (False, True):
+            kwargs = dict(model="m", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+                          tool_choice="required", max_tokens=80, n=3, temperature=0.9, seed=5, stream=stream)
+            ids = []
+            if stream:
+                for chunk in self.client.chat.completions.create(**kwargs):
+                    for choice in chunk.choices:
+                        ids += [c.id for c in choice.delta.tool_calls or [] if c.id]
+            else:
+                for choice in self.client.chat.completions.create(**kwargs).choices:
+                    ids += [c.id for c in choice.message.tool_calls or []]
+            self.assertEqual(len(ids), 3, stream)
+            self.assertEqual(len(set(ids)), 3, (stream, ids))
+
     def test_named_tool_streamed(self):
         stream = self.chat([{"role": "user", "content": "Book me a flight."}], tools=TOOLS + [FLIGHT],
                            tool_choice={"type": "function", "function": {"name": "book_flight"}}, stream=True,
