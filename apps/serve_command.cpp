@@ -237,15 +237,15 @@ std::vector<int32_t> Server::chat_prompt(const CompletionRequest& request) const
 // call's marker on, where the syntax has one (a lazy grammar).
 void Server::tool_call_grammar(const CompletionRequest& request, GenerationRequest& g) const {
   const ToolSyntax syntax = template_->tool_syntax();
-  const std::string_view trigger = tool_call_trigger(syntax);
-  if (!request.tool_required && trigger.empty()) return;
+  const ToolCallTrigger trigger = tool_call_trigger(syntax);
+  if (!request.tool_required && trigger.text.empty()) return;
   try {
     g.grammar = Grammar::parse(
         tool_call_gbnf(syntax, request.tools, request.parallel_tool_calls, /*with_marker=*/!request.tool_required));
   } catch (const GrammarError& e) {
     throw ApiError(400, std::string("'tools': ") + e.what(), "tools");
   }
-  if (!request.tool_required) g.grammar_trigger = trigger;
+  if (!request.tool_required) g.grammar_trigger = trigger.text, g.grammar_trigger_at_start = trigger.at_start;
 }
 
 GenerationRequest Server::generation_request(const CompletionRequest& request) const {

@@ -250,6 +250,49 @@ TEST_F(GenerationTest, LazyGrammarHoldsTheTextFromItsTriggerOn) {
   }
 }
 
+// Llama 3.1's call is the whole reply: its lazy grammar counts the trigger only where the text
+// starts (after space), and a text that starts otherwise stays free to its end.
+TEST_F(GenerationTest, LazyGrammarAtTheStartOnly) {
+  const Tokenizer& tok = *gpt2_;
+  const auto id = [&](std::string_view text) {
+    const std::optional<int32_t> token = tok.find_token(text);
+    EXPECT_TRUE(token.has_value()) << text;
+    return token.value_or(0);
+  };
+  const auto vocabulary = std::make_shared<const GrammarVocabulary>(tok);
+  const auto grammar = Grammar::parse(R"(root ::= "{" [0-9]+ "}")");
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  StopConditions no_end;
+  no_end.ignore_eos = true;
+  const auto draw = [&](Generation& g, int32_t favoured) {
+    std::vector<float> logits(static_cast<size_t>(tok.n_vocab()), 0.0f);
+    logits[static_cast<size_t>(favoured)] = 30.0f;
+    return g.draw(std::span<float>(logits));
+  };
+  const std::string space = tok.token_to_piece(id("\xc4\xa0"));  // GPT-2's byte for a space
+  ASSERT_EQ(space, " ");
+  {
+    Sampler sampler(greedy, tok.n_vocab());
+    Generation g(tok, sampler, no_end, {});
+    g.constrain(grammar, vocabulary, "{", /*trigger_at_start=*/true);
+    g.take(id("\xc4\xa0"));  // space: still undecided
+    EXPECT_EQ(draw(g, id("abc")), id("abc"));
+    g.take(id("{"));  // the reply starts with the trigger: held from here
+    const int32_t digit = draw(g, id("abc"));
+    ASSERT_FALSE(tok.token_to_piece(digit).empty());
+    EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(tok.token_to_piece(digit)[0])));
+  }
+  {
+    Sampler sampler(greedy, tok.n_vocab());
+    Generation g(tok, sampler, no_end, {});
+    g.constrain(grammar, vocabulary, "{", /*trigger_at_start=*/true);
+    g.take(id("hello"));  // starts otherwise: the grammar is dropped
+    g.take(id("{"));      // a brace later is text like any other
+    EXPECT_EQ(draw(g, id("abc")), id("abc"));
+  }
+}
+
 TEST_F(GenerationTest, StopStringOverTwoTokensIsNeverShown) {
   Feed f(*gpt2_, stops({"STOP"}));
   EXPECT_EQ(f.take_text("Hello wor"), "Hello wor");

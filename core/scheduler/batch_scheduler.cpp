@@ -250,7 +250,10 @@ void BatchScheduler::admit(const std::function<void(GenerationResult)>& on_done)
       stop.end_tokens = q.request.end_tokens;
       s.generation.emplace(tokenizer_, *s.sampler, std::move(stop), q.request.prompt);
       const bool constrained = q.request.grammar != nullptr;
-      if (constrained) s.generation->constrain(q.request.grammar, grammar_vocabulary(), q.request.grammar_trigger);
+      if (constrained) {
+        s.generation->constrain(q.request.grammar, grammar_vocabulary(), q.request.grammar_trigger,
+                                q.request.grammar_trigger_at_start);
+      }
       s.drafter = options_.make_drafter && q.request.draft_max != 0 && !constrained ? options_.make_drafter(q.request) : nullptr;
       s.sequence.reset(q.request.top_logprobs >= 0 || constrained ? 0 : s.sampler->candidates_needed(), s.drafter.get());
       s.draft_length = DraftLength(options_.pass_cost);

@@ -78,6 +78,7 @@ struct GenerationRequest {
   std::shared_ptr<const Grammar> grammar;
   // With it, the grammar is lazy: the text is free until it holds this (a tool call's marker).
   std::string grammar_trigger;
+  bool grammar_trigger_at_start = false;  // ... and only at the text's start (Generation::constrain)
   // Embeds the prompt instead of generating from it (kNone: generates): its final hidden states
   // pooled this way (mean, cls or last) and L2-normalised, in the result's `embedding`.
   Pooling pooling = Pooling::kNone;

@@ -51,9 +51,21 @@ Generation::Generation(const Tokenizer& tokenizer, Sampler& sampler, StopConditi
 }
 
 void Generation::constrain(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary,
-                           std::string trigger) {
+                           std::string trigger, bool trigger_at_start) {
   grammar_.emplace(std::move(grammar), std::move(vocabulary));
   grammar_trigger_ = std::move(trigger);
+  trigger_at_start_ = trigger_at_start;
+}
+
+void Generation::wake_lazy_grammar_at_start() {
+  const size_t start = text_.find_first_not_of(" \t\r\n");
+  if (start == std::string::npos) return;  // only space so far
+  const std::string_view head = std::string_view(text_).substr(start);
+  const size_t n = std::min(head.size(), grammar_trigger_.size());
+  if (head.compare(0, n, grammar_trigger_, 0, n) == 0 && head.size() < grammar_trigger_.size()) return;  // may still be
+  const bool held = head.compare(0, n, grammar_trigger_, 0, n) == 0 && grammar_->take_text(head);
+  grammar_trigger_.clear();
+  if (!held) grammar_.reset();  // the text starts otherwise: free to its end
 }
 
 void Generation::wake_lazy_grammar(size_t searched_from) {
@@ -173,7 +185,7 @@ GenerationStep Generation::take(int32_t token) {
   ++n_tokens_;
   const size_t text_before = text_.size();
   text_ += utf8_.push(tokenizer_->token_to_piece(token));
-  if (lazy) wake_lazy_grammar(text_before);
+  if (lazy) trigger_at_start_ ? wake_lazy_grammar_at_start() : wake_lazy_grammar(text_before);
   if (cut_at_stop_string()) {
     // What the decoder still holds comes after the stop string: it is dropped with the rest.
     finish_ = FinishReason::kStopString;

@@ -80,8 +80,10 @@ class Generation {
   // may or may not make): the text is free until it contains the trigger, then the grammar reads
   // the text from the trigger's start and holds the rest. Where it cannot read the text from an
   // occurrence of the trigger on (the model wrote its own way), it waits for the next one.
+  // `trigger_at_start`: only a trigger that starts the text (after space) counts; a text that
+  // starts otherwise drops the grammar.
   void constrain(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const GrammarVocabulary> vocabulary,
-                 std::string trigger = {});
+                 std::string trigger = {}, bool trigger_at_start = false);
   bool constrained() const { return grammar_.has_value(); }
   // What the grammar cost: the time spent checking and masking tokens, and how many draws needed
   // the whole vocabulary masked (the token sampled first was not allowed).
@@ -137,6 +139,7 @@ class Generation {
   int32_t draw_constrained(std::span<float> logits);
   // A lazy grammar whose trigger the text now holds starts reading there.
   void wake_lazy_grammar(size_t searched_from);
+  void wake_lazy_grammar_at_start();
   static constexpr size_t kCandidatesTried = 64;
   // The most likely token (largest logit, lowest id among equals) of the kCandidatesTried most
   // likely that `allowed` takes; -1 if none.
@@ -156,6 +159,7 @@ class Generation {
   FinishReason finish_ = FinishReason::kNone;
   std::optional<TokenConstraint> grammar_;
   std::string grammar_trigger_;  // a lazy grammar's, until it holds the text ("" then)
+  bool trigger_at_start_ = false;
   bool grammar_stuck_ = false;  // no token could follow: the next take() ends the sequence
   std::vector<float> unmasked_;  // the logits before a penalised first draw, for a masked second one
   std::vector<Sampler::Candidate> kept_;  // the first draw's candidates the grammar allows

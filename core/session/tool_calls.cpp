@@ -219,14 +219,14 @@ std::string tool_call_gbnf(ToolSyntax syntax, std::span<const ToolDefinition> to
   return "";
 }
 
-std::string_view tool_call_trigger(ToolSyntax syntax) {
+ToolCallTrigger tool_call_trigger(ToolSyntax syntax) {
   switch (syntax) {
-    case ToolSyntax::kHermes: return kHermesOpen;
-    case ToolSyntax::kMistral: return kMistralMarker;
-    case ToolSyntax::kLlama3:
-    case ToolSyntax::kHarmony: return "";
+    case ToolSyntax::kHermes: return {kHermesOpen};
+    case ToolSyntax::kMistral: return {kMistralMarker};
+    case ToolSyntax::kLlama3: return {"{", /*at_start=*/true};
+    case ToolSyntax::kHarmony: return {};
   }
-  return "";
+  return {};
 }
 
 std::string_view forced_call_prefix(ToolSyntax syntax) { return syntax == ToolSyntax::kMistral ? kMistralMarker : ""; }

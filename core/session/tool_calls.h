@@ -16,7 +16,8 @@
 //
 // The grammar here makes a reply nothing but calls (tool_choice "required" or a named tool): the
 // arguments follow each tool's JSON Schema (json_schema.h). With tool_choice "auto" the model is
-// free, and ToolCallParser reads whatever calls it wrote.
+// free until it starts a call (tool_call_trigger), and held to the grammar from there; the
+// parser reads whatever calls it wrote.
 #pragma once
 
 #include <cstdint>
@@ -71,8 +72,14 @@ std::string tool_call_gbnf(ToolSyntax syntax, std::span<const ToolDefinition> to
 
 // The text that starts a call in `syntax`, where a reply free to call or not (tool_choice
 // "auto") can be held to tool_call_gbnf(..., with_marker = true) from there on: a lazy grammar
-// (Generation::constrain). "" for Llama 3.1, whose call is a JSON reply that no marker starts.
-std::string_view tool_call_trigger(ToolSyntax syntax);
+// (Generation::constrain). Llama 3.1's call is the whole reply, a JSON object: its trigger is
+// "{" at the reply's start only (`at_start`). None ("") for harmony, whose calls ReplyParser
+// reads from message headers that come in several forms.
+struct ToolCallTrigger {
+  std::string_view text;
+  bool at_start = false;
+};
+ToolCallTrigger tool_call_trigger(ToolSyntax syntax);
 
 // What the prompt ends with when a reply must be calls, so that the model's own marker token
 // starts it (Mistral's [TOOL_CALLS], a control token the grammar cannot write); "" otherwise.
