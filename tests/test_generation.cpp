@@ -196,100 +196,88 @@ TEST_F(GenerationTest, GrammarDrawFollowsItsDefinition) {
   }
 }
 
+// A greedy generation over a vocabulary, never ending on its own, under a lazy grammar; each
+// draw is made from logits with one token far on top of the others.
+struct LazyGrammarRun {
+  LazyGrammarRun(const Tokenizer& tokenizer, const std::string& gbnf, std::string trigger, bool at_start)
+      : tok(tokenizer), sampler(greedy(), tokenizer.n_vocab()), g(tokenizer, sampler, without_end(), {}) {
+    g.constrain(Grammar::parse(gbnf), std::make_shared<const GrammarVocabulary>(tok), std::move(trigger), at_start);
+  }
+  static SamplingParams greedy() {
+    SamplingParams p;
+    p.temperature = 0.0f;
+    return p;
+  }
+  static StopConditions without_end() {
+    StopConditions s;
+    s.ignore_eos = true;
+    return s;
+  }
+  int32_t id(std::string_view text) const {
+    const std::optional<int32_t> token = tok.find_token(text);
+    EXPECT_TRUE(token.has_value()) << text;
+    return token.value_or(0);
+  }
+  int32_t draw_favouring(std::string_view text) {
+    std::vector<float> logits(static_cast<size_t>(tok.n_vocab()), 0.0f);
+    logits[static_cast<size_t>(id(text))] = 30.0f;
+    return g.draw(std::span<float>(logits));
+  }
+  void take(std::string_view text) { g.take(id(text)); }
+  bool is_digit(int32_t token) const {
+    const std::string piece = tok.token_to_piece(token);
+    return !piece.empty() && std::isdigit(static_cast<unsigned char>(piece[0]));
+  }
+
+  const Tokenizer& tok;
+  Sampler sampler;
+  Generation g;
+};
+
 // A lazy grammar (a tool call's, with tool_choice "auto"): the text is free until it holds the
 // trigger, held from there (the grammar reading from the trigger's start, the token that brought
 // it included); an occurrence from which the grammar cannot read leaves it waiting for the next.
 TEST_F(GenerationTest, LazyGrammarHoldsTheTextFromItsTriggerOn) {
-  const Tokenizer& tok = *gpt2_;
-  const auto id = [&](std::string_view text) {
-    const std::optional<int32_t> token = tok.find_token(text);
-    EXPECT_TRUE(token.has_value()) << text;
-    return token.value_or(0);
-  };
-  const auto vocabulary = std::make_shared<const GrammarVocabulary>(tok);
-  SamplingParams greedy;
-  greedy.temperature = 0.0f;
-  StopConditions no_end;
-  no_end.ignore_eos = true;
-  const auto favouring = [&](int32_t token) {  // logits with `token` far on top
-    std::vector<float> logits(static_cast<size_t>(tok.n_vocab()), 0.0f);
-    logits[static_cast<size_t>(token)] = 30.0f;
-    return logits;
-  };
-  const auto draw = [&](Generation& g, int32_t favoured) {
-    std::vector<float> logits = favouring(favoured);
-    return g.draw(std::span<float>(logits));
-  };
   {
-    Sampler sampler(greedy, tok.n_vocab());
-    Generation g(tok, sampler, no_end, {});
-    g.constrain(Grammar::parse(R"(root ::= "<<" [0-9]+ ">>")"), vocabulary, "<<");
-    EXPECT_EQ(draw(g, id("hello")), id("hello"));  // free before the trigger: the grammar would refuse it
-    g.take(id("hello"));
-    g.take(id("<<"));
-    const int32_t digit = draw(g, id("abc"));  // held now: the most likely token it allows
-    EXPECT_NE(digit, id("abc"));
-    const std::string piece = tok.token_to_piece(digit);
-    ASSERT_FALSE(piece.empty());
-    EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(piece[0]))) << piece;
-    g.take(digit);
-    g.take(id(">>"));
-    EXPECT_TRUE(g.finished());  // nothing can follow the grammar's sentence
+    LazyGrammarRun run(*gpt2_, R"(root ::= "<<" [0-9]+ ">>")", "<<", false);
+    EXPECT_EQ(run.draw_favouring("hello"), run.id("hello"));  // free before the trigger: the grammar would refuse it
+    run.take("hello");
+    run.take("<<");
+    const int32_t digit = run.draw_favouring("abc");  // held now: the most likely token it allows
+    EXPECT_TRUE(run.is_digit(digit)) << run.tok.token_to_piece(digit);
+    run.g.take(digit);
+    run.take(">>");
+    EXPECT_TRUE(run.g.finished());  // nothing can follow the grammar's sentence
   }
   {
-    Sampler sampler(greedy, tok.n_vocab());
-    Generation g(tok, sampler, no_end, {});
-    g.constrain(Grammar::parse(R"(root ::= "<" [0-9]+)"), vocabulary, "<");
-    g.take(id("</"));  // the trigger, in text the grammar cannot read from: still free
-    EXPECT_EQ(draw(g, id("abc")), id("abc"));
-    g.take(id("abc"));
-    g.take(id("<"));  // another occurrence, which it can read: held from there
-    const int32_t digit = draw(g, id("abc"));
-    EXPECT_NE(digit, id("abc"));
-    EXPECT_FALSE(g.finished());
+    LazyGrammarRun run(*gpt2_, R"(root ::= "<" [0-9]+)", "<", false);
+    run.take("</");  // the trigger, in text the grammar cannot read from: still free
+    EXPECT_EQ(run.draw_favouring("abc"), run.id("abc"));
+    run.take("abc");
+    run.take("<");  // another occurrence, which it can read: held from there
+    EXPECT_TRUE(run.is_digit(run.draw_favouring("abc")));
+    EXPECT_FALSE(run.g.finished());
   }
 }
 
 // Llama 3.1's call is the whole reply: its lazy grammar counts the trigger only where the text
 // starts (after space), and a text that starts otherwise stays free to its end.
 TEST_F(GenerationTest, LazyGrammarAtTheStartOnly) {
-  const Tokenizer& tok = *gpt2_;
-  const auto id = [&](std::string_view text) {
-    const std::optional<int32_t> token = tok.find_token(text);
-    EXPECT_TRUE(token.has_value()) << text;
-    return token.value_or(0);
-  };
-  const auto vocabulary = std::make_shared<const GrammarVocabulary>(tok);
-  const auto grammar = Grammar::parse(R"(root ::= "{" [0-9]+ "}")");
-  SamplingParams greedy;
-  greedy.temperature = 0.0f;
-  StopConditions no_end;
-  no_end.ignore_eos = true;
-  const auto draw = [&](Generation& g, int32_t favoured) {
-    std::vector<float> logits(static_cast<size_t>(tok.n_vocab()), 0.0f);
-    logits[static_cast<size_t>(favoured)] = 30.0f;
-    return g.draw(std::span<float>(logits));
-  };
-  const std::string space = tok.token_to_piece(id("\xc4\xa0"));  // GPT-2's byte for a space
-  ASSERT_EQ(space, " ");
+  const std::string digits_in_braces = R"(root ::= "{" [0-9]+ "}")";
+  const std::string space = "\xc4\xa0";  // GPT-2's byte character for a space
+  ASSERT_EQ(gpt2_->token_to_piece(gpt2_->find_token(space).value_or(0)), " ");
   {
-    Sampler sampler(greedy, tok.n_vocab());
-    Generation g(tok, sampler, no_end, {});
-    g.constrain(grammar, vocabulary, "{", /*trigger_at_start=*/true);
-    g.take(id("\xc4\xa0"));  // space: still undecided
-    EXPECT_EQ(draw(g, id("abc")), id("abc"));
-    g.take(id("{"));  // the reply starts with the trigger: held from here
-    const int32_t digit = draw(g, id("abc"));
-    ASSERT_FALSE(tok.token_to_piece(digit).empty());
-    EXPECT_TRUE(std::isdigit(static_cast<unsigned char>(tok.token_to_piece(digit)[0])));
+    LazyGrammarRun run(*gpt2_, digits_in_braces, "{", true);
+    run.take(space);  // space: still undecided
+    EXPECT_EQ(run.draw_favouring("abc"), run.id("abc"));
+    run.take("{");  // the reply starts with the trigger: held from here
+    EXPECT_TRUE(run.is_digit(run.draw_favouring("abc")));
   }
   {
-    Sampler sampler(greedy, tok.n_vocab());
-    Generation g(tok, sampler, no_end, {});
-    g.constrain(grammar, vocabulary, "{", /*trigger_at_start=*/true);
-    g.take(id("hello"));  // starts otherwise: the grammar is dropped
-    g.take(id("{"));      // a brace later is text like any other
-    EXPECT_EQ(draw(g, id("abc")), id("abc"));
+    LazyGrammarRun run(*gpt2_, digits_in_braces, "{", true);
+    run.take("hello");  // starts otherwise: the grammar is dropped
+    run.take("{");      // a brace later is text like any other
+    EXPECT_EQ(run.draw_favouring("abc"), run.id("abc"));
   }
 }
 
