@@ -156,10 +156,10 @@ struct Acts {
   std::vector<float> x;
   std::vector<int8_t> q, q256;
   std::vector<float> d, s, d256;
-  std::vector<int32_t> sum16, sum32;
+  std::vector<int32_t> sum16, sum32, sum;
   Acts(int64_t tokens, int64_t k)
       : x(static_cast<size_t>(tokens * k)), q(x.size()), q256(x.size()), d(x.size() / 32), s(x.size() / 32),
-        d256(x.size() / 256 + 1), sum16(x.size() / 16), sum32(x.size() / 32) {
+        d256(x.size() / 256 + 1), sum16(x.size() / 16), sum32(x.size() / 32), sum(x.size() / 32) {
     std::mt19937 rng(2);
     std::normal_distribution<float> normal;
     for (float& v : x) v = normal(rng);
@@ -167,7 +167,7 @@ struct Acts {
   // Rows of k, quantized as the backend does once per region.
   ringlm::cpu::PackedInput prepare(int64_t tokens, int64_t k) {
     ringlm::cpu::PackedInput in;
-    in.block = {q.data(), d.data(), s.data(), k};
+    in.block = {q.data(), d.data(), s.data(), sum.data(), k};
     in.super = {q256.data(), d256.data(), sum16.data(), sum32.data(), k};
     in.f32 = x.data();
     ringlm::cpu::quantize_acts(x.data(), 0, tokens, in.block);

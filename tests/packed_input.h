@@ -34,6 +34,7 @@ struct Input {
   std::vector<float> x;
   std::vector<int8_t> q32, q256, pass_q;
   std::vector<float> d32, s32, d256, pass_d, pass_s;  // pass_*: q32, d32, s32 laid out for the passes
+  std::vector<int32_t> sum32_block, pass_sum;  // the block formats' integer sums, as they are and laid out
   std::vector<int32_t> sum16, sum32;
   std::vector<int8_t> super_pass_q;  // q256, d256, sum16, sum32 laid out for the passes
   std::vector<float> super_pass_d;
@@ -45,10 +46,12 @@ struct Input {
     q32.resize(n);
     d32.resize(n / kActBlock);
     s32.resize(n / kActBlock);
+    sum32_block.resize(n / kActBlock);
     cpu::quantize_acts(x.data(), 0, m, block());
     pass_q.resize(n);
     pass_d.resize(n / kActBlock);
     pass_s.resize(n / kActBlock);
+    pass_sum.resize(n / kActBlock);
     for (int64_t t = 0; t < m; ++t) cpu::lay_out_for_passes(block(), t, m, passes());
     if (k % kSuperBlock == 0) {
       q256.resize(n);
@@ -63,9 +66,9 @@ struct Input {
       for (int64_t t = 0; t < m; ++t) cpu::lay_out_for_passes(super(), t, m, super_passes());
     }
   }
-  cpu::QuantizedActs block() { return {q32.data(), d32.data(), s32.data(), k}; }
+  cpu::QuantizedActs block() { return {q32.data(), d32.data(), s32.data(), sum32_block.data(), k}; }
   cpu::SuperActs super() { return {q256.data(), d256.data(), sum16.data(), sum32.data(), k}; }
-  cpu::QuantizedActs passes() { return {pass_q.data(), pass_d.data(), pass_s.data(), k}; }
+  cpu::QuantizedActs passes() { return {pass_q.data(), pass_d.data(), pass_s.data(), pass_sum.data(), k}; }
   // Every form, the block formats' also laid out for the passes, as the CPU backend makes them.
   cpu::SuperActs super_passes() {
     return {super_pass_q.data(), super_pass_d.data(), super_pass_sum16.data(), super_pass_sum32.data(), k};
@@ -74,7 +77,8 @@ struct Input {
   // Token t's input row as a one-token input.
   cpu::PackedInput row(int64_t t) {
     cpu::PackedInput p = packed();
-    p.block = {q32.data() + t * k, d32.data() + t * (k / kActBlock), s32.data() + t * (k / kActBlock), k};
+    p.block = {q32.data() + t * k, d32.data() + t * (k / kActBlock), s32.data() + t * (k / kActBlock),
+               sum32_block.data() + t * (k / kActBlock), k};
     if (!q256.empty()) {
       p.super = {q256.data() + t * k, d256.data() + t * (k / kSuperBlock), sum16.data() + t * (k / 16),
                  sum32.data() + t * (k / 32), k};

@@ -37,12 +37,13 @@ std::unique_ptr<Backend> int8_backend(int n_threads) {
 struct Quantized {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  cpu::QuantizedActs view(int64_t k) { return {q.data(), d.data(), s.data(), k}; }
+  std::vector<int32_t> sum;
+  cpu::QuantizedActs view(int64_t k) { return {q.data(), d.data(), s.data(), sum.data(), k}; }
 };
 
 Quantized quantize(const std::vector<float>& x, int64_t m, int64_t k) {
   Quantized out{std::vector<int8_t>(x.size()), std::vector<float>(x.size() / kActBlock),
-                std::vector<float>(x.size() / kActBlock)};
+                std::vector<float>(x.size() / kActBlock), std::vector<int32_t>(x.size() / kActBlock)};
   cpu::quantize_acts(x.data(), 0, m, out.view(k));
   return out;
 }
@@ -83,6 +84,7 @@ TEST(QuantizeActs, MatchesDefinition) {
         sum += qi;
       }
       ASSERT_EQ(q.s[static_cast<size_t>(r * nb + b)], d * static_cast<float>(sum));
+      ASSERT_EQ(q.sum[static_cast<size_t>(r * nb + b)], sum);
     }
   }
 }

@@ -511,7 +511,8 @@ std::vector<float> int8_rounded(const std::vector<float>& x, int64_t m, int64_t 
   }
   std::vector<int8_t> q(x.size());
   std::vector<float> d(x.size() / 32), s(x.size() / 32);
-  cpu::quantize_acts(normed.data(), 0, m, cpu::QuantizedActs{q.data(), d.data(), s.data(), k});
+  std::vector<int32_t> sum(x.size() / 32);
+  cpu::quantize_acts(normed.data(), 0, m, cpu::QuantizedActs{q.data(), d.data(), s.data(), sum.data(), k});
   std::vector<float> out(x.size());
   for (size_t i = 0; i < out.size(); ++i) out[i] = d[i / 32] * static_cast<float>(q[i]);
   return out;

@@ -202,12 +202,10 @@ TileConfig tile_product_config() {
 
 namespace {
 
-// The offset whose terms a block format reads: the one its dots are taken against (128 for
-// signed values, which VNNI makes unsigned) where it has no min, else 0 (the block's sx as it is).
-int term_offset(const PackedFormat& f) {
-  const int offset = emulated::signed_values(f) ? 128 : f.offset;
-  return f.min ? 0 : offset;
-}
+// What the tiles' sums of a block format add to its integer dots: the block's integer sum, offset
+// times (unsigned codes with an offset), or s = dx * sum, times the mins.
+bool reads_sums(const PackedFormat& f) { return !f.min && !emulated::signed_values(f) && f.offset != 0; }
+bool reads_s(const PackedFormat& f) { return f.min; }
 
 }  // namespace
 
@@ -215,8 +213,7 @@ void TileTokenTerms::reset(int64_t tokens, int64_t blocks) {
   tokens_ = tokens;
   blocks_ = blocks;
   dx_.clear();
-  shift_.clear();
-  offsets_.clear();
+  sum_.clear();
   s_.clear();
 }
 
@@ -224,29 +221,22 @@ void TileTokenTerms::add_format(const PackedFormat& f) {
   if (f.super()) return;
   const auto size = static_cast<size_t>(tokens_ * blocks_);
   dx_.resize(size);
-  if (emulated::signed_values(f)) shift_.resize(size);
-  const int offset = term_offset(f);
-  if (std::find(offsets_.begin(), offsets_.end(), offset) != offsets_.end()) return;
-  offsets_.push_back(offset);
-  s_.resize(offsets_.size() * size);
+  if (reads_sums(f)) sum_.resize(size);
+  if (reads_s(f)) s_.resize(size);
+}
+
+bool TileTokenTerms::has(const PackedFormat& f) const {
+  return f.super() || (!empty() && (!reads_sums(f) || !sum_.empty()) && (!reads_s(f) || !s_.empty()));
 }
 
 void TileTokenTerms::fill(const QuantizedActs& x, int64_t m) {
   if (empty()) return;
-  const auto size = static_cast<size_t>(tokens_ * blocks_);
   for (int64_t ab = 0; ab < blocks_; ++ab) {
     const int64_t from = m * blocks_ + ab;
     const auto to = static_cast<size_t>(ab * tokens_ + m);
     dx_[to] = x.d[from];
-    for (size_t i = 0; i < offsets_.size(); ++i) {
-      const float offset = static_cast<float>(offsets_[i]);
-      s_[i * size + to] = offsets_[i] != 0 ? -offset * x.s[from] : x.s[from];
-    }
-    if (!shift_.empty()) {
-      int32_t sum = 0;
-      for (int j = 0; j < kActBlock; ++j) sum += x.q[from * kActBlock + j];
-      shift_[to] = 128 * sum;
-    }
+    if (!sum_.empty()) sum_[to] = x.sum[from];
+    if (!s_.empty()) s_[to] = x.s[from];
   }
 }
 
@@ -254,12 +244,6 @@ void TileTokenTerms::make(const PackedFormat& f, const QuantizedActs& x, int64_t
   reset(tokens, x.blocks());
   add_format(f);
   for (int64_t m = 0; m < tokens; ++m) fill(x, m);
-}
-
-const float* TileTokenTerms::s_of(const PackedFormat& f) const {
-  const auto it = std::find(offsets_.begin(), offsets_.end(), term_offset(f));
-  if (it == offsets_.end()) throw std::logic_error("a tile product's token terms were made without its format");
-  return s_.data() + static_cast<size_t>(it - offsets_.begin()) * static_cast<size_t>(tokens_ * blocks_);
 }
 
 void tile_gemm_packed(EmulatedTiles& tiles, const PackedWeight& w, int64_t n_begin, int64_t n_end,

@@ -105,12 +105,13 @@ TileConfig tile_product_config();
 
 // The numbers of a product's tokens that a block format's products on the tiles read for every
 // 16-row group, laid out block by block so that a pass reads its tokens' in a row. Per activation
-// block of 32 and token: the scale dx; the offset term s, which is the block's sx, or -offset * sx
-// for a format with an offset and no min (for signed values, the 128 VNNI adds); and, for a
-// format of signed values (Q8_0, IQ4_NL, MXFP4), `shift`, 128 times the block's activation sum, which
-// their dots gain where VNNI makes them unsigned. Made once per product, for the formats of all
-// the weights it multiplies (the CPU backend's threads fill a share of the tokens each as they
-// quantize them), then only read, by every thread and group. The super formats need none.
+// block of 32 and token: the scale dx; the block's integer sum, which a format of unsigned codes
+// with an offset (Q4_0, Q5_0, symmetric INT4) takes off its integer dots, offset times; and s = dx
+// * sum, which a format with mins multiplies by them. Signed values (Q8_0, IQ4_NL, MXFP4) need
+// neither: the tiles multiply signed bytes, so their dots are already VNNI's less its 128 * sum.
+// Made once per product, for the formats of all the weights it multiplies (the CPU backend's
+// threads fill a share of the tokens each as they quantize them), then only read, by every thread
+// and group. The super formats need none.
 class TileTokenTerms {
  public:
   // An empty table for a product of `tokens` rows of `blocks` activation blocks.
@@ -124,18 +125,19 @@ class TileTokenTerms {
   void make(const PackedFormat& f, const QuantizedActs& x, int64_t tokens);
 
   int64_t tokens() const { return tokens_; }
-  // Block ab's numbers from token m on.
+  // Whether the numbers format f reads were kept (add_format).
+  bool has(const PackedFormat& f) const;
+  // Block ab's numbers from token m on: the scales, the integer sums (kept for a format with an
+  // offset), s (kept for a format with mins).
   const float* dx_at(int64_t ab, int64_t m) const { return dx_.data() + ab * tokens_ + m; }
-  const int32_t* shift_at(int64_t ab, int64_t m) const { return shift_.empty() ? nullptr : shift_.data() + ab * tokens_ + m; }
-  // Format f's offset terms, [block][token]; f must have been added (std::logic_error).
-  const float* s_of(const PackedFormat& f) const;
+  const int32_t* sum_at(int64_t ab, int64_t m) const { return sum_.data() + ab * tokens_ + m; }
+  const float* s_at(int64_t ab, int64_t m) const { return s_.data() + ab * tokens_ + m; }
 
  private:
   int64_t tokens_ = 0, blocks_ = 0;
-  std::vector<float> dx_;        // [block][token]
-  std::vector<int32_t> shift_;   // [block][token]; empty unless a format of signed values was added
-  std::vector<int> offsets_;     // the offsets whose terms are kept (0: sx itself)
-  std::vector<float> s_;         // [offset][block][token]
+  std::vector<float> dx_;     // [block][token]
+  std::vector<int32_t> sum_;  // [block][token]; empty unless a format with an offset was added
+  std::vector<float> s_;      // [block][token]; empty unless a format with mins was added
 };
 
 // gemm_packed (kernel_packed.h) with each integer dot of 16 tokens x 16 rows x 32 (or 16)

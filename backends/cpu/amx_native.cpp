@@ -183,9 +183,9 @@ bool agrees(TensorType type, std::initializer_list<size_t> fp16_at) {
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(static_cast<int>(i * 37 % 255) - 127) / 64.0f;
   std::vector<int8_t> q(x.size());
   std::vector<float> d(x.size() / 32), s(x.size() / 32), d256(x.size() / 256);
-  std::vector<int32_t> sum16(x.size() / 16), sum32(x.size() / 32);
+  std::vector<int32_t> sum16(x.size() / 16), sum32(x.size() / 32), sum(x.size() / 32);
   PackedInput in;
-  in.block = {q.data(), d.data(), s.data(), kCols};
+  in.block = {q.data(), d.data(), s.data(), sum.data(), kCols};
   in.super = {q.data(), d256.data(), sum16.data(), sum32.data(), kCols};
   if (packed_format(type)->super()) {
     quantize_acts_super(x.data(), 0, kTokens, in.super);

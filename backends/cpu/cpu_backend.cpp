@@ -484,6 +484,7 @@ class CpuBackend final : public Backend {
       std::copy_n(a.q, cols, b.q);
       std::copy_n(a.d, a.blocks(), b.d);
       std::copy_n(a.s, a.blocks(), b.s);
+      std::copy_n(a.sum, a.blocks(), b.sum);
     }
     if (needs.super) {
       const cpu::SuperActs a = super_acts(cols, from), b = super_acts(cols, to);
@@ -526,9 +527,11 @@ class CpuBackend final : public Backend {
     grow(act_q_, tokens * cols);
     grow(act_d_, tokens * cols / cpu::kActBlock);
     grow(act_s_, tokens * cols / cpu::kActBlock);
+    grow(act_sum_, tokens * cols / cpu::kActBlock);
     grow(pass_q_, tokens * cols);
     grow(pass_d_, tokens * cols / cpu::kActBlock);
     grow(pass_s_, tokens * cols / cpu::kActBlock);
+    grow(pass_sum_, tokens * cols / cpu::kActBlock);
     grow(super_q_, tokens * cols);
     grow(super_d_, tokens * cols / cpu::kSuperBlock);
     grow(super_sum16_, tokens * cols / 16);
@@ -547,12 +550,14 @@ class CpuBackend final : public Backend {
   // The prepared input buffers for rows of `cols`, from row m on.
   cpu::QuantizedActs block_acts(int64_t cols, int64_t m = 0) {
     const int64_t blocks = cols / cpu::kActBlock;
-    return {act_q_.data() + m * cols, act_d_.data() + m * blocks, act_s_.data() + m * blocks, cols};
+    return {act_q_.data() + m * cols, act_d_.data() + m * blocks, act_s_.data() + m * blocks,
+            act_sum_.data() + m * blocks, cols};
   }
   // The same values laid out for the kernels' passes (cpu::lay_out_for_passes), from row m on.
   cpu::QuantizedActs pass_acts(int64_t cols, int64_t m = 0) {
     const int64_t blocks = cols / cpu::kActBlock;
-    return {pass_q_.data() + m * cols, pass_d_.data() + m * blocks, pass_s_.data() + m * blocks, cols};
+    return {pass_q_.data() + m * cols, pass_d_.data() + m * blocks, pass_s_.data() + m * blocks,
+            pass_sum_.data() + m * blocks, cols};
   }
   cpu::SuperActs super_pass_acts(int64_t cols, int64_t m = 0) {
     return {super_pass_q_.data() + m * cols, super_pass_d_.data() + m * (cols / cpu::kSuperBlock),
@@ -715,8 +720,10 @@ class CpuBackend final : public Backend {
   KernelTable table_;
   std::vector<int8_t> act_q_;  // the input quantized per 32 (block formats)
   std::vector<float> act_d_, act_s_;
+  std::vector<int32_t> act_sum_;
   std::vector<int8_t> pass_q_;  // ... the same laid out for the kernels' passes
   std::vector<float> pass_d_, pass_s_;
+  std::vector<int32_t> pass_sum_;
   std::vector<int8_t> super_q_;  // ... per 256 (super formats)
   std::vector<float> super_d_;
   std::vector<int32_t> super_sum16_, super_sum32_;

@@ -52,13 +52,14 @@ struct Prefetch {
 };
 
 // The activations of one pass (quantize_acts.h, PassPlace), from its token t0 on: token t's
-// unit u of 32 values at q + (u * width + t) * 32; block formats: the block's scale and sum at
-// d, s[u * width + t]; super formats: d[b * width + t] for 256-block b, the sums of unit u of 16
-// or 32 values at sum16, sum32[u * width + t].
+// unit u of 32 values at q + (u * width + t) * 32; block formats: the block's scale, dx * sum
+// and integer sum at d, s, sum[u * width + t]; super formats: d[b * width + t] for 256-block b,
+// the sums of unit u of 16 or 32 values at sum16, sum32[u * width + t].
 struct PassActs {
   const int8_t* q = nullptr;
   const float* d = nullptr;
   const float* s = nullptr;
+  const int32_t* sum = nullptr;
   const int32_t *sum16 = nullptr, *sum32 = nullptr;
   int64_t width = 1;
 };
@@ -87,6 +88,17 @@ constexpr int kMaxTile = 4;
 // x86: a "vector" is the 16 rows' lanes, one 512-bit register or two 256-bit ones.
 
 #define RINGLM_INLINE __attribute__((always_inline))
+
+// Calls f.template operator()<t>() for t = 0 .. N-1, unrolled at compile time, so that the tiles'
+// per-token arrays are indexed by constants only and GCC keeps them in registers. Indexed by a loop
+// variable (even one GCC unrolls later), they stayed in memory, and every element was stored back
+// on each pass of the loop over the weights: GCC does not move stores out of a loop that holds an
+// asm reading memory (vpdpbusd's broadcast operand) or a prefetch. That cost 5% of the Q4_0 prompt
+// products on Zen 5; it halved the F32 kernel's rate.
+template <int N, class F>
+RINGLM_INLINE inline void ForTokens(F&& f) {
+  [&]<int... T>(std::integer_sequence<int, T...>) RINGLM_INLINE { (f.template operator()<T>(), ...); }(std::make_integer_sequence<int, N>{});
+}
 
 #if HWY_TARGET == HWY_AVX3_DL
 #define RINGLM_VNNI 1
@@ -459,15 +471,13 @@ class Prefetcher {
   const uint8_t* next_;
 };
 
-template <int MT>
-HWY_INLINE void StoreTile(const VF* acc, float* y, int64_t ldy, int64_t stored) {
-  for (int t = 0; t < MT; ++t) StoreF(y + t * ldy, acc[t], stored);
-}
-
 // One 16-row group of a block format against the MT tokens of a pass: per sub-block of 32,
-// acc += dw * (dx * dot + offset term), the term -offset * s (symmetric) or min * s. One loop
-// over the blocks (a K-block's header holds one or two blocks' scales, a short last K-block a
-// full header): GCC allocates registers worse across the nested loops of K-blocks and blocks.
+// acc += dw * (dx * dot), and min * s for a format with mins. Where the stored codes carry an
+// offset (unsigned codes of a symmetric format; signed values made unsigned for VNNI), the integer
+// dot loses offset * sum first: one integer add per token, where a float term cost two operations
+// on the multiply pipes that vpdpbusd needs. One loop over the blocks (a K-block's header holds
+// one or two blocks' scales, a short last K-block a full header): GCC allocates registers worse
+// across the nested loops of K-blocks and blocks.
 template <class Fm, int MT>
 HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const PassActs& x, float* y, int64_t ldy,
                             int64_t stored, const Prefetch& pf) {
@@ -482,10 +492,11 @@ HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const PassActs& 
   const int64_t n_blocks = cols / F.group;
   const VI table = CodeTable<Fm>();
   VF acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = ZeroF();
+  ForTokens<MT>([&]<int t>() RINGLM_INLINE { acc[t] = ZeroF(); });
   Prefetcher prefetch(pf, group);
   const int8_t* q = x.q;
   const float *d = x.d, *sums = x.s;
+  const int32_t* isums = x.sum;
   for (int64_t j = 0; j < n_blocks; ++j) {
     const int b = kPerK == 1 ? 0 : static_cast<int>(j % kPerK);
     const uint8_t* header = group + static_cast<size_t>(j / kPerK) * kKStride;
@@ -497,24 +508,19 @@ HWY_NOINLINE void BlockTile(const uint8_t* group, int64_t cols, const PassActs& 
       prefetch.Advance(p + F.sub_code_bytes());
       VI idot[MT][2];
       SubDots<Fm, MT>(p, q, kActBlock, table, idot);
-      for (int t = 0; t < MT; ++t) {
-        const float dx = d[t], sx = sums[t];
-        const VF dot = Cvt(idot[t][0]);
-        if constexpr (F.min) {
-          acc[t] = Fma(dw, Mul(dot, Set1F(dx)), acc[t]);
-          acc[t] = Fma(mv, Set1F(sx), acc[t]);
-        } else if constexpr (kOff != 0) {
-          acc[t] = Fma(dw, Fma(dot, Set1F(dx), Set1F(-static_cast<float>(kOff) * sx)), acc[t]);
-        } else {
-          acc[t] = Fma(dw, Mul(dot, Set1F(dx)), acc[t]);
-        }
-      }
+      ForTokens<MT>([&]<int t>() RINGLM_INLINE {
+        VI idot_t = idot[t][0];
+        if constexpr (kOff != 0) idot_t = Add32(idot_t, Set32(-kOff * isums[t]));
+        acc[t] = Fma(dw, Mul(Cvt(idot_t), Set1F(d[t])), acc[t]);
+        if constexpr (F.min) acc[t] = Fma(mv, Set1F(sums[t]), acc[t]);
+      });
       q += x.width * kActBlock;
       d += x.width;
       sums += x.width;
+      isums += x.width;
     }
   }
-  StoreTile<MT>(acc, y, ldy, stored);
+  ForTokens<MT>([&]<int t>() RINGLM_INLINE { StoreF(y + t * ldy, acc[t], stored); });
 }
 
 // One 16-row group of a super format (K-quants, IQ4_XS): per 256 weights, the sub-block scales
@@ -532,14 +538,14 @@ HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const PassActs& 
   const int64_t nb = cols / kSuperBlock;
   const VI table = CodeTable<Fm>();
   VF acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = ZeroF();
+  ForTokens<MT>([&]<int t>() RINGLM_INLINE { acc[t] = ZeroF(); });
   Prefetcher prefetch(pf, group);
   const uint8_t* p = group;
   for (int64_t kb = 0; kb < nb; ++kb) {
     const uint8_t* header = p;
     p += F.header_bytes;
     VI isum[MT], imin[MT];
-    for (int t = 0; t < MT; ++t) isum[t] = imin[t] = ZeroI();
+    ForTokens<MT>([&]<int t>() RINGLM_INLINE { isum[t] = imin[t] = ZeroI(); });
     for (int s = 0; s < 8; ++s, p += F.sub_code_bytes()) {
       prefetch.Advance(p + F.sub_code_bytes());
       VI idot[MT][2];
@@ -555,13 +561,13 @@ HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const PassActs& 
         } else if constexpr (F.min) {
           if constexpr (!kMinsApart) m = LoadU8I32(header + F.mins_offset() + static_cast<size_t>(j) * kPackRows);
         }
-        for (int t = 0; t < MT; ++t) {
+        ForTokens<MT>([&]<int t>() RINGLM_INLINE {
           isum[t] = Add32(isum[t], MulLo32(sc, idot[t][h]));
           if constexpr (kSums && !kMinsApart) {
             const int32_t* sums = F.sub == 16 ? x.sum16 : x.sum32;
             imin[t] = Add32(imin[t], MulLo32(m, Set32(sums[(kb * kHalves * 8 + j) * x.width + t])));
           }
-        }
+        });
       }
     }
     // Formats with a scale per 32 (8-token passes): the mins (or the offset times the scales)
@@ -577,11 +583,11 @@ HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const PassActs& 
           m = LoadU8I32(header + F.mins_offset() + static_cast<size_t>(j) * kPackRows);
         }
         const int32_t* sums = (F.sub == 16 ? x.sum16 : x.sum32) + (kb * kHalves * 8 + j) * x.width;
-        for (int t = 0; t < MT; ++t) imin[t] = Add32(imin[t], MulLo32(m, Set32(sums[t])));
+        ForTokens<MT>([&]<int t>() RINGLM_INLINE { imin[t] = Add32(imin[t], MulLo32(m, Set32(sums[t]))); });
       }
     }
     const VF d = LoadHalf(header);
-    for (int t = 0; t < MT; ++t) {
+    ForTokens<MT>([&]<int t>() RINGLM_INLINE {
       const float dx = x.d[kb * x.width + t];
       if constexpr (F.min) {
         const VF dmin = LoadHalf(header + 32);
@@ -591,9 +597,9 @@ HWY_NOINLINE void SuperTile(const uint8_t* group, int64_t cols, const PassActs& 
         if constexpr (kOff != 0) isum[t] = Sub32(isum[t], MulLo32(imin[t], Set32(kOff)));
         acc[t] = Fma(Mul(d, Set1F(dx)), Cvt(isum[t]), acc[t]);
       }
-    }
+    });
   }
-  StoreTile<MT>(acc, y, ldy, stored);
+  ForTokens<MT>([&]<int t>() RINGLM_INLINE { StoreF(y + t * ldy, acc[t], stored); });
 }
 
 template <Codes C>
@@ -612,22 +618,21 @@ HWY_NOINLINE void FloatTile(const uint8_t* group, int64_t cols, const float* x, 
   constexpr PackedFormat F = Fm::F;
   constexpr size_t kStride = kPackRows * (F.codes == Codes::kFloat ? 4 : 2);  // bytes per weight k
   VF even[MT], odd[MT];
-  for (int t = 0; t < MT; ++t) even[t] = odd[t] = ZeroF();
+  ForTokens<MT>([&]<int t>() RINGLM_INLINE { even[t] = odd[t] = ZeroF(); });
   Prefetcher prefetch(pf, group);
   const uint8_t* p = group;
   for (int64_t k0 = 0; k0 < cols; k0 += kSubWeights) {
     prefetch.Advance(p + kSubWeights * kStride);
     for (int64_t k = k0; k < k0 + kSubWeights; k += 2, p += 2 * kStride) {
       const VF w0 = LoadWeights<F.codes>(p), w1 = LoadWeights<F.codes>(p + kStride);
-      for (int t = 0; t < MT; ++t) {
+      ForTokens<MT>([&]<int t>() RINGLM_INLINE {
         const float* xt = x + (m0 + t) * cols + k;
         even[t] = Fma(w0, Set1F(xt[0]), even[t]);
         odd[t] = Fma(w1, Set1F(xt[1]), odd[t]);
-      }
+      });
     }
   }
-  for (int t = 0; t < MT; ++t) even[t] = AddF(even[t], odd[t]);
-  StoreTile<MT>(even, y, ldy, stored);
+  ForTokens<MT>([&]<int t>() RINGLM_INLINE { StoreF(y + t * ldy, AddF(even[t], odd[t]), stored); });
 }
 
 #else
@@ -823,10 +828,11 @@ QuantizedActs PassLayout(const PackedInput& x, int64_t n_tokens) {
   if (x.passes.q != nullptr) return x.passes;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, s;
+  thread_local std::vector<int32_t> sum;
   const auto size = static_cast<size_t>(n_tokens * x.block.k);
   if (q.size() < size) q.resize(size);
-  if (d.size() < size / kActBlock) d.resize(size / kActBlock), s.resize(size / kActBlock);
-  const QuantizedActs out{q.data(), d.data(), s.data(), x.block.k};
+  if (d.size() < size / kActBlock) d.resize(size / kActBlock), s.resize(size / kActBlock), sum.resize(size / kActBlock);
+  const QuantizedActs out{q.data(), d.data(), s.data(), sum.data(), x.block.k};
   for (int64_t m = 0; m < n_tokens; ++m) lay_out_for_passes(x.block, m, n_tokens, out);
   return out;
 }
@@ -875,6 +881,7 @@ void GemmFmt(const PackedWeight& w, int64_t n_begin, int64_t n_end, const Packed
           pass.q = passes.q + (m0 * w.cols + t0 * kActBlock);
           pass.d = passes.d + (m0 * n32 + t0);
           pass.s = passes.s + (m0 * n32 + t0);
+          pass.sum = passes.sum + (m0 * n32 + t0);
         }
         if constexpr (kSuper) {
           pass.q = super_passes.q + (m0 * w.cols + t0 * kActBlock);

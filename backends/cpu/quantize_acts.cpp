@@ -56,6 +56,7 @@ void QuantizeActs(const float* x, int64_t m_begin, int64_t m_end, const Quantize
       const float d = amax / 127.0f;
       out.d[m * nb + b] = d;
       out.s[m * nb + b] = d * static_cast<float>(sum);
+      out.sum[m * nb + b] = sum;
     }
   }
 }
@@ -95,6 +96,7 @@ void lay_out_for_passes(const QuantizedActs& rows, int64_t m, int64_t n_tokens, 
     std::memcpy(passes.q + at.at(nb, b) * kActBlock, rows.q + m * rows.k + b * kActBlock, kActBlock);
     passes.d[at.at(nb, b)] = rows.d[m * nb + b];
     passes.s[at.at(nb, b)] = rows.s[m * nb + b];
+    passes.sum[at.at(nb, b)] = rows.sum[m * nb + b];
   }
 }
 

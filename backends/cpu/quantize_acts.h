@@ -3,9 +3,11 @@
 //
 //   QuantizedActs (per block of 32): for the block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
 //     MXFP4 and ringlm's INT4 types), whose weights carry a float scale per block of 32 or 128. Per
-//     weight block the kernels add dw * dx * (integer dot) plus the block's offset or min times
-//     s = dx * (sum of the block's int8 values): the offset of unsigned codes (w = d (c - 8)) or
-//     the min (w = d c + m) costs one multiply-add per block, not a pass over it.
+//     weight block the kernels add dw * dx * (integer dot), the dot taken against the codes as they
+//     are stored, so the block's sum of int8 values undoes what stored codes add: an offset of
+//     unsigned codes (w = d (c - 8)), or the 128 that VNNI adds to signed ones, comes off the
+//     integer dot as offset * sum, and a min (w = d c + m) adds m * s, s = dx * sum. Either costs a
+//     few operations per block, not a pass over it.
 //   SuperActs (per block of 256): for the super formats (K-quants, IQ4_XS), whose weights carry a
 //     float scale per 256 and small integer scales per sub-block of 16 or 32. With one activation
 //     scale per 256, the sub-block scales multiply the integer dots in integers and one float
@@ -28,6 +30,7 @@ struct QuantizedActs {
   int8_t* q = nullptr;  // [M][K] int8 values in [-127, 127]
   float* d = nullptr;   // [M][K/32] block scale: max|x| / 127 (0 for an all-zero block)
   float* s = nullptr;   // [M][K/32] d * (sum of the block's int8 values)
+  int32_t* sum = nullptr;  // [M][K/32] the sum of the block's int8 values
   int64_t k = 0;        // row length K (a multiple of 32)
   int64_t blocks() const { return k / kActBlock; }
 };

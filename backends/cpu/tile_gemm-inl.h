@@ -236,49 +236,46 @@ inline void tile_dots(Tiles& tiles, PassActs& acts, int a, int b, int64_t k, int
 // The VNNI kernels' formula for a block format's sum (kernel_packed.cpp's BlockTile), chosen at
 // compile time so that each token's 16 rows take a few vector operations and no branch.
 enum class BlockFormula {
-  kMin,     // acc += dw * (dot * dx) + m * sx                 (Q4_1, Q5_1, asymmetric INT4)
-  kOffset,  // acc += dw * (dot * dx - offset * sx)            (Q4_0, Q5_0, symmetric INT4; signed values)
-  kPlain,   // acc += dw * (dot * dx)
+  kMin,     // acc += dw * (dot * dx) + m * s              (Q4_1, Q5_1, asymmetric INT4)
+  kOffset,  // acc += dw * ((dot - offset * sum) * dx)     (Q4_0, Q5_0, symmetric INT4)
+  kPlain,   // acc += dw * (dot * dx)                      (signed values: Q8_0, IQ4_NL, MXFP4)
 };
 
-// One activation block's dots of a pass into its float sums; dx, s and shift: the pass's tokens'.
-template <BlockFormula kFormula, bool kShift>
+// One activation block's dots of a pass into its float sums; dx, s and sum: the pass's tokens'.
+template <BlockFormula kFormula>
 inline void add_block_dots(const int32_t (*dots)[kTileRows], int tokens, const float* dw, const float* mv,
-                           const float* dx, const float* s, const int32_t* shift, float (*acc)[kTileRows]) {
+                           const float* dx, const float* s, const int32_t* sum, int32_t offset,
+                           float (*acc)[kTileRows]) {
   for (int m = 0; m < tokens; ++m) {
     const int32_t* dot_row = dots[m];
     float* out = acc[m];
-    const float d = dx[m], sm = s[m];
-    const int32_t add = kShift ? shift[m] : 0;
+    const float d = dx[m];
+    const int32_t less = kFormula == BlockFormula::kOffset ? offset * sum[m] : 0;
 #pragma omp simd  // the 16 rows of a token: one vector, whatever the compiler would pick
     for (int c = 0; c < kTileRows; ++c) {
-      const float dot = static_cast<float>(dot_row[c] + add);
-      if constexpr (kFormula == BlockFormula::kMin) {
-        out[c] = std::fma(dw[c], dot * d, out[c]);
-        out[c] = std::fma(mv[c], sm, out[c]);
-      } else if constexpr (kFormula == BlockFormula::kOffset) {
-        out[c] = std::fma(dw[c], std::fma(dot, d, sm), out[c]);
-      } else {
-        out[c] = std::fma(dw[c], dot * d, out[c]);
-      }
+      const float dot = static_cast<float>(dot_row[c] - less);
+      out[c] = std::fma(dw[c], dot * d, out[c]);
+      if constexpr (kFormula == BlockFormula::kMin) out[c] = std::fma(mv[c], s[m], out[c]);
     }
   }
 }
 
 // A block format's pass (Q4_0 .. Q8_0, IQ4_NL, MXFP4, the INT4 types): per activation block of 32, in
-// K order, acc += dw * (dx * dot + offset term), as kernel_packed.cpp's BlockTile on VNNI.
-template <BlockFormula kFormula, bool kShift, class Tiles>
+// K order, acc += dw * (dx * dot) and the offset's or mins' term, as kernel_packed.cpp's BlockTile on VNNI.
+template <BlockFormula kFormula, class Tiles>
 void block_pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const TileTokenTerms& x, int64_t nb,
                 PassActs& acts, int64_t m0, float (*acc)[kTileRows]) {
+  if (!x.has(f)) throw std::logic_error("a tile product's token terms were made without its format");
   const int subs_per_block = f.group / static_cast<int>(kSubWeights);
-  const float* s = x.s_of(f);
   alignas(64) int32_t dots[kPassTokens][kTileRows];
   for (int64_t ab = 0; ab < nb; ++ab) {  // activation block = sub-block
     tiles.load(kB32, g.sub_tile(ab), kTileBytes);
     tile_dots(tiles, acts, kA32, kB32, ab * kActBlock, 32, dots);
     const size_t wb = static_cast<size_t>(ab / subs_per_block) * kTileRows;  // the weight block
-    add_block_dots<kFormula, kShift>(dots, acts.tokens(), g.dw.data() + wb, g.mv.data() + wb, x.dx_at(ab, m0),
-                                     s + ab * x.tokens() + m0, x.shift_at(ab, m0), acc);
+    const float* s = kFormula == BlockFormula::kMin ? x.s_at(ab, m0) : nullptr;
+    const int32_t* sum = kFormula == BlockFormula::kOffset ? x.sum_at(ab, m0) : nullptr;
+    add_block_dots<kFormula>(dots, acts.tokens(), g.dw.data() + wb, g.mv.data() + wb, x.dx_at(ab, m0), s, sum,
+                             f.offset, acc);
   }
 }
 
@@ -369,10 +366,9 @@ void pass(Tiles& tiles, const PackedFormat& f, const WidenedGroup& g, const Pack
   }
   PassActs acts(x.block.q, x.block.k, m0, tokens);
   const int64_t nb = x.block.blocks();
-  if (f.min) return block_pass<BlockFormula::kMin, false>(tiles, f, g, terms, nb, acts, m0, acc);
-  if (signed_values(f)) return block_pass<BlockFormula::kOffset, true>(tiles, f, g, terms, nb, acts, m0, acc);
-  if (f.offset != 0) return block_pass<BlockFormula::kOffset, false>(tiles, f, g, terms, nb, acts, m0, acc);
-  return block_pass<BlockFormula::kPlain, false>(tiles, f, g, terms, nb, acts, m0, acc);
+  if (f.min) return block_pass<BlockFormula::kMin>(tiles, f, g, terms, nb, acts, m0, acc);
+  if (!signed_values(f) && f.offset != 0) return block_pass<BlockFormula::kOffset>(tiles, f, g, terms, nb, acts, m0, acc);
+  return block_pass<BlockFormula::kPlain>(tiles, f, g, terms, nb, acts, m0, acc);
 }
 
 // A pass's sums into y: each token's `stored` rows (16 but in a last, partial group).
