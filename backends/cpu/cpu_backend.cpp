@@ -32,6 +32,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <stdexcept>
 #include <utility>
@@ -89,6 +90,23 @@ class CpuWeight final : public PreparedWeight {
 // cost a --parallel 16 step about a tenth of its time: 8 paired runs, median ratio 1.12
 // (bench/README.md).
 constexpr int64_t kPieceUnits = 1;
+
+// Hands out the work items [0, n) to the threads of a parallel region in runs, as OpenMP's guided
+// schedule does (a run is the items left over the thread count, at least one), from `next`, which
+// the region's threads share and which starts at 0; calls body(begin, end) for each run this thread
+// takes. Unlike an `omp for`, the body sees a whole run, so it can make one call of what the run's
+// items share (an expert's consecutive pieces), and there is no barrier at the end.
+template <class Body>
+void take_guided_runs(std::atomic<int64_t>& next, int64_t n, int threads, Body&& body) {
+  int64_t begin = next.load(std::memory_order_relaxed);
+  for (;;) {
+    if (begin >= n) return;
+    const int64_t end = std::min(n, begin + std::max<int64_t>(1, (n - begin) / threads));
+    if (!next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) continue;  // begin reloaded
+    body(begin, end);
+    begin = next.load(std::memory_order_relaxed);
+  }
+}
 
 // Rows the packed kernels take as one unit of work (threads split N on these boundaries).
 constexpr int64_t kUnitRows = cpu::kPackRows;
@@ -251,6 +269,7 @@ class CpuBackend final : public Backend {
     float* const up_y = up_out_.data();
     float* const products = moe_products_.data();
     const std::span<const int64_t> entries(moe_entries_);
+    std::atomic<int64_t> up_next{0}, down_next{0};  // the pieces handed out so far
 #pragma omp parallel num_threads(n_threads_)
     {
       float* const scratch = per_thread_[static_cast<size_t>(omp_get_thread_num())].row.data();
@@ -263,9 +282,8 @@ class CpuBackend final : public Backend {
         copy_prepared_row(n_routes + moe_groups_.row[static_cast<size_t>(i)], i, d, up_needs);
         lay_out_gathered_row(i, d, up_needs, moe_groups_);
       }
-#pragma omp for schedule(guided)
-      for (size_t c = 0; c < moe_up_pieces_.size(); ++c) {
-        const ExpertPiece& p = moe_up_pieces_[c];
+      take_guided_runs(up_next, static_cast<int64_t>(moe_up_pieces_.size()), omp_get_num_threads(),
+                       [&](int64_t c0, int64_t c1) { for_each_span(moe_up_pieces_, c0, c1, [&](const ExpertPiece& p) {
         const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
         const cpu::PackedInput x = gathered_input(d, m0, m);
         const auto& gate = static_cast<const CpuWeight&>(*experts.gate[static_cast<size_t>(p.expert)]);
@@ -275,20 +293,21 @@ class CpuBackend final : public Backend {
         add_expert_bias(experts.gate_bias, p, ff, m0, m, hidden);
         add_expert_bias(experts.up_bias, p, ff, m0, m, up_y);
         for (int64_t r = m0; r < m0 + m; ++r) cpu::glu(act, hidden + r * ff + p.n0, up_y + r * ff + p.n0, p.n1 - p.n0);
-      }
+      }); });
+#pragma omp barrier
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < n_routes; ++i) {
         prepare_row_at(hidden + i * ff, MatmulInput{}, i, ff, down_needs, scratch);
         lay_out_gathered_row(i, ff, down_needs, moe_groups_);
       }
-#pragma omp for schedule(guided)
-      for (size_t c = 0; c < moe_down_pieces_.size(); ++c) {
-        const ExpertPiece& p = moe_down_pieces_[c];
+      take_guided_runs(down_next, static_cast<int64_t>(moe_down_pieces_.size()), omp_get_num_threads(),
+                       [&](int64_t c0, int64_t c1) { for_each_span(moe_down_pieces_, c0, c1, [&](const ExpertPiece& p) {
         const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
         const auto& down = static_cast<const CpuWeight&>(*experts.down[static_cast<size_t>(p.expert)]);
         gemm_packed_rows(down, p.n0, p.n1, gathered_input(ff, m0, m), tile_terms_, m, products + m0 * d);
         add_expert_bias(experts.down_bias, p, d, m0, m, products);
-      }
+      }); });
+#pragma omp barrier
       const Range r = share(in.n_tokens, omp_get_thread_num(), omp_get_num_threads());
       sum_weighted_rows(moe_groups_, entries, routes.k, products, d, r.begin, r.end, out);
     }
@@ -433,6 +452,20 @@ class CpuBackend final : public Backend {
     const float* b = bias + p.expert * width;
     for (int64_t r = m0; r < m0 + m; ++r) {
       for (int64_t c = p.n0; c < p.n1; ++c) y[r * width + c] += b[c];
+    }
+  }
+
+  // Calls f for each span of the pieces [c0, c1): each run of one expert's consecutive pieces as
+  // one piece of all their rows, so that a thread's run of pieces takes a few long products
+  // rather than many of 16 rows (each of which starts its prefetching anew).
+  template <class F>
+  static void for_each_span(std::span<const ExpertPiece> pieces, int64_t c0, int64_t c1, F&& f) {
+    for (int64_t c = c0; c < c1;) {
+      ExpertPiece span = pieces[static_cast<size_t>(c)];
+      for (++c; c < c1 && pieces[static_cast<size_t>(c)].expert == span.expert && pieces[static_cast<size_t>(c)].n0 == span.n1; ++c) {
+        span.n1 = pieces[static_cast<size_t>(c)].n1;
+      }
+      f(span);
     }
   }
 
