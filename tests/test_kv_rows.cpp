@@ -1,16 +1,19 @@
-// The vectorized RoPE rotation and fp16 rows (backends/cpu/kv_rows.h) against independent
-// references: the scalar IEEE conversions of quant/formats.h, every fp16 bit pattern, and the
-// rotation computed in double from the angles.
+// The vectorized RoPE rotation, fp16 rows and q4_0 cache blocks (backends/cpu/kv_rows.h) against
+// independent references: the scalar IEEE conversions of quant/formats.h, every fp16 bit
+// pattern, the rotation computed in double from the angles, and GGML's Q4_0 rounding.
 #include <gtest/gtest.h>
 
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "backends/cpu/kv_rows.h"
+#include "hwy/targets.h"
 #include "quant/formats.h"
+#include "quant/quantize.h"
 
 namespace {
 
@@ -148,6 +151,45 @@ TEST(HadamardHeads, EachHeadTimesTheSylvesterMatrix) {
     ringlm::cpu::hadamard_heads(turned.data(), heads, dim);  // H H = I
     for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(turned[i], x[i], 1e-5) << dim << " " << i;
   }
+}
+
+// A q4_0 cache's blocks (quantize_q4_0_searched), on every SIMD target this machine runs: Q4_0
+// blocks as the Q4_0 reader reads them, none further from its values by squared error than
+// GGML's rounding of the same values (quantize_row), most of a Gaussian row with outliers nearer,
+// and exact values on a grid kept exact.
+TEST(Q4_0Searched, NoBlockFurtherThanGgmlsOnEveryTarget) {
+  constexpr int kBlocks = 256, kCols = 32 * kBlocks;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(kCols);
+  for (int i = 0; i < kCols; ++i) x[static_cast<size_t>(i)] = normal(rng) * (i % 97 == 0 ? 8.0f : 1.0f);
+  for (int j = 0; j < 32; ++j) x[static_cast<size_t>(32 + j)] = 0.25f * static_cast<float>(j % 16 - 8);  // on a grid
+  for (int j = 0; j < 32; ++j) x[static_cast<size_t>(64 + j)] = 0.0f;
+  std::vector<uint8_t> ggml(ringlm::row_bytes(ringlm::TensorType::Q4_0, kCols)), searched(ggml.size());
+  ringlm::quantize_row(ringlm::TensorType::Q4_0, x.data(), ggml.data(), kCols);
+  std::vector<float> from_ggml(kCols), from_searched(kCols);
+  ringlm::dequantize_row(ringlm::TensorType::Q4_0, ggml.data(), from_ggml.data(), kCols);
+  const auto block_error = [&](const std::vector<float>& back, int b) {
+    double sum = 0;
+    for (int j = 32 * b; j < 32 * b + 32; ++j) sum += std::pow(static_cast<double>(x[static_cast<size_t>(j)]) - back[static_cast<size_t>(j)], 2);
+    return sum;
+  };
+  for (const int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    SCOPED_TRACE(hwy::TargetName(target));
+    hwy::SetSupportedTargetsForTest(target);
+    ringlm::cpu::quantize_q4_0_searched(x.data(), searched.data(), kCols);
+    ringlm::dequantize_row(ringlm::TensorType::Q4_0, searched.data(), from_searched.data(), kCols);
+    int nearer = 0;
+    for (int b = 0; b < kBlocks; ++b) {
+      const double mine = block_error(from_searched, b), theirs = block_error(from_ggml, b);
+      ASSERT_LE(mine, theirs * (1 + 1e-5) + 1e-12) << "block " << b;
+      nearer += mine < theirs * (1 - 1e-3);
+    }
+    EXPECT_GT(nearer, kBlocks / 2);
+    for (int j = 32; j < 96; ++j) EXPECT_EQ(from_searched[static_cast<size_t>(j)], x[static_cast<size_t>(j)]) << j;
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  EXPECT_THROW(ringlm::cpu::quantize_q4_0_searched(x.data(), searched.data(), 33), std::invalid_argument);
 }
 
 }  // namespace

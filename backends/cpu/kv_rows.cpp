@@ -6,6 +6,9 @@
 #include "backends/cpu/kv_rows.h"
 
 #include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 #include "hwy/highway.h"
 #include "quant/formats.h"
 
@@ -80,6 +83,68 @@ void Fp32ToFp16Row(const float* src, uint16_t* dst, int64_t n) {
 
 void Fp16ToFp32Row(const uint16_t* src, float* dst, int64_t n) { F16RowToF32(src, n, dst); }
 
+// The squared error of a block's 32 values at x on the Q4_0 grid of step d: d * q for the
+// integer q in [-8, 7] nearest to x / d (ties to even), as the nibbles will be chosen.
+template <class D>
+HWY_INLINE float Q4_0GridError(D df, const float* x, float d) {
+  const auto step = hn::Set(df, d), inv = hn::Set(df, d != 0.0f ? 1.0f / d : 0.0f);
+  const auto lo = hn::Set(df, -8.0f), hi = hn::Set(df, 7.0f);
+  auto sum = hn::Zero(df);
+  for (size_t i = 0; i < kQK4_0; i += hn::Lanes(df)) {
+    const auto v = hn::LoadU(df, x + i);
+    const auto e = hn::NegMulAdd(step, hn::Min(hn::Max(hn::Round(hn::Mul(v, inv)), lo), hi), v);
+    sum = hn::MulAdd(e, e, sum);
+  }
+  return hn::GetLane(hn::SumOfLanes(df, sum));
+}
+
+void QuantizeQ4_0Searched(const float* x, uint8_t* out, int64_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::RebindToSigned<decltype(df)> di;
+  for (int64_t b = 0; b < n / kQK4_0; ++b, x += kQK4_0, out += sizeof(BlockQ4_0)) {
+    // The value of largest magnitude, sign kept (the first of equals): the largest magnitude from
+    // the vectors, then the first value that has it.
+    auto largest = hn::Zero(df);
+    for (size_t i = 0; i < kQK4_0; i += hn::Lanes(df)) largest = hn::Max(largest, hn::Abs(hn::LoadU(df, x + i)));
+    const float amax = hn::GetLane(hn::MaxOfLanes(df, largest));
+    float extreme = 0.0f;
+    for (size_t j = 0; j < kQK4_0 && amax > 0.0f; ++j) {
+      if (std::fabs(x[j]) == amax) {
+        extreme = x[j];
+        break;
+      }
+    }
+    // The candidates' steps, rounded to fp16 as stored: GGML's grid first. (Padded to 16, so that
+    // the conversions run as whole vectors.)
+    HWY_ALIGN float steps[16] = {};
+    uint16_t bits[16];
+    for (int k = 0; k < kQ4_0Clips; ++k) {
+      const float ratio = 1.0f - kQ4_0ClipStep * static_cast<float>(k);
+      steps[k] = ratio * extreme / -8.0f;
+      steps[kQ4_0Clips + k] = ratio * extreme / 7.0f;
+    }
+    Fp32ToFp16Row(steps, bits, 16);
+    Fp16ToFp32Row(bits, steps, 16);
+    int best = 0;
+    float best_error = Q4_0GridError(df, x, steps[0]);
+    for (int k = 1; k < kQ4_0Grids && best_error > 0.0f; ++k) {
+      const float error = Q4_0GridError(df, x, steps[k]);
+      if (error < best_error) best = k, best_error = error;  // strict: ties keep the earlier grid
+    }
+    const float d = steps[best];
+    const auto inv = hn::Set(df, d != 0.0f ? 1.0f / d : 0.0f);
+    HWY_ALIGN int32_t q[kQK4_0];
+    for (size_t i = 0; i < kQK4_0; i += hn::Lanes(df)) {
+      const auto code = hn::Min(hn::Max(hn::Round(hn::Mul(hn::LoadU(df, x + i), inv)), hn::Set(df, -8.0f)), hn::Set(df, 7.0f));
+      hn::Store(hn::Add(hn::ConvertTo(di, code), hn::Set(di, 8)), di, q + i);
+    }
+    BlockQ4_0 block;
+    block.d = bits[best];
+    for (size_t j = 0; j < kQK4_0 / 2; ++j) block.qs[j] = static_cast<uint8_t>(q[j] | (q[j + kQK4_0 / 2] << 4));
+    std::memcpy(out, &block, sizeof(block));
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace ringlm::cpu
 HWY_AFTER_NAMESPACE();
@@ -90,6 +155,7 @@ namespace ringlm::cpu {
 HWY_EXPORT(RotateHeads);
 HWY_EXPORT(Fp32ToFp16Row);
 HWY_EXPORT(Fp16ToFp32Row);
+HWY_EXPORT(QuantizeQ4_0Searched);
 
 void expand_rope_angles(const float* cos, const float* sin, int n_rot, RopePairs pairs, float* cos_x,
                         float* sin_x) {
@@ -127,6 +193,11 @@ void hadamard_heads(float* x, int n_heads, int head_dim) {
   }
 }
 void fp16_to_fp32_row(const uint16_t* src, float* dst, int64_t n) { HWY_DYNAMIC_DISPATCH(Fp16ToFp32Row)(src, dst, n); }
+
+void quantize_q4_0_searched(const float* x, uint8_t* out, int64_t n) {
+  if (n % kQK4_0 != 0) throw std::invalid_argument("quantize_q4_0_searched: a row of " + std::to_string(n) + " values is not whole blocks of 32");
+  HWY_DYNAMIC_DISPATCH(QuantizeQ4_0Searched)(x, out, n);
+}
 
 }  // namespace ringlm::cpu
 #endif  // HWY_ONCE

@@ -29,6 +29,19 @@ void rotate_heads(float* vec, int n_heads, int head_dim, int n_rot, RopePairs pa
 // the same), and leaves every dot product between two rotated vectors as it was.
 void hadamard_heads(float* x, int n_heads, int head_dim);
 
+// n values (whole blocks of 32) into Q4_0 blocks at out, each block's step chosen by a clip
+// search: among GGML's grid (the value of largest magnitude at -8 steps), its mirror (that value
+// at +7 steps, so that the other side gets the eighth) and both clipped to 96%, 92%, ..., 80% of
+// their span, the one of least squared error, GGML's on a tie; every value then at its nearest
+// point. The same format (any Q4_0 reader reads them), no block further from its values than
+// GGML's rounding: what a q4_0 KV cache stores, whose keys' outliers GGML's grid pays for in
+// every other value of their block (bench/README.md: a quarter less perplexity lost).
+inline constexpr int kQ4_0Clips = 6;             // 100%, 96%, ..., 80%
+inline constexpr float kQ4_0ClipStep = 0.04f;
+inline constexpr int kQ4_0Grids = 2 * kQ4_0Clips;  // GGML's grid and its mirror, each clipped so
+static_assert(kQ4_0Grids <= 16);
+void quantize_q4_0_searched(const float* x, uint8_t* out, int64_t n);
+
 // dst[i] = fp16(src[i]) (round to nearest even) and back, for i < n.
 void fp32_to_fp16_row(const float* src, uint16_t* dst, int64_t n);
 void fp16_to_fp32_row(const uint16_t* src, float* dst, int64_t n);

@@ -91,14 +91,15 @@ void shift_kivi_keys(const KvView& kv, std::span<const int> layers, std::span<co
   }
 }
 
-// A cache row of n elements of `type` from fp32 (q8_0, q4_0: GGML's reference rounding, the
-// blocks llama.cpp would store), and back.
+// A cache row of n elements of `type` from fp32, and back. q8_0: GGML's reference rounding, the
+// blocks llama.cpp would store; q4_0: blocks of the same format whose steps a clip search
+// chooses (quantize_q4_0_searched, kv_rows.h).
 void write_kv_row(KvType type, const float* in, int64_t n, uint8_t* row) {
   switch (type) {
     case KvType::kF16: return fp32_to_fp16_row(in, reinterpret_cast<uint16_t*>(row), n);
     case KvType::kF32: std::copy_n(in, n, reinterpret_cast<float*>(row)); return;
-    case KvType::kQ8_0:
-    case KvType::kQ4_0: return quantize_row(kv_stored_type(type), in, row, n);
+    case KvType::kQ8_0: return quantize_row(kv_stored_type(type), in, row, n);
+    case KvType::kQ4_0: return quantize_q4_0_searched(in, row, n);
     case KvType::kKivi2: break;  // (store_kivi: the groups' business)
   }
 }
