@@ -269,6 +269,24 @@ class CpuBackend final : public Backend {
     float* const up_y = up_out_.data();
     float* const products = moe_products_.data();
     const std::span<const int64_t> entries(moe_entries_);
+    // One expert's rows [p.n0, p.n1) of gate and up, act(g) * u fused; of down.
+    const auto gate_up_span = [&](const ExpertPiece& p) {
+      const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
+      const cpu::PackedInput x = gathered_input(d, m0, m);
+      const auto& gate = static_cast<const CpuWeight&>(*experts.gate[static_cast<size_t>(p.expert)]);
+      const auto& up = static_cast<const CpuWeight&>(*experts.up[static_cast<size_t>(p.expert)]);
+      gemm_packed_rows(gate, p.n0, p.n1, x, tile_terms_, m, hidden + m0 * ff);
+      gemm_packed_rows(up, p.n0, p.n1, x, tile_terms_, m, up_y + m0 * ff);
+      add_expert_bias(experts.gate_bias, p, ff, m0, m, hidden);
+      add_expert_bias(experts.up_bias, p, ff, m0, m, up_y);
+      for (int64_t r = m0; r < m0 + m; ++r) cpu::glu(act, hidden + r * ff + p.n0, up_y + r * ff + p.n0, p.n1 - p.n0);
+    };
+    const auto down_span = [&](const ExpertPiece& p) {
+      const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
+      const auto& down = static_cast<const CpuWeight&>(*experts.down[static_cast<size_t>(p.expert)]);
+      gemm_packed_rows(down, p.n0, p.n1, gathered_input(ff, m0, m), tile_terms_, m, products + m0 * d);
+      add_expert_bias(experts.down_bias, p, d, m0, m, products);
+    };
     std::atomic<int64_t> up_next{0}, down_next{0};  // the pieces handed out so far
 #pragma omp parallel num_threads(n_threads_)
     {
@@ -283,17 +301,7 @@ class CpuBackend final : public Backend {
         lay_out_gathered_row(i, d, up_needs, moe_groups_);
       }
       take_guided_runs(up_next, static_cast<int64_t>(moe_up_pieces_.size()), omp_get_num_threads(),
-                       [&](int64_t c0, int64_t c1) { for_each_span(moe_up_pieces_, c0, c1, [&](const ExpertPiece& p) {
-        const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
-        const cpu::PackedInput x = gathered_input(d, m0, m);
-        const auto& gate = static_cast<const CpuWeight&>(*experts.gate[static_cast<size_t>(p.expert)]);
-        const auto& up = static_cast<const CpuWeight&>(*experts.up[static_cast<size_t>(p.expert)]);
-        gemm_packed_rows(gate, p.n0, p.n1, x, tile_terms_, m, hidden + m0 * ff);
-        gemm_packed_rows(up, p.n0, p.n1, x, tile_terms_, m, up_y + m0 * ff);
-        add_expert_bias(experts.gate_bias, p, ff, m0, m, hidden);
-        add_expert_bias(experts.up_bias, p, ff, m0, m, up_y);
-        for (int64_t r = m0; r < m0 + m; ++r) cpu::glu(act, hidden + r * ff + p.n0, up_y + r * ff + p.n0, p.n1 - p.n0);
-      }); });
+                       [&](int64_t c0, int64_t c1) { for_each_span(moe_up_pieces_, c0, c1, gate_up_span); });
 #pragma omp barrier
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < n_routes; ++i) {
@@ -301,12 +309,7 @@ class CpuBackend final : public Backend {
         lay_out_gathered_row(i, ff, down_needs, moe_groups_);
       }
       take_guided_runs(down_next, static_cast<int64_t>(moe_down_pieces_.size()), omp_get_num_threads(),
-                       [&](int64_t c0, int64_t c1) { for_each_span(moe_down_pieces_, c0, c1, [&](const ExpertPiece& p) {
-        const int64_t m0 = moe_groups_.start[static_cast<size_t>(p.expert)], m = moe_groups_.count(p.expert);
-        const auto& down = static_cast<const CpuWeight&>(*experts.down[static_cast<size_t>(p.expert)]);
-        gemm_packed_rows(down, p.n0, p.n1, gathered_input(ff, m0, m), tile_terms_, m, products + m0 * d);
-        add_expert_bias(experts.down_bias, p, d, m0, m, products);
-      }); });
+                       [&](int64_t c0, int64_t c1) { for_each_span(moe_down_pieces_, c0, c1, down_span); });
 #pragma omp barrier
       const Range r = share(in.n_tokens, omp_get_thread_num(), omp_get_num_threads());
       sum_weighted_rows(moe_groups_, entries, routes.k, products, d, r.begin, r.end, out);
