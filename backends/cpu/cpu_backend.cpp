@@ -355,16 +355,22 @@ class CpuBackend final : public Backend {
     if (takes_packed(gate, n) && takes_packed(up, n)) {
       // Each thread computes the same rows of gate and up, then applies act(g) * u to the
       // outputs it just wrote, while they are still in its cache.
+      // A thread's run of pieces goes in spans whose gate and up outputs fit in about 64 KiB:
+      // one span for a decode step's run, a piece at a time for a prompt's.
       const int64_t pieces = (row_units(ff) + kPieceUnits - 1) / kPieceUnits;
+      const int64_t span_pieces = std::max<int64_t>(1, (int64_t{8} << 10) / (n * kPieceUnits * kUnitRows));
       const CpuWeight* both[] = {&gate, &up};
+      std::atomic<int64_t> next{0};
       with_prepared_input(in, gate.cols(), plan_inputs(both, n, gate.cols()), [&](const cpu::PackedInput& x) {
-#pragma omp for schedule(guided)
-        for (int64_t c = 0; c < pieces; ++c) {
-          const int64_t n0 = c * kPieceUnits * kUnitRows, n1 = std::min(ff, (c + 1) * kPieceUnits * kUnitRows);
-          gemm_packed_rows(gate, n0, n1, x, tile_terms_, n, out);
-          gemm_packed_rows(up, n0, n1, x, tile_terms_, n, up_y);
-          for (int64_t m = 0; m < n; ++m) cpu::glu(act, out + m * ff + n0, up_y + m * ff + n0, n1 - n0);
-        }
+        take_guided_runs(next, pieces, omp_get_num_threads(), [&](int64_t c0, int64_t c1) {
+          for (int64_t c = c0; c < c1; c += span_pieces) {
+            const int64_t n0 = c * kPieceUnits * kUnitRows;
+            const int64_t n1 = std::min(ff, std::min(c1, c + span_pieces) * kPieceUnits * kUnitRows);
+            gemm_packed_rows(gate, n0, n1, x, tile_terms_, n, out);
+            gemm_packed_rows(up, n0, n1, x, tile_terms_, n, up_y);
+            for (int64_t m = 0; m < n; ++m) cpu::glu(act, out + m * ff + n0, up_y + m * ff + n0, n1 - n0);
+          }
+        });
       });
       return;
     }
@@ -669,18 +675,18 @@ class CpuBackend final : public Backend {
 
   // Products of the input with several weights in one parallel region: the 16-row kernel units
   // of all the weights are numbered in sequence and handed out in pieces of kPieceUnits, in
-  // guided runs, to whichever thread is free. Each output is computed by one thread whichever it
-  // is, in the same order.
+  // guided runs, to whichever thread is free; a run is one call per weight it covers. Each
+  // output is computed by one thread whichever it is, in the same order.
   void matmul_packed(std::span<const CpuWeight* const> weights, std::span<float* const> ys, const MatmulInput& in,
                      int64_t cols) {
     const int64_t n_tokens = in.n_tokens;
     int64_t total_units = 0;
     for (const CpuWeight* w : weights) total_units += row_units(w->rows());
     const int64_t pieces = (total_units + kPieceUnits - 1) / kPieceUnits;
+    std::atomic<int64_t> next{0};
     with_prepared_input(in, cols, plan_inputs(weights, n_tokens, cols), [&](const cpu::PackedInput& x) {
-#pragma omp for schedule(guided)
-      for (int64_t c = 0; c < pieces; ++c) {
-        const Range r{c * kPieceUnits, std::min(total_units, (c + 1) * kPieceUnits)};
+      take_guided_runs(next, pieces, omp_get_num_threads(), [&](int64_t c0, int64_t c1) {
+        const Range r{c0 * kPieceUnits, std::min(total_units, c1 * kPieceUnits)};
         int64_t first_unit = 0;  // of the current weight, in the joint numbering
         for (size_t i = 0; i < weights.size() && first_unit < r.end; ++i) {
           const CpuWeight& w = *weights[i];
@@ -692,7 +698,7 @@ class CpuBackend final : public Backend {
           }
           first_unit += units;
         }
-      }
+      });
     });
   }
 
