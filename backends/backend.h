@@ -215,6 +215,12 @@ struct KvView {
   // from it before the host reads them.
   std::unique_ptr<BackendKvState>* source_state = nullptr;
   const KvKiviGroups* kivi = nullptr;  // a KIVI cache's groups (both sides kKivi2)
+  // Key channel scales, [n_layer][row_width] (core/model/key_scales.h), or none. Where the keys
+  // are turned (kv_turns_heads), the backend keeps layer l's keys divided by row l, channel by
+  // channel, and scores queries multiplied by it (query head h by its key head's channels): the
+  // same scores, a smaller quantization error. They are the model's, set before any row of such
+  // a cache is stored and never changed after; a prefix's rows were stored with the same.
+  const float* key_scales = nullptr;
 
   KvTypes types() const { return {key_type, value_type}; }
   size_t key_row_bytes() const { return kv_bytes_of(key_type, row_width); }
@@ -421,6 +427,11 @@ class Backend {
   // Whether attention() runs a checking pass's calls (AttentionCall::steps) itself; otherwise
   // the model hands it their rows one at a time, as decode calls.
   virtual bool attends_stepwise() const { return false; }
+
+  // Whether the backend applies a view's key scales (KvView::key_scales); the model hands them
+  // only to one that does, and a backend that does not runs every cache unscaled (the same
+  // scores, a larger quantization error).
+  virtual bool keeps_key_scales() const { return false; }
 
   // StreamingLLM's shift-RoPE: rotates the keys of `slots` in `layers` by one set of angles
   // (angles.cos / sin: one row), in place, wherever the backend keeps the cache.

@@ -16,6 +16,7 @@
 #include "backends/backend.h"
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/kv_rows.h"
+#include "core/model/key_scales.h"
 #include "quant/formats.h"
 #include "quant/quantize.h"
 
@@ -80,11 +81,11 @@ TEST_P(LayerOps, RopeRotatesEveryHeadOfEveryRowByItsRowsAngles) {
 
 // A cache of 2 layers and 6 slots, as core/kv lays it out.
 struct Cache {
-  Cache(KvTypes types, int row_width)
-      : rows(2 * 6 * (kv_bytes_of(types.keys, row_width) + kv_bytes_of(types.values, row_width))) {
+  Cache(KvTypes types, int row_width, int capacity = 6)
+      : rows(2 * static_cast<size_t>(capacity) * (kv_bytes_of(types.keys, row_width) + kv_bytes_of(types.values, row_width))) {
     view.rows = rows.data();
     view.n_layer = 2;
-    view.capacity = 6;
+    view.capacity = capacity;
     view.row_width = row_width;
     view.key_type = types.keys;
     view.value_type = types.values;
@@ -298,6 +299,109 @@ TEST_P(QuantizedCache, HeadsOf64AreTurnedAndAttentionMatchesAnFp32Cache) {
     backend->shift_keys(c->view, layers, slots, RopeAngles{cos.data(), sin.data(), kRot, false}, kKv, kDim);
   }
   expect_same_attention("shifted");
+}
+
+// Key scales (KvView::key_scales) on a turned cache whose key channels are out of balance with
+// the queries' (large keys where the queries are small, as Gemma 3's QK-norm leaves them): the
+// cache holds the blocks of the turned keys divided by the scales, attention gives what an fp32
+// cache of the unscaled keys gives (the scores are the same) with a smaller error than the same
+// cache without scales, and so it does after a shift, which multiplies the keys back to rotate them.
+TEST_P(QuantizedCache, KeyScalesKeepTheScoresAndShrinkTheError) {
+  const KvType type = GetParam();
+  constexpr int kDim = 64, kKv = 2, kQueryHeads = 4, kWidth = kKv * kDim, kSlots = 48;
+  // Values in fp32: what the outputs lose is the keys'.
+  const KvTypes types{type, KvType::kF32};
+  Cache scaled(types, kWidth, kSlots), unscaled(types, kWidth, kSlots), plain(KvType::kF32, kWidth, kSlots);
+  std::vector<float> k = random_values(static_cast<size_t>(kSlots) * kWidth, rng), v = random_values(k.size(), rng);
+  std::vector<float> q = random_values(static_cast<size_t>(kSlots) * kQueryHeads * kDim, rng);
+  const auto key_size = [](int c) { return c % 8 == 0 ? 6.0f : 0.4f; };  // and the queries' 1 / 4 of its inverse
+  for (size_t i = 0; i < k.size(); ++i) k[i] *= key_size(static_cast<int>(i % kDim));
+  for (size_t i = 0; i < q.size(); ++i) q[i] *= 0.25f / key_size(static_cast<int>(i % kDim));
+  const std::vector<float> scales = calibrate_key_scales(q, k, kSlots, KeyScaleShape{kQueryHeads, kKv, kDim});
+  EXPECT_GT(scales[0] / scales[1], 3.0f);  // sqrt(6 / 0.4) squared over the halves' ratio: about 15
+  std::vector<float> all_layers(2 * static_cast<size_t>(kWidth), 1.0f);  // [layer][channel]: layer 1's set
+  std::copy(scales.begin(), scales.end(), all_layers.begin() + kWidth);
+  scaled.view.key_scales = all_layers.data();
+  std::vector<int64_t> positions(kSlots);
+  for (int i = 0; i < kSlots; ++i) positions[static_cast<size_t>(i)] = i;
+  for (Cache* c : {&scaled, &unscaled, &plain}) {
+    c->view.head_dim = kDim;
+    c->view.positions = positions;
+    backend->store_kv(c->view, 1, 0, kSlots, k.data(), v.data());
+  }
+  std::vector<float> row(k.begin(), k.begin() + kWidth);
+  for (int c = 0; c < kWidth; ++c) row[static_cast<size_t>(c)] /= scales[static_cast<size_t>(c)];
+  cpu::hadamard_heads(row.data(), kKv, kDim);
+  std::vector<uint8_t> blocks(kv_bytes_of(type, kWidth));
+  kv_blocks(type, row.data(), blocks.data(), kWidth);
+  ASSERT_EQ(std::memcmp(scaled.view.key(1, 0), blocks.data(), blocks.size()), 0);
+
+  const AttentionShape shape{kQueryHeads, kKv, kDim};
+  const auto attend = [&](Cache& cache) {  // the last slot's query over every slot
+    std::vector<float> out(static_cast<size_t>(kQueryHeads) * kDim);
+    AttentionCall call;
+    call.q = q.data() + static_cast<size_t>(kSlots - 1) * kQueryHeads * kDim;
+    call.n_tokens = 1;
+    call.pos0 = kSlots - 1;
+    call.out = out.data();
+    call.kv = &cache.view;
+    backend->attention(1, shape, std::span<const AttentionCall>(&call, 1));
+    return out;
+  };
+  const auto expect_smaller_error = [&](const char* when) {
+    const std::vector<float> want = attend(plain), with = attend(scaled), without = attend(unscaled);
+    double error_with = 0, error_without = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      error_with += std::abs(with[i] - want[i]);
+      error_without += std::abs(without[i] - want[i]);
+      EXPECT_NEAR(with[i], want[i], type == KvType::kQ8_0 ? 0.03 : 0.3) << when << " " << i;
+    }
+    EXPECT_LT(error_with, 0.5 * error_without) << when;
+  };
+  expect_smaller_error("stored");
+  std::vector<float> cos, sin;
+  make_angles(1, cos, sin);
+  const std::vector<int> slots = {1, 3, 4, 20}, layers = {1};
+  for (Cache* c : {&scaled, &unscaled, &plain}) {
+    backend->shift_keys(c->view, layers, slots, RopeAngles{cos.data(), sin.data(), kRot, false}, kKv, kDim);
+  }
+  expect_smaller_error("shifted");
+}
+
+// calibrate_key_scales against its definition: s = (E[k²] / E[q²])^(1/4) per key channel, the
+// queries of a group's heads pooled, each head's scales over their geometric mean, clamped.
+TEST(KeyScales, BalanceEachChannelsKeysAgainstItsGroupsQueries) {
+  constexpr int kDim = 4, kKv = 2, kQueryHeads = 4, kRows = 2;
+  // Keys of constant magnitude per channel: head 0 (1, 4, 16, 1/4), head 1 (1, 1, 0, 1).
+  const float key[kKv * kDim] = {1, 4, 16, 0.25f, 1, 1, 0, 1};
+  std::vector<float> k, q;
+  for (int r = 0; r < kRows; ++r) {
+    for (float x : key) k.push_back(r % 2 == 0 ? x : -x);
+    // Queries 1 everywhere, but channel 3 of key head 1's heads (2 and 3) is 3 and 5: E[q²] = 17.
+    for (int h = 0; h < kQueryHeads; ++h) {
+      for (int i = 0; i < kDim; ++i) q.push_back(i == 3 && h == 2 ? 3.0f : i == 3 && h == 3 ? 5.0f : 1.0f);
+    }
+  }
+  const std::vector<float> s = calibrate_key_scales(q, k, kRows, KeyScaleShape{kQueryHeads, kKv, kDim});
+  ASSERT_EQ(s.size(), static_cast<size_t>(kKv * kDim));
+  // Head 0: sqrt(|k|) = 1, 2, 4, 1/2, geometric mean sqrt(2).
+  const double m0 = std::sqrt(2.0);
+  EXPECT_NEAR(s[0], 1 / m0, 1e-5);
+  EXPECT_NEAR(s[1], 2 / m0, 1e-5);
+  EXPECT_NEAR(s[2], 4 / m0, 1e-5);
+  EXPECT_NEAR(s[3], 0.5 / m0, 1e-5);
+  // Head 1: 1, 1, none (1), 17^(-1/4); geometric mean 17^(-1/16).
+  const double m1 = std::pow(17.0, -1.0 / 16), c3 = std::pow(17.0, -0.25);
+  EXPECT_NEAR(s[4], 1 / m1, 1e-5);
+  EXPECT_NEAR(s[6], 1 / m1, 1e-5);
+  EXPECT_NEAR(s[7], c3 / m1, 1e-5);
+  // Far out of balance: clamped.
+  std::vector<float> far_k(k), far_q(q);
+  far_k[0] = far_k[kKv * kDim] = 1e6f;
+  const std::vector<float> clamped = calibrate_key_scales(far_q, far_k, kRows, KeyScaleShape{kQueryHeads, kKv, kDim});
+  EXPECT_EQ(clamped[0], kKeyScaleLimit);
+  EXPECT_THROW(calibrate_key_scales(q, k, kRows + 1, KeyScaleShape{kQueryHeads, kKv, kDim}), std::invalid_argument);
+  EXPECT_THROW(calibrate_key_scales(q, k, kRows, KeyScaleShape{3, kKv, kDim}), std::invalid_argument);
 }
 
 TEST_P(LayerOps, ScaleAddAndAddRowAreElementwise) {

@@ -164,6 +164,7 @@ class CpuBackend final : public Backend {
                   int n_head_kv, int head_dim) override {
     layer_ops_.shift_keys(kv, layers, slots, angles, n_head_kv, head_dim);
   }
+  bool keeps_key_scales() const override { return true; }
   void scale(float* x, int64_t n, float factor) override { layer_ops_.scale(x, n, factor); }
   void add(float* x, const float* delta, int64_t n) override { layer_ops_.add(x, delta, n); }
   void add_row(float* x, const float* row, int64_t n_rows, int64_t width) override {

@@ -113,6 +113,25 @@ void read_kv_row(KvType type, const uint8_t* row, int64_t n, float* out) {
   }
 }
 
+// Each of n_tokens rows of queries (shape.n_head heads) multiplied by the key scales of its
+// heads' key head (KvView::key_scales), element by element.
+void scale_queries(float* q, int n_tokens, const AttentionShape& shape, const float* scales) {
+  const int group = shape.n_head / shape.n_head_kv;
+  for (int r = 0; r < n_tokens; ++r) {
+    for (int h = 0; h < shape.n_head; ++h) {
+      float* head = q + (static_cast<size_t>(r) * shape.n_head + h) * shape.head_dim;
+      const float* s = scales + static_cast<size_t>(h / group) * shape.head_dim;
+      for (int i = 0; i < shape.head_dim; ++i) head[i] *= s[i];
+    }
+  }
+}
+
+// Layer `layer`'s key scales (KvView::key_scales) where the view's keys are turned, else nullptr.
+const float* key_scales_of(const KvView& kv, int layer) {
+  if (kv.key_scales == nullptr || !kv_turns_heads(kv.key_type, kv.head_dim)) return nullptr;
+  return kv.key_scales + static_cast<size_t>(layer) * static_cast<size_t>(kv.row_width);
+}
+
 }  // namespace
 
 void LayerOps::rope(float* x, int64_t n_rows, int n_heads, int head_dim, const RopeAngles& angles) {
@@ -221,19 +240,24 @@ void LayerOps::store_kv(const KvView& kv, int layer, int first_slot, int n, cons
 #pragma omp parallel num_threads(n_threads_) if (n >= kParallelRows)
   {
     float* row = turns ? turned_.data() + width * static_cast<size_t>(omp_get_thread_num()) : nullptr;
-    // A row as the cache keeps it in `type`: its heads turned first where the type asks.
-    const auto store = [&](KvType type, const float* src, uint8_t* dst) {
+    // A row as the cache keeps it in `type`: divided by the key scales (keys) and its heads
+    // turned first where the type asks.
+    const auto store = [&](KvType type, const float* src, const float* scales, uint8_t* dst) {
       if (kv_turns_heads(type, kv.head_dim)) {
         std::copy_n(src, width, row);
+        if (scales != nullptr) {
+          for (size_t c = 0; c < width; ++c) row[c] /= scales[c];
+        }
         hadamard_heads(row, kv.row_width / kv.head_dim, kv.head_dim);
         src = row;
       }
       write_kv_row(type, src, kv.row_width, dst);
     };
+    const float* const scales = key_scales_of(kv, layer);
 #pragma omp for schedule(static)
     for (int i = 0; i < n; ++i) {
-      store(kv.key_type, k + static_cast<int64_t>(i) * kv.row_width, kv.key(layer, first_slot + i));
-      store(kv.value_type, v + static_cast<int64_t>(i) * kv.row_width, kv.value(layer, first_slot + i));
+      store(kv.key_type, k + static_cast<int64_t>(i) * kv.row_width, scales, kv.key(layer, first_slot + i));
+      store(kv.value_type, v + static_cast<int64_t>(i) * kv.row_width, nullptr, kv.value(layer, first_slot + i));
     }
   }
 }
@@ -259,6 +283,9 @@ void LayerOps::attention(int layer, const AttentionShape& shape, std::span<const
     if (turns_keys(c)) {
       std::vector<float>& turned = turned_queries_[i];
       turned.assign(c.q, c.q + static_cast<size_t>(c.n_tokens) * shape.n_head * shape.head_dim);
+      if (const float* scales = key_scales_of(*c.kv, layer)) {
+        scale_queries(turned.data(), c.n_tokens, shape, scales);
+      }
       hadamard_heads(turned.data(), c.n_tokens * shape.n_head, shape.head_dim);
       q = turned.data();
     }
@@ -302,11 +329,20 @@ void LayerOps::shift_keys(const KvView& kv, std::span<const int> layers, std::sp
     for (int64_t l = 0; l < n_layers; ++l) {
       for (int64_t m = 0; m < n_slots; ++m) {
         // Rotated in fp32 and stored again (q8_0: quantized again, per block; a cache that keeps
-        // its heads turned turns them back for RoPE, and again after).
-        uint8_t* key = kv.key(layers[static_cast<size_t>(l)], slots[static_cast<size_t>(m)]);
+        // its heads turned turns them back for RoPE, and again after; keys kept divided by
+        // their scales are multiplied back for it, and divided again after).
+        const int layer = layers[static_cast<size_t>(l)];
+        const float* scales = key_scales_of(kv, layer);
+        uint8_t* key = kv.key(layer, slots[static_cast<size_t>(m)]);
         read_kv_row(kv.key_type, key, kv.row_width, row.data());
         if (turns) hadamard_heads(row.data(), n_head_kv, head_dim);
+        if (scales != nullptr) {
+          for (int c = 0; c < kv.row_width; ++c) row[static_cast<size_t>(c)] *= scales[c];
+        }
         rotate_heads(row.data(), n_head_kv, head_dim, angles.n_rot, pairs_of(angles), cos_x.data(), sin_x.data());
+        if (scales != nullptr) {
+          for (int c = 0; c < kv.row_width; ++c) row[static_cast<size_t>(c)] /= scales[c];
+        }
         if (turns) hadamard_heads(row.data(), n_head_kv, head_dim);
         write_kv_row(kv.key_type, row.data(), kv.row_width, key);
       }

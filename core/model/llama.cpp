@@ -9,6 +9,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "core/model/key_scales.h"
+
 namespace ringlm {
 
 LlamaModel::~LlamaModel() = default;
@@ -216,8 +218,9 @@ void LlamaModel::shift_context(KvCache& cache) const {
       }
       const std::vector<int>& slots = ring == KvRing::kFull ? moved.full : moved.window;
       if (layers.empty() || slots.empty()) continue;
-      backend_.shift_keys(cache.view(ring), layers, slots, rope_->layout(cos.data(), sin.data()), hp_.n_head_kv,
-                          hp_.head_dim);
+      KvView view = cache.view(ring);
+      view.key_scales = ring_key_scales(ring);
+      backend_.shift_keys(view, layers, slots, rope_->layout(cos.data(), sin.data()), hp_.n_head_kv, hp_.head_dim);
     }
   }
 }
@@ -246,6 +249,8 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
   } else if (hp_.embed_scale) {
     backend_.scale(x, static_cast<int64_t>(n) * d, std::sqrt(static_cast<float>(d)));
   }
+  const bool calibrating = calibrates_key_scales(rows);
+  if (calibrating) key_scales_set_ = true;  // (with fewer than kKeyScaleMinRows rows: left at 1)
   describe_sequences(rows);
   for (int il = stage_.first_layer; il < stage_.end_layer; ++il) {
     backend_.begin_layer(il);
@@ -265,6 +270,7 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     }
     backend_.rope(q, n, hp_.n_head, hp_.head_dim, angles);
     backend_.rope(k, n, hp_.n_head_kv, hp_.head_dim, angles);
+    if (calibrating && n >= kKeyScaleMinRows) calibrate_key_scales(il, *rows[0].cache, n);
     for (size_t i = 0; i < rows.size(); ++i) store_kv(il, i, rows[i]);
     attention(il, rows);
     residual(*L.wo, attn, n, L.o_bias, L.post_attn_norm);
@@ -272,6 +278,30 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
     feed_forward(L, n);
   }
   if (!stage_.last()) pipeline_->send_hidden(x, hidden);
+}
+
+const float* LlamaModel::ring_key_scales(KvRing ring) const {
+  return backend_.keeps_key_scales() ? key_scales_[ring_slot(ring)].data() : nullptr;
+}
+
+bool LlamaModel::calibrates_key_scales(std::span<const Rows> rows) const {
+  if (key_scales_set_ || !backend_.keeps_key_scales()) return false;
+  return std::any_of(rows.begin(), rows.end(),
+                     [&](const Rows& r) { return kv_turns_heads(r.cache->type().keys, hp_.head_dim); });
+}
+
+void LlamaModel::calibrate_key_scales(int layer, const KvCache& cache, int n) {
+  const Scratch& s = *scratch_;
+  const size_t kv_dim = static_cast<size_t>(hp_.n_head_kv) * hp_.head_dim;
+  const size_t q_values = static_cast<size_t>(n) * hp_.n_head * hp_.head_dim, k_values = n * kv_dim;
+  std::vector<float> q(q_values), k(k_values);
+  backend_.read(s.q->data(), q.data(), q_values);
+  backend_.read(s.k->data(), k.data(), k_values);
+  const KeyScaleShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim};
+  const std::vector<float> scales = ringlm::calibrate_key_scales(q, k, n, shape);
+  const KvCache::LayerPlace place = cache.place(layer);
+  std::copy(scales.begin(), scales.end(),
+            key_scales_[ring_slot(place.ring)].begin() + static_cast<std::ptrdiff_t>(place.index * kv_dim));
 }
 
 void LlamaModel::feed_forward(const LayerWeights& L, int n) {

@@ -201,6 +201,14 @@ class LlamaModel {
   void attention(int layer, std::span<const Rows> rows);
   void attention_by_rows(int layer, int index, const AttentionShape& shape, std::span<const Rows> rows);
   void attention_stepwise(int layer, int index, const AttentionShape& shape, std::span<const Rows> rows);
+  // Whether this pass sets the key scales (core/model/key_scales.h): the first pass that stores
+  // into a cache whose keys are turned, on a backend that keeps scales; and setting layer
+  // `layer`'s from the pass's n rows of queries and keys (after RoPE).
+  bool calibrates_key_scales(std::span<const Rows> rows) const;
+  void calibrate_key_scales(int layer, const KvCache& cache, int n);
+  // A ring's key scales for its views (KvView::key_scales): none on a backend that keeps none.
+  const float* ring_key_scales(KvRing ring) const;
+  static size_t ring_slot(KvRing ring) { return ring == KvRing::kWindow ? 1 : 0; }
   // cos and sin of the rotation angles of n_tokens positions from pos0, for rows row0.., of a
   // sequence whose cache holds n_ctx positions, in the backend's memory.
   void rope_angles(int row0, int64_t pos0, int n_tokens, int n_ctx);
@@ -233,6 +241,10 @@ class LlamaModel {
   PipelineStage stage_;
   std::unique_ptr<PipelineHook> pipeline_;  // connected: the protocol between the stages
   bool async_softmax_ = true;
+  // The key scales every cache's views carry (KvView::key_scales), per ring ([ring's layer
+  // index][kv_dim], 1 until set): set by the first pass into a turned cache, never again.
+  std::vector<float> key_scales_[2];
+  bool key_scales_set_ = false;
   std::unique_ptr<Scratch> scratch_;
   std::vector<Rows> batch_rows_;              // run_pass's, reused
   std::deque<PendingBatch> pending_batches_;  // begun on the first stage, oldest first

@@ -42,6 +42,8 @@ void LlamaModel::describe_sequences(std::span<const Rows> rows) {
         s.prefix_views[at] = cache.prefix_view(ring);
         s.kv_views[at].prefix = &s.prefix_views[at];
       }
+      s.kv_views[at].key_scales = ring_key_scales(ring);
+      s.prefix_views[at].key_scales = ring_key_scales(ring);
     }
     if (async_softmax_) {
       std::vector<float>& phi = cache.softmax_phi();

@@ -25,6 +25,9 @@ LlamaModel::LlamaModel(const GgufFile& gguf, Backend& backend, const PipelineSta
   // weights' (and a --gpu-layers out-of-memory error counts layers that really fit).
   if (!backend_.offloads()) check_weights_fit(plan.bytes_here(), host_memory());
   allocate_scratch();
+  for (std::vector<float>& scales : key_scales_) {  // (a ring's index is below n_layer)
+    scales.assign(static_cast<size_t>(hp_.n_layer) * static_cast<size_t>(hp_.n_head_kv * hp_.head_dim), 1.0f);
+  }
   backend_.plan_layers(hp_.n_layer);
   constants_ = plan.place(backend_, &output_);
   for (LayerWeights& layer : layers_) layer.index_experts();
