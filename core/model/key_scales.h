@@ -6,7 +6,7 @@
 // small (Gemma 3's QK-norm makes many) no longer sets the step of its block for the channels
 // that matter. With s[c] = (E[k_c²] / E[q_c²])^(1/4) the two sides' channels meet halfway
 // (SmoothQuant's balance with alpha 1/2), which evens out what each channel adds to a score's
-// error (bench/README.md: Gemma 3 270M's q4_0 perplexity loss falls from +13.7% to +2.9%).
+// error (bench/README.md: Gemma 3 270M's q4_0 perplexity loss falls from +13.7% to +2.6%).
 // The StreamingLLM shift multiplies a key back before it rotates it, and divides it again after.
 #pragma once
 
