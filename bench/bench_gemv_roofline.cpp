@@ -1,7 +1,7 @@
 // Decode's weight products against the memory-bandwidth roofline.
 //
 //   bench_gemv_roofline [--layers 4] [--threads 1,2] [--tokens 1,2,4,8,16] [--runs 7]
-//                       [--formats q4_0,q4_k,q6_k,...] [--hot | --l2]
+//                       [--formats q4_0,q4_k,q6_k,...] [--hot | --l2] [--shape qwen3-30b-a3b]
 //
 // One "step" is what a decode step asks of the packed kernels on Llama-2-7B: per layer the q/k/v
 // projections (3 x 4096x4096, one parallel region as matmul_many runs them), o (4096x4096),
@@ -11,12 +11,19 @@
 // ~450 MB in Q4_0, far past the L3) and a step reads every byte once, as a real decode step does.
 // Formats: any GGUF type name the packed kernels run (q4_0, q4_k, q5_0, iq4_xs, f16, ...) and
 // ringlm's INT4 types (i4s-g128, i4a-g32-f32, ...).
+// --shape qwen3-30b-a3b runs a Qwen3-30B-A3B decode step's products instead (2048 columns: q|k|v,
+// o, 8 experts' gate and up, their downs; ~30 MB a layer in Q4_0), the short matrices a
+// mixture of experts reads.
 //
 // For every format, thread count and token count M it prints the median step time, the weight
 // bytes read per second (GB/s, 1e9 bytes/s: the packed bytes, which are the file's bytes plus
 // a few percent of header padding for some formats) and, for each thread count, the median read
 // bandwidth of the same buffer by a plain read loop (AVX2 loads), measured in alternation with
-// the steps so that both see the same machine load; "roofline" = GB/s / that figure.
+// the steps so that both see the same machine load; "roofline" = GB/s / that figure. "2-stream"
+// is a second probe taken in the same alternation: one parallel region for the whole step, each
+// thread reading its slice of every matrix as two streams in lock-step, bench_bandwidth's best
+// variant on some machines (Zen 3); where it reads well above the first probe, the kernels' one
+// stream per thread and call is itself a limit.
 // --hot cycles over the first q matrix only (L3-resident): the kernels' compute speed.
 // Packing the model is timed once (file MB/s).
 // --l2 runs instead a matrix of 4096 columns small enough for the L2 (about 256 KiB), 64 calls
@@ -52,6 +59,7 @@ struct Options {
   int runs = 7;
   bool hot = false;
   bool l2 = false;
+  bool moe = false;  // --shape qwen3-30b-a3b
   std::vector<int> threads{1, 2};
   std::vector<int> tokens{1, 2, 4, 8, 16};
   std::vector<std::string> formats{"q4_0", "q4_k", "q6_k", "q5_0", "q8_0"};
@@ -90,6 +98,9 @@ struct Model {
 };
 
 constexpr int64_t kDim = 4096, kFf = 11008;
+// Qwen3-30B-A3B: model width, expert width, heads of 128 (32 query, 4 key/value), experts used.
+constexpr int64_t kMoeDim = 2048, kMoeFf = 768, kMoeQ = 4096, kMoeKv = 512;
+constexpr int kMoeUsed = 8;
 constexpr int kL2Calls = 64;             // --l2: calls per step
 constexpr size_t kL2Bytes = 256 << 10;  // --l2: the matrix's size at most
 
@@ -104,10 +115,22 @@ double seconds(F&& f) {
 
 // Random weights of the type, packed one matrix at a time (a 7B layer's worth of source bytes
 // at most in memory).
-std::unique_ptr<Model> make_model(TensorType type, int layers, Mode mode) {
-  struct Shape {
-    int64_t rows, cols;
-  };
+struct Shape {
+  int64_t rows, cols;
+};
+
+// A Qwen3-30B-A3B decode step's products, as the CPU backend's regions run them: q|k|v, o, the
+// eight chosen experts' gate and up (one region, one input), their downs (one region; each
+// expert's input is its own in the model, one shared input here: the weights' bytes are the
+// same). The router (F32 in the files) is left out.
+std::vector<std::vector<Shape>> moe_layer() {
+  std::vector<Shape> gate_up, down;
+  for (int e = 0; e < 2 * kMoeUsed; ++e) gate_up.push_back({kMoeFf, kMoeDim});
+  for (int e = 0; e < kMoeUsed; ++e) down.push_back({kMoeDim, kMoeFf});
+  return {{{kMoeQ, kMoeDim}, {kMoeKv, kMoeDim}, {kMoeKv, kMoeDim}}, {{kMoeDim, kMoeQ}}, gate_up, down};
+}
+
+std::unique_ptr<Model> make_model(TensorType type, int layers, Mode mode, bool moe) {
   const bool hot = mode != Mode::kDecode;  // every call on one matrix
   const int64_t l2_rows = std::max<int64_t>(
       16, static_cast<int64_t>(kL2Bytes / ringlm::row_bytes(type, kDim)) / 16 * 16);
@@ -116,6 +139,7 @@ std::unique_ptr<Model> make_model(TensorType type, int layers, Mode mode) {
   const std::vector<std::vector<Shape>> layer =
       mode == Mode::kL2 ? std::vector<std::vector<Shape>>(kL2Calls, {{l2_rows, kDim}})
       : hot             ? std::vector<std::vector<Shape>>(7, {{kDim, kDim}})
+      : moe             ? moe_layer()
                         : std::vector<std::vector<Shape>>{{{kDim, kDim}, {kDim, kDim}, {kDim, kDim}},
                                                           {{kDim, kDim}},
                                                           {{kFf, kDim}, {kFf, kDim}},
@@ -234,6 +258,34 @@ uint64_t read_pass(const Model& model, int threads) {
   return total;
 }
 
+// Two streams of 256-bit loads in lock-step, over [p, p + 2 * n_vec).
+__attribute__((target("avx2"))) uint64_t read2_avx2(const __m256i* p, size_t n_vec) {
+  const __m256i* q = p + n_vec;
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  for (size_t i = 0; i + 2 <= n_vec; i += 2) {
+    a0 = _mm256_add_epi64(a0, _mm256_load_si256(p + i));
+    a1 = _mm256_add_epi64(a1, _mm256_load_si256(p + i + 1));
+    a2 = _mm256_add_epi64(a2, _mm256_load_si256(q + i));
+    a3 = _mm256_add_epi64(a3, _mm256_load_si256(q + i + 1));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+// The read loop bench_bandwidth finds best on some machines: one parallel region, each thread
+// reading its slice of every matrix as two streams in lock-step.
+uint64_t read_pass_two_streams(const Model& model, int threads) {
+  uint64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  for (size_t i = 0; i < model.spans.size(); ++i) {
+    const auto* buf = reinterpret_cast<const __m256i*>(model.spans[i]);
+    const size_t per = model.span_bytes[i] / sizeof(__m256i) / static_cast<size_t>(omp_get_num_threads()) / 4 * 2;
+    total += read2_avx2(buf + 2 * per * static_cast<size_t>(omp_get_thread_num()), per);
+  }
+  return total;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -285,10 +337,13 @@ Options parse(int argc, char** argv) {
       o.hot = true;
     } else if (a == "--l2") {
       o.l2 = true;
+    } else if (i + 1 < argc && a == "--shape" && std::string(argv[i + 1]) == "qwen3-30b-a3b") {
+      o.moe = true;
+      ++i;
     } else {
       std::fprintf(stderr,
                    "usage: bench_gemv_roofline [--layers N] [--runs R] [--threads 1,2] [--tokens 1,2,4,8,16]\n"
-                   "                           [--formats q4_0,q4_k,...] [--hot | --l2]\n");
+                   "                           [--formats q4_0,q4_k,...] [--hot | --l2] [--shape qwen3-30b-a3b]\n");
       std::exit(2);
     }
   }
@@ -310,10 +365,10 @@ int main(int argc, char** argv) {
                 static_cast<long long>(kDim), kL2Calls, o.runs);
     std::printf("%-14s %7s %6s %9s %13s\n", "format", "threads", "M", "ms/step", "ns/32w/core");
   } else {
-    std::printf("Llama-2-7B decode step: %d layer(s)%s, median of %d runs\n", o.layers,
+    std::printf("%s decode step: %d layer(s)%s, median of %d runs\n", o.moe ? "Qwen3-30B-A3B" : "Llama-2-7B", o.layers,
                 o.hot ? ", hot (one matrix)" : "", o.runs);
-    std::printf("%-14s %7s %6s %9s %8s %11s %9s\n", "format", "threads", "M", "ms/step", "GB/s", "probe GB/s",
-                "roofline");
+    std::printf("%-14s %7s %6s %9s %8s %11s %9s %9s\n", "format", "threads", "M", "ms/step", "GB/s", "probe GB/s",
+                "roofline", "2-stream");
   }
   uint64_t sink = 0;
   for (const std::string& name : o.formats) {
@@ -322,7 +377,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bench_gemv_roofline: unknown format %s\n", name.c_str());
       return 2;
     }
-    const std::unique_ptr<Model> model = make_model(*type, o.layers, mode);
+    const std::unique_ptr<Model> model = make_model(*type, o.layers, mode, o.moe);
     if (mode != Mode::kL2) {  // (an L2-sized matrix packs too fast to time)
       std::printf("%-14s packing: %.0f MB of file in %.3f s = %.0f MB/s (%d threads); packed %.0f MB\n", name.c_str(),
                   static_cast<double>(model->packed_file_bytes) / 1e6, model->pack_s,
@@ -339,10 +394,11 @@ int main(int argc, char** argv) {
       for (const int tokens : o.tokens) {
         run_step(*model, acts, tokens, threads, y);  // warm-up
         if (mode != Mode::kL2) sink += read_pass(*model, threads);
-        std::vector<double> step_s, probe_s;
+        std::vector<double> step_s, probe_s, probe2_s;
         for (int r = 0; r < o.runs; ++r) {
           step_s.push_back(seconds([&] { run_step(*model, acts, tokens, threads, y); }));
           if (mode != Mode::kL2) probe_s.push_back(seconds([&] { sink += read_pass(*model, threads); }));
+          if (mode != Mode::kL2) probe2_s.push_back(seconds([&] { sink += read_pass_two_streams(*model, threads); }));
         }
         const double t = median(step_s), gbs = static_cast<double>(model->bytes) / t / 1e9;
         if (mode == Mode::kL2) {
@@ -350,8 +406,9 @@ int main(int argc, char** argv) {
                       t * 1e9 * threads / static_cast<double>(blocks));
         } else {
           const double probe = static_cast<double>(model->buffer) / median(probe_s) / 1e9;
-          std::printf("%-14s %7d %6d %9.2f %8.2f %11.2f %9.2f\n", name.c_str(), threads, tokens, t * 1e3, gbs, probe,
-                      gbs / probe);
+          const double probe2 = static_cast<double>(model->buffer) / median(probe2_s) / 1e9;
+          std::printf("%-14s %7d %6d %9.2f %8.2f %11.2f %9.2f %9.2f\n", name.c_str(), threads, tokens, t * 1e3, gbs, probe,
+                      gbs / probe, probe2);
         }
         std::fflush(stdout);
       }
