@@ -112,7 +112,7 @@ Layout make_layout(const Case& c, std::mt19937& rng) {
   return l;
 }
 
-// With int8_queries, as the kernel scores q8_0 and q4_0 keys on a target with VNNI
+// With int8_queries, as the kernel scores q8_0 and q4_0 keys on AVX2 and AVX-512 VNNI
 // (scores_block_keys_in_int8): each head's query row scaled by 1 / sqrt(d) in float, then rounded
 // to q8_0 blocks as GGML rounds them; the scores are its dot products with the keys.
 std::vector<double> reference(const Case& c, const std::vector<float>& q_in, const std::vector<float>& k,

@@ -171,20 +171,25 @@ HWY_INLINE hn::Vec<D> LoadKvAt(D d, const T* row, int c) {
 
 // A vector of q8_0 or q4_0 elements as fp32: the codes widened, times their block's scale (exact
 // for the products: code * scale is what the cache holds).
+// A vector of q8_0 or q4_0 codes (the elements over their block's scale) as fp32.
 template <class D>
-HWY_INLINE hn::Vec<D> LoadKv(D d, Q8Elements p) {
+HWY_INLINE hn::Vec<D> LoadCodes(D d, Q8Elements p) {
   const hn::Rebind<int8_t, D> d8;
   const hn::Rebind<int32_t, D> d32;
   const auto* codes = reinterpret_cast<const int8_t*>(p.codes() + p.at);
-  return hn::Mul(hn::ConvertTo(d, hn::PromoteTo(d32, hn::LoadU(d8, codes))), hn::Set(d, p.scale()));
+  return hn::ConvertTo(d, hn::PromoteTo(d32, hn::LoadU(d8, codes)));
 }
 template <class D>
-HWY_INLINE hn::Vec<D> LoadKv(D d, Q4Elements p) {
+HWY_INLINE hn::Vec<D> LoadCodes(D d, Q4Elements p) {
   const hn::Rebind<uint8_t, D> d8;
   const hn::Rebind<int32_t, D> d32;
   const auto bytes = hn::PromoteTo(d32, hn::LoadU(d8, p.codes() + p.at % 16));
   const auto nibbles = p.at < 16 ? hn::And(bytes, hn::Set(d32, 15)) : hn::ShiftRight<4>(bytes);
-  return hn::Mul(hn::ConvertTo(d, hn::Sub(nibbles, hn::Set(d32, 8))), hn::Set(d, p.scale()));
+  return hn::ConvertTo(d, hn::Sub(nibbles, hn::Set(d32, 8)));
+}
+template <class D, int kBits>
+HWY_INLINE hn::Vec<D> LoadKv(D d, BlockElements<kBits> p) {
+  return hn::Mul(LoadCodes(d, p), hn::Set(d, p.scale()));
 }
 template <class D, int kBits>
 HWY_INLINE hn::Vec<D> LoadKvAt(D d, BlockElements<kBits> row, int c) {
@@ -463,7 +468,7 @@ void ScoreRowsQ4(const float* q, int n_rows, int hd, const uint8_t* k, int64_t k
   ScoreRowsOf(q, n_rows, hd, Q4Elements{k, 0}, k_ld, n_keys, scores, scores_ld);
 }
 
-// --- q8_0 keys scored with int8 queries (AVX-512 VNNI) ------------------------------------------
+// --- q8_0 and q4_0 keys scored with int8 queries (AVX-512 VNNI, AVX2) ----------------------------
 //
 // A q8_0 key's codes meet the query quantized alike (GGML's q8_0 rounding of each block of 32 of
 // the pre-scaled query row, as llama.cpp's flash attention converts Q to the keys' dot type): a
@@ -473,9 +478,10 @@ void ScoreRowsQ4(const float* q, int n_rows, int hd, const uint8_t* k, int64_t k
 // of each lane's four query codes is taken off by starting the lane's sum at its negative. No
 // key is widened to float: against the float path, a score costs a third of the instructions.
 
-// Whether this target scores q8_0 and q4_0 keys so (HWY_AVX3_DL: VNNI), for heads of a multiple
-// of 64.
-bool ScoresBlockKeysInInt8() { return HWY_TARGET == HWY_AVX3_DL; }
+// Whether this target scores q8_0 and q4_0 keys so, for heads of a multiple of 64: AVX-512 VNNI
+// (two blocks a vpdpbusd) and AVX2 (a block a vpmaddubsw + vpmaddwd, below). AVX-512 without
+// VNNI keeps the float path.
+bool ScoresBlockKeysInInt8() { return HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2; }
 
 #if HWY_TARGET == HWY_AVX3_DL
 HWY_INLINE __m512i DotUnsignedSigned(__m512i acc, __m512i u, __m512i s) {
@@ -560,6 +566,91 @@ HWY_INLINE void ScoreRowsKeysInt8(const int8_t* q, const float* q_scales, int hd
   }
 }
 
+#endif
+
+#if HWY_TARGET == HWY_AVX2
+// The same int8 scores on AVX2 (no VNNI), a block of 32 at a time: vpmaddubsw takes unsigned
+// times signed bytes into int16 pairs, which vpmaddwd by ones sums into 8 int32 lanes.
+// - q4_0 nibbles are unsigned already (codes + 8): the pairs are at most 2 * 15 * 127, and each
+//   lane starts at minus 8 times its four query codes, as on VNNI.
+// - q8_0 codes are signed: |k| meets q with k's sign (vpsignb), the pairs at most 2 * 127 * 127
+//   (a quantized query is never -128). Codes + 128 would overflow the int16 pairs.
+// Against the float path (each code widened to fp32 and scaled), a block of a score costs 5-6
+// integer operations instead of 12.
+
+// A key block's 32 codes in element order: q8_0's bytes; q4_0's low nibbles (elements 0-15)
+// then its high ones (16-31).
+template <int kBits>
+HWY_INLINE __m256i BlockCodes(const uint8_t* block) {
+  if constexpr (kBits == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
+  }
+}
+
+// A block's fp16 scale in every lane.
+HWY_INLINE __m256 BlockScale(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
+}
+
+// int32 lanes: the sums of each lane's four products of codes (a BlockCodes' bytes; `magnitude`
+// their absolute values for q8_0) with the query's codes.
+template <int kBits>
+HWY_INLINE __m256i BlockDot(__m256i codes, __m256i magnitude, __m256i query, __m256i start) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (kBits == 8) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(query, codes)), ones);
+  } else {
+    return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, query), ones));
+  }
+}
+
+template <int R, int NK, int kBits>
+HWY_INLINE void ScoreRowsKeysInt8(const int8_t* q, const float* q_scales, int hd, const BlockElements<kBits>* kr,
+                                  int nk, float* scores, int scores_ld) {
+  static_assert(R * NK <= kFloatLanes, "one SumLanesOfEach per call");
+  const hn::ScalableTag<float> d;
+  hn::Vec<decltype(d)> acc[kFloatLanes];
+  for (int i = 0; i < kFloatLanes; ++i) acc[i] = hn::Zero(d);
+  const uint8_t* keys[NK];
+  for (int i = 0; i < NK; ++i) keys[i] = kr[std::min(i, nk - 1)].blocks;
+  const int n_blocks = hd / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int b = 0; b < n_blocks; ++b) {
+    __m256i qv[R], start[R];
+    __m256 qs[R];
+    for (int r = 0; r < R; ++r) {
+      qv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + static_cast<int64_t>(r) * hd + b * 32));
+      start[r] = kBits == 8 ? _mm256_setzero_si256()
+                            : _mm256_sub_epi32(_mm256_setzero_si256(),
+                                               _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), qv[r]), ones));
+      qs[r] = _mm256_set1_ps(q_scales[r * n_blocks + b]);
+    }
+    for (int i = 0; i < NK; ++i) {
+      const uint8_t* block = keys[i] + static_cast<int64_t>(b) * BlockElements<kBits>::kBlockBytes;
+      const __m256i codes = BlockCodes<kBits>(block);
+      const __m256i magnitude = kBits == 8 ? _mm256_sign_epi8(codes, codes) : codes;
+      const __m256 ks = BlockScale(block);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(BlockDot<kBits>(codes, magnitude, qv[r], start[r]));
+        acc[r * NK + i].raw = _mm256_fmadd_ps(dot, _mm256_mul_ps(ks, qs[r]), acc[r * NK + i].raw);
+      }
+    }
+  }
+  HWY_ALIGN float sums[kFloatLanes];
+  StoreSumsInOrder(d, acc, sums);
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < nk; ++i) scores[r * scores_ld + i] = sums[r * NK + i];
+  }
+}
+#endif
+
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
 template <int R, int kBits>
 HWY_INLINE void ScoreRowChunkInt8(const int8_t* q, const float* q_scales, int hd, const BlockElements<kBits>* kr,
                                   int nk, float* scores, int scores_ld) {
@@ -600,7 +691,7 @@ HWY_INLINE void ScoreRowsInt8Of(const int8_t* q, const float* q_scales, int n_ro
 // 64); elsewhere nothing is written.
 void ScoreRowsQ8Int8(const int8_t* q, const float* q_scales, int n_rows, int hd, const uint8_t* k, int64_t k_ld,
                      int n_keys, float* scores, int scores_ld) {
-#if HWY_TARGET == HWY_AVX3_DL
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
   ScoreRowsInt8Of<8>(q, q_scales, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
 #else
   (void)q, (void)q_scales, (void)n_rows, (void)hd, (void)k, (void)k_ld, (void)n_keys, (void)scores, (void)scores_ld;
@@ -608,7 +699,7 @@ void ScoreRowsQ8Int8(const int8_t* q, const float* q_scales, int n_rows, int hd,
 }
 void ScoreRowsQ4Int8(const int8_t* q, const float* q_scales, int n_rows, int hd, const uint8_t* k, int64_t k_ld,
                      int n_keys, float* scores, int scores_ld) {
-#if HWY_TARGET == HWY_AVX3_DL
+#if HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
   ScoreRowsInt8Of<4>(q, q_scales, n_rows, hd, k, k_ld, n_keys, scores, scores_ld);
 #else
   (void)q, (void)q_scales, (void)n_rows, (void)hd, (void)k, (void)k_ld, (void)n_keys, (void)scores, (void)scores_ld;
@@ -619,9 +710,50 @@ void ScoreRowsQ4Int8(const int8_t* q, const float* q_scales, int n_rows, int hd,
 // non-zero weight in some row: each value vector loaded (and widened) once for all the rows, the
 // rows' columns held in R x NC registers across all the keys. Every element sums its keys in key
 // order (a zero weight adds +0, which changes no sum of finite products).
+template <class P>
+constexpr bool kBlockValues = false;
+template <int kBits>
+constexpr bool kBlockValues<BlockElements<kBits>> = true;
+
+// AccumulateRowsColumns on q8_0 or q4_0 values whose NC vectors are whole blocks from a block's
+// start: per key, each block's scale is folded into the rows' weights (a multiply per row and
+// block, where LoadKv spends one per vector) and the codes are only widened.
+template <int R, int NC, class D, int kBits>
+HWY_INLINE void AccumulateRowsBlockColumns(D d, const float* p, int p_ld, int n_keys, BlockElements<kBits> v,
+                                           int64_t v_ld, int hd, float* acc) {
+  constexpr int kVectorsPerBlock = 32 / kFloatLanes;
+  static_assert(NC % kVectorsPerBlock == 0, "whole blocks");
+  hn::Vec<D> a[R][NC];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < NC; ++c) a[r][c] = hn::LoadU(d, acc + r * hd + c * kFloatLanes);
+  }
+  for (int j = 0; j < n_keys; ++j) {
+    bool any = false;
+    for (int r = 0; r < R; ++r) any |= p[r * p_ld + j] != 0.0f;
+    if (!any) continue;  // masked keys (empty slots may hold anything)
+    const BlockElements<kBits> vj = v + j * v_ld;
+    for (int c0 = 0; c0 < NC; c0 += kVectorsPerBlock) {
+      const BlockElements<kBits> block = vj + c0 * kFloatLanes;
+      const float scale = block.scale();
+      hn::Vec<D> w[R];
+      for (int r = 0; r < R; ++r) w[r] = hn::Set(d, p[r * p_ld + j] * scale);
+      for (int c = 0; c < kVectorsPerBlock; ++c) {
+        const auto codes = LoadCodes(d, BlockElements<kBits>{block.blocks, c * kFloatLanes});
+        for (int r = 0; r < R; ++r) a[r][c0 + c] = hn::MulAdd(w[r], codes, a[r][c0 + c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < NC; ++c) hn::StoreU(a[r][c], d, acc + r * hd + c * kFloatLanes);
+  }
+}
+
 template <int R, int NC, class D, class P>
 HWY_INLINE void AccumulateRowsColumns(D d, const float* p, int p_ld, int n_keys, P v, int64_t v_ld, int hd,
                                       float* acc) {
+  if constexpr (kBlockValues<P> && kFloatLanes <= 32 && NC % (32 / kFloatLanes) == 0) {
+    if (v.at == 0) return AccumulateRowsBlockColumns<R, NC>(d, p, p_ld, n_keys, v, v_ld, hd, acc);
+  }
   const int lanes = static_cast<int>(hn::Lanes(d));
   hn::Vec<D> a[R][NC];
   for (int r = 0; r < R; ++r) {
@@ -959,7 +1091,7 @@ void place_query_codes(UnitBuffers& ub, float* at, int rows, int hd) {
 }
 
 // Whether a unit scores its keys with int8 queries (ScoreRowsQ8Int8, ScoreRowsQ4Int8): q8_0 or
-// q4_0 keys, heads of a multiple of 64, a target with VNNI.
+// q4_0 keys, heads of a multiple of 64, a target that scores so (ScoresBlockKeysInInt8: AVX-512 VNNI, AVX2).
 bool scores_in_int8(const KvLayer& kv, int hd) { return kv_type_has_blocks(kv.key_type) && scores_block_keys_in_int8(hd); }
 
 // The int8 scores of n q8_0 or q4_0 keys read in place (k: a head's slice of the first key's row).

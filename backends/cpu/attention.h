@@ -103,9 +103,9 @@ void attention_causal(const AttentionShape& shape, const float* q, const KvLayer
 
 // Whether decode (the row path, and a checking pass's scores) meets q8_0 and q4_0 keys with the
 // query rows quantized to q8_0: each block of 32 of q[i][h] / sqrt(d) rounded as GGML rounds a
-// row (quantize_row), the products summed in int8 with VNNI, as llama.cpp's flash attention does.
-// On the targets with VNNI, for heads of a multiple of 64; elsewhere the keys are widened to
-// float. Prefill tiles always widen them.
+// row (quantize_row), the products summed in int8, as llama.cpp's flash attention does. On
+// AVX-512 VNNI (vpdpbusd) and AVX2 (vpmaddubsw), for heads of a multiple of 64; elsewhere
+// (AVX-512 without VNNI, SSE4) the keys are widened to float. Prefill tiles always widen them.
 bool scores_block_keys_in_int8(int head_dim);
 
 
