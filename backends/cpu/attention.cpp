@@ -483,6 +483,17 @@ void ScoreRowsQ4(const float* q, int n_rows, int hd, const uint8_t* k, int64_t k
 // VNNI keeps the float path.
 bool ScoresBlockKeysInInt8() { return HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2; }
 
+// scores[r][i] = the sum of the lanes of accumulator r * NK + i, for rows r < R and the first nk
+// keys: the int8 kernels' ending.
+template <int R, int NK, class D>
+HWY_INLINE void StoreRowKeySums(D d, hn::Vec<D>* acc, int nk, float* scores, int scores_ld) {
+  HWY_ALIGN float sums[kFloatLanes];
+  StoreSumsInOrder(d, acc, sums);
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < nk; ++i) scores[r * scores_ld + i] = sums[r * NK + i];
+  }
+}
+
 #if HWY_TARGET == HWY_AVX3_DL
 HWY_INLINE __m512i DotUnsignedSigned(__m512i acc, __m512i u, __m512i s) {
   // (asm: Highway 1.0.3's AVX3_DL target does not enable the EVEX intrinsic; see kernel_packed.cpp)
@@ -559,11 +570,7 @@ HWY_INLINE void ScoreRowsKeysInt8(const int8_t* q, const float* q_scales, int hd
       }
     }
   }
-  HWY_ALIGN float sums[kFloatLanes];
-  StoreSumsInOrder(d, acc, sums);
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < nk; ++i) scores[r * scores_ld + i] = sums[r * NK + i];
-  }
+  StoreRowKeySums<R, NK>(d, acc, nk, scores, scores_ld);
 }
 
 #endif
@@ -642,11 +649,7 @@ HWY_INLINE void ScoreRowsKeysInt8(const int8_t* q, const float* q_scales, int hd
       }
     }
   }
-  HWY_ALIGN float sums[kFloatLanes];
-  StoreSumsInOrder(d, acc, sums);
-  for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < nk; ++i) scores[r * scores_ld + i] = sums[r * NK + i];
-  }
+  StoreRowKeySums<R, NK>(d, acc, nk, scores, scores_ld);
 }
 #endif
 
