@@ -169,8 +169,6 @@ HWY_INLINE hn::Vec<D> LoadKvAt(D d, const T* row, int c) {
   return LoadKv(d, row + c);
 }
 
-// A vector of q8_0 or q4_0 elements as fp32: the codes widened, times their block's scale (exact
-// for the products: code * scale is what the cache holds).
 // A vector of q8_0 or q4_0 codes (the elements over their block's scale) as fp32.
 template <class D>
 HWY_INLINE hn::Vec<D> LoadCodes(D d, Q8Elements p) {
@@ -187,6 +185,8 @@ HWY_INLINE hn::Vec<D> LoadCodes(D d, Q4Elements p) {
   const auto nibbles = p.at < 16 ? hn::And(bytes, hn::Set(d32, 15)) : hn::ShiftRight<4>(bytes);
   return hn::ConvertTo(d, hn::Sub(nibbles, hn::Set(d32, 8)));
 }
+// A vector of q8_0 or q4_0 elements as fp32: the codes widened, times their block's scale (exact
+// for the products: code * scale is what the cache holds).
 template <class D, int kBits>
 HWY_INLINE hn::Vec<D> LoadKv(D d, BlockElements<kBits> p) {
   return hn::Mul(LoadCodes(d, p), hn::Set(d, p.scale()));
