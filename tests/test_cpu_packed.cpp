@@ -246,6 +246,46 @@ TEST(PackedInt4, G32Fp16MatchesQ4Formats) {
   }
 }
 
+
+// Every code of the two code books, alone in a whole matrix, against activations that quantize to
+// +127 and -127 everywhere: the largest integer sums the kernels' int16 lanes hold before they
+// widen them (MXFP4 is looked up as its values + 12 without VNNI, so 4 quads of 2 x 24 x 127
+// fill a lane to 24,384; 8 would overflow it), each output an exact sum of K/32 equal blocks.
+TEST(PackedCodeBooks, EveryCodeAgainstTheLargestActivations) {
+  const int64_t n = 16, k = 1536, m = 5;
+  std::vector<float> values(static_cast<size_t>(m * k));
+  for (int64_t i = 0; i < m * k; ++i) values[static_cast<size_t>(i)] = (i / k) % 2 == 0 ? 1.0f : -1.0f;
+  Input x(values, m, k);
+  for (const TensorType t : {TensorType::MXFP4, TensorType::IQ4_NL}) {
+    const bool mxfp4 = t == TensorType::MXFP4;
+    const size_t block_bytes = mxfp4 ? sizeof(BlockMXFP4) : sizeof(BlockIQ4_NL);
+    for (int code = 0; code < 16; ++code) {
+      std::vector<uint8_t> w(static_cast<size_t>(n * k / 32) * block_bytes);
+      for (size_t b = 0; b < w.size(); b += block_bytes) {
+        if (mxfp4) {
+          w[b] = 127;  // 2^-1, which kMxfp4Values' doubled values undo
+        } else {
+          w[b] = 0x00, w[b + 1] = 0x3C;  // fp16 1.0
+        }
+        std::fill(w.begin() + static_cast<ptrdiff_t>(b + block_bytes - 16), w.begin() + static_cast<ptrdiff_t>(b + block_bytes),
+                  static_cast<uint8_t>(code * 0x11));
+      }
+      const double weight = mxfp4 ? kMxfp4Values[code] / 2.0 : kIq4nlValues[code];
+      for (int64_t target : test::packed_kernel_targets()) {
+        SCOPED_TRACE(hwy::TargetName(target));
+        const test::OnlyTarget only(target);
+        const std::vector<float> y = run_packed(pack(t, w, n, k), x);
+        for (int64_t mi = 0; mi < m; ++mi) {
+          const double exact = weight * static_cast<double>(k) * x.seen(Acts::kPer32, mi, 0);
+          for (int64_t ni = 0; ni < n; ++ni) {
+            ASSERT_NEAR(y[static_cast<size_t>(mi * n + ni)], exact, 1e-5 * std::fabs(exact) + 1e-30)
+                << (mxfp4 ? "MXFP4" : "IQ4_NL") << " code " << code << " token " << mi << " row " << ni;
+          }
+        }
+      }
+    }
+  }
+}
 // The per-256 activations against their definition: one scale per 256 (max|x| / 127), values
 // rounded to nearest, and exact integer sums per 16 and 32.
 TEST(QuantizeActsSuper, MatchesDefinition) {

@@ -71,8 +71,20 @@ struct Fmt {
   // Weights that are signed values (Q8_0's bytes, IQ4's and MXFP4's code books) rather than
   // unsigned codes.
   static constexpr bool kSignedValues = F.codes == Codes::kBytes || F.has_codebook();
+  // A code book's least and largest values.
+  static constexpr const int8_t* kBook = F.has_codebook() ? codebook_values(F.codebook) : nullptr;
+  static constexpr int kBookLeast = kBook != nullptr ? *std::min_element(kBook, kBook + 16) : 0;
+  static constexpr int kBookLargest = kBook != nullptr ? *std::max_element(kBook, kBook + 16) : 0;
+  // Whether, without VNNI, the code book's values minus the least one (kBookLift = -least) are
+  // small enough unsigned bytes for vpmaddubsw's int16 pair sums (2 x 127 x largest <= 32767):
+  // MXFP4's -12..12 are (0..24), IQ4's -127..113 are not. The lift comes off the dot as
+  // kBookLift times the activations' sum, and a quad costs a vpmaddubsw and an add per token
+  // where the sign trick for signed values costs two vpsignb, a vpmaddubsw, a vpmaddwd and an add.
+  static constexpr bool kLiftedBook = F.has_codebook() && 2 * 127 * (kBookLargest - kBookLeast) <= 32767;
+  static constexpr int kBookLift = kLiftedBook ? -kBookLeast : 0;
   // The largest unsigned code, for the int16 sums of vpmaddubsw.
-  static constexpr int kMaxCode = F.codes == Codes::kNib4Hb1     ? 31
+  static constexpr int kMaxCode = kLiftedBook                    ? kBookLargest + kBookLift
+                                  : F.codes == Codes::kNib4Hb1   ? 31
                                   : F.codes == Codes::kNib4Hb2   ? 63
                                   : F.codes == Codes::kCrumb2    ? 3
                                   : F.codes == Codes::kCrumb2Hb1 ? 7
@@ -338,26 +350,26 @@ HWY_INLINE void DecodePair(const uint8_t* sub, VI table, VI& q0, VI& q1) {
   }
 }
 
-// The table a code book format looks its codes up in: the values, or on VNNI the values + 128
-// (unsigned bytes for vpdpbusd, the 128 taken off with the activation sums).
+// What the kernel subtracts per unit of activation sum: the code offset, 128 where signed values
+// were made unsigned for vpdpbusd, or a code book's lift without VNNI (Fmt::kLiftedBook).
+template <class Fm>
+constexpr int kOffset = (Fm::kSignedValues && RINGLM_VNNI) ? 128 : Fm::kLiftedBook ? Fm::kBookLift : Fm::F.offset;
+// Whether the products use the sign trick on signed values (not VNNI) rather than unsigned codes.
+template <class Fm>
+constexpr bool kSignTrick = Fm::kSignedValues && !RINGLM_VNNI && !Fm::kLiftedBook;
+
+// The table a code book format looks its codes up in: its values plus kOffset (on VNNI 128,
+// unsigned bytes for vpdpbusd; without, the lift of a narrow book, else the values themselves).
 template <class Fm>
 HWY_INLINE VI CodeTable() {
   if constexpr (Fm::F.has_codebook()) {
     const int8_t* values = codebook_values(Fm::F.codebook);
     alignas(16) int8_t t[16];
-    for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(RINGLM_VNNI ? values[i] + 128 : values[i]);
+    for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(values[i] + kOffset<Fm>);
     return LoadTable(t);
   }
   return ZeroI();
 }
-
-// What the kernel subtracts per unit of activation sum: the code offset, or 128 where signed
-// values were made unsigned for vpdpbusd.
-template <class Fm>
-constexpr int kOffset = (Fm::kSignedValues && RINGLM_VNNI) ? 128 : Fm::F.offset;
-// Whether the products use the sign trick on signed values (not VNNI) rather than unsigned codes.
-template <class Fm>
-constexpr bool kSignTrick = Fm::kSignedValues && !RINGLM_VNNI;
 
 // Quads whose vpmaddubsw pairs an int16 lane can sum before widening: each pair is at most
 // 2 * 127 * max code. A power of two dividing 4 where sub-blocks are 16 weights.
