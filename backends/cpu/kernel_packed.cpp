@@ -64,6 +64,18 @@ struct PassActs {
   int64_t width = 1;
 };
 
+// A code book's least and largest values, read from the tables themselves (not through
+// codebook_values: a constant expression may not compare a global's address under the sanitizers).
+constexpr std::pair<int, int> codebook_range(CodeBook c) {
+  int least = 127, largest = -128;
+  for (int i = 0; i < 16; ++i) {
+    const int v = c == CodeBook::kMxfp4 ? kMxfp4Values[i] : kIq4nlValues[i];
+    least = std::min(least, v);
+    largest = std::max(largest, v);
+  }
+  return {least, largest};
+}
+
 // A format as a kernel instantiation.
 template <TensorType T>
 struct Fmt {
@@ -72,9 +84,8 @@ struct Fmt {
   // unsigned codes.
   static constexpr bool kSignedValues = F.codes == Codes::kBytes || F.has_codebook();
   // A code book's least and largest values.
-  static constexpr const int8_t* kBook = F.has_codebook() ? codebook_values(F.codebook) : nullptr;
-  static constexpr int kBookLeast = kBook != nullptr ? *std::min_element(kBook, kBook + 16) : 0;
-  static constexpr int kBookLargest = kBook != nullptr ? *std::max_element(kBook, kBook + 16) : 0;
+  static constexpr int kBookLeast = F.has_codebook() ? codebook_range(F.codebook).first : 0;
+  static constexpr int kBookLargest = F.has_codebook() ? codebook_range(F.codebook).second : 0;
   // Whether, without VNNI, the code book's values minus the least one (kBookLift = -least) are
   // small enough unsigned bytes for vpmaddubsw's int16 pair sums (2 x 127 x largest <= 32767):
   // MXFP4's -12..12 are (0..24), IQ4's -127..113 are not. The lift comes off the dot as

@@ -56,7 +56,7 @@ enum class Codes : uint8_t { kNib4, kNib4Hb1, kNib4Hb2, kCrumb2, kCrumb2Hb1, kBy
 // not fold a global's address compared with null under the sanitizers, and the kernels decide on
 // it at compile time.)
 enum class CodeBook : uint8_t { kNone, kIq4nl, kMxfp4 };
-constexpr const int8_t* codebook_values(CodeBook c) { return c == CodeBook::kMxfp4 ? kMxfp4Values : kIq4nlValues; }
+inline const int8_t* codebook_values(CodeBook c) { return c == CodeBook::kMxfp4 ? kMxfp4Values : kIq4nlValues; }
 
 // Which activations a format's kernel reads.
 enum class ActKind : uint8_t {
