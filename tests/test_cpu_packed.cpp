@@ -246,7 +246,6 @@ TEST(PackedInt4, G32Fp16MatchesQ4Formats) {
   }
 }
 
-
 // Every code of the two code books, alone in a whole matrix, against activations that quantize to
 // +127 and -127 everywhere: the largest integer sums the kernels' int16 lanes hold before they
 // widen them (MXFP4 is looked up as its values + 12 without VNNI, so 4 quads of 2 x 24 x 127
@@ -286,6 +285,7 @@ TEST(PackedCodeBooks, EveryCodeAgainstTheLargestActivations) {
     }
   }
 }
+
 // The per-256 activations against their definition: one scale per 256 (max|x| / 127), values
 // rounded to nearest, and exact integer sums per 16 and 32.
 TEST(QuantizeActsSuper, MatchesDefinition) {

@@ -87,9 +87,9 @@ struct Fmt {
   static constexpr int kBookLeast = F.has_codebook() ? codebook_range(F.codebook).first : 0;
   static constexpr int kBookLargest = F.has_codebook() ? codebook_range(F.codebook).second : 0;
   // Whether, without VNNI, the code book's values minus the least one (kBookLift = -least) are
-  // small enough unsigned bytes for vpmaddubsw's int16 pair sums (2 x 127 x largest <= 32767):
-  // MXFP4's -12..12 are (0..24), IQ4's -127..113 are not. The lift comes off the dot as
-  // kBookLift times the activations' sum, and a quad costs a vpmaddubsw and an add per token
+  // small enough unsigned bytes for vpmaddubsw's int16 pair sums, 2 x 127 x (largest - least)
+  // <= 32767: MXFP4's -12..12 are (0..24), IQ4's -127..113 are not. The lift comes off the dot
+  // as kBookLift times the activations' sum, and a quad costs a vpmaddubsw and an add per token
   // where the sign trick for signed values costs two vpsignb, a vpmaddubsw, a vpmaddwd and an add.
   static constexpr bool kLiftedBook = F.has_codebook() && 2 * 127 * (kBookLargest - kBookLeast) <= 32767;
   static constexpr int kBookLift = kLiftedBook ? -kBookLeast : 0;
