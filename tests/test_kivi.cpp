@@ -249,6 +249,7 @@ class KiviCacheTest : public ::testing::Test {
     for (int layer = 0; layer < kLayers; ++layer) {
       const KvCache::LayerPlace place = cache->place(layer);
       const KvView view = cache->view(place.ring);
+      if (view.kivi == nullptr) continue;  // (kivi2's window ring holds q4_0)
       const KvKiviGroups& groups = *view.kivi;
       for (int g = 0; g < groups.n_groups; ++g) {
         const int first = groups.first_slot(g), size = groups.group_size(g);
@@ -499,17 +500,49 @@ TEST_F(KiviCacheTest, ACopyHoldsTheSameRowsAndWritesItsOwn) {
   }
 }
 
-// Sliding-window layers keep their own ring of KIVI groups, written around its end.
-TEST_F(KiviCacheTest, TheWindowRingKeepsGroupsOfItsOwn) {
+// Sliding-window layers keep their own ring, in q4_0 on both sides (KvCache::ring_type): the
+// full ring's layers keep their KIVI groups, the window ring's layers hold each token's rows
+// (turned by the Walsh-Hadamard matrix) in q4_0 blocks, written around its end.
+TEST_F(KiviCacheTest, TheWindowRingHoldsQ4_0) {
   KvWindowRing window;
   window.layers = {false, true};
   window.window = 96;
   window.slots = 96 + 40;
   make(512, kKeep, 32, window);
+  EXPECT_EQ(cache->ring_type(KvRing::kFull), (KvTypes{KvType::kKivi2, KvType::kKivi2}));
+  EXPECT_EQ(cache->ring_type(KvRing::kWindow), (KvTypes{KvType::kQ4_0, KvType::kQ4_0}));
   append(30);
   for (int t = 0; t < 150; ++t) append(1 + t % 3);
   append(40);
-  expect_rows_held(32);
+  const KvView view = cache->view(KvRing::kWindow);
+  ASSERT_EQ(view.kivi, nullptr);
+  ASSERT_EQ(view.key_type, KvType::kQ4_0);
+  ASSERT_EQ(view.key_row_bytes(), static_cast<size_t>(kWidth / 32 * 18));
+  const int index = cache->place(1).index;
+  int held = 0;
+  for (int s = 0; s < view.capacity; ++s) {
+    const int64_t position = view.positions[static_cast<size_t>(s)];
+    if (position < 0) continue;
+    ++held;
+    for (const bool value : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "slot " << s << " position " << position << (value ? " values" : " keys"));
+      std::vector<float> row(kWidth);
+      dequantize_row(TensorType::Q4_0, value ? view.value(index, s) : view.key(index, s), row.data(), kWidth);
+      const std::vector<float>& stored = (value ? values : keys)[static_cast<size_t>(original_position(position))];
+      const std::vector<float> want = turned(stored);
+      for (int b = 0; b < kWidth / 32; ++b) {
+        float absmax = 0;
+        for (int e = b * 32; e < (b + 1) * 32; ++e) absmax = std::max(absmax, std::abs(want[static_cast<size_t>(e)]));
+        // q4_0's step is at most absmax / 7 (GGML's grid, its mirror), and a clipped grid leaves
+        // out at most a fifth of the span: no value is further than that from its code.
+        for (int e = b * 32; e < (b + 1) * 32; ++e) {
+          ASSERT_LE(std::abs(row[static_cast<size_t>(e)] - want[static_cast<size_t>(e)]), 0.25f * absmax + 1e-6f) << e;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(held, window.slots);  // every slot written: the ring has gone round
+  expect_rows_held(32);           // (the full ring's layer)
 }
 
 }  // namespace

@@ -208,6 +208,7 @@ KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const K
       head_dim_(head_dim),
       options_(options),
       type_(options.type),
+      window_type_(type_.keys == KvType::kKivi2 ? KvTypes{KvType::kQ4_0, KvType::kQ4_0} : type_),
       n_keep_(options.n_keep) {
   if (n_layer <= 0 || capacity <= 0 || n_kv_head <= 0 || head_dim <= 0) {
     throw std::invalid_argument("KvCache: every dimension must be positive");
@@ -253,16 +254,16 @@ KvCache::KvCache(int n_layer, int capacity, int n_kv_head, int head_dim, const K
   }
   // The full ring keeps the positions of the sequence even when every layer is windowed.
   full_.allocate(n_full, capacity, key_row_bytes(), value_row_bytes());
-  window_.allocate(n_window, n_window > 0 ? window.slots : 0, key_row_bytes(), value_row_bytes());
+  window_.allocate(n_window, n_window > 0 ? window.slots : 0, kv_bytes_of(window_type_.keys, row_width()),
+                   kv_value_bytes_of(window_type_.values, row_width()));
   window_size_ = n_window > 0 ? window.window : 0;
   if (type_.keys == KvType::kKivi2) {
     // The open groups besides the sinks': those of the residual's tokens (which include the
     // groups a write opens at its ends), one more where they straddle two, and one more where
-    // the ring wraps (a short last group). The window ring's writes wrap around its end: two
-    // more. (Were they all taken, the oldest would be sealed early.)
+    // the ring wraps (a short last group). (Were they all taken, the oldest would be sealed
+    // early.) The window ring holds q4_0 instead (ring_type).
     const int residual_groups = (options.kivi_residual + kKiviGroup - 1) / kKiviGroup;
     full_.allocate_kivi(std::max(n_keep_, 1), row_width(), options.kivi_residual, residual_groups + 2);
-    window_.allocate_kivi(0, row_width(), options.kivi_residual, residual_groups + 4);
   }
 }
 
@@ -493,8 +494,8 @@ KvView KvCache::view(KvRing ring) {
   v.capacity = r.slots;
   v.row_width = row_width();
   v.head_dim = head_dim_;
-  v.key_type = type_.keys;
-  v.value_type = type_.values;
+  v.key_type = ring_type(ring).keys;
+  v.value_type = ring_type(ring).values;
   v.positions = r.used_positions();
   v.cache_id = id();
   v.state = &r.backend_state;

@@ -78,6 +78,12 @@ class KvCache {
   int size() const { return n_sink_ + ring_count_; }  // tokens cached here (not in the prefix)
   int n_keep() const { return n_keep_; }
   KvTypes type() const { return type_; }
+  // The types a ring holds: type(), but for kivi2's window ring, which holds q4_0 on both sides.
+  // KIVI's point is a cache that grows with the context, and the window ring does not grow
+  // (Gemma 3 270M at 8k: 768 slots); there its 2-bit keys lost most of kivi2's perplexity
+  // (fast-turning RoPE pairs span a channel's whole range within a group of 32 tokens) and its
+  // fp16 staging of the residual made half of the ring's bytes (bench/README.md, "KIVI").
+  KvTypes ring_type(KvRing ring) const { return ring == KvRing::kWindow ? window_type_ : type_; }
   const KvCacheOptions& options() const { return options_; }
   // Tokens the next context shift discards: --discard, else half of those after the sinks.
   int shift_size() const;
@@ -185,12 +191,13 @@ class KvCache {
   // Whether a backend keeps state of its own for a ring of this cache (a copy in a device's memory).
   bool has_backend_state() const { return full_.backend_state != nullptr || window_.backend_state != nullptr; }
 
-  // Row `slot` of layer `layer` (a slot of the layer's ring): row_width() keys of type().keys,
-  // or values of type().values.
+  // Row `slot` of layer `layer` (a slot of the layer's ring): row_width() keys of the ring's
+  // type (ring_type), or values.
   void* key(int layer, int slot) { return rows_of(layer).row(place(layer).index, slot, false); }
   void* value(int layer, int slot) { return rows_of(layer).row(place(layer).index, slot, true); }
   const void* key(int layer, int slot) const { return const_cast<KvCache*>(this)->key(layer, slot); }
   const void* value(int layer, int slot) const { return const_cast<KvCache*>(this)->value(layer, slot); }
+  // A row of the full ring's (type()).
   size_t key_row_bytes() const { return kv_bytes_of(type_.keys, row_width()); }
   size_t value_row_bytes() const { return kv_value_bytes_of(type_.values, row_width()); }
   // A slot's keys and values in one layer.
@@ -258,6 +265,7 @@ class KvCache {
   int n_layer_, capacity_, n_kv_head_, head_dim_;
   KvCacheOptions options_;
   KvTypes type_;
+  KvTypes window_type_;  // ring_type(KvRing::kWindow)
   int n_keep_;
   std::vector<LayerPlace> places_;  // [n_layer]
   Rows full_, window_;

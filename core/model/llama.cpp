@@ -287,7 +287,11 @@ const float* LlamaModel::ring_key_scales(KvRing ring) const {
 bool LlamaModel::calibrates_key_scales(std::span<const Rows> rows) const {
   if (key_scales_set_ || !backend_.keeps_key_scales()) return false;
   return std::any_of(rows.begin(), rows.end(),
-                     [&](const Rows& r) { return kv_turns_heads(r.cache->type().keys, hp_.head_dim); });
+                     [&](const Rows& r) {
+                       const KvCache& c = *r.cache;
+                       return kv_turns_heads(c.type().keys, hp_.head_dim) ||
+                              (c.has_window_ring() && kv_turns_heads(c.ring_type(KvRing::kWindow).keys, hp_.head_dim));
+                     });
 }
 
 void LlamaModel::calibrate_key_scales(int layer, const KvCache& cache, int n) {
