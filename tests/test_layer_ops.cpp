@@ -404,6 +404,61 @@ TEST(KeyScales, BalanceEachChannelsKeysAgainstItsGroupsQueries) {
   EXPECT_THROW(calibrate_key_scales(q, k, kRows, KeyScaleShape{3, kKv, kDim}), std::invalid_argument);
 }
 
+// Rows measured before RoPE, each rotary pair carried over the cache's positions, give the
+// scales of the same rows rotated to every one of those positions by the backend's RoPE and
+// measured as they are (the mean of cos², sin² and sin cos over the positions in closed form,
+// against the positions one by one). Both pair layouts, a head whose last channels do not turn,
+// and a pair turning by π per position (where the closed form divides by sin π).
+TEST(KeyScales, PairsCarriedOverThePositionsAreTheRowsRotatedToEachOfThem) {
+  constexpr int kDim = 8, kRot = 6, kKv = 2, kQueryHeads = 4, kRows = 5, kPositions = 37;
+  const std::vector<double> inv_freq = {1.0, M_PI, 0.01};
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(kRows * kQueryHeads * kDim), k(kRows * kKv * kDim);
+  for (float& x : q) x = normal(gen);
+  // Keys with a large channel pair and a correlation between the two channels of pair 2.
+  for (int r = 0; r < kRows; ++r) {
+    for (int e = 0; e < kKv * kDim; ++e) k[static_cast<size_t>(r * kKv * kDim + e)] = normal(gen) * (e % kDim == 1 ? 6.0f : 1.0f);
+  }
+  for (const cpu::RopePairs pairs : {cpu::RopePairs::kAdjacent, cpu::RopePairs::kHalves}) {
+    SCOPED_TRACE(pairs == cpu::RopePairs::kAdjacent ? "adjacent pairs" : "halves");
+    std::vector<float> q_all, k_all;
+    for (int p = 0; p < kPositions; ++p) {
+      std::vector<float> cos(kRot / 2), sin(kRot / 2), cos_x(kRot), sin_x(kRot);
+      for (int i = 0; i < kRot / 2; ++i) {
+        cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(p * inv_freq[static_cast<size_t>(i)]));
+        sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(p * inv_freq[static_cast<size_t>(i)]));
+      }
+      cpu::expand_rope_angles(cos.data(), sin.data(), kRot, pairs, cos_x.data(), sin_x.data());
+      std::vector<float> qp(q), kp(k);
+      cpu::rotate_heads(qp.data(), kRows * kQueryHeads, kDim, kRot, pairs, cos_x.data(), sin_x.data());
+      cpu::rotate_heads(kp.data(), kRows * kKv, kDim, kRot, pairs, cos_x.data(), sin_x.data());
+      q_all.insert(q_all.end(), qp.begin(), qp.end());
+      k_all.insert(k_all.end(), kp.begin(), kp.end());
+    }
+    const KeyScaleShape shape{kQueryHeads, kKv, kDim};
+    const std::vector<float> want = calibrate_key_scales(q_all, k_all, kRows * kPositions, shape);
+    KeyScaleRope rope;
+    rope.inv_freq = inv_freq;
+    rope.n_rot = kRot;
+    rope.adjacent_pairs = pairs == cpu::RopePairs::kAdjacent;
+    rope.n_positions = kPositions;
+    const std::vector<float> got = calibrate_key_scales(q, k, kRows, shape, rope);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t c = 0; c < want.size(); ++c) EXPECT_NEAR(got[c], want[c], 1e-4 * want[c]) << "channel " << c;
+    // Unturned, the rows alone say something else: the carrying over is what the test sees.
+    const std::vector<float> unturned = calibrate_key_scales(q, k, kRows, shape);
+    double most = 0;
+    for (size_t c = 0; c < want.size(); ++c) most = std::max(most, std::abs(unturned[c] / want[c] - 1.0));
+    EXPECT_GT(most, 0.05);
+  }
+  KeyScaleRope odd;
+  odd.inv_freq = inv_freq;
+  odd.n_rot = 5;
+  odd.n_positions = kPositions;
+  EXPECT_THROW(calibrate_key_scales(q, k, kRows, KeyScaleShape{kQueryHeads, kKv, kDim}, odd), std::invalid_argument);
+}
+
 TEST_P(LayerOps, ScaleAddAndAddRowAreElementwise) {
   for (const int64_t rows : {1, 40000}) {  // below and above the size the threads share
     const int64_t width = 3;

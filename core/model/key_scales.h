@@ -10,6 +10,7 @@
 // The StreamingLLM shift multiplies a key back before it rotates it, and divides it again after.
 #pragma once
 
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -26,12 +27,26 @@ inline constexpr int kKeyScaleMinRows = 8;
 // The scales stay within [1 / kKeyScaleLimit, kKeyScaleLimit].
 inline constexpr float kKeyScaleLimit = 16.0f;
 
+// RoPE as the cache's rows will have it. RoPE turns each rotary pair of channels by an angle
+// that grows with the position, so a pair's two channels trade their mean squares along the
+// context: rows measured after RoPE tell the mean squares of the positions they sit at, which for
+// a short first pass (a chat's "hi") are not those of the context the cache will hold. Rows
+// measured before RoPE, each pair's second moments carried over every position [0,
+// n_positions) (the statistics of unrotated rows taken not to depend on the position), tell
+// those of the whole context.
+struct KeyScaleRope {
+  std::span<const double> inv_freq;  // [n_rot / 2]: position p turns pair i by p * inv_freq[i]
+  int n_rot = 0;                     // the rotated channels of a head (0: none, the rows as they are)
+  bool adjacent_pairs = false;       // pairs (2i, 2i + 1), else (i, i + n_rot / 2)
+  int64_t n_positions = 0;           // the positions a cache holds
+};
+
 // The scales (n_head_kv * head_dim) from n rows of queries ([n][n_head][head_dim]) and keys
-// ([n][n_head_kv][head_dim]) as the cache would store them (after RoPE): per key channel the
-// mean square of its keys and of the queries of its group's heads, s = (E[k²] / E[q²])^(1/4),
-// divided per head by the head's geometric mean (its keys keep their overall size) and clamped.
-// A channel with no signal on either side keeps 1.
+// ([n][n_head_kv][head_dim]), before `rope` (or as the cache stores them, rope.n_rot 0): per key
+// channel the mean square of its keys and of the queries of its group's heads over the context,
+// s = (E[k²] / E[q²])^(1/4), divided per head by the head's geometric mean (its keys keep their
+// overall size) and clamped. A channel with no signal on either side keeps 1.
 std::vector<float> calibrate_key_scales(std::span<const float> q, std::span<const float> k, int n,
-                                        const KeyScaleShape& shape);
+                                        const KeyScaleShape& shape, const KeyScaleRope& rope = {});
 
 }  // namespace ringlm

@@ -268,9 +268,9 @@ void LlamaModel::run_layers(std::span<const Rows> rows, int n) {
       backend_.rms_norm(q, static_cast<int64_t>(n) * hp_.n_head, hp_.head_dim, L.q_norm, hp_.rms_eps);
       backend_.rms_norm(k, static_cast<int64_t>(n) * hp_.n_head_kv, hp_.head_dim, L.k_norm, hp_.rms_eps);
     }
+    if (calibrating && n >= kKeyScaleMinRows) calibrate_key_scales(il, *rows[0].cache, n);  // (before RoPE)
     backend_.rope(q, n, hp_.n_head, hp_.head_dim, angles);
     backend_.rope(k, n, hp_.n_head_kv, hp_.head_dim, angles);
-    if (calibrating && n >= kKeyScaleMinRows) calibrate_key_scales(il, *rows[0].cache, n);
     for (size_t i = 0; i < rows.size(); ++i) store_kv(il, i, rows[i]);
     attention(il, rows);
     residual(*L.wo, attn, n, L.o_bias, L.post_attn_norm);
@@ -302,7 +302,12 @@ void LlamaModel::calibrate_key_scales(int layer, const KvCache& cache, int n) {
   backend_.read(s.q->data(), q.data(), q_values);
   backend_.read(s.k->data(), k.data(), k_values);
   const KeyScaleShape shape{hp_.n_head, hp_.n_head_kv, hp_.head_dim};
-  const std::vector<float> scales = ringlm::calibrate_key_scales(q, k, n, shape);
+  KeyScaleRope rope;
+  rope.inv_freq = rope_->inv_freq(layers_[static_cast<size_t>(layer)].rope_set, cache.capacity());
+  rope.n_rot = hp_.n_rot;
+  rope.adjacent_pairs = hp_.rope_style == RopeStyle::kAdjacentPairs;
+  rope.n_positions = cache.capacity();
+  const std::vector<float> scales = ringlm::calibrate_key_scales(q, k, n, shape, rope);
   const KvCache::LayerPlace place = cache.place(layer);
   std::copy(scales.begin(), scales.end(),
             key_scales_[ring_slot(place.ring)].begin() + static_cast<std::ptrdiff_t>(place.index * kv_dim));
