@@ -206,6 +206,7 @@ struct KvView {
   int head_dim = 0;  // (row_width is the KV heads' of this size)
   KvType key_type = KvType::kF32;
   KvType value_type = KvType::kF32;
+  KvTypes cache_types;  // what the cache was asked for (--cache-type): a ring may hold others (kivi2's window ring)
   std::span<const int64_t> positions;
   uint64_t cache_id = 0;  // the viewed cache's KvCache::id(): what names a prefix (its rows' address may be reused)
   const KvView* prefix = nullptr;

@@ -680,6 +680,11 @@ TEST(DeviceCli, QuantizedCacheOnADeviceIsAClearError) {
   const Output mixed = run_ringlm(run_args("opencl", "-ctk f16 -ctv f32"));
   EXPECT_TRUE(test::exited_with_error(mixed));
   EXPECT_THAT(mixed.err, HasSubstr("--cache-type f16/f32"));
+  // kivi2 on Gemma 3, whose sliding-window layers (the first to store) hold q4_0: named as asked.
+  const Output kivi = run_ringlm("run -m " + std::string(RINGLM_GEMMA3_MODEL) + " -t 1 -n 2 -p hi --cache-type kivi2 --device opencl --plugin-dir " + plugin_dir());
+  EXPECT_TRUE(test::exited_with_error(kivi));
+  EXPECT_THAT(kivi.err, HasSubstr("--cache-type kivi2 is not supported"));
+  EXPECT_EQ(kivi.out, "");
 }
 
 TEST(DeviceCli, MalformedDeviceIsAClearError) {

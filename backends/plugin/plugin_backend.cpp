@@ -472,7 +472,7 @@ class PluginBackend final : public Backend {
   void refuse_quantized_cache(const KvView& kv) const {
     const bool plain = kv.key_type == KvType::kF16 || kv.key_type == KvType::kF32;
     if (!plain || kv.key_type != kv.value_type) {
-      throw std::runtime_error("--cache-type " + kv_types_name(kv.types()) + " is not supported on the plugin device " + name_ +
+      throw std::runtime_error("--cache-type " + kv_types_name(kv.cache_types) + " is not supported on the plugin device " + name_ +
                                ": a device's KV cache is f16 or f32, keys and values alike (use --cache-type f16, or run "
                                "on the CPU)");
     }

@@ -496,6 +496,7 @@ KvView KvCache::view(KvRing ring) {
   v.head_dim = head_dim_;
   v.key_type = ring_type(ring).keys;
   v.value_type = ring_type(ring).values;
+  v.cache_types = type_;
   v.positions = r.used_positions();
   v.cache_id = id();
   v.state = &r.backend_state;
