@@ -20,11 +20,11 @@ struct TurnMeans {
 };
 TurnMeans turn_means(double theta, int64_t n) {
   double c = 0, s = 0;  // Σ cos(2pθ), Σ sin(2pθ)
-  if (std::abs(std::sin(theta)) > 1e-6) {
+  if (std::abs(std::sin(theta)) > 1e-12) {  // (for a slow pair too: sin(nθ) / sin(θ) keeps its digits)
     const double ratio = std::sin(static_cast<double>(n) * theta) / std::sin(theta);
     c = std::cos(static_cast<double>(n - 1) * theta) * ratio;
     s = std::sin(static_cast<double>(n - 1) * theta) * ratio;
-  } else {  // θ near a multiple of π: the sum term by term
+  } else {  // θ a multiple of π, or near enough: the sum term by term
     for (int64_t p = 0; p < n; ++p) c += std::cos(2.0 * p * theta), s += std::sin(2.0 * p * theta);
   }
   const double m = static_cast<double>(n);
